@@ -1,0 +1,121 @@
+"""The storage backend contract: everything a tier (ours or a third party's) implements.
+
+A backend stores chunks (a key and a CPU tensor) and nothing else: no knowledge of
+vLLM, tokens or tiers. Methods are synchronous and must be thread-safe; the engine
+calls slower tiers from background threads so they never block vLLM's forward pass.
+
+Failure rule: storage is a cache. A backend may raise on any failure; the engine
+turns every exception from a backend into a miss (counted in its stats) and vLLM
+recomputes. ``get`` must never fill ``out`` with data that does not belong to ``key``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from .keys import ChunkKey
+
+if TYPE_CHECKING:
+    from .config import CoreConfig
+    from .memory import MemoryBuffer, MemoryPool
+    from .serde import Codec
+
+
+# Optional capabilities a backend declares in ``capabilities`` (never probed).
+ZERO_COPY = "zero_copy"  # get_buffer()/put_buffer(): chunks live in the shared memory pool
+PINNING = "pinning"  # pin()/unpin(): pinned chunks are never evicted
+PERSISTENT = "persistent"  # survives restarts
+SHARED = "shared"  # visible to other processes or machines
+
+
+class BackendError(Exception):
+    """A backend failed in a way its caller should treat as a miss."""
+
+
+@dataclass
+class BackendStats:
+    name: str
+    chunks: int = 0
+    bytes_used: int = 0
+    bytes_capacity: int | None = None
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_bytes: int = 0
+    get_bytes: int = 0
+    evictions: int = 0
+    errors: int = 0
+    skipped: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BackendContext:
+    """What a backend factory gets besides its own config section."""
+
+    key_path: str
+    source: str
+    config: "CoreConfig"
+    pool: "MemoryPool"
+    codec: "Codec"
+    codecs: Mapping[str, "Codec"]
+
+
+class StorageBackend(abc.ABC):
+    """One storage tier. See the module docstring for the contract."""
+
+    name: str = "unnamed"
+    capabilities: frozenset[str] = frozenset()
+
+    @abc.abstractmethod
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, are present (a prefix hit count).
+        Batched: a remote backend must not pay one round trip per key."""
+
+    @abc.abstractmethod
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        """Store a copy of ``data`` (a contiguous CPU tensor). False if skipped
+        (full, too large, read-only); storing an existing key is a no-op."""
+
+    @abc.abstractmethod
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        """Fill ``out`` (dtype and shape as stored) with the chunk. False on a miss,
+        including corrupt or mismatched data; ``out`` may then hold anything."""
+
+    @abc.abstractmethod
+    def remove(self, key: ChunkKey) -> bool:
+        """Drop a chunk; False if it was not there."""
+
+    @abc.abstractmethod
+    def stats(self) -> BackendStats:
+        """A snapshot of counters and sizes."""
+
+    def close(self) -> None:
+        """Release resources (threads, sockets, files). Idempotent."""
+
+    # -- optional: ZERO_COPY ------------------------------------------------------
+    def get_buffer(self, key: ChunkKey) -> "MemoryBuffer | None":
+        """The pool buffer holding ``key`` with one reference taken for the caller."""
+        raise NotImplementedError
+
+    def put_buffer(self, key: ChunkKey, buf: "MemoryBuffer") -> bool:
+        """Adopt a pool buffer (takes its own reference) instead of copying."""
+        raise NotImplementedError
+
+    def evict_for(self, nbytes: int) -> int:
+        """Evict unpinned chunks until ``nbytes`` could be allocated; bytes freed."""
+        raise NotImplementedError
+
+    # -- optional: PINNING --------------------------------------------------------
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        raise NotImplementedError
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        raise NotImplementedError
+
+
+BackendFactory = Callable[[Mapping[str, Any], BackendContext], StorageBackend]

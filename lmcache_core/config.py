@@ -1,0 +1,235 @@
+"""Typed configuration: YAML file, then ``LMCACHE_CORE_<KEY>`` environment overrides,
+then programmatic overrides. With no file at all the embedded default applies (the CPU
+tier only).
+
+Every error names the key path and where the value came from (file, env var,
+override), because a config that silently falls back to a default serves the wrong
+cache or none at all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, TypeVar
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "LMCACHE_CORE_"
+ENV_CONFIG_PATH = "LMCACHE_CORE_CONFIG"
+ENV_BLOCK_PLUGINS = "LMCACHE_CORE_BLOCK_PLUGINS"
+_RESERVED_ENV = {ENV_CONFIG_PATH, ENV_BLOCK_PLUGINS}
+
+DEFAULT_YAML = """\
+# Embedded default: used when no config file is given.
+chunk_size: 256
+serde: raw
+backends:
+  - name: local_cpu
+    max_size: 1GiB
+"""
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message names the key path and its source."""
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Parse ``1024``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` into bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like 512MiB or 2GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(
+        f"expected a size like 512MiB or 2GiB (units: B, KiB, MiB, GiB, TiB, KB, MB, GB), got {value!r}"
+    )
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendSection(BaseModel):
+    """One entry of ``backends:``. Only ``name`` is checked here; the backend's own
+    factory validates the rest (see :func:`validate_section`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class CoreConfig(StrictModel):
+    chunk_size: int = Field(256, gt=0, description="tokens per chunk; a multiple of the engine's block size")
+    serde: str = Field("raw", description="codec for serialized tiers: raw, lz4, or a plugin codec")
+    backends: list[BackendSection] = Field(
+        default_factory=lambda: [BackendSection(name="local_cpu", max_size="1GiB")],
+        min_length=1,
+        description="ordered tiers, fastest first",
+    )
+    save_unfull_chunk: bool = Field(False, description="also save the last, partial chunk of a prompt")
+    save_decode_cache: bool = Field(False, description="also save KV produced during decode")
+    priority_limit: int | None = Field(
+        None, description="requests whose priority value is above this are not saved"
+    )
+    tenant_salt: str | None = Field(None, description="mixed into every key: tenants never share KV")
+    layout: Literal["auto", "block", "token"] = Field(
+        "auto", description="layout adapter: block (any backend, required on CPU), token (GPU layouts)"
+    )
+    lookup_timeout_ms: int = Field(
+        2000, gt=0, description="scheduler-to-worker lookup timeout; past it the lookup is a miss"
+    )
+    write_queue_size: int = Field(
+        256, gt=0, description="chunks queued per slower tier before new writes to it are dropped"
+    )
+    staging_size: ByteSize = Field(
+        256 * 2**20, description="memory pool size used when no local_cpu tier is configured"
+    )
+
+
+@dataclass
+class LoadedConfig:
+    """The validated config plus where each top-level key came from."""
+
+    config: CoreConfig
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def source_of(self, key: str) -> str:
+        return self.sources.get(key.split(".")[0].split("[")[0], "default")
+
+
+def _loc_to_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def format_validation_error(err: ValidationError, prefix: str, source_of: Any) -> str:
+    lines = []
+    for e in err.errors():
+        path = _loc_to_path(tuple(e["loc"]))
+        full = f"{prefix}.{path}" if prefix and path else (prefix or path)
+        src = source_of(full) if callable(source_of) else source_of
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{full or '<root>'}: {msg} (from {src})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate_section(model: type[M], data: Mapping[str, Any], key_path: str, source: str) -> M:
+    """Validate one config section against ``model``; errors name ``key_path`` and
+    ``source``. Backends call this on their ``backends:`` entry."""
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, key_path, source)) from None
+
+
+def _read_yaml(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    fields = CoreConfig.model_fields
+    out: dict[str, tuple[Any, str]] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name in _RESERVED_ENV:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in fields:
+            raise ConfigError(
+                f"{name}: unknown setting {key!r}; known: "
+                + ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
+            )
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{name}: value is not valid YAML: {err}") from None
+        out[key] = (value, f"env var {name}")
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    overrides_source: str = "programmatic override",
+) -> LoadedConfig:
+    """Load the config: file (``path`` or ``$LMCACHE_CORE_CONFIG``, else the embedded
+    default), then ``LMCACHE_CORE_<KEY>`` env vars, then ``overrides``."""
+    env = os.environ if env is None else env
+    if path is None and env.get(ENV_CONFIG_PATH):
+        path = env[ENV_CONFIG_PATH]
+        file_src = f"{Path(path)} (from env var {ENV_CONFIG_PATH})"
+    else:
+        file_src = str(path) if path is not None else "embedded default"
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {p}: {err.strerror or err}") from None
+        data = _read_yaml(text, str(p))
+    else:
+        data = _read_yaml(DEFAULT_YAML, "embedded default")
+    sources = {k: file_src for k in data}
+    for key, (value, src) in _env_overrides(env).items():
+        data[key] = value
+        sources[key] = src
+    for key, value in (overrides or {}).items():
+        data[key] = value
+        sources[key] = overrides_source
+    try:
+        cfg = CoreConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(
+            format_validation_error(err, "", lambda p: sources.get(p.split(".")[0].split("[")[0], file_src))
+        ) from None
+    return LoadedConfig(cfg, sources)

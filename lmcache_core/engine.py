@@ -1,0 +1,418 @@
+"""Tier orchestration: :class:`CacheEngine`.
+
+``backends:`` is an ordered list of tiers, fastest first. Lookup returns the longest
+contiguous prefix present in any tier; retrieve reads each chunk from the fastest
+tier holding it and promotes it upward; store writes the first tier synchronously
+and slower tiers in the background (write-through, bounded queues: a slow tier drops
+writes rather than blocking the caller). Any backend exception is a miss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from . import metrics as m
+from .backend import PINNING, ZERO_COPY, BackendContext, StorageBackend
+from .config import CoreConfig, LoadedConfig, load_config, parse_size
+from .local_cpu import LocalCpuConfig
+from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
+from .memory import MemoryBuffer, MemoryPool
+from .plugins import PluginManager, get_plugin_manager
+
+log = logging.getLogger(__name__)
+
+ChunkData = torch.Tensor | MemoryBuffer
+
+
+class _TierWriter:
+    """Background write-through for one slower tier."""
+
+    def __init__(self, tier: StorageBackend, maxsize: int, counters: m.EngineCounters) -> None:
+        self.tier = tier
+        self.counters = counters
+        self.q: queue.Queue[tuple[ChunkKey, MemoryBuffer] | None] = queue.Queue(maxsize=maxsize)
+        self._pending = 0
+        self._cv = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name=f"lmcache-write-{tier.name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, key: ChunkKey, buf: MemoryBuffer) -> bool:
+        buf.retain()
+        with self._cv:
+            self._pending += 1
+        try:
+            self.q.put_nowait((key, buf))
+            return True
+        except queue.Full:
+            buf.release()
+            self._done()
+            self.counters.add(dropped_writes=1)
+            m.TIER_DROPPED.labels(self.tier.name).inc()
+            return False
+
+    def _done(self) -> None:
+        with self._cv:
+            self._pending -= 1
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            key, buf = item
+            t0 = time.perf_counter()
+            try:
+                ok = self.tier.put(key, buf.tensor)
+                if ok:
+                    m.TIER_BYTES.labels(self.tier.name, "put").inc(buf.nbytes)
+                else:
+                    m.TIER_DROPPED.labels(self.tier.name).inc()
+            except Exception as err:
+                log.warning("tier %s: background put failed: %s", self.tier.name, err)
+                self.counters.error(self.tier.name)
+                m.TIER_ERRORS.labels(self.tier.name, "put").inc()
+            finally:
+                m.TIER_LATENCY.labels(self.tier.name, "put").observe(time.perf_counter() - t0)
+                buf.release()
+                self._done()
+
+    def flush(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=10)
+
+
+def _pool_size(cfg: CoreConfig) -> int:
+    """The pool holds the CPU tier(s); without one, ``staging_size`` for transfers.
+    Sizes that do not parse are reported by the tier's own validation."""
+    total = 0
+    for b in cfg.backends:
+        if b.name == "local_cpu":
+            try:
+                total += parse_size(b.options().get("max_size", LocalCpuConfig().max_size))
+            except ValueError:
+                pass
+    return total or cfg.staging_size
+
+
+class CacheEngine:
+    """Stores and retrieves KV chunks by token ids across the configured tiers."""
+
+    def __init__(
+        self,
+        config: CoreConfig | LoadedConfig | None = None,
+        *,
+        namespace: KeyNamespace,
+        plugins: PluginManager | None = None,
+    ) -> None:
+        loaded = config if isinstance(config, LoadedConfig) else (
+            LoadedConfig(config) if config is not None else load_config()
+        )
+        self.loaded = loaded
+        self.config = cfg = loaded.config
+        if cfg.tenant_salt is not None:
+            namespace = dataclasses.replace(namespace, salt=cfg.tenant_salt)
+        self.namespace = namespace
+        self._ns_id = namespace.id
+        self.plugins = plugins or get_plugin_manager()
+        self.codecs = self.plugins.codec_map()
+        self.codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
+        self.pool = MemoryPool(max(_pool_size(cfg), 1 << 20))
+        self.counters = m.EngineCounters()
+        self.tiers: list[StorageBackend] = []
+        try:
+            for i, section in enumerate(cfg.backends):
+                ctx = BackendContext(
+                    key_path=f"backends[{i}]",
+                    source=loaded.source_of("backends"),
+                    config=cfg,
+                    pool=self.pool,
+                    codec=self.codec,
+                    codecs=self.codecs,
+                )
+                self.tiers.append(self.plugins.create_backend(section, ctx))
+        except BaseException:
+            for t in self.tiers:
+                t.close()
+            raise
+        self._writers = [_TierWriter(t, cfg.write_queue_size, self.counters) for t in self.tiers[1:]]
+        self._pins: dict[str, list[ChunkKey]] = {}
+        self._pin_lock = threading.Lock()
+        self._closed = False
+
+    # -- keys -------------------------------------------------------------------------
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    def hashes(
+        self,
+        tokens: TokenIds,
+        *,
+        tags: Mapping[str, str] | None = None,
+        extras: Mapping[int, bytes] | None = None,
+        include_partial: bool | None = None,
+    ) -> list[bytes]:
+        partial = self.config.save_unfull_chunk if include_partial is None else include_partial
+        return chunk_hashes(tokens, self.chunk_size, seed=chain_seed(tags), extras=extras, include_partial=partial)
+
+    def keys(self, hashes: Sequence[bytes]) -> list[ChunkKey]:
+        ns = self._ns_id
+        return [ChunkKey(ns, h) for h in hashes]
+
+    def _chunk_tokens(self, n_tokens: int, n_chunks: int, start_chunk: int = 0) -> int:
+        cs = self.chunk_size
+        return max(0, min(n_tokens, (start_chunk + n_chunks) * cs) - start_chunk * cs)
+
+    # -- lookup -----------------------------------------------------------------------
+    def lookup(
+        self,
+        tokens: TokenIds,
+        *,
+        tags: Mapping[str, str] | None = None,
+        extras: Mapping[int, bytes] | None = None,
+        pin_id: str | None = None,
+    ) -> int:
+        """Number of leading tokens of ``tokens`` whose KV is cached in some tier."""
+        hashes = self.hashes(tokens, tags=tags, extras=extras)
+        n = self.lookup_hashes(hashes, pin_id=pin_id)
+        return self._chunk_tokens(len(tokens), n)
+
+    def lookup_hashes(self, hashes: Sequence[bytes], *, pin_id: str | None = None) -> int:
+        """Number of leading chunks present; with ``pin_id`` the hits in pinning tiers
+        are pinned until :meth:`unpin` (so they are not evicted before the load)."""
+        keys = self.keys(hashes)
+        pos = 0
+        while pos < len(keys):
+            advanced = False
+            for tier in self.tiers:
+                try:
+                    n = tier.contains(keys[pos:])
+                except Exception as err:
+                    self._tier_error(tier, "contains", err)
+                    continue
+                if n > 0:
+                    if pin_id is not None and PINNING in tier.capabilities:
+                        self._pin(tier, pin_id, keys[pos : pos + n])
+                    pos += n
+                    advanced = True
+                    break
+            if not advanced:
+                break
+        self.counters.add(lookups=1, lookup_tokens=len(keys) * self.chunk_size, hit_tokens=pos * self.chunk_size)
+        m.LOOKUPS.labels("engine").inc()
+        return pos
+
+    def _pin(self, tier: StorageBackend, pin_id: str, keys: list[ChunkKey]) -> None:
+        try:
+            tier.pin(keys)
+        except Exception as err:
+            self._tier_error(tier, "pin", err)
+            return
+        with self._pin_lock:
+            self._pins.setdefault(pin_id, []).extend(keys)
+
+    def unpin(self, pin_id: str) -> None:
+        with self._pin_lock:
+            keys = self._pins.pop(pin_id, None)
+        if keys:
+            for tier in self.tiers:
+                if PINNING in tier.capabilities:
+                    try:
+                        tier.unpin(keys)
+                    except Exception as err:
+                        self._tier_error(tier, "unpin", err)
+
+    # -- memory -----------------------------------------------------------------------
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
+        """A pool buffer for a chunk (evicting from the CPU tier if needed)."""
+        buf = self.pool.allocate(shape, dtype)
+        if buf is None and self.tiers and ZERO_COPY in self.tiers[0].capabilities:
+            tier = self.tiers[0]
+            while buf is None and tier.evict_for(1):
+                buf = self.pool.allocate(shape, dtype)
+        return buf
+
+    # -- store ------------------------------------------------------------------------
+    def store(
+        self,
+        tokens: TokenIds,
+        chunks: Sequence[ChunkData],
+        *,
+        start_chunk: int = 0,
+        tags: Mapping[str, str] | None = None,
+        extras: Mapping[int, bytes] | None = None,
+    ) -> int:
+        """Store ``chunks[i]`` as chunk ``start_chunk + i`` of ``tokens``."""
+        hashes = self.hashes(tokens, tags=tags, extras=extras)[start_chunk : start_chunk + len(chunks)]
+        if len(hashes) < len(chunks):
+            raise ValueError(f"{len(chunks)} chunks given but tokens hold only {len(hashes)} from chunk {start_chunk}")
+        return self.store_hashes(hashes, chunks, n_tokens=self._chunk_tokens(len(tokens), len(chunks), start_chunk))
+
+    def store_hashes(self, hashes: Sequence[bytes], chunks: Sequence[ChunkData], *, n_tokens: int | None = None) -> int:
+        """Store chunks by prefix hash; returns how many reached the first tier."""
+        if not self.tiers:
+            return 0
+        stored = 0
+        tier0 = self.tiers[0]
+        for key, data in zip(self.keys(hashes), chunks):
+            buf = data if isinstance(data, MemoryBuffer) else None
+            t0 = time.perf_counter()
+            try:
+                if buf is not None and ZERO_COPY in tier0.capabilities:
+                    ok = tier0.put_buffer(key, buf)
+                else:
+                    ok = tier0.put(key, buf.tensor if buf is not None else data)
+            except Exception as err:
+                self._tier_error(tier0, "put", err)
+                ok = False
+            m.TIER_LATENCY.labels(tier0.name, "put").observe(time.perf_counter() - t0)
+            if ok:
+                stored += 1
+                nbytes = (buf.tensor if buf is not None else data).nbytes
+                m.TIER_BYTES.labels(tier0.name, "put").inc(nbytes)
+            if self._writers:
+                self._write_behind(key, data)
+        toks = n_tokens if n_tokens is not None else stored * self.chunk_size
+        self.counters.add(stored_chunks=stored, stored_tokens=toks if stored == len(hashes) else stored * self.chunk_size)
+        m.STORED_TOKENS.inc(stored * self.chunk_size)
+        return stored
+
+    def _write_behind(self, key: ChunkKey, data: ChunkData, upto: int | None = None) -> None:
+        """Queue ``data`` for the slower tiers (all, or those above tier ``upto``)."""
+        if isinstance(data, MemoryBuffer):
+            buf = data.retain()
+        else:
+            buf = self.allocate(tuple(data.shape), data.dtype)
+            if buf is None:
+                self.counters.add(dropped_writes=len(self._writers))
+                return
+            buf.tensor.copy_(data)
+        try:
+            for i, w in enumerate(self._writers, start=1):
+                if upto is None or i < upto:
+                    w.submit(key, buf)
+        finally:
+            buf.release()
+
+    # -- retrieve ---------------------------------------------------------------------
+    def retrieve(
+        self,
+        tokens: TokenIds,
+        outs: Sequence[torch.Tensor],
+        *,
+        start_chunk: int = 0,
+        tags: Mapping[str, str] | None = None,
+        extras: Mapping[int, bytes] | None = None,
+    ) -> int:
+        """Fill ``outs[i]`` with chunk ``start_chunk + i``; returns how many leading
+        chunks were retrieved (the rest must be recomputed)."""
+        hashes = self.hashes(tokens, tags=tags, extras=extras, include_partial=True)
+        return self.retrieve_hashes(hashes[start_chunk : start_chunk + len(outs)], outs)
+
+    def retrieve_hashes(self, hashes: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
+        n = 0
+        for key, out in zip(self.keys(hashes), outs):
+            if not self._retrieve_one(key, out):
+                break
+            n += 1
+        self.counters.add(retrieved_chunks=n)
+        if n < min(len(hashes), len(outs)):
+            self.counters.add(load_errors=1)
+        return n
+
+    def _retrieve_one(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        for level, tier in enumerate(self.tiers):
+            t0 = time.perf_counter()
+            try:
+                if ZERO_COPY in tier.capabilities:
+                    buf = tier.get_buffer(key)
+                    ok = buf is not None
+                    if buf is not None:
+                        try:
+                            if buf.tensor.dtype != out.dtype or buf.tensor.shape != out.shape:
+                                raise ValueError(
+                                    f"stored chunk is {buf.tensor.dtype}{list(buf.tensor.shape)}, "
+                                    f"expected {out.dtype}{list(out.shape)}"
+                                )
+                            out.copy_(buf.tensor)
+                        finally:
+                            buf.release()
+                else:
+                    ok = tier.get(key, out)
+            except Exception as err:
+                self._tier_error(tier, "get", err)
+                ok = False
+            m.TIER_LATENCY.labels(tier.name, "get").observe(time.perf_counter() - t0)
+            if ok:
+                m.TIER_BYTES.labels(tier.name, "get").inc(out.nbytes)
+                if level > 0:
+                    self._promote(key, out, level)
+                return True
+        return False
+
+    def _promote(self, key: ChunkKey, data: torch.Tensor, level: int) -> None:
+        tier0 = self.tiers[0]
+        try:
+            tier0.put(key, data)
+        except Exception as err:
+            self._tier_error(tier0, "put", err)
+        if level > 1:
+            self._write_behind(key, data, upto=level)
+
+    # -- housekeeping -----------------------------------------------------------------
+    def _tier_error(self, tier: StorageBackend, op: str, err: BaseException) -> None:
+        log.warning("tier %s: %s failed, treated as a miss: %s: %s", tier.name, op, type(err).__name__, err)
+        self.counters.error(tier.name)
+        m.TIER_ERRORS.labels(tier.name, op).inc()
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until background writes are done; False on timeout."""
+        return all(w.flush(timeout) for w in self._writers)
+
+    def stats(self) -> dict[str, object]:
+        out: dict[str, object] = dict(self.counters.snapshot())
+        tiers = []
+        for t in self.tiers:
+            try:
+                tiers.append(dataclasses.asdict(t.stats()))
+            except Exception as err:
+                tiers.append({"name": t.name, "error": str(err)})
+        out["tiers"] = tiers
+        out["pool"] = {"capacity": self.pool.capacity, "used": self.pool.used}
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._writers:
+            w.stop()
+        for t in self.tiers:
+            try:
+                t.close()
+            except Exception as err:
+                log.warning("tier %s: close failed: %s", t.name, err)
+
+    def __enter__(self) -> "CacheEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,170 @@
+"""Chunk keys: a chained prefix hash over token ids, plus a namespace.
+
+Chunk i's hash is ``H(hash_{i-1} || len || token_ids_i || extra_i)``, so a key names a
+chunk *and* everything before it. ``H`` is keyed BLAKE2b with a 128-bit digest: the
+same bytes give the same key in every process and on every machine (never Python's
+``hash()``, which changes with PYTHONHASHSEED).
+
+The namespace (model, KV layout fingerprint, TP rank and world size, dtype, tenant
+salt) makes incompatible caches miss instead of colliding. The chain itself is seeded
+per request (tags), so the scheduler can hash once and the worker combines the hashes
+with its own namespace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from array import array
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+HASH_BYTES = 16
+KEY_FORMAT_VERSION = 1
+_HASH_KEY = b"lmcache-core/chunk-key/v1"
+_LEN = struct.Struct("<II")
+
+TokenIds = Sequence[int] | np.ndarray | array
+
+
+def _h(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=HASH_BYTES, key=_HASH_KEY).digest()
+
+
+def chain_seed(tags: Mapping[str, str] | None = None) -> bytes:
+    """The hash every chain starts from. Tags (per-request ``lmcache.tag.<name>``)
+    change the seed, so differently tagged requests never share chunks."""
+    if not tags:
+        return _h(b"seed")
+    canon = json.dumps(sorted((str(k), str(v)) for k, v in tags.items()), separators=(",", ":"))
+    return _h(b"seed/tags:" + canon.encode())
+
+
+def as_token_array(tokens: TokenIds) -> np.ndarray:
+    """Token ids as a contiguous little-endian uint32 array (a view where possible)."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, array):
+        arr = np.frombuffer(tokens, dtype=np.dtype(tokens.typecode))
+    else:
+        arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def chunk_hashes(
+    tokens: TokenIds,
+    chunk_size: int,
+    *,
+    seed: bytes | None = None,
+    extras: Mapping[int, bytes] | None = None,
+    include_partial: bool = False,
+    start: bytes | None = None,
+    first_chunk: int = 0,
+) -> list[bytes]:
+    """Prefix hashes of the chunks of ``tokens``.
+
+    ``extras[i]`` is mixed into chunk i (multimodal content hashes: two images behind
+    the same placeholder tokens get different keys). A trailing partial chunk is
+    hashed only with ``include_partial``. ``start``/``first_chunk`` resume a chain
+    (the hash of chunk ``first_chunk - 1``) so long prompts are hashed incrementally.
+    """
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    arr = as_token_array(tokens)
+    buf = arr.tobytes()
+    n = arr.size
+    prev = start if start is not None else (seed if seed is not None else chain_seed())
+    out: list[bytes] = []
+    width = chunk_size * 4
+    i = first_chunk
+    while True:
+        lo = i * chunk_size
+        if lo >= n:
+            break
+        hi = min(lo + chunk_size, n)
+        if hi - lo < chunk_size and not include_partial:
+            break
+        extra = extras.get(i, b"") if extras else b""
+        h = hashlib.blake2b(prev, digest_size=HASH_BYTES, key=_HASH_KEY)
+        h.update(_LEN.pack(hi - lo, len(extra)))
+        h.update(buf[lo * 4 : lo * 4 + width] if hi - lo == chunk_size else buf[lo * 4 : hi * 4])
+        if extra:
+            h.update(extra)
+        prev = h.digest()
+        out.append(prev)
+        i += 1
+    return out
+
+
+@dataclass(frozen=True)
+class KeyNamespace:
+    """What must match for two caches to share KV. Its ``id`` goes into every key."""
+
+    model: str
+    layout: str = "unspecified"
+    dtype: str = "unspecified"
+    world_size: int = 1
+    rank: int = 0
+    salt: str | None = None
+
+    def canonical(self) -> str:
+        return json.dumps(
+            {
+                "v": KEY_FORMAT_VERSION,
+                "model": self.model,
+                "layout": self.layout,
+                "dtype": self.dtype,
+                "world_size": self.world_size,
+                "rank": self.rank,
+                "salt": self.salt,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    @property
+    def id(self) -> bytes:
+        return _h(b"ns:" + self.canonical().encode())
+
+    def key(self, chunk_hash: bytes) -> "ChunkKey":
+        return ChunkKey(self.id, chunk_hash)
+
+    def keys(self, hashes: Iterable[bytes]) -> list["ChunkKey"]:
+        ns = self.id
+        return [ChunkKey(ns, h) for h in hashes]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """A chunk's identity: namespace id + prefix hash. ``str(key)`` is the one
+    canonical string form (file and object names); :meth:`parse` inverts it."""
+
+    namespace: bytes
+    chunk_hash: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != HASH_BYTES or len(self.chunk_hash) != HASH_BYTES:
+            raise ValueError("namespace and chunk_hash must be 16 bytes each")
+
+    def to_str(self) -> str:
+        return f"v{KEY_FORMAT_VERSION}-{self.namespace.hex()}-{self.chunk_hash.hex()}"
+
+    __str__ = to_str
+
+    @classmethod
+    def parse(cls, text: str) -> "ChunkKey":
+        parts = text.split("-")
+        if len(parts) != 3 or parts[0] != f"v{KEY_FORMAT_VERSION}":
+            raise ValueError(f"not a chunk key: {text!r}")
+        try:
+            ns, ch = bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
+        except ValueError:
+            raise ValueError(f"not a chunk key: {text!r}") from None
+        if len(ns) != HASH_BYTES or len(ch) != HASH_BYTES or parts[1] != ns.hex() or parts[2] != ch.hex():
+            raise ValueError(f"not a chunk key: {text!r}")
+        return cls(ns, ch)

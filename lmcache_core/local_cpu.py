@@ -1,0 +1,186 @@
+"""The CPU tier (``local_cpu``): chunks live in the engine's memory pool, LRU eviction
+within a byte budget, and a chunk pinned by an in-flight load is never evicted."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageBackend
+from .config import ByteSize, StrictModel, validate_section
+from .keys import ChunkKey
+from .memory import MemoryBuffer, MemoryPool
+
+
+class LocalCpuConfig(StrictModel):
+    max_size: ByteSize = 1 << 30
+
+
+class _Entry:
+    __slots__ = ("buf", "pins")
+
+    def __init__(self, buf: MemoryBuffer) -> None:
+        self.buf = buf
+        self.pins = 0
+
+
+class LocalCpuBackend(StorageBackend):
+    name = "local_cpu"
+    capabilities = frozenset({ZERO_COPY, PINNING})
+
+    def __init__(self, pool: MemoryPool, max_size: int) -> None:
+        self.pool = pool
+        self.max_size = min(max_size, pool.capacity)
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._s = BackendStats(self.name, bytes_capacity=self.max_size)
+
+    # -- contract -------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k not in self._entries:
+                    break
+                n += 1
+        return n
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+        buf = self.allocate(tuple(data.shape), data.dtype)
+        if buf is None:
+            self._s.skipped += 1
+            return False
+        try:
+            buf.tensor.copy_(data)
+            return self.put_buffer(key, buf)
+        finally:
+            buf.release()
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        buf = self.get_buffer(key)
+        if buf is None:
+            return False
+        try:
+            if buf.tensor.dtype != out.dtype or buf.tensor.shape != out.shape:
+                self._s.errors += 1
+                return False
+            out.copy_(buf.tensor)
+            return True
+        finally:
+            buf.release()
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self._bytes -= entry.buf.size
+        entry.buf.release()
+        return True
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s.chunks = len(self._entries)
+            s.bytes_used = self._bytes
+            s.extra["pinned"] = sum(1 for e in self._entries.values() if e.pins)
+        return s
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._bytes = 0
+        for e in entries:
+            e.buf.release()
+
+    # -- zero copy ------------------------------------------------------------------
+    def get_buffer(self, key: ChunkKey) -> MemoryBuffer | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._s.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._s.hits += 1
+            self._s.get_bytes += entry.buf.nbytes
+            return entry.buf.retain()
+
+    def put_buffer(self, key: ChunkKey, buf: MemoryBuffer) -> bool:
+        if buf.pool is not self.pool:
+            return self.put(key, buf.tensor)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+            if buf.size > self.max_size:
+                self._s.skipped += 1
+                return False
+            self._evict_locked(self._bytes + buf.size - self.max_size)
+            if self._bytes + buf.size > self.max_size:
+                self._s.skipped += 1
+                return False
+            self._entries[key] = _Entry(buf.retain())
+            self._bytes += buf.size
+            self._s.puts += 1
+            self._s.put_bytes += buf.nbytes
+        return True
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> MemoryBuffer | None:
+        """A pool buffer, evicting unpinned LRU chunks when the pool is full."""
+        buf = self.pool.allocate(shape, dtype)
+        while buf is None:
+            if not self.evict_for(1):
+                return None
+            buf = self.pool.allocate(shape, dtype)
+        return buf
+
+    def evict_for(self, nbytes: int) -> int:
+        with self._lock:
+            return self._evict_locked(nbytes)
+
+    def _evict_locked(self, nbytes: int) -> int:
+        freed = 0
+        if nbytes <= 0:
+            return 0
+        victims = []
+        for key, entry in self._entries.items():
+            if freed >= nbytes:
+                break
+            if entry.pins == 0:
+                victims.append(key)
+                freed += entry.buf.size
+        for key in victims:
+            entry = self._entries.pop(key)
+            self._bytes -= entry.buf.size
+            self._s.evictions += 1
+            entry.buf.release()
+        return freed
+
+    # -- pinning --------------------------------------------------------------------
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None:
+                    e.pins += 1
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None and e.pins > 0:
+                    e.pins -= 1
+
+
+def create_local_cpu(section: Mapping[str, Any], ctx: BackendContext) -> LocalCpuBackend:
+    cfg = validate_section(LocalCpuConfig, section, ctx.key_path, ctx.source)
+    return LocalCpuBackend(ctx.pool, cfg.max_size)

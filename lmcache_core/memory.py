@@ -1,0 +1,117 @@
+"""One preallocated pool of host memory handing out reference-counted buffers.
+
+No per-chunk allocation on the hot path: every chunk buffer is a view into one
+tensor allocated at start-up (pinned when CUDA is present, so GPU copies can be
+asynchronous). A buffer goes back to the pool when its last reference is released,
+so a tier can drop a chunk while a background writer still reads it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from typing import Sequence
+
+import torch
+
+ALIGN = 256
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class MemoryBuffer:
+    """A region of the pool viewed as ``tensor``. Starts with one reference."""
+
+    __slots__ = ("pool", "offset", "size", "tensor", "_refs")
+
+    def __init__(self, pool: "MemoryPool", offset: int, size: int, tensor: torch.Tensor) -> None:
+        self.pool = pool
+        self.offset = offset
+        self.size = size
+        self.tensor = tensor
+        self._refs = 1
+
+    @property
+    def refcount(self) -> int:
+        return self._refs
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def retain(self) -> "MemoryBuffer":
+        with self.pool._lock:
+            if self._refs <= 0:
+                raise RuntimeError("retain() on a released buffer")
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        with self.pool._lock:
+            if self._refs <= 0:
+                raise RuntimeError("release() on a released buffer")
+            self._refs -= 1
+            if self._refs == 0:
+                self.pool._free_locked(self.offset, self.size)
+
+
+class MemoryPool:
+    """First-fit allocator over one preallocated byte tensor, with coalescing."""
+
+    def __init__(self, capacity: int, *, pin: bool | None = None) -> None:
+        if capacity <= 0:
+            raise ValueError("pool capacity must be positive")
+        self.capacity = _round_up(capacity)
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self.pinned = bool(pin)
+        self._data = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pinned)
+        self._lock = threading.Lock()
+        self._free_offsets: list[int] = [0]
+        self._free_sizes: dict[int, int] = {0: self.capacity}
+        self.used = 0
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
+        """A buffer of ``shape``/``dtype``, or ``None`` when no free region fits."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = _round_up(max(nbytes, 1))
+        with self._lock:
+            for i, off in enumerate(self._free_offsets):
+                free = self._free_sizes[off]
+                if free >= size:
+                    del self._free_offsets[i]
+                    del self._free_sizes[off]
+                    if free > size:
+                        bisect.insort(self._free_offsets, off + size)
+                        self._free_sizes[off + size] = free - size
+                    self.used += size
+                    break
+            else:
+                return None
+        view = self._data[off : off + nbytes].view(dtype).view(tuple(shape))
+        return MemoryBuffer(self, off, size, view)
+
+    def _free_locked(self, off: int, size: int) -> None:
+        self.used -= size
+        i = bisect.bisect_left(self._free_offsets, off)
+        if i < len(self._free_offsets) and self._free_offsets[i] == off + size:
+            nxt = self._free_offsets.pop(i)
+            size += self._free_sizes.pop(nxt)
+        if i > 0:
+            prev = self._free_offsets[i - 1]
+            if prev + self._free_sizes[prev] == off:
+                self._free_sizes[prev] += size
+                return
+        self._free_offsets.insert(i, off)
+        self._free_sizes[off] = size
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+    def largest_free(self) -> int:
+        with self._lock:
+            return max(self._free_sizes.values(), default=0)

@@ -1,0 +1,63 @@
+"""Prometheus metrics, all prefixed ``lmcache_core:`` (the convention vLLM uses for
+its own ``vllm:`` metrics, so they sit side by side in ``/metrics``).
+
+Metrics live in prometheus_client's default registry; in vLLM's multiprocess mode
+they reach the API server's ``/metrics`` through ``PROMETHEUS_MULTIPROC_DIR`` as vLLM's
+own do. Every engine also keeps plain counters (:class:`EngineCounters`) for tests
+and the CLI, which need no registry.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Histogram
+
+PREFIX = "lmcache_core:"
+
+LOOKUPS = Counter(PREFIX + "lookups", "Prefix lookups", ["role"])
+LOOKUP_HIT_TOKENS = Counter(PREFIX + "lookup_hit_tokens", "Tokens found by lookups")
+LOOKUP_TOKENS = Counter(PREFIX + "lookup_tokens", "Tokens asked for by lookups")
+STORED_TOKENS = Counter(PREFIX + "stored_tokens", "Tokens stored")
+LOADED_TOKENS = Counter(PREFIX + "loaded_tokens", "Tokens loaded into the engine")
+LOAD_ERRORS = Counter(PREFIX + "load_errors", "Chunks that failed to load (recomputed)")
+TIER_BYTES = Counter(PREFIX + "tier_bytes", "Bytes moved per tier", ["tier", "op"])
+TIER_ERRORS = Counter(PREFIX + "tier_errors", "Backend failures turned into misses", ["tier", "op"])
+TIER_DROPPED = Counter(PREFIX + "tier_dropped_writes", "Background writes dropped (queue full or skipped)", ["tier"])
+TIER_LATENCY = Histogram(
+    PREFIX + "tier_latency_seconds",
+    "Latency of one backend call",
+    ["tier", "op"],
+    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+)
+
+
+@dataclass
+class EngineCounters:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    stored_chunks: int = 0
+    stored_tokens: int = 0
+    retrieved_chunks: int = 0
+    retrieved_tokens: int = 0
+    load_errors: int = 0
+    dropped_writes: int = 0
+    backend_errors: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def error(self, tier: str) -> None:
+        with self._lock:
+            self.backend_errors[tier] = self.backend_errors.get(tier, 0) + 1
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+            d["backend_errors"] = dict(self.backend_errors)
+            return d

@@ -1,0 +1,15 @@
+"""Test helpers for backend authors, shipped inside the package.
+
+Subclass :class:`BackendConformance` in your own test suite and implement
+``make_backend``; pytest then runs the whole contract against your backend::
+
+    from lmcache_core.testing import BackendConformance
+
+    class TestMyTier(BackendConformance):
+        def make_backend(self, ctx, tmp_path):
+            return MyTier(...)
+"""
+
+from .conformance import BackendConformance, make_context, random_chunk, random_key
+
+__all__ = ["BackendConformance", "make_context", "random_chunk", "random_key"]

@@ -51,6 +51,8 @@ def as_token_array(tokens: TokenIds) -> np.ndarray:
         arr = np.frombuffer(tokens, dtype=np.dtype(tokens.typecode))
     else:
         arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be a 1-D sequence of integers, got {arr.dtype}{list(arr.shape)}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
         raise ValueError("token ids must be in [0, 2**32)")
     return np.ascontiguousarray(arr, dtype="<u4")

@@ -56,7 +56,8 @@ class LocalCpuBackend(StorageBackend):
                 return True
         buf = self.allocate(tuple(data.shape), data.dtype)
         if buf is None:
-            self._s.skipped += 1
+            with self._lock:
+                self._s.skipped += 1
             return False
         try:
             buf.tensor.copy_(data)
@@ -70,7 +71,8 @@ class LocalCpuBackend(StorageBackend):
             return False
         try:
             if buf.tensor.dtype != out.dtype or buf.tensor.shape != out.shape:
-                self._s.errors += 1
+                with self._lock:
+                    self._s.errors += 1
                 return False
             out.copy_(buf.tensor)
             return True

@@ -76,6 +76,8 @@ class MemoryPool:
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
         """A buffer of ``shape``/``dtype``, or ``None`` when no free region fits."""
+        if any(int(d) < 0 for d in shape):
+            raise ValueError(f"negative dimension in shape {tuple(shape)}")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         size = _round_up(max(nbytes, 1))
         with self._lock:

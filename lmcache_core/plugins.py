@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import logging
 import os
+import re
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,6 +64,16 @@ class CodecInfo:
 _CORE_DIST = "lmcache-core"
 
 
+class PluginError(ValueError):
+    """A plugin cannot be registered (for example, it implements a hook that does
+    not exist, usually a misspelling). The message names the plugin and the hook."""
+
+
+def normalize_dist_name(name: str) -> str:
+    """PEP 503 normalization, so ``My_Plugin`` and ``my-plugin`` block the same thing."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _core_version() -> str:
     try:
         return md.version(_CORE_DIST)
@@ -83,18 +94,33 @@ class PluginManager:
         self.load_errors: list[str] = []
         env = os.environ if env is None else env
         self.blocked = {n.strip() for n in env.get(ENV_BLOCK_PLUGINS, "").split(",") if n.strip()}
+        self._blocked_dists = {normalize_dist_name(n) for n in self.blocked}
         from . import default_plugins
 
         self.register(default_plugins, name="lmcache_core.default", origin=Origin("default", _CORE_DIST, _core_version()))
 
     # -- registration -----------------------------------------------------------------
     def register(self, plugin: object, *, name: str, origin: Origin | None = None) -> None:
-        """Register a plugin object or module under ``name``."""
+        """Register a plugin object or module under ``name``.
+
+        Raises :class:`PluginError` (and leaves nothing registered) when the plugin
+        implements a hook that is not in :mod:`lmcache_core.hookspecs`."""
         with self._lock:
-            self._pm.register(plugin, name=name)
+            self._register_checked(plugin, name)
             self._origins[name] = origin or Origin(name, "(registered in code)", "")
-            self._pm.check_pending()
             self._backends = self._codecs = None
+
+    def _register_checked(self, plugin: object, name: str) -> None:
+        try:
+            self._pm.register(plugin, name=name)
+        except ValueError as err:  # pluggy: name or object already registered
+            raise PluginError(f"plugin {name!r}: {err}") from None
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as err:
+            self._pm.unregister(name=name)
+            known = ", ".join(sorted(n for n in dir(Spec) if not n.startswith("_")))
+            raise PluginError(f"plugin {name!r}: {err}; the hooks are: {known}") from None
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -118,18 +144,14 @@ class PluginManager:
         for ep in md.entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist.name if ep.dist is not None else "?"
             version = ep.dist.version if ep.dist is not None else "?"
-            if ep.name in self.blocked or dist in self.blocked:
+            if ep.name in self.blocked or normalize_dist_name(dist) in self._blocked_dists:
                 log.info("plugin %s (%s) blocked by %s", ep.name, dist, ENV_BLOCK_PLUGINS)
                 continue
             if self._pm.has_plugin(ep.name):
                 continue
             try:
-                plugin = ep.load()
-                self._pm.register(plugin, name=ep.name)
-                self._pm.check_pending()
+                self._register_checked(ep.load(), ep.name)
             except Exception as err:  # one broken plugin must not hide the others
-                if self._pm.has_plugin(ep.name):
-                    self._pm.unregister(name=ep.name)
                 msg = f"plugin {ep.name!r} from distribution {dist} {version} failed to load: {type(err).__name__}: {err}"
                 self.load_errors.append(msg)
                 log.warning(msg)
@@ -170,7 +192,7 @@ class PluginManager:
 
     def _call_impl(self, impl: pluggy.HookImpl, register: Any) -> None:
         try:
-            impl.function(register=register)
+            impl.function(**({"register": register} if "register" in impl.argnames else {}))
         except Exception as err:
             origin = self._origins.get(impl.plugin_name)
             dist = origin.distribution if origin else "?"

@@ -11,6 +11,8 @@ into :class:`FrameError` (a cache miss with a reason), never into data.
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ FRAME_FORMAT = "lmcache-core/1"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 1 << 34
 _U64 = struct.Struct("<Q")
+_CHECKSUM_RE = re.compile(r"[0-9a-f]{8}")
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -143,7 +146,7 @@ def parse_header(frame: bytes | bytearray | memoryview) -> tuple[FrameInfo, dict
         raise FrameError(f"bad header length {hlen}")
     try:
         header = json.loads(bytes(mv[8 : 8 + hlen]))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise FrameError("header is not valid JSON") from None
     if not isinstance(header, dict) or set(header) != {"__metadata__", "payload"}:
         raise FrameError("header has the wrong fields")
@@ -157,16 +160,18 @@ def parse_header(frame: bytes | bytearray | memoryview) -> tuple[FrameInfo, dict
         raise FrameError(f"unknown frame format {meta['format']!r}")
     if meta["dtype"] not in DTYPES:
         raise FrameError(f"unknown dtype {meta['dtype']!r}")
+    if not _CHECKSUM_RE.fullmatch(meta["checksum"]):
+        raise FrameError("checksum field is malformed")
     try:
         shape = tuple(json.loads(meta["shape"]))
         raw_len = int(meta["raw_len"])
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError
         offsets = entry["data_offsets"]
         if entry.get("dtype") != "U8" or not (isinstance(offsets, list) and len(offsets) == 2):
             raise ValueError
         lo, hi = int(offsets[0]), int(offsets[1])
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         raise FrameError("metadata values are malformed") from None
     payload_len = hi - lo
     if lo != 0 or payload_len < 0 or payload_len > MAX_PAYLOAD_BYTES or entry.get("shape") != [payload_len]:
@@ -174,7 +179,7 @@ def parse_header(frame: bytes | bytearray | memoryview) -> tuple[FrameInfo, dict
     if 8 + hlen + payload_len != mv.nbytes:
         raise FrameError(f"length mismatch: header says {payload_len} payload bytes, frame has {mv.nbytes - 8 - hlen}")
     itemsize = torch.empty((), dtype=DTYPES[meta["dtype"]]).element_size()
-    if int(np.prod(shape, dtype=np.int64)) * itemsize != raw_len or raw_len > MAX_PAYLOAD_BYTES:
+    if math.prod(shape) * itemsize != raw_len or raw_len > MAX_PAYLOAD_BYTES:
         raise FrameError("shape, dtype and raw length disagree")
     info = FrameInfo(meta["key"], meta["codec"], meta["dtype"], shape, raw_len, payload_len)
     return info, meta, mv[8 + hlen :]

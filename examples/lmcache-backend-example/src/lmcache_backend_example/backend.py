@@ -1,0 +1,96 @@
+"""``example_dict``: keeps each chunk as one serde frame in a dict, oldest dropped
+first past ``max_entries``. It stores bytes, like a disk or object-store backend
+would, so it shows the parts such a backend needs: its own config section validated
+with the key path, framing with the configured codec, and a corrupt or mismatched
+frame turned into a miss."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Mapping, Sequence
+
+import torch
+from pydantic import Field
+
+from lmcache_core.backend import BackendContext, BackendStats, StorageBackend
+from lmcache_core.config import StrictModel, validate_section
+from lmcache_core.keys import ChunkKey
+from lmcache_core.serde import Codec, encode, try_decode
+
+
+class DictBackendConfig(StrictModel):
+    """The ``backends:`` entry for ``example_dict`` (besides ``name``)."""
+
+    max_entries: int = Field(10_000, gt=0, description="chunks kept; the oldest is dropped first")
+
+
+class DictBackend(StorageBackend):
+    name = "example_dict"
+    capabilities = frozenset()
+
+    def __init__(self, codec: Codec, codecs: Mapping[str, Codec], max_entries: int) -> None:
+        self._codec = codec
+        self._codecs = dict(codecs)
+        self._max = max_entries
+        self._frames: OrderedDict[ChunkKey, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self._s = BackendStats(self.name)
+
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            n = 0
+            for k in keys:
+                if k not in self._frames:
+                    break
+                n += 1
+            return n
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        with self._lock:
+            if key in self._frames:
+                return True
+        frame = encode(key, data, self._codec)  # outside the lock: the slow part
+        with self._lock:
+            self._frames[key] = frame
+            while len(self._frames) > self._max:
+                self._frames.popitem(last=False)
+                self._s.evictions += 1
+            self._s.puts += 1
+            self._s.put_bytes += len(frame)
+        return True
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        with self._lock:
+            frame = self._frames.get(key)
+        tensor, reason = try_decode(frame, self._codecs, expect_key=key, out=out)
+        with self._lock:
+            if tensor is None:
+                self._s.misses += 1
+                if reason != "missing":
+                    self._s.errors += 1
+                return False
+            self._s.hits += 1
+            self._s.get_bytes += out.nbytes
+        return True
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return self._frames.pop(key, None) is not None
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s.chunks = len(self._frames)
+            s.bytes_used = sum(len(f) for f in self._frames.values())
+        return s
+
+    def close(self) -> None:
+        with self._lock:
+            self._frames.clear()
+
+
+def create_dict_backend(section: Mapping[str, Any], ctx: BackendContext) -> DictBackend:
+    """The factory lmcache-core calls with this backend's YAML section."""
+    cfg = validate_section(DictBackendConfig, section, ctx.key_path, ctx.source)
+    return DictBackend(ctx.codec, ctx.codecs, cfg.max_entries)

@@ -1,0 +1,284 @@
+"""The S3 tier: chunks as serde frames, one object each, under ``{prefix}/{key}``.
+
+Contract (see :class:`lmcache_core.backend.StorageBackend`):
+
+* ``contains`` costs no request for keys known present (:class:`PresenceCache`) and
+  otherwise issues HEADs in parallel waves of ``max_concurrency``, stopping after the
+  first wave that holds a miss: never one round trip per key.
+* ``get`` decodes with the frame's checksum and expected key: a corrupt, foreign or
+  missing object is a miss, never data.
+* An unavailable endpoint (refused, timed out, 5xx after botocore's bounded retries)
+  is a miss, and the :class:`HealthGate` makes the following calls misses without a
+  request until the cooldown passes. Credential or permission failures mid-run raise
+  :class:`BackendError` (the engine counts them and treats them as misses).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from lmcache_core.backend import PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
+from lmcache_core.keys import ChunkKey
+from lmcache_core.serde import DTYPE_NAMES, MAX_HEADER_BYTES, Codec, FrameError, encode, parse_header, try_decode
+
+from .client import Failure, classify, describe, make_client
+from .config import S3Config
+from .health import HealthGate
+from .presence import PresenceCache
+from .transfer import ObjectTooLarge, multipart_put, ranged_get
+
+log = logging.getLogger(__name__)
+
+
+class S3Backend(StorageBackend):
+    name = "s3"
+    capabilities = frozenset({PERSISTENT, SHARED})
+
+    def __init__(self, cfg: S3Config, *, codec: Codec, codecs: Mapping[str, Codec], client: Any | None = None) -> None:
+        self.cfg = cfg
+        self.codec = codec
+        self.codecs = dict(codecs)
+        self.client = client if client is not None else make_client(cfg)
+        self.endpoint = str(self.client.meta.endpoint_url)
+        self.bucket = cfg.bucket
+        self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="lmcache-s3")
+        self._gate = HealthGate(cfg.down_cooldown_s)
+        self._present = PresenceCache(cfg.presence_cache_size, cfg.presence_ttl_s)
+        self._lock = threading.Lock()
+        self._s = BackendStats(self.name)
+        self._requests = 0
+        self._corrupt = 0
+        self._closed = False
+        # Worst case for one request: every attempt times out, plus botocore's backoff.
+        self.op_timeout_s = cfg.max_attempts * (cfg.connect_timeout_s + cfg.read_timeout_s + 2.0)
+        self.client.meta.events.register("before-send.s3", self._count_request)
+
+    def __repr__(self) -> str:
+        return f"S3Backend(bucket={self.bucket!r}, prefix={self.cfg.prefix!r}, endpoint={self.endpoint!r})"
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def _count_request(self, **_: Any) -> None:
+        with self._lock:
+            self._requests += 1
+
+    def _add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self._s, k, getattr(self._s, k) + v)
+
+    def _object(self, key: ChunkKey) -> str:
+        return self.cfg.object_name(key.to_str())
+
+    def _unavailable(self, op: str, err: BaseException) -> None:
+        was_down = self._gate.down
+        self._gate.failed()
+        self._add(errors=1)
+        if not was_down:
+            log.warning(
+                "s3 tier: %s on bucket %r at %s failed (%s); every call is a miss for the next %.1fs",
+                op, self.bucket, self.endpoint, describe(err), self.cfg.down_cooldown_s,
+            )
+
+    def _raise(self, op: str, key: ChunkKey | None, err: BaseException) -> None:
+        """A failure that is not the endpoint being away: count it and raise it."""
+        self._gate.succeeded()
+        self._add(errors=1)
+        what = f" {self._object(key)}" if key is not None else ""
+        hint = ""
+        if classify(err) is Failure.DENIED:
+            hint = "; check the credentials boto3 finds (AWS_* env vars, AWS_PROFILE, instance role) and their permissions"
+        raise BackendError(f"s3 {op}{what} in bucket {self.bucket!r} at {self.endpoint}: {describe(err)}{hint}") from None
+
+    # -- lookups --------------------------------------------------------------------
+    def _head(self, key: ChunkKey) -> bool:
+        """True/False for present/absent; raises on any other outcome."""
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._object(key))
+        except Exception as err:
+            if classify(err) is Failure.MISSING:
+                return False
+            raise
+        self._present.add(key)
+        return True
+
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self._present:
+            n += 1
+        if n == len(keys) or self._closed:
+            return n
+        if not self._gate.allow():
+            return n
+        wave = self.cfg.max_concurrency
+        try:
+            while n < len(keys):
+                batch = keys[n : n + wave]
+                futures = [None if k in self._present else self._pool.submit(self._head, k) for k in batch]
+                pending = [f for f in futures if f is not None]
+                done, not_done = wait(pending, timeout=self.op_timeout_s)
+                for f in not_done:
+                    f.cancel()
+                for i, f in enumerate(futures):
+                    if f is None:
+                        continue
+                    if f in not_done:
+                        raise TimeoutError(f"HEAD did not answer within {self.op_timeout_s:.1f}s")
+                    if not f.result():  # raises the request's error, if any
+                        self._gate.succeeded()
+                        return n + i
+                n += len(batch)
+        except Exception as err:
+            if classify(err) is Failure.UNAVAILABLE:
+                self._unavailable("lookup", err)
+                return n
+            self._raise("lookup", None, err)
+        self._gate.succeeded()
+        return n
+
+    # -- writes ---------------------------------------------------------------------
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        if key in self._present:
+            return True
+        if self._closed or not self._gate.allow():
+            self._add(skipped=1)
+            return False
+        name = self._object(key)
+        try:
+            if self.cfg.check_exists_before_put and self._head(key):
+                self._gate.succeeded()
+                return True
+            frame = encode(key, data, self.codec)
+            if len(frame) >= self.cfg.multipart_threshold:
+                multipart_put(
+                    self.client, self.bucket, name, frame, self._pool,
+                    part_size=self.cfg.multipart_chunksize, timeout=self.op_timeout_s * 4,
+                )
+            else:
+                self.client.put_object(Bucket=self.bucket, Key=name, Body=frame)
+        except Exception as err:
+            if classify(err) is Failure.UNAVAILABLE:
+                self._unavailable("put", err)
+                self._add(skipped=1)
+                return False
+            self._raise("put", key, err)
+        self._gate.succeeded()
+        self._present.add(key)
+        self._add(puts=1, put_bytes=data.nbytes)
+        return True
+
+    def remove(self, key: ChunkKey) -> bool:
+        if self._closed or not self._gate.allow():
+            raise BackendError(f"s3 remove {self._object(key)}: endpoint {self.endpoint} is unavailable")
+        self._present.discard(key)
+        try:
+            if not self._head(key):
+                self._gate.succeeded()
+                return False
+            self._present.discard(key)
+            self.client.delete_object(Bucket=self.bucket, Key=self._object(key))
+        except Exception as err:
+            if classify(err) is Failure.UNAVAILABLE:
+                self._unavailable("remove", err)
+                raise BackendError(f"s3 remove {self._object(key)}: {describe(err)}") from None
+            self._raise("remove", key, err)
+        self._gate.succeeded()
+        return True
+
+    # -- reads ----------------------------------------------------------------------
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        if self._closed or not self._gate.allow():
+            self._add(misses=1)
+            return False
+        # Bound what we accept before reading: header, plus the payload of the largest
+        # codec output for ``out`` (LZ4's worst case on incompressible data).
+        max_bytes = 8 + MAX_HEADER_BYTES + out.nbytes + out.nbytes // 255 + 64
+        try:
+            frame = ranged_get(
+                self.client, self.bucket, self._object(key), self._pool,
+                range_size=self.cfg.range_chunksize, max_bytes=max_bytes, timeout=self.op_timeout_s,
+            )
+        except ObjectTooLarge as err:
+            self._gate.succeeded()
+            log.debug("s3 get %s: %s", self._object(key), err)
+            self._add(misses=1)
+            return False
+        except Exception as err:
+            kind = classify(err)
+            if kind is Failure.MISSING:
+                self._gate.succeeded()
+                self._present.discard(key)
+                self._add(misses=1)
+                return False
+            if kind is Failure.UNAVAILABLE:
+                self._unavailable("get", err)
+                self._add(misses=1)
+                return False
+            self._raise("get", key, err)
+        self._gate.succeeded()
+        tensor, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
+        if tensor is None:
+            self._bad_frame(key, frame, out, reason or "undecodable")
+            return False
+        self._present.add(key)
+        self._add(hits=1, get_bytes=out.nbytes)
+        return True
+
+    def _bad_frame(self, key: ChunkKey, frame: bytes | bytearray, out: torch.Tensor, reason: str) -> None:
+        """A frame that did not decode into ``out``: either the caller asked for another
+        shape/dtype (the object is fine) or the object is corrupt or not ours."""
+        self._add(misses=1)
+        try:
+            info, _, _ = parse_header(frame)
+            caller_mismatch = info.key == key.to_str() and (
+                info.shape != tuple(out.shape) or info.dtype != DTYPE_NAMES.get(out.dtype)
+            )
+        except FrameError:
+            caller_mismatch = False
+        if caller_mismatch:
+            log.debug("s3 get %s: %s", self._object(key), reason)
+            return
+        self._present.discard(key)
+        with self._lock:
+            self._corrupt += 1
+        log.warning("s3 tier: object %s in bucket %r is not a valid frame for its key (%s); treated as a miss",
+                    self._object(key), self.bucket, reason)
+        if self.cfg.delete_corrupt:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=self._object(key))
+            except Exception as err:
+                log.warning("s3 tier: could not delete corrupt object %s: %s", self._object(key), describe(err))
+
+    # -- housekeeping ---------------------------------------------------------------
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s.extra.update(
+                requests=self._requests,
+                corrupt=self._corrupt,
+                known_present=len(self._present),
+                endpoint_down=self._gate.down,
+                endpoint_trips=self._gate.trips,
+                bucket=self.bucket,
+                prefix=self.cfg.prefix,
+                endpoint=self.endpoint,
+            )
+        return s
+
+    def check_bucket(self) -> None:
+        """One HeadBucket request; raises its error as botocore gives it."""
+        self.client.head_bucket(Bucket=self.bucket)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.client.close()
+        except Exception as err:  # closing twice or a dead socket: nothing to do
+            log.debug("s3 tier: client close: %s", err)

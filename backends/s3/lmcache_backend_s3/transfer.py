@@ -1,0 +1,117 @@
+"""Moving one object's bytes: parallel ranged GETs and multipart uploads.
+
+A GET always asks for the first ``range_size`` bytes; the ``Content-Range`` answer
+gives the object's size, so a chunk that fits costs one request and a larger one is
+fetched as parallel ranges (pinned to the first response's ETag, so a concurrent
+overwrite cannot splice two versions). Frames at or above the multipart threshold are
+uploaded as parallel parts; a failed upload is aborted so no parts are left billed.
+Parts run on the caller-given executor, whose tasks never submit further tasks.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Executor, Future, wait
+from typing import Any
+
+from .config import MAX_PARTS
+
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+
+
+class ObjectTooLarge(Exception):
+    """The object is larger than the caller's buffer could ever need: not our chunk."""
+
+
+def _wait_all(futures: list[Future[Any]], timeout: float) -> None:
+    done, pending = wait(futures, timeout=timeout)
+    if pending:
+        for f in pending:
+            f.cancel()
+        raise TimeoutError(f"{len(pending)} of {len(futures)} transfers did not finish within {timeout:.1f}s")
+    for f in done:
+        f.result()
+
+
+def ranged_get(
+    client: Any,
+    bucket: str,
+    name: str,
+    pool: Executor,
+    *,
+    range_size: int,
+    max_bytes: int,
+    timeout: float,
+) -> bytes | bytearray:
+    """The whole object ``name``; raises botocore errors, ``ObjectTooLarge`` or ``TimeoutError``."""
+    first = client.get_object(Bucket=bucket, Key=name, Range=f"bytes=0-{range_size - 1}")
+    body = first["Body"]
+    try:
+        m = _CONTENT_RANGE.match(first.get("ContentRange") or "")
+        total = int(m.group(3)) if m else int(first.get("ContentLength") or 0)
+        if total > max_bytes:
+            raise ObjectTooLarge(f"object has {total} bytes, at most {max_bytes} expected")
+        head = body.read(max_bytes + 1)
+    finally:
+        body.close()
+    if len(head) > max_bytes:
+        raise ObjectTooLarge(f"object has more than {max_bytes} bytes")
+    if len(head) >= total:
+        return head
+    etag = first.get("ETag")
+    buf = bytearray(total)
+    view = memoryview(buf)
+    view[: len(head)] = head
+
+    def fetch(lo: int, hi: int) -> None:
+        kw = {"IfMatch": etag} if etag else {}
+        r = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={lo}-{hi - 1}", **kw)
+        part = r["Body"]
+        try:
+            data = part.read(hi - lo + 1)
+        finally:
+            part.close()
+        if len(data) != hi - lo:
+            raise IOError(f"range {lo}-{hi - 1} returned {len(data)} bytes")
+        view[lo:hi] = data
+
+    futures = [pool.submit(fetch, lo, min(lo + range_size, total)) for lo in range(len(head), total, range_size)]
+    _wait_all(futures, timeout)
+    return buf
+
+
+def multipart_put(
+    client: Any,
+    bucket: str,
+    name: str,
+    data: bytes,
+    pool: Executor,
+    *,
+    part_size: int,
+    timeout: float,
+) -> int:
+    """Upload ``data`` in parallel parts; returns the number of parts. Aborts on failure."""
+    part_size = max(part_size, -(-len(data) // MAX_PARTS))
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
+    try:
+        view = memoryview(data)
+
+        def upload(number: int, lo: int) -> dict[str, Any]:
+            r = client.upload_part(
+                Bucket=bucket, Key=name, UploadId=upload_id, PartNumber=number, Body=bytes(view[lo : lo + part_size])
+            )
+            return {"PartNumber": number, "ETag": r["ETag"]}
+
+        futures = [pool.submit(upload, i + 1, lo) for i, lo in enumerate(range(0, len(data), part_size))]
+        _wait_all(futures, timeout)
+        parts = [f.result() for f in futures]
+        client.complete_multipart_upload(
+            Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}
+        )
+        return len(parts)
+    except BaseException:
+        try:
+            client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id)
+        except Exception:  # the original error is the one to report
+            pass
+        raise

@@ -1,0 +1,325 @@
+"""The ``disk`` tier: one serde frame per chunk file, durable, shared by the
+processes of one machine, LRU within a byte budget that holds across restarts.
+
+Contract details (beyond :class:`lmcache_core.backend.StorageBackend`):
+
+* A chunk becomes visible only as a complete, fsynced file (temp file + rename), so
+  a reader in any process sees the whole frame or nothing; two writers of one key
+  each rename a complete frame of that key, and the last rename wins.
+* The directory is the truth; the in-memory index (key -> size, LRU order) is a view
+  of it. ``contains`` and ``put`` check the filesystem, so files written or evicted by
+  another process are noticed; ``get`` opens the file whatever the index says.
+* ``get`` refreshes the file's mtime; the start-up scan orders the index by mtime, so
+  LRU order survives restarts.
+* Every failure is a miss or a skipped put, counted in :meth:`stats`: corrupt or
+  foreign files are removed and never loaded; a full disk (ENOSPC) or a read-only
+  directory makes ``put`` return False while reads go on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from lmcache_core.backend import PERSISTENT, SHARED, BackendContext, BackendStats, StorageBackend
+from lmcache_core.config import ConfigError, validate_section
+from lmcache_core.keys import ChunkKey
+from lmcache_core.serde import (
+    DTYPE_NAMES,
+    MAX_HEADER_BYTES,
+    MAX_PAYLOAD_BYTES,
+    Codec,
+    FrameError,
+    encode,
+    parse_header,
+    try_decode,
+)
+
+from .config import DiskConfig
+from .fileio import probe_o_direct, read_whole, write_atomic
+from .index import LruIndex
+from .layout import FANOUT, MARKER_TEXT, Layout
+from .scan import scan
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 8 + MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class DiskBackend(StorageBackend):
+    name = "disk"
+    capabilities = frozenset({PERSISTENT, SHARED})
+
+    def __init__(
+        self,
+        cfg: DiskConfig,
+        *,
+        codec: Codec,
+        codecs: Mapping[str, Codec],
+        key_path: str = "disk",
+        source: str = "code",
+    ) -> None:
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        self.root = Path(cfg.path).expanduser()
+        self.layout = Layout(self.root)
+        self.max_size = cfg.max_size
+        self._codec = codec
+        self._codecs = dict(codecs)
+        self._lock = threading.Lock()
+        self._index = LruIndex()
+        self._reserved = 0
+        self._closed = False
+        self._s = BackendStats(self.name, bytes_capacity=self.max_size)
+        self._x: dict[str, Any] = {
+            "path": str(self.root),
+            "corrupt_removed": 0,
+            "disk_full": 0,
+            "write_errors": 0,
+            "shape_mismatch": 0,
+            "unavailable": None,
+        }
+        self._prepare_root(key_path, source)
+        self._o_direct = False
+        if cfg.o_direct and self._x["unavailable"] is None:
+            reason = probe_o_direct(self.root)
+            self._o_direct = reason is None
+            if reason:
+                log.warning("disk tier %s: o_direct requested, using buffered I/O: %s", self.root, reason)
+            self._x["o_direct_fallback"] = reason
+        self._x["o_direct"] = self._o_direct
+        if self.root.is_dir():
+            res = scan(self.root, verify=cfg.verify_on_start, threads=cfg.io_threads)
+            self._index.load(res.entries)
+            self._x.update(
+                startup_stale_temps=res.stale_temps,
+                startup_bad_removed=res.bad_removed,
+                startup_foreign_removed=res.foreign_removed,
+            )
+            victims = self._index.pop_lru(self._index.bytes - self.max_size)
+            self._delete(victims)
+        self._x["startup_s"] = round(time.perf_counter() - t0, 4)
+
+    # -- set-up -------------------------------------------------------------------------
+    def _prepare_root(self, key_path: str, source: str) -> None:
+        """Create the directory and its marker. A path that is clearly wrong (a file,
+        or a non-empty directory that is not a tier) is a config error; a directory we
+        cannot write (read-only, permissions) leaves a read-only tier, since reads of
+        a pre-filled shared cache may still work."""
+        root = self.root
+        where = f"{key_path}.path"
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"{where}: {root} exists and is not a directory (from {source})")
+        if root.is_dir() and not self.layout.marker.exists():
+            try:
+                extra = [p.name for p in root.iterdir()][:3]
+            except OSError as err:
+                raise ConfigError(f"{where}: cannot list {root}: {err.strerror} (from {source})") from None
+            if extra:
+                raise ConfigError(
+                    f"{where}: {root} is not empty and is not a disk tier (no {self.layout.marker.name} "
+                    f"file; found e.g. {extra}); use an empty or new directory (from {source})"
+                )
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.layout.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                with os.fdopen(fd, "w") as f:
+                    f.write(MARKER_TEXT)
+            except FileExistsError:
+                pass
+            for shard in FANOUT:
+                (root / shard).mkdir(exist_ok=True)
+        except OSError as err:
+            reason = f"cannot write {root}: {err.strerror or err}"
+            self._x["unavailable"] = reason
+            log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
+
+    # -- contract -----------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        for key in keys:
+            try:
+                st = os.stat(self.layout.chunk_path(key))
+            except OSError:
+                with self._lock:
+                    self._index.discard(key)
+                break
+            with self._lock:
+                if key not in self._index:
+                    self._index.add(key, st.st_size)
+            n += 1
+        return n
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        if self._closed:
+            return False
+        path = self.layout.chunk_path(key)
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is not None:
+            with self._lock:
+                if not self._index.touch(key):
+                    self._index.add(key, st.st_size)
+            return True
+        frame = encode(key, data, self._codec)
+        size = len(frame)
+        if size > self.max_size:
+            with self._lock:
+                self._index.discard(key)
+                self._s.skipped += 1
+            return False
+        with self._lock:
+            self._index.discard(key)
+            victims = self._index.pop_lru(self._index.bytes + self._reserved + size - self.max_size)
+            self._reserved += size
+        self._delete(victims)
+        try:
+            self._write(key, path, frame)
+        except OSError as err:
+            with self._lock:
+                self._reserved -= size
+                if err.errno in _FULL_ERRNOS:
+                    self._s.skipped += 1
+                    self._x["disk_full"] += 1
+                else:
+                    self._s.errors += 1
+                    self._x["write_errors"] += 1
+            log.warning("disk tier: put of %s skipped: %s", key, err)
+            return False
+        with self._lock:
+            self._reserved -= size
+            self._index.add(key, size)
+            self._s.puts += 1
+            self._s.put_bytes += data.nbytes
+            over = self._index.bytes + self._reserved - self.max_size
+            victims = self._index.pop_lru(over) if over > 0 else []
+        self._delete([v for v in victims if v[0] != key])
+        return True
+
+    def _write(self, key: ChunkKey, path: Path, frame: bytes) -> None:
+        for attempt in (0, 1):
+            try:
+                write_atomic(path, self.layout.temp_path(key), frame, fsync=self.cfg.fsync, o_direct=self._o_direct)
+                return
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                path.parent.mkdir(parents=True, exist_ok=True)  # shard removed under us
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        if self._closed:
+            return False
+        path = self.layout.chunk_path(key)
+        try:
+            buf, ino = read_whole(path, o_direct=self._o_direct, max_bytes=MAX_FRAME_BYTES)
+        except (FileNotFoundError, NotADirectoryError):
+            return self._miss(key)
+        except ValueError as err:
+            self._drop_corrupt(key, path, None, str(err))
+            return False
+        except OSError as err:
+            log.warning("disk tier: cannot read %s: %s", path, err)
+            with self._lock:
+                self._s.errors += 1
+                self._s.misses += 1
+            return False
+        try:
+            info, _, _ = parse_header(buf)
+        except FrameError as err:
+            self._drop_corrupt(key, path, ino, str(err))
+            return False
+        if info.key != key.to_str():
+            self._drop_corrupt(key, path, ino, f"file holds key {info.key}")
+            return False
+        if info.codec not in self._codecs:
+            log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
+            return self._miss(key, keep=True)
+        if info.dtype != DTYPE_NAMES.get(out.dtype) or info.shape != tuple(out.shape):
+            with self._lock:
+                self._x["shape_mismatch"] += 1
+            return self._miss(key, keep=True)
+        _, reason = try_decode(buf, self._codecs, expect_key=key, out=out)
+        if reason is not None:
+            self._drop_corrupt(key, path, ino, reason)
+            return False
+        try:
+            os.utime(path)
+        except OSError:
+            pass  # a read-only directory keeps its old LRU order
+        with self._lock:
+            if not self._index.touch(key):
+                self._index.add(key, buf.nbytes)
+            self._s.hits += 1
+            self._s.get_bytes += out.nbytes
+        return True
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            self._index.discard(key)
+        try:
+            os.unlink(self.layout.chunk_path(key))
+        except OSError:
+            return False
+        return True
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._x)})
+            s.chunks = len(self._index)
+            s.bytes_used = self._index.bytes
+        return s
+
+    def close(self) -> None:
+        self._closed = True
+
+    # -- helpers ------------------------------------------------------------------------
+    def _miss(self, key: ChunkKey, *, keep: bool = False) -> bool:
+        with self._lock:
+            if not keep:
+                self._index.discard(key)
+            self._s.misses += 1
+        return False
+
+    def _drop_corrupt(self, key: ChunkKey, path: Path, ino: int | None, reason: str) -> None:
+        """Remove a file that failed verification, unless another writer has since
+        replaced it with a new file (different inode)."""
+        log.warning("disk tier: %s is not a valid frame for its key (%s); removed", path, reason)
+        try:
+            if ino is None or os.stat(path).st_ino == ino:
+                os.unlink(path)
+        except OSError:
+            pass
+        with self._lock:
+            self._index.discard(key)
+            self._s.misses += 1
+            self._s.errors += 1
+            self._x["corrupt_removed"] += 1
+
+    def _delete(self, victims: list[tuple[ChunkKey, int]]) -> None:
+        for key, _ in victims:
+            try:
+                os.unlink(self.layout.chunk_path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                log.warning("disk tier: cannot evict %s: %s", key, err)
+                continue
+            with self._lock:
+                self._s.evictions += 1
+
+
+def create_disk_backend(section: Mapping[str, Any], ctx: BackendContext) -> DiskBackend:
+    """Factory registered as ``disk``: validates the section, then opens the tier."""
+    cfg = validate_section(DiskConfig, section, ctx.key_path, ctx.source)
+    return DiskBackend(cfg, codec=ctx.codec, codecs=ctx.codecs, key_path=ctx.key_path, source=ctx.source)

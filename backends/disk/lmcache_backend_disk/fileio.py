@@ -1,0 +1,133 @@
+"""File I/O for chunk frames: atomic durable writes and whole-file reads, with
+optional O_DIRECT.
+
+A chunk becomes visible only by ``rename`` of a complete, fsynced temp file in the
+same directory, so a crash at any point leaves either the old state or the whole new
+file, never a partial chunk under a chunk name. O_DIRECT needs aligned buffers,
+offsets and lengths: writes pad to the alignment and truncate back, reads use an
+aligned buffer; where the filesystem refuses O_DIRECT (tmpfs, some FUSE) the caller
+probes once with :func:`probe_o_direct` and falls back to buffered I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+
+ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """An uninitialised uint8 array of ``nbytes`` whose address is ``align``-aligned."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off : off + nbytes]
+
+
+def probe_o_direct(directory: Path) -> str | None:
+    """None when O_DIRECT writes and reads work in ``directory``, else the reason."""
+    if not _O_DIRECT:
+        return "O_DIRECT is not available on this platform"
+    probe = directory / f".tmp-{os.getpid()}-odirect-probe"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_TRUNC | _O_DIRECT | _O_CLOEXEC, 0o644)
+        try:
+            buf = aligned_empty(ALIGN)
+            buf[:] = 0
+            os.write(fd, buf)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.readv(fd, [buf])
+        finally:
+            os.close(fd)
+    except OSError as err:
+        return f"O_DIRECT refused in {directory}: {err.strerror or err}"
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return None
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[n:]
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(final: Path, temp: Path, data: bytes | memoryview, *, fsync: bool, o_direct: bool) -> None:
+    """Write ``data`` to ``temp``, make it durable (``fsync``), rename it onto
+    ``final``. On any error the temp file is removed and the error propagates;
+    ``final`` is then untouched."""
+    mv = memoryview(data).cast("B")
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC
+    try:
+        if o_direct:
+            size = mv.nbytes
+            padded = aligned_empty(-(-size // ALIGN) * ALIGN)
+            padded[:size] = np.frombuffer(mv, dtype=np.uint8)
+            padded[size:] = 0
+            fd = os.open(temp, flags | _O_DIRECT, 0o644)
+            try:
+                _write_all(fd, memoryview(padded))
+                os.ftruncate(fd, size)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        else:
+            fd = os.open(temp, flags, 0o644)
+            try:
+                _write_all(fd, mv)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.rename(temp, final)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        fsync_dir(final.parent)
+
+
+def read_whole(path: Path, *, o_direct: bool, max_bytes: int) -> tuple[np.ndarray, int]:
+    """The file's bytes and its inode number (to tell it apart from a file that
+    replaced it later). Raises OSError (FileNotFoundError on a miss), or ValueError
+    when the file is larger than ``max_bytes``."""
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if o_direct else 0))
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if size > max_bytes:
+            raise ValueError(f"{path} is {size} bytes, more than any frame ({max_bytes})")
+        cap = -(-size // ALIGN) * ALIGN if o_direct else size
+        buf = aligned_empty(max(cap, ALIGN) if o_direct else cap)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                break
+            got += n
+        return buf[:got], st.st_ino
+    finally:
+        os.close(fd)

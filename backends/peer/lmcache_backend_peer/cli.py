@@ -1,0 +1,105 @@
+"""``lmcache-peer-serve``: a standalone cache node.
+
+Holds chunks in memory (LRU within ``--max-size``) and accepts LOOKUP, GET, PUT and
+REMOVE from clients that know the shared secret, so instances with ``push: true`` can
+share one cache. The secret comes from ``--secret-file`` or the environment variable
+``LMCACHE_PEER_SECRET`` (never the command line, where ``ps`` would show it). Prints
+``listening on HOST:PORT`` once ready (with port 0 the chosen port), runs until
+SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from lmcache_core.config import parse_size
+
+from .client import format_address
+from .config import parse_address
+from .server import PeerServer
+from .store import FrameStore
+
+SECRET_ENV = "LMCACHE_PEER_SECRET"
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _address(text: str) -> tuple[str, int]:
+    try:
+        return parse_address(text, allow_port_zero=True)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmcache-peer-serve", description="Run a standalone lmcache peer cache node.")
+    p.add_argument("--listen", type=_address, required=True, help="host:port to listen on (port 0: pick one)")
+    p.add_argument("--secret-file", type=Path, help=f"file with the shared secret (else ${SECRET_ENV})")
+    p.add_argument("--max-size", type=_size, default=parse_size("1GiB"), help="memory budget, e.g. 2GiB (default 1GiB)")
+    p.add_argument("--max-frame-size", type=_size, default=parse_size("256MiB"), help="largest message (default 256MiB)")
+    p.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline (default 5000)")
+    p.add_argument("--max-connections", type=int, default=256, help="concurrent connections (default 256)")
+    p.add_argument("--read-only", action="store_true", help="refuse PUT and REMOVE")
+    return p
+
+
+def _secret(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bytes:
+    if args.secret_file is not None:
+        try:
+            data = args.secret_file.read_bytes().rstrip(b"\r\n")
+        except OSError as err:
+            parser.error(f"--secret-file: cannot read {args.secret_file}: {err.strerror or err}")
+        if not data:
+            parser.error(f"--secret-file: {args.secret_file} is empty")
+        return data
+    env = os.environ.get(SECRET_ENV, "")
+    if not env:
+        parser.error(f"give --secret-file or set {SECRET_ENV}")
+    return env.encode()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.timeout_ms <= 0:
+        parser.error("--timeout-ms must be positive")
+    secret = _secret(args, parser)
+    store = FrameStore(args.max_size)
+    try:
+        server = PeerServer(
+            store,
+            args.listen,
+            secret,
+            writable=not args.read_only,
+            max_frame_size=args.max_frame_size,
+            timeout=args.timeout_ms / 1000,
+            max_connections=args.max_connections,
+        )
+    except OSError as err:
+        print(f"lmcache-peer-serve: cannot listen on {format_address(args.listen)}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"listening on {format_address(server.address)}", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""The requesting side: one :class:`PeerClient` per remote peer, with a small pool of
+authenticated connections reused across requests (thread-safe).
+
+Every request runs against one deadline (``timeout`` from its start, connecting and
+authenticating included); a connection that saw any error is closed, never reused,
+so a half-read reply can never be mistaken for the next one. An ERROR reply leaves
+the connection usable and raises :class:`PeerRequestError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from typing import Sequence
+
+from lmcache_core.keys import ChunkKey
+
+from .auth import client_handshake
+from .connection import Connection, PeerClosed, PeerTimeout
+from .protocol import (
+    ERROR,
+    GET,
+    GET_OK,
+    LOOKUP,
+    LOOKUP_OK,
+    MAX_KEYS_PER_MESSAGE,
+    PUT,
+    PUT_OK,
+    REMOVE,
+    REMOVE_OK,
+    TYPE_NAMES,
+    Buffer,
+    Count,
+    ErrorReply,
+    GetReply,
+    PeerError,
+    ProtocolError,
+    PutReply,
+    encode_keys,
+    key_bytes,
+    parse_body,
+)
+
+Address = tuple[str, int]
+
+
+class PeerRequestError(PeerError):
+    """The peer answered with an ERROR message."""
+
+
+def format_address(addr: Address) -> str:
+    host, port = addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class PeerClient:
+    """Talks to the peer at ``address`` with the shared ``secret``."""
+
+    def __init__(
+        self,
+        address: Address,
+        secret: bytes,
+        *,
+        timeout: float = 2.0,
+        connect_timeout: float = 0.5,
+        max_frame_size: int = 256 << 20,
+        pool_size: int = 4,
+    ) -> None:
+        if not secret:
+            raise ValueError("the shared secret must not be empty")
+        self.address = address
+        self.name = format_address(address)
+        self.secret = secret
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_frame_size = max_frame_size
+        self.pool_size = pool_size
+        self.server_id: bytes | None = None
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    # -- connections ----------------------------------------------------------------
+    def _connect(self, deadline: float) -> Connection:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerTimeout(f"{self.name}: timed out before connecting")
+        try:
+            sock = socket.create_connection(self.address, timeout=min(self.connect_timeout, left))
+        except socket.timeout:
+            raise PeerTimeout(f"{self.name}: connect timed out") from None
+        except OSError as err:
+            raise PeerClosed(f"{self.name}: cannot connect: {err}") from None
+        conn = Connection(sock, self.name)
+        try:
+            self.server_id = client_handshake(conn, self.secret, deadline)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _acquire(self, deadline: float) -> tuple[Connection, bool]:
+        """A connection and whether it was reused from the pool."""
+        with self._lock:
+            if self._closed:
+                raise PeerClosed(f"{self.name}: client is closed")
+            if self._idle:
+                return self._idle.pop(), True
+        return self._connect(deadline), False
+
+    def _release(self, conn: Connection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.pool_size:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    def connect(self) -> bytes:
+        """Open (and pool) one connection now; returns the server's instance id."""
+        conn = self._connect(time.monotonic() + self.timeout)
+        server_id = self.server_id
+        self._release(conn)
+        return server_id if server_id is not None else b""
+
+    # -- requests -------------------------------------------------------------------
+    def _request(self, mtype: int, parts: Sequence[Buffer], reply_type: int) -> object:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            conn, reused = self._acquire(deadline)
+            try:
+                return self._exchange(conn, mtype, parts, reply_type, deadline)
+            except PeerClosed:
+                # A pooled connection the server has since dropped: one fresh try.
+                if not reused:
+                    raise
+
+    def _exchange(self, conn: Connection, mtype: int, parts: Sequence[Buffer], reply_type: int, deadline: float) -> object:
+        rid = next(self._ids) & 0xFFFFFFFF
+        ok = False
+        try:
+            conn.send(mtype, rid, parts, deadline)
+            header, body = conn.recv(deadline, self.max_frame_size)
+            if header.request_id != rid:
+                raise ProtocolError(f"{self.name}: reply to request {header.request_id}, expected {rid}")
+            msg = parse_body(header.type, body)
+            if header.type == ERROR and isinstance(msg, ErrorReply):
+                ok = True
+                raise PeerRequestError(f"{self.name}: {TYPE_NAMES[mtype]} refused: {msg.message}")
+            if header.type != reply_type:
+                raise ProtocolError(f"{self.name}: expected {TYPE_NAMES[reply_type]}, got {TYPE_NAMES[header.type]}")
+            ok = True
+            return msg
+        finally:
+            if ok:
+                self._release(conn)
+            else:
+                conn.close()
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, the peer holds."""
+        n = 0
+        for lo in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            batch = keys[lo : lo + MAX_KEYS_PER_MESSAGE]
+            msg = self._request(LOOKUP, [encode_keys(batch)], LOOKUP_OK)
+            if not isinstance(msg, Count) or msg.n > len(batch):
+                raise ProtocolError(f"{self.name}: LOOKUP_OK count out of range")
+            n += msg.n
+            if msg.n < len(batch):
+                break
+        return n
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[memoryview | None]:
+        """Frames for ``keys`` in order (None = the peer does not have it). Frames are
+        unverified bytes: decode them with ``expect_key``."""
+        out: list[memoryview | None] = []
+        pos = 0
+        while pos < len(keys):
+            batch = keys[pos : pos + MAX_KEYS_PER_MESSAGE]
+            msg = self._request(GET, [encode_keys(batch)], GET_OK)
+            if not isinstance(msg, GetReply) or not 0 < len(msg.frames) <= len(batch):
+                raise ProtocolError(f"{self.name}: GET_OK answered a wrong number of keys")
+            out.extend(msg.frames)
+            pos += len(msg.frames)
+        return out
+
+    def put(self, key: ChunkKey, frame: Buffer) -> bool:
+        """Push one frame; True when the peer stored it."""
+        msg = self._request(PUT, [key_bytes(key), frame], PUT_OK)
+        if not isinstance(msg, PutReply):
+            raise ProtocolError(f"{self.name}: malformed PUT_OK")
+        return msg.stored
+
+    def remove(self, keys: Sequence[ChunkKey]) -> int:
+        """Drop keys on the peer; how many it had."""
+        removed = 0
+        for lo in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            batch = keys[lo : lo + MAX_KEYS_PER_MESSAGE]
+            msg = self._request(REMOVE, [encode_keys(batch)], REMOVE_OK)
+            if not isinstance(msg, Count):
+                raise ProtocolError(f"{self.name}: malformed REMOVE_OK")
+            removed += msg.n
+        return removed
+

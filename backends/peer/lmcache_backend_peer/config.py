@@ -1,0 +1,94 @@
+"""The ``peer`` backend's config section, and host:port parsing.
+
+Validated with :func:`lmcache_core.config.validate_section`, so every error names
+the key path (``backends[1].peers[0]``) and where the value came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, SecretStr, model_validator
+
+from lmcache_core.config import ByteSize, ConfigError, StrictModel
+
+Address = tuple[str, int]
+
+
+def parse_address(value: Any, *, allow_port_zero: bool = False) -> Address:
+    """``"host:port"`` or ``"[v6addr]:port"`` -> ``(host, port)``."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        value = f"{value[0]}:{value[1]}"
+    if not isinstance(value, str):
+        raise ValueError(f"expected host:port (e.g. 10.0.0.5:9000), got {value!r}")
+    text = value.strip()
+    if text.startswith("["):
+        host, sep, port_s = text[1:].partition("]:")
+        if not sep or not host:
+            raise ValueError(f"expected [ipv6]:port, got {value!r}")
+    else:
+        host, sep, port_s = text.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"expected host:port (e.g. 10.0.0.5:9000), got {value!r}")
+        if ":" in host:
+            raise ValueError(f"write IPv6 addresses in brackets, like [::1]:9000; got {value!r}")
+    if any(c.isspace() for c in host):
+        raise ValueError(f"host must not contain spaces, got {value!r}")
+    if not port_s.isdigit():
+        raise ValueError(f"port must be a number, got {port_s!r} in {value!r}")
+    port = int(port_s)
+    lo = 0 if allow_port_zero else 1
+    if not lo <= port <= 65535:
+        raise ValueError(f"port must be in {lo}..65535, got {port} in {value!r}")
+    return host, port
+
+
+ListenAddress = Annotated[Address, BeforeValidator(lambda v: parse_address(v, allow_port_zero=True))]
+PeerAddress = Annotated[Address, BeforeValidator(parse_address)]
+
+
+class PeerConfig(StrictModel):
+    """``{name: peer, ...}``; see docs/backends/peer.md for every key."""
+
+    listen: ListenAddress | None = Field(None, description="host:port to serve this instance's chunks on; null = don't serve")
+    peers: list[PeerAddress] = Field(default_factory=list, description="host:port of the peers (or cache nodes) to ask")
+    secret: SecretStr | None = Field(None, description="shared secret (prefer secret_file)")
+    secret_file: Path | None = Field(None, description="file holding the shared secret")
+    max_size: ByteSize = Field(1 << 30, description="bytes of chunks kept (and served) by this tier; 0 keeps none")
+    push: bool = Field(False, description="also send every put (and remove) to the peers, e.g. a shared cache node")
+    timeout_ms: int = Field(2000, gt=0, description="whole-request deadline (connect, auth, send, reply)")
+    connect_timeout_ms: int = Field(500, gt=0, description="TCP connect deadline (within timeout_ms)")
+    max_frame_size: ByteSize = Field(256 << 20, description="largest message accepted or sent (bounds one reply)")
+    pool_size: int = Field(4, ge=1, le=256, description="idle connections kept per peer")
+    retry_after_ms: int = Field(1000, ge=0, description="a peer that failed is skipped for this long")
+    max_connections: int = Field(64, ge=1, description="connections the server accepts at once")
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> "PeerConfig":
+        if (self.secret is None) == (self.secret_file is None):
+            raise ValueError("give exactly one of secret or secret_file")
+        if self.secret is not None and not self.secret.get_secret_value():
+            raise ValueError("secret must not be empty")
+        if self.listen is None and not self.peers:
+            raise ValueError("give listen (serve), peers (ask), or both; with neither the tier does nothing")
+        if self.max_frame_size < 1024:
+            raise ValueError("max_frame_size must be at least 1KiB")
+        return self
+
+
+def load_secret(cfg: PeerConfig, key_path: str, source: str) -> bytes:
+    """The secret as bytes, from ``secret`` or ``secret_file`` (trailing newline
+    stripped). Unreadable or empty files are config errors naming the key."""
+    if cfg.secret is not None:
+        return cfg.secret.get_secret_value().encode()
+    assert cfg.secret_file is not None
+    where = f"{key_path}.secret_file" if key_path else "secret_file"
+    try:
+        data = cfg.secret_file.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot read {cfg.secret_file}: {err.strerror or err} (from {source})") from None
+    data = data.rstrip(b"\r\n")
+    if not data:
+        raise ConfigError(f"{where}: {cfg.secret_file} is empty; put the shared secret in it (from {source})")
+    return data

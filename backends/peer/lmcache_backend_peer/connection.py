@@ -1,0 +1,107 @@
+"""One framed, deadline-bounded TCP connection (used by both client and server).
+
+Every read and write runs against an absolute deadline (``time.monotonic()``), so a
+peer that stops answering, or trickles one byte at a time, costs at most the time
+left on the request, never a hang.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Sequence
+
+from .protocol import HEADER_SIZE, Buffer, Header, PeerError, decode_header, message_parts
+
+
+class PeerTimeout(PeerError):
+    """The peer did not answer within the deadline."""
+
+
+class PeerClosed(PeerError):
+    """The peer closed the connection (or it broke) mid-message."""
+
+
+class Connection:
+    """A socket plus framing. Not thread-safe: one request at a time."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.closed = False
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+    def _remaining(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerTimeout(f"{self.peer}: timed out")
+        return left
+
+    def send(self, mtype: int, request_id: int, body_parts: Sequence[Buffer], deadline: float) -> None:
+        """Send one message; large parts are written without being joined."""
+        parts = message_parts(mtype, request_id, body_parts)
+        small = bytearray()
+        try:
+            for p in parts:
+                mv = memoryview(p).cast("B")
+                if mv.nbytes <= 64 * 1024:
+                    small += mv
+                    continue
+                if small:
+                    self.sock.settimeout(self._remaining(deadline))
+                    self.sock.sendall(small)
+                    small = bytearray()
+                self.sock.settimeout(self._remaining(deadline))
+                self.sock.sendall(mv)
+            if small:
+                self.sock.settimeout(self._remaining(deadline))
+                self.sock.sendall(small)
+        except socket.timeout:
+            raise PeerTimeout(f"{self.peer}: timed out sending") from None
+        except OSError as err:
+            raise PeerClosed(f"{self.peer}: send failed: {err}") from None
+
+    def _recv_exact(self, buf: memoryview, deadline: float) -> None:
+        got = 0
+        n = buf.nbytes
+        try:
+            while got < n:
+                self.sock.settimeout(self._remaining(deadline))
+                r = self.sock.recv_into(buf[got:], n - got)
+                if r == 0:
+                    raise PeerClosed(f"{self.peer}: connection closed after {got} of {n} bytes")
+                got += r
+        except socket.timeout:
+            raise PeerTimeout(f"{self.peer}: timed out reading") from None
+        except PeerError:
+            raise
+        except OSError as err:
+            raise PeerClosed(f"{self.peer}: read failed: {err}") from None
+
+    def recv(self, header_deadline: float, max_body: int, body_timeout: float | None = None) -> tuple[Header, memoryview]:
+        """Read one message. The header must arrive by ``header_deadline``; the body by
+        then too, or, with ``body_timeout``, within that many seconds of the header."""
+        hbuf = bytearray(HEADER_SIZE)
+        self._recv_exact(memoryview(hbuf), header_deadline)
+        header = decode_header(hbuf, max_body)
+        body = bytearray(header.body_len)
+        deadline = header_deadline if body_timeout is None else time.monotonic() + body_timeout
+        if header.body_len:
+            self._recv_exact(memoryview(body), deadline)
+        return header, memoryview(body)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,61 @@
+"""Build a :class:`PeerBackend` from its ``backends:`` section."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from lmcache_core.backend import BackendContext
+from lmcache_core.config import ConfigError, validate_section
+
+from .backend import PeerBackend
+from .client import PeerClient, format_address
+from .config import PeerConfig, load_secret
+from .server import PeerServer
+from .store import FrameStore
+
+
+def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> PeerBackend:
+    """Validate the section, start the server when ``listen`` is set, and connect
+    lazily to ``peers`` (a peer that is down at start-up is just a miss for now)."""
+    cfg = validate_section(PeerConfig, section, ctx.key_path, ctx.source)
+    secret = load_secret(cfg, ctx.key_path, ctx.source)
+    store = FrameStore(cfg.max_size)
+    timeout = cfg.timeout_ms / 1000
+    server = None
+    if cfg.listen is not None:
+        try:
+            server = PeerServer(
+                store,
+                cfg.listen,
+                secret,
+                writable=False,
+                max_frame_size=cfg.max_frame_size,
+                timeout=timeout,
+                max_connections=cfg.max_connections,
+            )
+        except OSError as err:
+            raise ConfigError(
+                f"{ctx.key_path}.listen: cannot listen on {format_address(cfg.listen)}: "
+                f"{err.strerror or err} (from {ctx.source})"
+            ) from None
+    peers = [a for a in dict.fromkeys(cfg.peers) if a != cfg.listen]
+    clients = [
+        PeerClient(
+            a,
+            secret,
+            timeout=timeout,
+            connect_timeout=min(cfg.connect_timeout_ms, cfg.timeout_ms) / 1000,
+            max_frame_size=cfg.max_frame_size,
+            pool_size=cfg.pool_size,
+        )
+        for a in peers
+    ]
+    return PeerBackend(
+        store,
+        clients,
+        codec=ctx.codec,
+        codecs=dict(ctx.codecs),
+        server=server,
+        push=cfg.push,
+        retry_after=cfg.retry_after_ms / 1000,
+    )

@@ -1,0 +1,98 @@
+"""What a peer serves: chunks as serde frames, in memory, LRU within a byte budget.
+
+Frames (not tensors) because a frame is exactly what goes on the wire: serving a hit
+is a send of bytes already held, and the reader verifies key and checksum itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Protocol, Sequence
+
+from lmcache_core.keys import ChunkKey
+
+
+class ChunkSource(Protocol):
+    """What :class:`~lmcache_backend_peer.server.PeerServer` serves from."""
+
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        """Prefix count of ``keys`` held."""
+
+    def get_frame(self, key: ChunkKey) -> bytes | memoryview | None:
+        """The serde frame of ``key``, or None."""
+
+
+class WritableSource(ChunkSource, Protocol):
+    """A source that also accepts pushes from authenticated clients."""
+
+    def put_frame(self, key: ChunkKey, frame: bytes) -> bool: ...
+
+    def remove(self, key: ChunkKey) -> bool: ...
+
+
+class FrameStore:
+    """Thread-safe LRU map of key -> frame bytes, bounded by ``max_size`` bytes.
+    A ``max_size`` of 0 keeps nothing (a pure client of other peers)."""
+
+    def __init__(self, max_size: int) -> None:
+        if max_size < 0:
+            raise ValueError("max_size must not be negative")
+        self.max_size = max_size
+        self._lock = threading.Lock()
+        self._frames: OrderedDict[ChunkKey, bytes] = OrderedDict()
+        self._bytes = 0
+        self.evictions = 0
+
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k not in self._frames:
+                    break
+                n += 1
+        return n
+
+    def get_frame(self, key: ChunkKey) -> bytes | None:
+        with self._lock:
+            frame = self._frames.get(key)
+            if frame is not None:
+                self._frames.move_to_end(key)
+            return frame
+
+    def put_frame(self, key: ChunkKey, frame: bytes) -> bool:
+        """Keep ``frame``, evicting least recently used ones; False if it can never fit."""
+        size = len(frame)
+        if size > self.max_size:
+            return False
+        with self._lock:
+            if key in self._frames:
+                self._frames.move_to_end(key)
+                return True
+            while self._bytes + size > self.max_size and self._frames:
+                _, old = self._frames.popitem(last=False)
+                self._bytes -= len(old)
+                self.evictions += 1
+            self._frames[key] = frame
+            self._bytes += size
+        return True
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            frame = self._frames.pop(key, None)
+            if frame is None:
+                return False
+            self._bytes -= len(frame)
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._frames.clear()
+            self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes

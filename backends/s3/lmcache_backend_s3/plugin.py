@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+from botocore.exceptions import NoCredentialsError, PartialCredentialsError, ProfileNotFound
 
 from lmcache_core.backend import BackendContext, BackendError
 from lmcache_core.config import ConfigError, validate_section
@@ -60,7 +60,10 @@ def _verify(backend: S3Backend, ctx: BackendContext) -> None:
 def create_s3_backend(section: Mapping[str, Any], ctx: BackendContext) -> S3Backend:
     """Factory for ``{name: s3, bucket: ..., ...}`` (see :class:`S3Config`)."""
     cfg = validate_section(S3Config, section, ctx.key_path, ctx.source)
-    backend = S3Backend(cfg, codec=ctx.codec, codecs=ctx.codecs)
+    try:
+        backend = S3Backend(cfg, codec=ctx.codec, codecs=ctx.codecs)
+    except ProfileNotFound as err:
+        raise ConfigError(f"{ctx.key_path}.profile: {err} (from {ctx.source}); check ~/.aws/config or AWS_CONFIG_FILE") from None
     if cfg.verify_on_start:
         try:
             _verify(backend, ctx)

@@ -1,0 +1,35 @@
+"""The s3 tier runs the backend conformance suite against a real S3 endpoint (moto on
+loopback), with raw and lz4 frames; ``persistent``: a second instance sees the data."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from s3_server import MotoS3, s3_bucket, s3_server  # noqa: E402,F401 - fixtures
+
+from lmcache_backend_s3 import create_s3_backend  # noqa: E402
+from lmcache_core.backend import BackendContext, StorageBackend  # noqa: E402
+from lmcache_core.testing import BackendConformance  # noqa: E402
+
+
+class TestS3Conformance(BackendConformance):
+    persistent = True
+
+    @pytest.fixture(autouse=True)
+    def _endpoint(self, s3_server: MotoS3, s3_bucket: str) -> None:
+        self.server, self.bucket = s3_server, s3_bucket
+
+    def _section(self, tmp_path: Path) -> dict[str, Any]:
+        return self.server.options(self.bucket, prefix=f"conformance/{tmp_path.name}", max_concurrency=8)
+
+    def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
+        return create_s3_backend(self._section(tmp_path), ctx)
+
+
+class TestS3ConformanceLz4(TestS3Conformance):
+    codec = "lz4"

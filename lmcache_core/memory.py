@@ -110,6 +110,18 @@ class MemoryPool:
         self._free_offsets.insert(i, off)
         self._free_sizes[off] = size
 
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies inside this pool (a view, not a copy)."""
+        base = self._data.data_ptr()
+        start = tensor.data_ptr()
+        return base <= start and start + tensor.numel() * tensor.element_size() <= base + self.capacity
+
+    @property
+    def free_regions(self) -> int:
+        """How many separate free regions there are (1 when nothing is fragmented)."""
+        with self._lock:
+            return len(self._free_offsets)
+
     @property
     def free_bytes(self) -> int:
         return self.capacity - self.used

@@ -216,12 +216,15 @@ def decode(
                 f"frame holds {info.dtype}{list(info.shape)}, caller expects "
                 f"{DTYPE_NAMES.get(out.dtype, out.dtype)}{list(out.shape)}"
             )
-        dst = out.reshape(-1).view(torch.uint8)
+        if info.raw_len == 0:
+            return out
         if out.is_contiguous() and out.device.type == "cpu":
-            dst.numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+            out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
         else:
             out.copy_(torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()).view(dtype).reshape(info.shape))
         return out
+    if info.raw_len == 0:  # torch cannot reinterpret an empty byte view
+        return torch.empty(info.shape, dtype=dtype)
     arr = np.frombuffer(raw, dtype=np.uint8).copy()
     return torch.from_numpy(arr).view(dtype).reshape(info.shape)
 

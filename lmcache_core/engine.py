@@ -197,7 +197,10 @@ class CacheEngine:
 
     def lookup_hashes(self, hashes: Sequence[bytes], *, pin_id: str | None = None) -> int:
         """Number of leading chunks present; with ``pin_id`` the hits in pinning tiers
-        are pinned until :meth:`unpin` (so they are not evicted before the load)."""
+        are pinned until :meth:`unpin` (so they are not evicted before the load). A
+        repeated lookup under the same ``pin_id`` replaces the earlier pins."""
+        if pin_id is not None:
+            self.unpin(pin_id)
         keys = self.keys(hashes)
         pos = 0
         while pos < len(keys):
@@ -338,8 +341,40 @@ class CacheEngine:
             self.counters.add(load_errors=1)
         return n
 
-    def _retrieve_one(self, key: ChunkKey, out: torch.Tensor) -> bool:
+    def retrieve_buffer(self, chunk_hash: bytes, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
+        """One chunk as a pool buffer (the caller owns one reference), or ``None``
+        on a miss. Zero-copy when the first tier keeps chunks in the pool."""
+        key = ChunkKey(self._ns_id, chunk_hash)
+        shape = tuple(shape)
+        tier0 = self.tiers[0] if self.tiers else None
+        start = 0
+        if tier0 is not None and ZERO_COPY in tier0.capabilities:
+            start = 1
+            try:
+                buf = tier0.get_buffer(key)
+            except Exception as err:
+                self._tier_error(tier0, "get", err)
+                buf = None
+            if buf is not None:
+                if buf.tensor.dtype == dtype and tuple(buf.tensor.shape) == shape:
+                    m.TIER_BYTES.labels(tier0.name, "get").inc(buf.nbytes)
+                    self.counters.add(retrieved_chunks=1)
+                    return buf
+                buf.release()
+                self._tier_error(tier0, "get", ValueError(f"stored chunk has shape {list(buf.tensor.shape)}, expected {list(shape)}"))
+        buf = self.allocate(shape, dtype)
+        if buf is None:
+            return None
+        if self._retrieve_one(key, buf.tensor, start=start, buf=buf):
+            self.counters.add(retrieved_chunks=1)
+            return buf
+        buf.release()
+        return None
+
+    def _retrieve_one(self, key: ChunkKey, out: torch.Tensor, *, start: int = 0, buf: MemoryBuffer | None = None) -> bool:
         for level, tier in enumerate(self.tiers):
+            if level < start:
+                continue
             t0 = time.perf_counter()
             try:
                 if ZERO_COPY in tier.capabilities:
@@ -364,14 +399,17 @@ class CacheEngine:
             if ok:
                 m.TIER_BYTES.labels(tier.name, "get").inc(out.nbytes)
                 if level > 0:
-                    self._promote(key, out, level)
+                    self._promote(key, buf if buf is not None else out, level)
                 return True
         return False
 
-    def _promote(self, key: ChunkKey, data: torch.Tensor, level: int) -> None:
+    def _promote(self, key: ChunkKey, data: ChunkData, level: int) -> None:
         tier0 = self.tiers[0]
         try:
-            tier0.put(key, data)
+            if isinstance(data, MemoryBuffer) and ZERO_COPY in tier0.capabilities:
+                tier0.put_buffer(key, data)
+            else:
+                tier0.put(key, data.tensor if isinstance(data, MemoryBuffer) else data)
         except Exception as err:
             self._tier_error(tier0, "put", err)
         if level > 1:

@@ -1,0 +1,144 @@
+"""``LMCacheCoreConnector``: the vLLM v1 KV connector (vLLM 0.32.0).
+
+A thin facade: vLLM builds one instance per role; the scheduler role delegates to
+:class:`~lmcache_connector.scheduler.SchedulerSide`, the worker role to
+:class:`~lmcache_connector.worker.WorkerSide`. Load it with::
+
+    KVTransferConfig(kv_connector="LMCacheCoreConnector",
+                     kv_connector_module_path="lmcache_connector",  # optional once installed
+                     kv_role="kv_both",
+                     kv_load_failure_policy="recompute")
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from lmcache_core.config import ConfigError
+
+from .lookup_ipc import LookupClient, socket_path
+from .metadata import LMCacheConnectorMetadata
+from .options import load_settings
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank_in_group
+    except AssertionError:  # world group not initialised (single process tools)
+        return 0
+
+
+class LMCacheCoreConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.settings = settings = load_settings(ktc.kv_connector_extra_config)
+        cfg = settings.core
+        block_size = vllm_config.cache_config.block_size
+        if cfg.chunk_size % block_size:
+            raise ConfigError(
+                f"chunk_size: {cfg.chunk_size} is not a multiple of vLLM's block size {block_size} "
+                f"(from {settings.loaded.source_of('chunk_size')}); use e.g. {block_size * max(1, cfg.chunk_size // block_size)}"
+            )
+        world = vllm_config.parallel_config.world_size
+        engine_id = ktc.engine_id or "default"
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.lookup_timeout_ms)
+            self._sched = SchedulerSide(
+                settings,
+                block_size=block_size,
+                can_load=ktc.is_kv_consumer,
+                can_save=ktc.is_kv_producer,
+                lookup=client,
+            )
+        else:
+            rank = _rank()
+            self._worker = WorkerSide(
+                settings,
+                model_id=settings.model_id or str(vllm_config.model_config.model),
+                block_size=block_size,
+                rank=rank,
+                world_size=world,
+                lookup_address=socket_path(engine_id, rank),
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss
+
+    # -- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheConnectorMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # saves gather every layer at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheConnectorMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._sched is not None:
+            self._sched.close()
+
+    # -- scheduler side ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)

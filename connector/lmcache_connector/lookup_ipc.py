@@ -1,0 +1,154 @@
+"""Scheduler-to-worker lookups over ZeroMQ IPC.
+
+The cache lives in the worker process(es); vLLM's scheduler may run in another
+process. The scheduler side sends a request's chunk hashes to every worker rank and
+takes the smallest hit count. A reply that does not arrive within the timeout is a
+miss (0): the scheduler never blocks on a stuck worker. Messages are raw bytes (no
+pickle): ``[b"L1", seq, request_id, pin_flag, hashes...]`` and ``[b"L1", seq, count]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Callable, Sequence
+
+import zmq
+
+from lmcache_core.keys import HASH_BYTES
+
+log = logging.getLogger(__name__)
+PROTO = b"L1"
+
+
+def socket_path(engine_id: str, rank: int) -> str:
+    safe = "".join(c for c in engine_id if c.isalnum())[:16] or "default"
+    return f"ipc://{tempfile.gettempdir()}/lmcc-{safe}-{rank}.ipc"
+
+
+LookupFn = Callable[[Sequence[bytes], str | None], int]
+
+
+class LookupServer:
+    """Answers lookups in the worker with ``lookup(hashes, pin_id) -> chunks``."""
+
+    def __init__(self, address: str, lookup: LookupFn) -> None:
+        self.address = address
+        self._lookup = lookup
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if address.startswith("ipc://"):
+            try:
+                os.unlink(address[len("ipc://") :])
+            except FileNotFoundError:
+                pass
+        self._sock.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lmcache-lookup-server", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(100)):
+                continue
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                return
+            reply = self._answer(frames[1:])
+            try:
+                self._sock.send_multipart([frames[0], *reply])
+            except zmq.ZMQError as err:
+                log.warning("lookup reply failed: %s", err)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        if len(frames) != 5 or frames[0] != PROTO:
+            return [PROTO, frames[1] if len(frames) > 1 else b"", b"0"]
+        _, seq, req_id, pin, blob = frames
+        if len(blob) % HASH_BYTES:
+            return [PROTO, seq, b"0"]
+        hashes = [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+        try:
+            n = self._lookup(hashes, req_id.decode() if pin == b"1" else None)
+        except Exception as err:  # a failing cache is a miss, never a crash
+            log.warning("lookup failed, reporting a miss: %s", err)
+            n = 0
+        return [PROTO, seq, str(n).encode()]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+class LookupClient:
+    """Scheduler side: asks every worker rank; the answer is the minimum."""
+
+    def __init__(self, addresses: Sequence[str], timeout_ms: int) -> None:
+        self.addresses = list(addresses)
+        self.timeout_ms = timeout_ms
+        self._ctx = zmq.Context()
+        self._socks: list[zmq.Socket] = []
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.timeouts = 0
+        for addr in self.addresses:
+            self._socks.append(self._connect(addr))
+
+    def _connect(self, addr: str) -> zmq.Socket:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        return s
+
+    def lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
+        if not hashes:
+            return 0
+        with self._lock:
+            self._seq += 1
+            seq = str(self._seq).encode()
+            blob = b"".join(hashes)
+            msg = [PROTO, seq, (pin_id or "").encode(), b"1" if pin_id else b"0", blob]
+            for s in self._socks:
+                s.send_multipart(msg)
+            deadline = time.monotonic() + self.timeout_ms / 1000
+            best = len(hashes)
+            for i, s in enumerate(self._socks):
+                got = self._recv(s, seq, deadline)
+                if got is None:
+                    self.timeouts += 1
+                    log.warning("lookup to %s timed out after %d ms: treated as a miss", self.addresses[i], self.timeout_ms)
+                    # Drop late replies by starting over with a fresh socket.
+                    s.close(0)
+                    self._socks[i] = self._connect(self.addresses[i])
+                    best = 0
+                else:
+                    best = min(best, got)
+            return best
+
+    @staticmethod
+    def _recv(s: zmq.Socket, seq: bytes, deadline: float) -> int | None:
+        while True:
+            left = int((deadline - time.monotonic()) * 1000)
+            if left <= 0 or not s.poll(left):
+                return None
+            frames = s.recv_multipart()
+            if len(frames) == 3 and frames[0] == PROTO and frames[1] == seq:
+                try:
+                    return max(0, int(frames[2]))
+                except ValueError:
+                    return 0
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close(0)
+        self._ctx.term()

@@ -1,0 +1,38 @@
+"""The per-step plan the scheduler side sends to the workers (pickled by vLLM).
+
+Only plain data: chunk hashes (16 bytes each), token ranges and block ids. Workers
+combine the hashes with their own key namespace (model, layout, TP rank), so the
+scheduler never needs to know the KV layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class ChunkTransfer:
+    """Chunks ``first_chunk .. first_chunk + len(hashes)`` of one request.
+
+    ``chunk_ends[i]`` is the token index where chunk i ends (chunk_size multiples,
+    or the prompt length for a trailing partial chunk)."""
+
+    req_id: str
+    hashes: list[bytes]
+    first_chunk: int
+    chunk_ends: list[int]
+    block_ids: list[int]
+    write_from: int = 0  # loads: tokens below this are vLLM's own and are not written
+
+
+@dataclass
+class LMCacheConnectorMetadata(KVConnectorMetadata):
+    chunk_size: int = 256
+    loads: list[ChunkTransfer] = field(default_factory=list)
+    saves: list[ChunkTransfer] = field(default_factory=list)
+    unpins: list[str] = field(default_factory=list)
+
+    def chunk_start(self, t: ChunkTransfer, i: int) -> int:
+        return (t.first_chunk + i) * self.chunk_size

@@ -1,0 +1,83 @@
+"""Connector configuration and per-request options.
+
+Configuration: the core's YAML/env config, then ``kv_connector_extra_config``
+overrides: ``config_file`` (a YAML path) and any core key (``chunk_size``,
+``backends``, ...), plus connector keys (``model_id``). Errors name
+``kv_connector_extra_config.<key>``.
+
+Per-request options come in ``kv_transfer_params`` (``SamplingParams.extra_args``):
+``lmcache.skip_save: true`` and ``lmcache.tag.<name>: <str>``. A malformed option
+never fails the request: the request is served without the cache (no load, no save)
+and a warning says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from lmcache_core.config import CoreConfig, LoadedConfig, load_config
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_KEYS = {"config_file", "model_id"}
+SKIP_SAVE = "lmcache.skip_save"
+TAG_PREFIX = "lmcache.tag."
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    loaded: LoadedConfig
+    model_id: str | None = None
+
+    @property
+    def core(self) -> CoreConfig:
+        return self.loaded.config
+
+
+def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    """Core config with ``kv_connector_extra_config`` applied on top."""
+    extra = dict(extra or {})
+    path = extra.pop("config_file", None)
+    model_id = extra.pop("model_id", None)
+    if model_id is not None and not isinstance(model_id, str):
+        from lmcache_core.config import ConfigError
+
+        raise ConfigError("kv_connector_extra_config.model_id: must be a string (from kv_connector_extra_config)")
+    loaded = load_config(path, overrides=extra, overrides_source="kv_connector_extra_config")
+    return ConnectorSettings(loaded, model_id)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    skip_save: bool = False
+    skip_load: bool = False
+    tags: dict[str, str] = field(default_factory=dict)
+    problem: str | None = None
+
+
+def parse_request_options(params: Mapping[str, Any] | None, request_id: str = "?") -> RequestOptions:
+    if not params:
+        return RequestOptions()
+    if not isinstance(params, Mapping):
+        return _bad(request_id, f"kv_transfer_params must be a mapping, got {type(params).__name__}")
+    skip_save = params.get(SKIP_SAVE, False)
+    if not isinstance(skip_save, bool):
+        return _bad(request_id, f"{SKIP_SAVE} must be true or false, got {skip_save!r}")
+    tags: dict[str, str] = {}
+    for key, value in params.items():
+        if isinstance(key, str) and key.startswith(TAG_PREFIX):
+            name = key[len(TAG_PREFIX) :]
+            if not name or not isinstance(value, (str, int)) or isinstance(value, bool):
+                return _bad(request_id, f"{key} must be a non-empty tag name with a string value, got {value!r}")
+            tags[name] = str(value)
+        elif isinstance(key, str) and key.startswith("lmcache.") and key != SKIP_SAVE:
+            return _bad(request_id, f"unknown option {key!r} (known: {SKIP_SAVE}, {TAG_PREFIX}<name>)")
+    return RequestOptions(skip_save=skip_save, tags=tags)
+
+
+def _bad(request_id: str, why: str) -> RequestOptions:
+    msg = f"request {request_id}: {why}; serving it without the KV cache"
+    log.warning(msg)
+    return RequestOptions(skip_save=True, skip_load=True, problem=msg)

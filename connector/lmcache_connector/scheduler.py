@@ -1,0 +1,270 @@
+"""Scheduler side of the connector: decides what to load and what to save.
+
+Per request it keeps the chunk hashes of the prompt (hashed once), the blocks vLLM
+gave it, and how many chunks are known to be in the cache (hit or already saved), so
+chunked prefill, preemption and decode never save a chunk twice. Lookups go to the
+worker(s) over IPC with a timeout that becomes a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from lmcache_core import metrics as m
+from lmcache_core.keys import chain_seed, chunk_hashes
+
+from .lookup_ipc import LookupClient
+from .metadata import ChunkTransfer, LMCacheConnectorMetadata
+from .options import ConnectorSettings, RequestOptions, parse_request_options
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def mm_extras(mm_features: Sequence[Any] | None, chunk_size: int) -> dict[int, bytes]:
+    """Per-chunk bytes from multimodal items: each item's content hash goes into
+    every chunk its placeholder tokens touch, so two different images behind the
+    same placeholder tokens never share KV."""
+    extras: dict[int, bytes] = {}
+    for f in mm_features or ():
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        pos = f.mm_position
+        if not ident:
+            raise ValueError("multimodal item without a content hash")
+        length = max(int(pos.length), 1)
+        tag = f"{f.modality}:{ident}@{int(pos.offset)}+{length};".encode()
+        for c in range(int(pos.offset) // chunk_size, (int(pos.offset) + length - 1) // chunk_size + 1):
+            extras[c] = extras.get(c, b"") + tag
+    return extras
+
+
+def request_seed(opts: RequestOptions, cache_salt: str | None, lora_name: str | None) -> bytes:
+    tags = {f"tag:{k}": v for k, v in opts.tags.items()}
+    if cache_salt:
+        tags["vllm:cache_salt"] = cache_salt
+    if lora_name:
+        tags["vllm:lora"] = lora_name
+    return chain_seed(tags)
+
+
+@dataclass
+class _Req:
+    req_id: str
+    prompt_len: int
+    seed: bytes
+    extras: dict[int, bytes]
+    hashes: list[bytes]  # full chunks of the prompt (extended during decode if saving it)
+    partial: bytes | None  # the prompt's trailing partial chunk, when save_unfull_chunk
+    save: bool
+    opts: RequestOptions
+    request: Any = None  # the live vllm Request (for decode tokens)
+    block_ids: list[int] = field(default_factory=list)
+    saved_full: int = 0  # full chunks known to be cached
+    partial_saved: bool = False
+    load: ChunkTransfer | None = None
+    load_start: int = 0
+    load_end: int = 0
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        *,
+        block_size: int,
+        can_load: bool,
+        can_save: bool,
+        lookup: LookupClient,
+    ) -> None:
+        self.cfg = settings.core
+        self.cs = self.cfg.chunk_size
+        self.block_size = block_size
+        self.can_load = can_load
+        self.can_save = can_save
+        self.lookup_client = lookup
+        self._reqs: dict[str, _Req] = {}
+        self._unpins: list[str] = []
+
+    # -- request state ------------------------------------------------------------------
+    def _new_state(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        opts: RequestOptions,
+        *,
+        priority: int,
+        cache_salt: str | None,
+        lora_name: str | None,
+        mm_features: Sequence[Any] | None,
+        request: Any = None,
+    ) -> _Req:
+        save = self.can_save and not opts.skip_save
+        if self.cfg.priority_limit is not None and priority > self.cfg.priority_limit:
+            save = False
+        try:
+            extras = mm_extras(mm_features, self.cs)
+        except (AttributeError, TypeError, ValueError) as err:
+            log.warning("request %s: unusable multimodal metadata (%s); serving it without the KV cache", req_id, err)
+            opts = RequestOptions(skip_save=True, skip_load=True, problem=str(err))
+            save, extras = False, {}
+        seed = request_seed(opts, cache_salt, lora_name)
+        hashes = chunk_hashes(prompt, self.cs, seed=seed, extras=extras, include_partial=self.cfg.save_unfull_chunk)
+        partial = None
+        if self.cfg.save_unfull_chunk and len(prompt) % self.cs:
+            partial = hashes.pop()
+        st = _Req(req_id, len(prompt), seed, extras, hashes, partial, save, opts, request)
+        self._reqs[req_id] = st
+        return st
+
+    def _state_for(self, request: "Request") -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            opts = parse_request_options(request.kv_transfer_params, request.request_id)
+            st = self._new_state(
+                request.request_id,
+                request.prompt_token_ids or [],
+                opts,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                lora_name=request.lora_request.lora_name if request.lora_request else None,
+                mm_features=request.mm_features,
+                request=request,
+            )
+        return st
+
+    def _lookup_hashes(self, st: _Req) -> list[bytes]:
+        return st.hashes[: st.prompt_len // self.cs] + ([st.partial] if st.partial else [])
+
+    def _chunk_end(self, st: _Req, chunk: int) -> int:
+        """Token index where ``chunk`` ends (the prompt length for the partial one)."""
+        if st.partial and chunk == st.prompt_len // self.cs:
+            return st.prompt_len
+        return (chunk + 1) * self.cs
+
+    # -- vLLM scheduler hooks ---------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state_for(request)
+        if not self.can_load or st.opts.skip_load or request.prompt_token_ids is None:
+            return 0, False
+        hashes = self._lookup_hashes(st)
+        n = self.lookup_client.lookup(hashes, st.req_id) if hashes else 0
+        m.LOOKUPS.labels("scheduler").inc()
+        m.LOOKUP_TOKENS.inc(st.prompt_len)
+        full = st.prompt_len // self.cs
+        st.saved_full = max(st.saved_full, min(n, full))
+        if n > full:
+            st.partial_saved = True
+        hit = self._chunk_end(st, n - 1) if n else 0
+        m.LOOKUP_HIT_TOKENS.inc(hit)
+        # vLLM must compute at least the last prompt token to produce logits.
+        hit = min(hit, st.prompt_len - 1)
+        ext = hit - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        st.load_start, st.load_end = num_computed_tokens, hit
+        return ext, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        start = st.load_start
+        end = start + num_external_tokens
+        c0, c1 = start // self.cs, -(-end // self.cs)
+        hashes = self._lookup_hashes(st)[c0:c1]
+        st.load = ChunkTransfer(
+            st.req_id,
+            hashes,
+            c0,
+            [self._chunk_end(st, c) for c in range(c0, c0 + len(hashes))],
+            block_ids,
+            write_from=start,
+        )
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
+        meta = LMCacheConnectorMetadata(chunk_size=self.cs)
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._emit_load(st, meta)
+            self._plan_save(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(nb[0]) if nb else []
+            elif nb:
+                st.block_ids.extend(nb[0])
+            self._emit_load(st, meta)
+            self._plan_save(st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0), meta)
+        meta.unpins, self._unpins = self._unpins, []
+        return meta
+
+    def _emit_load(self, st: _Req, meta: LMCacheConnectorMetadata) -> None:
+        if st.load is not None:
+            meta.loads.append(st.load)
+            st.load = None
+
+    def _plan_save(self, st: _Req, computed: int, meta: LMCacheConnectorMetadata) -> None:
+        if not st.save:
+            return
+        limit = computed if self.cfg.save_decode_cache else min(computed, st.prompt_len)
+        n_full = limit // self.cs
+        if n_full > len(st.hashes):
+            self._extend_hashes(st, n_full)
+            n_full = min(n_full, len(st.hashes))
+        transfers: list[tuple[int, bytes, int]] = []  # (chunk, hash, end)
+        for c in range(st.saved_full, n_full):
+            transfers.append((c, st.hashes[c], (c + 1) * self.cs))
+        # The prompt's partial chunk, once the whole prompt is computed.
+        if st.partial and not st.partial_saved and limit >= st.prompt_len and n_full == st.prompt_len // self.cs:
+            transfers.append((n_full, st.partial, st.prompt_len))
+            st.partial_saved = True
+        if not transfers:
+            return
+        need_blocks = -(-transfers[-1][2] // self.block_size)
+        if need_blocks > len(st.block_ids):
+            log.warning("request %s: %d blocks known, %d needed to save; skipping", st.req_id, len(st.block_ids), need_blocks)
+            return
+        first = transfers[0][0]
+        meta.saves.append(
+            ChunkTransfer(st.req_id, [h for _, h, _ in transfers], first, [e for _, _, e in transfers], list(st.block_ids))
+        )
+        st.saved_full = max(st.saved_full, n_full)
+
+    def _extend_hashes(self, st: _Req, n_full: int) -> None:
+        """Hash decode-phase chunks (tokens beyond the prompt) as they complete."""
+        if st.request is None:
+            return
+        tokens = list(st.request.all_token_ids[: n_full * self.cs])
+        start = st.hashes[-1] if st.hashes else None
+        more = chunk_hashes(
+            tokens,
+            self.cs,
+            seed=st.seed,
+            extras=st.extras,
+            start=start,
+            first_chunk=len(st.hashes),
+        )
+        st.hashes.extend(more)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        self._unpins.append(request.request_id)
+        return False, None
+
+    def close(self) -> None:
+        self.lookup_client.close()
+

@@ -112,9 +112,10 @@ class MemoryPool:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies inside this pool (a view, not a copy)."""
-        base = self._data.data_ptr()
-        start = tensor.data_ptr()
-        return base <= start and start + tensor.numel() * tensor.element_size() <= base + self.capacity
+        if tensor.untyped_storage().data_ptr() != self._data.untyped_storage().data_ptr():
+            return False
+        start = tensor.storage_offset() * tensor.element_size()
+        return 0 <= start and start + tensor.numel() * tensor.element_size() <= self.capacity
 
     @property
     def free_regions(self) -> int:

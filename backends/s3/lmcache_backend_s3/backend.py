@@ -21,12 +21,13 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Mapping, Sequence
 
 import torch
+from botocore.exceptions import ClientError
 
 from lmcache_core.backend import PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import DTYPE_NAMES, MAX_HEADER_BYTES, Codec, FrameError, encode, parse_header, try_decode
 
-from .client import Failure, classify, describe, make_client
+from .client import Failure, classify, describe, make_client, status_of
 from .config import S3Config
 from .health import HealthGate
 from .presence import PresenceCache
@@ -107,10 +108,12 @@ class S3Backend(StorageBackend):
         return True
 
     def contains(self, keys: Sequence[ChunkKey]) -> int:
+        if self._closed or self._gate.blocked():
+            return 0  # known present or not, nothing can be read while the endpoint is down
         n = 0
         while n < len(keys) and keys[n] in self._present:
             n += 1
-        if n == len(keys) or self._closed:
+        if n == len(keys):
             return n
         if not self._gate.allow():
             return n
@@ -209,6 +212,10 @@ class S3Backend(StorageBackend):
             return False
         except Exception as err:
             kind = classify(err)
+            if isinstance(err, ClientError) and status_of(err) == 416:  # an empty object has no byte 0
+                self._gate.succeeded()
+                self._bad_frame(key, b"", out, "empty object")
+                return False
             if kind is Failure.MISSING:
                 self._gate.succeeded()
                 self._present.discard(key)

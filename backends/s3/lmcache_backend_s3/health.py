@@ -30,6 +30,11 @@ class HealthGate:
             self._probing = True
             return True
 
+    def blocked(self) -> bool:
+        """True while the endpoint is known down (no request would be allowed now)."""
+        with self._lock:
+            return self._down_until != 0.0 and (time.monotonic() < self._down_until or self._probing)
+
     def failed(self) -> None:
         with self._lock:
             if self._down_until == 0.0:

@@ -1,0 +1,227 @@
+"""Acceptance 6: CacheEngine across tiers, by token ids."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from lmcache_core import CacheEngine, KeyNamespace
+from lmcache_core.config import load_config
+from lmcache_core.local_cpu import LocalCpuBackend
+from lmcache_core.plugins import PluginManager
+
+from .helpers import BrokenTier, DictTier, TierPlugin
+
+CS = 16
+SHAPE = (2, 2, CS, 32)  # [layers, k/v, tokens, hidden], float16: 4 KiB per chunk
+CHUNK_BYTES = 2 * 2 * CS * 32 * 2
+NS = KeyNamespace(model="engine-test", layout="test", dtype="float16")
+
+
+def data_for(tokens: list[int], i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(tuple(tokens[: (i + 1) * CS])) % 2**31)
+    return torch.randn(SHAPE, generator=g).to(torch.float16)
+
+
+def chunks_for(tokens: list[int]) -> list[torch.Tensor]:
+    return [data_for(tokens, i) for i in range(len(tokens) // CS)]
+
+
+def prompt(seed: int, n_chunks: int) -> list[int]:
+    return [(seed * 1000003 + i * 7919) % 50000 for i in range(n_chunks * CS)]
+
+
+def engine(backends: list[dict[str, Any]], plugin: TierPlugin | None = None, **cfg: Any) -> CacheEngine:
+    pm = PluginManager(load_entry_points=False)
+    if plugin is not None:
+        pm.register(plugin, name="test-tiers")
+    loaded = load_config(env={}, overrides={"chunk_size": CS, "backends": backends, **cfg})
+    return CacheEngine(loaded, namespace=NS, plugins=pm)
+
+
+@pytest.fixture
+def two_tiers() -> Iterator[tuple[CacheEngine, LocalCpuBackend, DictTier]]:
+    plugin = TierPlugin()
+    with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}], plugin) as eng:
+        tier0, tier1 = eng.tiers
+        assert isinstance(tier0, LocalCpuBackend) and isinstance(tier1, DictTier)
+        yield eng, tier0, tier1
+
+
+def test_registered_test_plugin_is_scoped() -> None:
+    pm = PluginManager(load_entry_points=False)
+    with pm.registered(TierPlugin(), name="scoped"):
+        assert "dict_tier" in pm.backends()
+    assert "dict_tier" not in pm.backends()
+
+
+def test_store_reaches_tier0_synchronously_and_round_trips(two_tiers: Any) -> None:
+    eng, tier0, tier1 = two_tiers
+    toks = prompt(1, 4)
+    assert eng.store(toks, chunks_for(toks)) == 4
+    keys = eng.keys(eng.hashes(toks))
+    assert tier0.contains(keys) == 4  # no flush needed for tier 0
+    assert eng.flush(10)
+    assert tier1.contains(keys) == 4
+    assert eng.lookup(toks) == 4 * CS
+    outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(4)]
+    assert eng.retrieve(toks, outs) == 4
+    assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(toks)))
+
+
+def test_lookup_is_longest_prefix_across_all_tiers(two_tiers: Any) -> None:
+    eng, tier0, tier1 = two_tiers
+    toks = prompt(2, 6)
+    data = chunks_for(toks)
+    keys = eng.keys(eng.hashes(toks))
+    for i in (0, 3):  # tier 0 has chunks 0 and 3
+        tier0.put(keys[i], data[i])
+    for i in (1, 2, 4):  # tier 1 has 1, 2 and 4; nobody has 5
+        tier1.put(keys[i], data[i])
+    assert eng.lookup(toks) == 5 * CS
+    assert eng.lookup(toks + [1, 2, 3]) == 5 * CS  # a partial tail never counts
+    tier1.remove(keys[2])
+    assert eng.lookup(toks) == 2 * CS  # a gap in every tier ends the prefix
+    assert eng.lookup(prompt(3, 6)) == 0
+
+
+def test_retrieve_reads_fastest_tier_and_promotes(two_tiers: Any) -> None:
+    eng, tier0, tier1 = two_tiers
+    toks = prompt(4, 3)
+    data = chunks_for(toks)
+    keys = eng.keys(eng.hashes(toks))
+    tier0.put(keys[0], data[0])
+    tier1.put(keys[0], torch.zeros(SHAPE, dtype=torch.float16))  # a stale copy lower down
+    tier1.put(keys[1], data[1])
+    tier1.put(keys[2], data[2])
+    outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(3)]
+    assert eng.retrieve(toks, outs) == 3
+    assert all(torch.equal(o, d) for o, d in zip(outs, data)), "chunk 0 must come from tier 0"
+    assert tier0.contains(keys) == 3, "chunks read from tier 1 are promoted into tier 0"
+    tier1.remove(keys[1])
+    tier1.remove(keys[2])
+    assert eng.retrieve(toks, outs) == 3  # now served by tier 0 alone
+
+
+def test_retrieve_stops_at_first_missing_chunk(two_tiers: Any) -> None:
+    eng, tier0, _ = two_tiers
+    toks = prompt(5, 3)
+    data = chunks_for(toks)
+    keys = eng.keys(eng.hashes(toks))
+    tier0.put(keys[0], data[0])
+    tier0.put(keys[2], data[2])
+    outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(3)]
+    assert eng.retrieve(toks, outs) == 1
+    assert eng.counters.load_errors == 1
+
+
+def test_wrong_shape_in_a_tier_is_a_miss_not_wrong_data(two_tiers: Any) -> None:
+    eng, tier0, tier1 = two_tiers
+    toks = prompt(6, 1)
+    key = eng.keys(eng.hashes(toks))[0]
+    tier0.put(key, torch.ones(2, 2, CS, 16, dtype=torch.float16))
+    out = torch.zeros(SHAPE, dtype=torch.float16)
+    assert eng.retrieve(toks, [out]) == 0
+
+
+def test_slow_tier_never_blocks_store_and_flush_waits() -> None:
+    gate = threading.Event()
+    plugin = TierPlugin(gate)
+    with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}], plugin) as eng:
+        slow = plugin.created[0]
+        assert isinstance(slow, DictTier)
+        toks = prompt(7, 3)
+        t = threading.Thread(target=eng.store, args=(toks, chunks_for(toks)))
+        t.start()
+        t.join(timeout=10)
+        assert not t.is_alive(), "store blocked on a slow tier"
+        assert eng.lookup(toks) == 3 * CS  # served from tier 0 meanwhile
+        assert eng.flush(timeout=0.2) is False  # the slow tier has not finished
+        assert slow.contains(eng.keys(eng.hashes(toks))) == 0
+        gate.set()
+        assert eng.flush(timeout=10) is True
+        assert slow.contains(eng.keys(eng.hashes(toks))) == 3
+
+
+def test_full_write_queue_drops_instead_of_blocking() -> None:
+    gate = threading.Event()
+    plugin = TierPlugin(gate)
+    with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}], plugin, write_queue_size=2) as eng:
+        slow = plugin.created[0]
+        toks = prompt(8, 8)
+        t = threading.Thread(target=eng.store, args=(toks, chunks_for(toks)))
+        t.start()
+        t.join(timeout=10)
+        assert not t.is_alive(), "store blocked on a full write queue"
+        dropped = eng.counters.dropped_writes
+        # At most one write in the slow put and two queued: the rest are dropped.
+        assert 5 <= dropped <= 6
+        assert eng.lookup(toks) == 8 * CS
+        gate.set()
+        assert eng.flush(10)
+        assert len(slow.data) == 8 - dropped  # type: ignore[attr-defined]
+
+
+def test_pins_protect_chunks_between_lookup_and_load() -> None:
+    budget = f"{4 * CHUNK_BYTES}B"
+    with engine([{"name": "local_cpu", "max_size": budget}]) as eng:
+        tier0 = eng.tiers[0]
+        a = prompt(9, 4)
+        assert eng.store(a, chunks_for(a)) == 4
+        assert eng.lookup(a, pin_id="req-a") == 4 * CS
+        for s in range(10, 14):  # pressure: other prompts want the space
+            other = prompt(s, 2)
+            eng.store(other, chunks_for(other))
+        assert eng.lookup(a) == 4 * CS, "a pinned chunk was evicted"
+        outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(4)]
+        assert eng.retrieve(a, outs) == 4
+        assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(a)))
+        eng.unpin("req-a")
+        assert tier0.stats().extra["pinned"] == 0
+        for s in range(20, 22):
+            other = prompt(s, 2)
+            eng.store(other, chunks_for(other))
+        assert eng.lookup(a) < 4 * CS, "after unpin the chunks are evictable again"
+        eng.unpin("req-a")  # unpinning twice is harmless
+
+
+@pytest.mark.parametrize("order", ["broken-first", "broken-last", "broken-only"])
+def test_a_failing_backend_means_misses_not_exceptions(order: str) -> None:
+    cpu = {"name": "local_cpu", "max_size": "1MiB"}
+    backends = {"broken-first": [{"name": "broken"}, cpu], "broken-last": [cpu, {"name": "broken"}],
+                "broken-only": [{"name": "broken"}]}[order]
+    with engine(backends, TierPlugin()) as eng:
+        toks = prompt(30, 3)
+        stored = eng.store(toks, chunks_for(toks))
+        assert eng.flush(10)
+        outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(3)]
+        if order == "broken-only":
+            assert stored == 0 and eng.lookup(toks) == 0 and eng.retrieve(toks, outs) == 0
+        else:
+            assert eng.lookup(toks) == 3 * CS
+            assert eng.retrieve(toks, outs) == 3
+            assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(toks)))
+        assert eng.counters.backend_errors.get("broken", 0) > 0
+        stats = eng.stats()
+        assert any(t.get("error") for t in stats["tiers"])  # type: ignore[union-attr]
+
+
+def test_tags_and_salt_separate_caches() -> None:
+    with engine([{"name": "local_cpu", "max_size": "1MiB"}]) as eng:
+        toks = prompt(40, 2)
+        eng.store(toks, chunks_for(toks), tags={"user": "a"})
+        assert eng.lookup(toks, tags={"user": "a"}) == 2 * CS
+        assert eng.lookup(toks, tags={"user": "b"}) == 0
+        assert eng.lookup(toks) == 0
+    with engine([{"name": "local_cpu", "max_size": "1MiB"}], tenant_salt="t1") as eng:
+        assert eng.namespace.salt == "t1" and eng.keys([b"\0" * 16])[0].namespace != NS.id
+
+
+def test_store_with_more_chunks_than_tokens_is_an_error(two_tiers: Any) -> None:
+    eng, _, _ = two_tiers
+    toks = prompt(50, 2)
+    with pytest.raises(ValueError, match="chunks given"):
+        eng.store(toks, chunks_for(toks) + [torch.zeros(SHAPE, dtype=torch.float16)])

@@ -1,0 +1,149 @@
+"""Which implementation runs the transfers, and why.
+
+Resolved once per process, lazily (the first transfer on CUDA tensors, or a call to
+``backend_name()`` / ``available()``), in this order:
+
+1. ``LMCACHE_CUDA_BACKEND=torch`` forces the pure-torch reference.
+2. torch must be a CUDA build and see a GPU; otherwise the reference.
+3. A prebuilt ``lmcache_cuda._C`` (``LMCACHE_CUDA_BUILD=1`` at install time) is used
+   when it imports.
+4. Otherwise the sources shipped in ``lmcache_cuda/csrc`` are JIT-compiled with
+   ``torch.utils.cpp_extension.load`` (about a minute the first time, cached under
+   ``TORCH_EXTENSIONS_DIR``); ``LMCACHE_CUDA_JIT=0`` disables this.
+
+``LMCACHE_CUDA_BACKEND=cuda`` turns any fallback into an error that carries the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+JIT_NAME = "lmcache_cuda_kernels"
+KERNELS = "cuda-kernels"
+TORCH = "torch"
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    name: str  # "cuda-kernels" or "torch"
+    reason: str
+    module: ModuleType | None = None
+
+
+_lock = threading.Lock()
+_status: BackendStatus | None = None
+
+
+def _env(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default).strip().lower()
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def _jit_build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=JIT_NAME,
+        sources=[str(CSRC / "ops.cpp"), str(CSRC / "paged_copy.cu")],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3"],
+        extra_include_paths=[str(CSRC)],
+        verbose=os.environ.get("LMCACHE_CUDA_VERBOSE", "0") == "1",
+    )
+
+
+def _mode() -> str:
+    return _env("LMCACHE_CUDA_BACKEND", "auto", ("auto", "cuda", "torch"))
+
+
+def _resolve() -> BackendStatus:
+    if _mode() == "torch":
+        return BackendStatus(TORCH, "LMCACHE_CUDA_BACKEND=torch")
+    if torch.version.cuda is None:
+        return BackendStatus(TORCH, f"torch {torch.__version__} is not a CUDA build")
+    if not torch.cuda.is_available():
+        return BackendStatus(TORCH, "no CUDA device visible (torch.cuda.is_available() is False)")
+    try:
+        from lmcache_cuda import _C  # type: ignore[attr-defined]
+
+        return BackendStatus(KERNELS, f"prebuilt extension {_C.__file__}", _C)
+    except ImportError as exc:
+        prebuilt = f"no usable prebuilt lmcache_cuda._C ({exc})"
+    if _env("LMCACHE_CUDA_JIT", "1", ("0", "1")) == "0":
+        return BackendStatus(TORCH, f"{prebuilt}, and LMCACHE_CUDA_JIT=0")
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return BackendStatus(
+            TORCH, f"{prebuilt}, and no nvcc for the JIT build: set CUDA_HOME"
+        )
+    try:
+        module = _jit_build()
+    except Exception as exc:  # the reason is kept, reported and optionally raised
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        detail = " | ".join(lines[-5:])
+        return BackendStatus(
+            TORCH,
+            f"JIT build of {CSRC} failed ({type(exc).__name__}: {detail}); "
+            "rerun with LMCACHE_CUDA_VERBOSE=1 for the compiler output",
+        )
+    return BackendStatus(KERNELS, f"JIT-compiled from {CSRC} (CUDA_HOME={CUDA_HOME})", module)
+
+
+def status() -> BackendStatus:
+    """The resolved backend (resolving, and maybe compiling, on first call)."""
+    global _status
+    with _lock:
+        if _status is None:
+            _status = _resolve()
+            if _status.name == TORCH and _mode() == "auto" and torch.cuda.is_available():
+                warnings.warn(
+                    f"lmcache_cuda: using the pure-torch path on a GPU: {_status.reason}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        if _status.name == TORCH and _mode() == "cuda":
+            raise RuntimeError(
+                "LMCACHE_CUDA_BACKEND=cuda but the CUDA kernels are unavailable: "
+                + _status.reason
+            )
+        return _status
+
+
+def backend_name() -> str:
+    """``"cuda-kernels"`` or ``"torch"``."""
+    return status().name
+
+
+def backend_reason() -> str:
+    """Why that backend is in use (a build error, a CPU-only torch, an env var...)."""
+    return status().reason
+
+
+def available() -> bool:
+    """True when the CUDA kernels are loaded and used for CUDA tensors."""
+    return status().name == KERNELS
+
+
+def load_kernels() -> ModuleType:
+    """The compiled extension, or RuntimeError with the reason it is unavailable."""
+    st = status()
+    if st.module is None:
+        raise RuntimeError(f"lmcache_cuda kernels unavailable: {st.reason}")
+    return st.module
+
+
+def _reset_for_tests() -> None:
+    global _status
+    with _lock:
+        _status = None

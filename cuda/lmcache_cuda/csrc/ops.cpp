@@ -1,0 +1,109 @@
+// Torch glue for the paged KV transfer kernels: argument checks, device guard,
+// current-stream launch. Python callers (lmcache_cuda.kernels) pass the layer base
+// addresses as a device int64 tensor so one launch covers every layer.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "paged_copy.cuh"
+
+namespace {
+
+void check_index_tensor(const torch::Tensor& t, const torch::Tensor& buffer, const char* what) {
+  TORCH_CHECK(t.is_cuda(), what, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kInt64, what, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), what, " must be a contiguous 1-D tensor");
+  TORCH_CHECK(t.get_device() == buffer.get_device(), what, " is on cuda:", t.get_device(),
+              " but the buffer is on cuda:", buffer.get_device());
+}
+
+void check_buffer(const torch::Tensor& buffer, int64_t elem_size, int64_t expected_numel) {
+  TORCH_CHECK(buffer.is_cuda(), "buffer must be a CUDA tensor (stage host memory in Python)");
+  TORCH_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
+  TORCH_CHECK(buffer.element_size() == elem_size, "buffer element size ", buffer.element_size(),
+              " != KV element size ", elem_size);
+  TORCH_CHECK(buffer.numel() == expected_numel, "buffer has ", buffer.numel(),
+              " elements, expected ", expected_numel);
+}
+
+void token_copy(bool gather, const torch::Tensor& layer_ptrs, int64_t ptr_align,
+                const torch::Tensor& slots, torch::Tensor& buffer, int64_t elem_size,
+                int64_t num_blocks, int64_t num_heads, int64_t block_size, int64_t head_size,
+                int64_t stride_block, int64_t stride_head, int64_t stride_token) {
+  check_index_tensor(layer_ptrs, buffer, "layer_ptrs");
+  check_index_tensor(slots, buffer, "slot_mapping");
+  const int64_t num_layers = layer_ptrs.numel();
+  const int64_t num_tokens = slots.numel();
+  check_buffer(buffer, elem_size, num_layers * 2 * num_tokens * num_heads * head_size);
+  TORCH_CHECK(ptr_align > 0 && (ptr_align & (ptr_align - 1)) == 0,
+              "ptr_align must be a power of two, got ", ptr_align);
+  const c10::cuda::CUDAGuard guard(buffer.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = lmcache_cuda::launch_token_copy(
+      gather, layer_ptrs.data_ptr<int64_t>(), num_layers, ptr_align, slots.data_ptr<int64_t>(),
+      num_tokens, buffer.data_ptr(), elem_size, num_blocks, num_heads, block_size, head_size,
+      stride_block, stride_head, stride_token, stream);
+  TORCH_CHECK(err == cudaSuccess, "lmcache_cuda token ", gather ? "gather" : "scatter",
+              " launch failed: ", cudaGetErrorString(err));
+}
+
+void block_copy(bool gather, const torch::Tensor& layer_ptrs, int64_t ptr_align,
+                const torch::Tensor& block_ids, torch::Tensor& buffer, int64_t elem_size,
+                int64_t num_blocks, int64_t block_numel, int64_t stride_block) {
+  check_index_tensor(layer_ptrs, buffer, "layer_ptrs");
+  check_index_tensor(block_ids, buffer, "block_ids");
+  const int64_t num_layers = layer_ptrs.numel();
+  const int64_t num_ids = block_ids.numel();
+  check_buffer(buffer, elem_size, num_layers * num_ids * block_numel);
+  TORCH_CHECK(ptr_align > 0 && (ptr_align & (ptr_align - 1)) == 0,
+              "ptr_align must be a power of two, got ", ptr_align);
+  const c10::cuda::CUDAGuard guard(buffer.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = lmcache_cuda::launch_block_copy(
+      gather, layer_ptrs.data_ptr<int64_t>(), num_layers, ptr_align,
+      block_ids.data_ptr<int64_t>(), num_ids, buffer.data_ptr(), elem_size, num_blocks,
+      block_numel, stride_block, stream);
+  TORCH_CHECK(err == cudaSuccess, "lmcache_cuda block ", gather ? "gather" : "scatter",
+              " launch failed: ", cudaGetErrorString(err));
+}
+
+void gather_tokens(torch::Tensor layer_ptrs, int64_t ptr_align, torch::Tensor slots,
+                   torch::Tensor buffer, int64_t elem_size, int64_t num_blocks,
+                   int64_t num_heads, int64_t block_size, int64_t head_size,
+                   int64_t stride_block, int64_t stride_head, int64_t stride_token) {
+  token_copy(true, layer_ptrs, ptr_align, slots, buffer, elem_size, num_blocks, num_heads,
+             block_size, head_size, stride_block, stride_head, stride_token);
+}
+
+void scatter_tokens(torch::Tensor layer_ptrs, int64_t ptr_align, torch::Tensor slots,
+                    torch::Tensor buffer, int64_t elem_size, int64_t num_blocks,
+                    int64_t num_heads, int64_t block_size, int64_t head_size,
+                    int64_t stride_block, int64_t stride_head, int64_t stride_token) {
+  token_copy(false, layer_ptrs, ptr_align, slots, buffer, elem_size, num_blocks, num_heads,
+             block_size, head_size, stride_block, stride_head, stride_token);
+}
+
+void gather_blocks(torch::Tensor layer_ptrs, int64_t ptr_align, torch::Tensor block_ids,
+                   torch::Tensor buffer, int64_t elem_size, int64_t num_blocks,
+                   int64_t block_numel, int64_t stride_block) {
+  block_copy(true, layer_ptrs, ptr_align, block_ids, buffer, elem_size, num_blocks, block_numel,
+             stride_block);
+}
+
+void scatter_blocks(torch::Tensor layer_ptrs, int64_t ptr_align, torch::Tensor block_ids,
+                    torch::Tensor buffer, int64_t elem_size, int64_t num_blocks,
+                    int64_t block_numel, int64_t stride_block) {
+  block_copy(false, layer_ptrs, ptr_align, block_ids, buffer, elem_size, num_blocks, block_numel,
+             stride_block);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lmcache_cuda paged KV transfer kernels (gather/scatter tokens, copy blocks)";
+  m.def("gather_tokens", &gather_tokens, "paged KV -> [L, 2, T, H, D] buffer (device)");
+  m.def("scatter_tokens", &scatter_tokens, "[L, 2, T, H, D] buffer (device) -> paged KV");
+  m.def("gather_blocks", &gather_blocks, "paged KV blocks -> [L, N, block_numel] buffer");
+  m.def("scatter_blocks", &scatter_blocks, "[L, N, block_numel] buffer -> paged KV blocks");
+}

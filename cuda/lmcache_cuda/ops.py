@@ -1,0 +1,52 @@
+"""The transfers, dispatched: CUDA kernels for CUDA tensors when they are available,
+the pure-torch reference otherwise (CPU tensors always use the reference).
+
+Signatures and contracts: see lmcache_cuda.reference.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Sequence
+
+import torch
+
+from lmcache_cuda import reference
+from lmcache_cuda.backend import available
+
+
+def implementation(kv_caches: Sequence[torch.Tensor]) -> ModuleType:
+    """The module (kernels or reference) that handles these KV tensors."""
+    if len(kv_caches) > 0 and kv_caches[0].is_cuda and available():
+        from lmcache_cuda import kernels
+
+        return kernels
+    return reference
+
+
+def gather_tokens(
+    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Paged KV of ``slot_mapping``'s tokens -> ``out`` ``[layers, 2, tokens, kv_heads, head_size]``."""
+    return implementation(kv_caches).gather_tokens(kv_caches, slot_mapping, out)
+
+
+def scatter_tokens(
+    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, src: torch.Tensor
+) -> None:
+    """``src`` ``[layers, 2, tokens, kv_heads, head_size]`` -> paged KV at ``slot_mapping``."""
+    implementation(kv_caches).scatter_tokens(kv_caches, slot_mapping, src)
+
+
+def gather_blocks(
+    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Whole blocks ``block_ids`` of every layer -> ``out`` ``[layers, n_blocks, ...]``."""
+    return implementation(kv_caches).gather_blocks(kv_caches, block_ids, out)
+
+
+def scatter_blocks(
+    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor
+) -> None:
+    """``src`` ``[layers, n_blocks, ...]`` -> whole blocks ``block_ids`` of every layer."""
+    implementation(kv_caches).scatter_blocks(kv_caches, block_ids, src)

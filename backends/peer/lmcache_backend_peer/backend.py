@@ -154,8 +154,13 @@ class PeerBackend(StorageBackend):
             candidates.remove(routed)
             candidates.insert(0, routed)
         for peer in candidates:
-            frames = self._call(peer, "get", peer.client.get, [key])
-            if frames and frames[0] is not None and self._decode(key, frames[0], out, peer.client.name):
+            hit = [False]
+
+            def sink(_: int, frame: memoryview | None, peer: _Peer = peer, hit: list[bool] = hit) -> None:
+                hit[0] = frame is not None and self._decode(key, frame, out, peer.client.name)
+
+            self._call(peer, "get", peer.client.fetch, [key], sink)
+            if hit[0]:
                 return True
         with self._lock:
             self._s.misses += 1
@@ -174,10 +179,13 @@ class PeerBackend(StorageBackend):
             todo = [i for i, d in enumerate(done) if not d]
             if not todo:
                 break
-            frames = self._call(peer, "get", peer.client.get, [keys[i] for i in todo])
-            for i, f in zip(todo, frames or []):
-                if f is not None and self._decode(keys[i], f, outs[i], peer.client.name):
+
+            def sink(j: int, frame: memoryview | None, peer: _Peer = peer, todo: list[int] = todo) -> None:
+                i = todo[j]
+                if frame is not None and self._decode(keys[i], frame, outs[i], peer.client.name):
                     done[i] = True
+
+            self._call(peer, "get", peer.client.fetch, [keys[i] for i in todo], sink)
         n = 0
         while n < len(done) and done[n]:
             n += 1

@@ -13,7 +13,7 @@ import itertools
 import socket
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from lmcache_core.keys import ChunkKey
 
@@ -44,6 +44,7 @@ from .protocol import (
 )
 
 Address = tuple[str, int]
+T = TypeVar("T")
 
 
 class PeerRequestError(PeerError):
@@ -133,23 +134,36 @@ class PeerClient:
         return server_id if server_id is not None else b""
 
     # -- requests -------------------------------------------------------------------
-    def _request(self, mtype: int, parts: Sequence[Buffer], reply_type: int) -> object:
+    def _request(
+        self, mtype: int, parts: Sequence[Buffer], reply_type: int, consume: Callable[[object], T] | None = None
+    ) -> object:
+        """One request/reply. With ``consume``, the reply is read into the connection's
+        reusable buffer and ``consume(reply)`` runs before the connection goes back to
+        the pool (so the views it sees are never overwritten under it)."""
         deadline = time.monotonic() + self.timeout
         while True:
             conn, reused = self._acquire(deadline)
             try:
-                return self._exchange(conn, mtype, parts, reply_type, deadline)
+                return self._exchange(conn, mtype, parts, reply_type, deadline, consume)
             except PeerClosed:
                 # A pooled connection the server has since dropped: one fresh try.
                 if not reused:
                     raise
 
-    def _exchange(self, conn: Connection, mtype: int, parts: Sequence[Buffer], reply_type: int, deadline: float) -> object:
+    def _exchange(
+        self,
+        conn: Connection,
+        mtype: int,
+        parts: Sequence[Buffer],
+        reply_type: int,
+        deadline: float,
+        consume: Callable[[object], T] | None,
+    ) -> object:
         rid = next(self._ids) & 0xFFFFFFFF
         ok = False
         try:
             conn.send(mtype, rid, parts, deadline)
-            header, body = conn.recv(deadline, self.max_frame_size)
+            header, body = conn.recv(deadline, self.max_frame_size, reuse=consume is not None)
             if header.request_id != rid:
                 raise ProtocolError(f"{self.name}: reply to request {header.request_id}, expected {rid}")
             msg = parse_body(header.type, body)
@@ -158,8 +172,12 @@ class PeerClient:
                 raise PeerRequestError(f"{self.name}: {TYPE_NAMES[mtype]} refused: {msg.message}")
             if header.type != reply_type:
                 raise ProtocolError(f"{self.name}: expected {TYPE_NAMES[reply_type]}, got {TYPE_NAMES[header.type]}")
+            if consume is None:
+                ok = True
+                return msg
+            result = consume(msg)
             ok = True
-            return msg
+            return result
         finally:
             if ok:
                 self._release(conn)
@@ -192,6 +210,24 @@ class PeerClient:
             out.extend(msg.frames)
             pos += len(msg.frames)
         return out
+
+    def fetch(self, keys: Sequence[ChunkKey], sink: Callable[[int, memoryview | None], None]) -> int:
+        """Like :meth:`get`, without copies: ``sink(i, frame)`` is called for each
+        answered key while the reply buffer is valid (the view must not be kept).
+        Returns how many keys were answered (all of them, or it raises)."""
+        pos = 0
+
+        def consume(msg: object) -> int:
+            if not isinstance(msg, GetReply) or not 0 < len(msg.frames) <= len(batch):
+                raise ProtocolError(f"{self.name}: GET_OK answered a wrong number of keys")
+            for i, f in enumerate(msg.frames):
+                sink(pos + i, f)
+            return len(msg.frames)
+
+        while pos < len(keys):
+            batch = keys[pos : pos + MAX_KEYS_PER_MESSAGE]
+            pos += int(self._request(GET, [encode_keys(batch)], GET_OK, consume))  # type: ignore[call-overload]
+        return pos
 
     def put(self, key: ChunkKey, frame: Buffer) -> bool:
         """Push one frame; True when the peer stored it."""

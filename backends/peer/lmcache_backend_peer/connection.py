@@ -14,6 +14,10 @@ from typing import Sequence
 from .protocol import HEADER_SIZE, Buffer, Header, PeerError, decode_header, message_parts
 
 
+REUSE_LIMIT = 64 << 20
+"""Largest reply read into the per-connection buffer; bigger ones get their own."""
+
+
 class PeerTimeout(PeerError):
     """The peer did not answer within the deadline."""
 
@@ -29,6 +33,7 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.closed = False
+        self._rbuf = bytearray()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
@@ -81,17 +86,28 @@ class Connection:
         except OSError as err:
             raise PeerClosed(f"{self.peer}: read failed: {err}") from None
 
-    def recv(self, header_deadline: float, max_body: int, body_timeout: float | None = None) -> tuple[Header, memoryview]:
+    def recv(
+        self, header_deadline: float, max_body: int, body_timeout: float | None = None, *, reuse: bool = False
+    ) -> tuple[Header, memoryview]:
         """Read one message. The header must arrive by ``header_deadline``; the body by
-        then too, or, with ``body_timeout``, within that many seconds of the header."""
+        then too, or, with ``body_timeout``, within that many seconds of the header.
+
+        With ``reuse`` the body is a view into this connection's receive buffer, valid
+        only until the next ``recv`` (saves allocating and faulting in fresh pages for
+        every large reply); otherwise it is a fresh buffer the caller owns."""
         hbuf = bytearray(HEADER_SIZE)
         self._recv_exact(memoryview(hbuf), header_deadline)
         header = decode_header(hbuf, max_body)
-        body = bytearray(header.body_len)
+        if reuse and header.body_len <= REUSE_LIMIT:
+            if len(self._rbuf) < header.body_len:
+                self._rbuf = bytearray(header.body_len)
+            body = memoryview(self._rbuf)[: header.body_len]
+        else:
+            body = memoryview(bytearray(header.body_len))
         deadline = header_deadline if body_timeout is None else time.monotonic() + body_timeout
         if header.body_len:
-            self._recv_exact(memoryview(body), deadline)
-        return header, memoryview(body)
+            self._recv_exact(body, deadline)
+        return header, body
 
     def close(self) -> None:
         if self.closed:

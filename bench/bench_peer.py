@@ -1,0 +1,183 @@
+"""Peer tier get throughput vs a raw loopback socket transfer of the same bytes.
+
+Both servers run in a child process on 127.0.0.1; the client side is this process.
+
+- raw socket: one request per chunk, the server sends the chunk's bytes, the client
+  reads them into a preallocated buffer (the floor: no framing, no auth, no checks);
+- peer get: ``PeerBackend.get(key, out)`` against ``lmcache-peer-serve`` (pooled
+  authenticated connection, framed reply, serde frame verified by key and CRC,
+  copied into the output tensor) -- what the engine does per chunk;
+- peer get_many: the same chunks in one batched GET per round trip;
+- peer client.get: raw frames over the protocol, not decoded (protocol cost only).
+
+Usage: python bench/bench_peer.py [--quick] [--chunks N] [--chunk-mib M] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from lmcache_backend_peer import PeerClient, create_peer_backend
+from lmcache_core.keys import KeyNamespace
+from lmcache_core.serde import RawCodec, encode
+from lmcache_core.testing import make_context
+
+RAW_SERVER = r"""
+import socket, struct, sys
+size = int(sys.argv[1])
+data = bytes(size)
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+mv = memoryview(data)
+while True:
+    req = conn.recv(8)
+    if len(req) < 8:
+        break
+    (n,) = struct.unpack(">Q", req)
+    conn.sendall(mv[:n])
+"""
+
+
+def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    q: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: q.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        return q.get(timeout=timeout).strip()
+    except queue.Empty:
+        proc.kill()
+        raise SystemExit("server child did not start")
+
+
+def recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < buf.nbytes:
+        r = sock.recv_into(buf[got:])
+        if r == 0:
+            raise SystemExit("raw server closed")
+        got += r
+
+
+def bench(n: int, size: int, rounds: int) -> dict[str, list[float]]:
+    """Rounds alternate between the raw and the peer paths, so load from other
+    processes on the machine hits both alike."""
+    proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(size)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(first_line(proc))
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(size)
+        mv = memoryview(buf)
+        req = size.to_bytes(8, "big")
+
+        def raw_round() -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                sock.sendall(req)
+                recv_exact(sock, mv)
+            return n * size / (time.perf_counter() - t0)
+
+        res = bench_peer(n, size, rounds, raw_round)
+        sock.close()
+        return res
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[float]]:
+    secret = os.urandom(16).hex()
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "secret").write_text(secret)
+    exe = shutil.which("lmcache-peer-serve", path=os.path.dirname(sys.executable)) or "lmcache-peer-serve"
+    proc = subprocess.Popen(
+        [exe, "--listen", "127.0.0.1:0", "--secret-file", str(tmp / "secret"), "--max-size", f"{n * size + (64 << 20)}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = first_line(proc).removeprefix("listening on ")
+        host, port = address.rsplit(":", 1)
+        ns = KeyNamespace(model="bench")
+        shape = (size // 2,)
+        chunks = [torch.randn(shape).to(torch.float16) for _ in range(n)]
+        keys = [ns.key(os.urandom(16)) for _ in range(n)]
+        pusher = PeerClient((host, int(port)), secret.encode(), timeout=30)
+        for k, c in zip(keys, chunks):
+            assert pusher.put(k, encode(k, c, RawCodec()))
+        pusher.close()
+        backend = create_peer_backend(
+            {"peers": [address], "secret": secret, "max_size": 0, "timeout_ms": 30_000}, make_context(pool_bytes=1 << 20)
+        )
+        client = PeerClient((host, int(port)), secret.encode(), timeout=30)
+        outs = [torch.empty(shape, dtype=torch.float16) for _ in range(n)]
+        res: dict[str, list[float]] = {"raw socket": [], "peer get": [], "peer get_many": [], "peer client.get": []}
+        assert backend.get(keys[0], outs[0])  # warm the connection
+        for _ in range(rounds):
+            res["raw socket"].append(raw_round())
+            t0 = time.perf_counter()
+            for k, o in zip(keys, outs):
+                if not backend.get(k, o):
+                    raise SystemExit("peer get missed")
+            res["peer get"].append(n * size / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            batch = 8
+            for lo in range(0, n, batch):
+                if backend.get_many(keys[lo : lo + batch], outs[lo : lo + batch]) != len(keys[lo : lo + batch]):
+                    raise SystemExit("peer get_many missed")
+            res["peer get_many"].append(n * size / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            for k in keys:
+                if client.get([k])[0] is None:
+                    raise SystemExit("client get missed")
+            res["peer client.get"].append(n * size / (time.perf_counter() - t0))
+        for k, c, o in zip(keys, chunks, outs):
+            if not torch.equal(c, o):
+                raise SystemExit("peer returned wrong bytes")
+        backend.close()
+        client.close()
+        return res
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16 chunks, 2 rounds")
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--chunk-mib", type=float, default=4.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    n, rounds = (16, 2) if args.quick else (args.chunks, args.rounds)
+    size = int(args.chunk_mib * (1 << 20)) // 2 * 2
+    torch.set_num_threads(1)
+    peer = bench(n, size, rounds)
+    base = statistics.median(peer.pop("raw socket"))
+    print(f"peer get throughput vs raw loopback socket: {n} chunks x {size / (1 << 20):.1f} MiB, {rounds} rounds, median")
+    print(f"{'path':<22}{'GiB/s':>10}{'ratio vs raw':>15}")
+    print(f"{'raw socket':<22}{base / (1 << 30):>10.2f}{1.0:>15.2f}")
+    for name, vals in peer.items():
+        med = statistics.median(vals)
+        print(f"{name:<22}{med / (1 << 30):>10.2f}{med / base:>15.2f}")
+    ratio = statistics.median(peer["peer get"]) / base
+    print(f"target: peer get >= 0.70 x raw -> {'met' if ratio >= 0.7 else 'NOT met'} ({ratio:.2f})")
+
+
+if __name__ == "__main__":
+    main()

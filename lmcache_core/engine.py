@@ -277,6 +277,11 @@ class CacheEngine:
         tier0 = self.tiers[0]
         for key, data in zip(self.keys(hashes), chunks):
             buf = data if isinstance(data, MemoryBuffer) else None
+            try:
+                if tier0.contains([key]):
+                    continue  # already cached (another request stored it): no rewrite
+            except Exception as err:
+                self._tier_error(tier0, "contains", err)
             t0 = time.perf_counter()
             try:
                 if buf is not None and ZERO_COPY in tier0.capabilities:
@@ -293,8 +298,8 @@ class CacheEngine:
                 m.TIER_BYTES.labels(tier0.name, "put").inc(nbytes)
             if self._writers:
                 self._write_behind(key, data)
-        toks = n_tokens if n_tokens is not None else stored * self.chunk_size
-        self.counters.add(stored_chunks=stored, stored_tokens=toks if stored == len(hashes) else stored * self.chunk_size)
+        toks = n_tokens if n_tokens is not None and stored == len(hashes) else stored * self.chunk_size
+        self.counters.add(stored_chunks=stored, stored_tokens=toks)
         m.STORED_TOKENS.inc(stored * self.chunk_size)
         return stored
 

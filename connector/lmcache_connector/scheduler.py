@@ -150,10 +150,11 @@ class SchedulerSide:
     # -- vLLM scheduler hooks ---------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state_for(request)
-        if not self.can_load or st.opts.skip_load or request.prompt_token_ids is None:
+        if st.opts.skip_load or request.prompt_token_ids is None or not (self.can_load or st.save):
             return 0, False
         hashes = self._lookup_hashes(st)
-        n = self.lookup_client.lookup(hashes, st.req_id) if hashes else 0
+        # A producer looks up too (without pinning), so it never re-saves what is cached.
+        n = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else 0
         m.LOOKUPS.labels("scheduler").inc()
         m.LOOKUP_TOKENS.inc(st.prompt_len)
         full = st.prompt_len // self.cs
@@ -162,6 +163,8 @@ class SchedulerSide:
             st.partial_saved = True
         hit = self._chunk_end(st, n - 1) if n else 0
         m.LOOKUP_HIT_TOKENS.inc(hit)
+        if not self.can_load:
+            return 0, False
         # vLLM must compute at least the last prompt token to produce logits.
         hit = min(hit, st.prompt_len - 1)
         ext = hit - num_computed_tokens

@@ -1,0 +1,122 @@
+"""Helpers for end-to-end tests on real vLLM (CPU build), with a tiny local model."""
+
+from __future__ import annotations
+
+import gc
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from lmcache_connector.tiny_model import TEST_SPEC, build_tiny_model, random_prompt  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), TEST_SPEC)
+
+
+def connector_config(role: str = "kv_both", **extra: Any):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="LMCacheCoreConnector",
+        kv_connector_module_path="lmcache_connector",
+        kv_role=role,
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
+
+
+@contextmanager
+def make_llm(
+    model: Path,
+    *,
+    connector: bool = True,
+    role: str = "kv_both",
+    prefix_caching: bool = False,
+    max_num_batched_tokens: int = 512,
+    multiprocess: bool = False,
+    extra: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Iterator[Any]:
+    """A vLLM engine on CPU; shut down (connector included) on exit."""
+    from vllm import LLM
+
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    args: dict[str, Any] = dict(
+        model=str(model),
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=4096,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=prefix_caching,
+        seed=0,
+    )
+    if connector:
+        args["kv_transfer_config"] = connector_config(role, **(extra or {}))
+    args.update(kw)
+    llm = LLM(**args)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+def tokens_prompt(ids: list[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def greedy(max_tokens: int = 8, params: dict[str, Any] | None = None) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0, extra_args=extra)
+
+
+def run(llm: Any, prompts: list[list[int]], sp: Any = None, **kw: Any) -> list[Any]:
+    outs = llm.generate([tokens_prompt(p) for p in prompts], sp or greedy(), use_tqdm=False, **kw)
+    return outs
+
+
+def token_ids(outs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def worker() -> Any:
+    """The worker side of the connector in this process (in-process engine)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path):
+    """Greedy outputs without any connector, computed once per prompt."""
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def get(prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+        missing = [p for p in prompts if (tuple(p), max_tokens) not in cache]
+        if missing:
+            with make_llm(tiny_model, connector=False) as llm:
+                for p, ids in zip(missing, token_ids(run(llm, missing, greedy(max_tokens)))):
+                    cache[(tuple(p), max_tokens)] = ids
+        return [cache[(tuple(p), max_tokens)] for p in prompts]
+
+    return get
+
+
+__all__ = ["make_llm", "random_prompt", "run", "token_ids", "worker", "greedy"]

@@ -1,0 +1,111 @@
+"""Backends registered through the real plugin path for the length of one test:
+``tamper`` serves altered KV (negative control), ``flaky`` fails loads (fault
+injection: corrupt frames or exceptions)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from lmcache_core import serde
+from lmcache_core.backend import BackendContext, BackendError, BackendStats, StorageBackend
+from lmcache_core.config import StrictModel, validate_section
+from lmcache_core.hookspecs import hookimpl
+from lmcache_core.keys import ChunkKey
+
+
+class _DictBackend(StorageBackend):
+    def __init__(self) -> None:
+        self.data: dict[ChunkKey, Any] = {}
+        self.lock = threading.Lock()
+        self.s = BackendStats(self.name)
+
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        with self.lock:
+            for k in keys:
+                if k not in self.data:
+                    break
+                n += 1
+        return n
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self.lock:
+            return self.data.pop(key, None) is not None
+
+    def stats(self) -> BackendStats:
+        self.s.chunks = len(self.data)
+        return self.s
+
+
+class TamperBackend(_DictBackend):
+    name = "tamper"
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        with self.lock:
+            self.data[key] = data.clone()
+            self.s.puts += 1
+        return True
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        with self.lock:
+            data = self.data.get(key)
+        if data is None or data.shape != out.shape:
+            return False
+        g = torch.Generator().manual_seed(0)
+        out.copy_(torch.randn(out.shape, generator=g).to(out.dtype) * 2)
+        return True
+
+
+class _FlakyConfig(StrictModel):
+    mode: str = "corrupt"
+
+
+class FlakyBackend(_DictBackend):
+    name = "flaky"
+
+    def __init__(self, ctx: BackendContext, mode: str) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.mode = mode
+        self.s.extra["corrupt_reads"] = 0
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        frame = serde.encode(key, data, self.ctx.codec)
+        with self.lock:
+            self.data[key] = frame
+            self.s.puts += 1
+        return True
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        if self.mode == "raise":
+            raise BackendError("injected failure")
+        with self.lock:
+            frame = self.data.get(key)
+        if frame is None:
+            return False
+        bad = bytearray(frame)
+        bad[len(bad) // 2] ^= 0x40  # one flipped bit in the payload
+        got, reason = serde.try_decode(bytes(bad), dict(self.ctx.codecs), expect_key=key, out=out)
+        if got is None:
+            self.s.extra["corrupt_reads"] += 1
+            return False
+        return True
+
+
+class TamperPlugin:
+    @hookimpl
+    def register_backends(self, register: Any) -> None:
+        register("tamper", lambda section, ctx: TamperBackend())
+
+
+class FlakyPlugin:
+    @hookimpl
+    def register_backends(self, register: Any) -> None:
+        def create(section: Mapping[str, Any], ctx: BackendContext) -> FlakyBackend:
+            cfg = validate_section(_FlakyConfig, section, ctx.key_path, ctx.source)
+            return FlakyBackend(ctx, cfg.mode)
+
+        register("flaky", create)

@@ -1,0 +1,187 @@
+"""End to end on real vLLM (CPU): the connector saves and loads KV, outputs stay
+token-identical to a run without it. Prefix caching is off in the engines under test,
+so every cached token counted by vLLM (``num_cached_tokens``) came from the connector.
+"""
+
+from __future__ import annotations
+
+import pytest
+from lmcache_core.plugins import get_plugin_manager
+
+from .conftest import greedy, make_llm, random_prompt, run, token_ids, worker
+from .plugins_for_tests import FlakyPlugin, TamperPlugin
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+CS = 256  # default chunk_size
+
+
+def test_hit_is_served_by_connector_and_token_identical(tiny_model, reference):
+    prompts = [random_prompt(700, 1), random_prompt(1100, 2), random_prompt(200, 3)]
+    ref = reference(prompts)
+    with make_llm(tiny_model) as llm:
+        cold = run(llm, prompts)
+        assert [o.num_cached_tokens for o in cold] == [0, 0, 0]
+        assert token_ids(cold) == ref
+        w = worker()
+        before = w.stats()["loaded_tokens"]
+        warm = run(llm, prompts)
+        # chunk-aligned hits: 2 and 4 full chunks; the 200-token prompt has none
+        assert [o.num_cached_tokens for o in warm] == [512, 1024, 0]
+        assert w.stats()["loaded_tokens"] - before == 512 + 1024
+        assert token_ids(warm) == ref
+
+
+def test_full_prompt_hit_recomputes_last_token(tiny_model, reference):
+    prompt = random_prompt(512, 11)
+    ref = reference([prompt])
+    with make_llm(tiny_model) as llm:
+        run(llm, [prompt])
+        warm = run(llm, [prompt])
+        assert warm[0].num_cached_tokens == 511
+        assert token_ids(warm) == ref
+
+
+def test_negative_control_tampered_kv_changes_output(tiny_model, reference):
+    """If loaded KV were not used, tampering with it would change nothing."""
+    prompts = [random_prompt(1024 + 40, 21 + i) for i in range(3)]
+    ref = reference(prompts)
+    pm = get_plugin_manager()
+    with pm.registered(TamperPlugin(), name="test-tamper"):
+        with make_llm(tiny_model, extra={"backends": [{"name": "tamper"}]}) as llm:
+            run(llm, prompts)
+            warm = run(llm, prompts)
+    assert [o.num_cached_tokens for o in warm] == [1024] * 3
+    assert token_ids(warm) != ref
+
+
+def test_chunked_prefill_saves_each_chunk_once_then_full_hit(tiny_model, reference):
+    prompt = random_prompt(1500, 31)  # 3 prefill steps of 512 tokens
+    ref = reference([prompt])
+    with make_llm(tiny_model, max_num_batched_tokens=512) as llm:
+        run(llm, [prompt])
+        eng = worker().engine
+        tier = eng.tiers[0].stats()
+        assert eng.stats()["stored_chunks"] == 1500 // CS
+        assert tier.puts == 1500 // CS and tier.chunks == 1500 // CS
+        warm = run(llm, [prompt])
+        assert warm[0].num_cached_tokens == (1500 // CS) * CS
+        assert token_ids(warm) == ref
+        # the hit chunks are not stored again
+        assert eng.stats()["stored_chunks"] == 1500 // CS
+
+
+def test_partial_prefix_hit_loads_exactly_shared_chunks(tiny_model, reference):
+    shared = random_prompt(3 * CS + 100, 41)
+    a = shared + random_prompt(300, 42)
+    b = shared + random_prompt(300, 43)
+    ref = reference([a, b])
+    with make_llm(tiny_model) as llm:
+        assert token_ids(run(llm, [a])) == ref[:1]
+        w = worker()
+        before = w.stats()["loaded_tokens"]
+        out = run(llm, [b])
+        assert out[0].num_cached_tokens == 3 * CS
+        assert w.stats()["loaded_tokens"] - before == 3 * CS
+        assert token_ids(out) == ref[1:]
+
+
+def test_many_concurrent_requests_identical_outputs(tiny_model, reference):
+    prefixes = [random_prompt(2 * CS, 50 + i) for i in range(4)]
+    prompts = [prefixes[i % 4] + random_prompt(60 + 7 * i, 60 + i) for i in range(12)]
+    prompts += [random_prompt(300 + 11 * i, 80 + i) for i in range(6)]
+    ref = reference(prompts)
+    with make_llm(tiny_model, max_num_batched_tokens=1024) as llm:
+        assert token_ids(run(llm, prompts)) == ref
+        warm = run(llm, prompts)
+        assert token_ids(warm) == ref
+        assert all(o.num_cached_tokens >= 2 * CS for o in warm[:12])
+
+
+def test_failed_load_is_recomputed_and_serving_continues(tiny_model, reference):
+    prompts = [random_prompt(800, 91), random_prompt(900, 92)]
+    later = [random_prompt(600, 93)]
+    ref = reference(prompts + later)
+    pm = get_plugin_manager()
+    with pm.registered(FlakyPlugin(), name="test-flaky"):
+        with make_llm(tiny_model, extra={"backends": [{"name": "flaky", "mode": "corrupt"}]}) as llm:
+            run(llm, prompts)
+            warm = run(llm, prompts)
+            assert token_ids(warm) == ref[:2]
+            w = worker()
+            assert w.stats()["failed_loads"] >= 2
+            assert w.engine.tiers[0].stats().extra["corrupt_reads"] >= 2
+            assert token_ids(run(llm, later)) == ref[2:]
+        with make_llm(tiny_model, extra={"backends": [{"name": "flaky", "mode": "raise"}]}) as llm:
+            run(llm, prompts)
+            assert token_ids(run(llm, prompts)) == ref[:2]
+            assert worker().stats()["failed_loads"] >= 2
+            assert worker().engine.stats()["backend_errors"]["flaky"] >= 2
+
+
+def test_skip_save_and_tags(tiny_model, reference):
+    p = random_prompt(600, 101)
+    q = random_prompt(600, 102)
+    ref = reference([p, q])
+    with make_llm(tiny_model) as llm:
+        eng = worker().engine
+        run(llm, [p], greedy(params={"lmcache.skip_save": True}))
+        assert eng.stats()["stored_chunks"] == 0
+        assert run(llm, [p])[0].num_cached_tokens == 0  # nothing was stored
+        # tags are part of the key: another tag misses, the same tag hits
+        run(llm, [q], greedy(params={"lmcache.tag.tenant": "a"}))
+        assert run(llm, [q], greedy(params={"lmcache.tag.tenant": "b"}))[0].num_cached_tokens == 0
+        assert run(llm, [q])[0].num_cached_tokens == 0
+        hit = run(llm, [q], greedy(params={"lmcache.tag.tenant": "a"}))
+        assert hit[0].num_cached_tokens == 2 * CS
+        assert token_ids(hit) == ref[1:]
+        # a malformed option is a warning and a cache bypass, never a failed request
+        bad = run(llm, [q], greedy(params={"lmcache.skip_save": "yes"}))
+        assert bad[0].num_cached_tokens == 0 and token_ids(bad) == ref[1:]
+
+
+def test_priority_limit(tiny_model):
+    p, q = random_prompt(600, 111), random_prompt(600, 112)
+    with make_llm(tiny_model, extra={"priority_limit": 0}, scheduling_policy="priority") as llm:
+        eng = worker().engine
+        run(llm, [p], priority=[5])
+        assert eng.stats()["stored_chunks"] == 0
+        run(llm, [q], priority=[0])
+        assert eng.stats()["stored_chunks"] == 2
+
+
+def test_unfull_chunk_and_decode_saving(tiny_model, reference):
+    p = random_prompt(300, 121)
+    ref = reference([p], max_tokens=300)
+    with make_llm(tiny_model) as llm:
+        run(llm, [p])
+        assert worker().engine.stats()["stored_chunks"] == 1  # the 44-token tail is dropped
+    with make_llm(tiny_model, extra={"save_unfull_chunk": True}) as llm:
+        run(llm, [p])
+        assert worker().engine.stats()["stored_chunks"] == 2
+        assert run(llm, [p])[0].num_cached_tokens == 299
+    with make_llm(tiny_model, extra={"save_decode_cache": True}) as llm:
+        out = run(llm, [p], greedy(300))
+        assert token_ids(out) == ref
+        # prompt (300) + 299 decoded tokens with KV computed: chunks 0 and 1 complete
+        assert worker().engine.stats()["stored_chunks"] == 2
+        # a follow-up turn that extends the conversation hits the decode chunk too
+        follow = p + token_ids(out)[0] + random_prompt(50, 122)
+        assert run(llm, [follow])[0].num_cached_tokens == 2 * CS
+
+
+def test_roles_producer_then_consumer(tiny_model, reference, tmp_path):
+    pytest.importorskip("lmcache_backend_disk")
+    prompts = [random_prompt(700, 131), random_prompt(520, 132)]
+    ref = reference(prompts)
+    tiers = [{"name": "local_cpu", "max_size": "256MiB"}, {"name": "disk", "path": str(tmp_path / "kv")}]
+    with make_llm(tiny_model, role="kv_producer", extra={"backends": tiers}) as llm:
+        assert token_ids(run(llm, prompts)) == ref
+        assert [o.num_cached_tokens for o in run(llm, prompts)] == [0, 0]  # producers never load
+        eng = worker().engine
+        assert eng.flush(30)
+        assert eng.stats()["stored_chunks"] == 4
+    with make_llm(tiny_model, role="kv_consumer", extra={"backends": tiers}) as llm:
+        out = run(llm, prompts)
+        assert [o.num_cached_tokens for o in out] == [512, 512]
+        assert token_ids(out) == ref
+        assert worker().engine.stats()["stored_chunks"] == 0  # consumers never save

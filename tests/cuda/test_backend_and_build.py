@@ -1,0 +1,97 @@
+"""Backend selection, its reasons and env vars, and the install-time build switch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lmcache_cuda
+from lmcache_cuda import backend, ops, reference
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+
+
+@pytest.fixture
+def fresh_backend(monkeypatch):
+    for name in ("LMCACHE_CUDA_BACKEND", "LMCACHE_CUDA_JIT"):
+        monkeypatch.delenv(name, raising=False)
+    backend._reset_for_tests()
+    yield monkeypatch
+    backend._reset_for_tests()
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only torch path")
+def test_cpu_torch_uses_reference_and_says_why(fresh_backend):
+    assert lmcache_cuda.backend_name() == "torch"
+    assert not lmcache_cuda.available()
+    assert "not a CUDA build" in lmcache_cuda.backend_reason()
+    with pytest.raises(RuntimeError, match="not a CUDA build"):
+        lmcache_cuda.load_kernels()
+
+
+def test_forced_torch_backend(fresh_backend):
+    fresh_backend.setenv("LMCACHE_CUDA_BACKEND", "torch")
+    assert lmcache_cuda.backend_name() == "torch"
+    assert lmcache_cuda.backend_reason() == "LMCACHE_CUDA_BACKEND=torch"
+
+
+def test_bad_env_value_is_an_error(fresh_backend):
+    fresh_backend.setenv("LMCACHE_CUDA_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="LMCACHE_CUDA_BACKEND='gpu'"):
+        lmcache_cuda.backend_name()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_required_kernels_fail_loudly_without_gpu(fresh_backend):
+    fresh_backend.setenv("LMCACHE_CUDA_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match="LMCACHE_CUDA_BACKEND=cuda but"):
+        lmcache_cuda.backend_name()
+
+
+def test_cpu_tensors_always_use_reference(fresh_backend):
+    fresh_backend.setenv("LMCACHE_CUDA_BACKEND", "cuda")  # must not even be consulted
+    kv = [torch.zeros((2, 1, 16, 8))]
+    assert ops.implementation(kv) is reference
+
+
+def test_import_compiles_nothing():
+    code = "import lmcache_cuda, lmcache_cuda.backend as b; assert b._status is None"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _setup_py(env_value: str | None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("LMCACHE_CUDA_BUILD", None)
+    if env_value is not None:
+        env["LMCACHE_CUDA_BUILD"] = env_value
+    return subprocess.run(
+        [sys.executable, "setup.py", "--name"], cwd=CUDA_DIR, env=env, capture_output=True, text=True
+    )
+
+
+def test_default_install_builds_nothing():
+    res = _setup_py(None)
+    assert res.returncode == 0, res.stderr
+    assert "lmcache-cuda" in res.stdout or "lmcache_cuda" in res.stdout
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only torch path")
+def test_forced_build_without_cuda_torch_says_why():
+    res = _setup_py("1")
+    assert res.returncode != 0
+    assert "LMCACHE_CUDA_BUILD=1" in res.stderr and "no CUDA" in res.stderr
+
+
+def test_bad_build_flag():
+    res = _setup_py("yes")
+    assert res.returncode != 0 and "LMCACHE_CUDA_BUILD='yes'" in res.stderr
+
+
+def test_sources_ship_in_the_package():
+    for name in ("ops.cpp", "paged_copy.cu", "paged_copy.cuh"):
+        assert (backend.CSRC / name).is_file()

@@ -1,0 +1,187 @@
+"""CUDA kernels against the pure-torch reference, and the side-stream API on a GPU.
+
+Skipped without a GPU. With one, the kernels must build: a build failure fails these
+tests (with the compiler's reason) rather than skipping them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_cuda import PagedLayout, TransferStream, kernels, ops, reference
+from lmcache_cuda.backend import load_kernels
+from lmcache_cuda.testing import DTYPES, bits_equal, expected_gather, ragged_slots, random_paged_kv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+LAYERS, HEADS, BLOCKS = 3, 4, 7
+MATRIX = [
+    pytest.param(b, d, name, id=f"B{b}-D{d}-{name}")
+    for b in (16, 32, 128)
+    for d in (64, 128)
+    for name in DTYPES
+]
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_kernels():
+    return load_kernels()  # raises with the build's reason if the kernels are unavailable
+
+
+def _kv(b, d, name, *, permuted=False, seed=0):
+    return random_paged_kv(LAYERS, BLOCKS, HEADS, b, d, DTYPES[name], DEV, permuted=permuted, seed=seed)
+
+
+def _buf(kv, n, where):
+    layout = PagedLayout.from_layers(kv)
+    shape = layout.token_buffer_shape(n)
+    if where == "pinned":
+        return torch.empty(shape, dtype=layout.dtype, pin_memory=True)
+    return torch.empty(shape, dtype=layout.dtype, device=DEV)
+
+
+def test_dispatch_uses_kernels():
+    assert ops.implementation(_kv(16, 64, "fp16")) is kernels
+
+
+@pytest.mark.parametrize("block_size,head_size,dtype_name", MATRIX)
+@pytest.mark.parametrize("permuted", [False, True], ids=["contig", "permuted"])
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_token_gather_scatter_match_reference(block_size, head_size, dtype_name, permuted, where):
+    kv = _kv(block_size, head_size, dtype_name, permuted=permuted)
+    slots = ragged_slots(BLOCKS, block_size, 3 * block_size + 5, pad=4, seed=1)
+    slots[7] = BLOCKS * block_size  # out of range: skipped like padding
+    slots_dev = slots.to(DEV)
+    got = kernels.gather_tokens(kv, slots_dev, _buf(kv, slots.numel(), where))
+    want = reference.gather_tokens(kv, slots_dev, _buf(kv, slots.numel(), "device"))
+    torch.cuda.synchronize()
+    assert bits_equal(got, want)
+    assert bits_equal(got, expected_gather(kv, slots))
+
+    dst_k = [torch.zeros_like(t) for t in kv]
+    dst_r = [torch.zeros_like(t) for t in kv]
+    kernels.scatter_tokens(dst_k, slots_dev, got)
+    reference.scatter_tokens(dst_r, slots_dev, want)
+    torch.cuda.synchronize()
+    for a, b in zip(dst_k, dst_r):
+        assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("block_size,head_size,dtype_name", MATRIX)
+@pytest.mark.parametrize("permuted", [False, True], ids=["contig", "permuted"])
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_block_copy_matches_reference(block_size, head_size, dtype_name, permuted, where):
+    kv = _kv(block_size, head_size, dtype_name, permuted=permuted, seed=2)
+    layout = PagedLayout.from_layers(kv)
+    ids = torch.tensor([5, 0, -1, 6, 2, BLOCKS], device=DEV)
+    shape = (LAYERS, ids.numel(), layout.block_numel)
+    got = (torch.empty(shape, dtype=layout.dtype, pin_memory=True) if where == "pinned"
+           else torch.empty(shape, dtype=layout.dtype, device=DEV))
+    kernels.gather_blocks(kv, ids, got)
+    want = reference.gather_blocks(kv, ids, torch.empty(shape, dtype=layout.dtype, device=DEV))
+    torch.cuda.synchronize()
+    assert bits_equal(got, want)
+    dst_k = [torch.zeros_like(t) for t in kv]
+    dst_r = [torch.zeros_like(t) for t in kv]
+    kernels.scatter_blocks(dst_k, ids, got)
+    reference.scatter_blocks(dst_r, ids, want)
+    torch.cuda.synchronize()
+    for a, b in zip(dst_k, dst_r):
+        assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("offset_bytes", [2, 4, 8])
+def test_misaligned_buffers_fall_back_to_narrower_vectors(offset_bytes):
+    kv = _kv(16, 64, "fp16")
+    slots = ragged_slots(BLOCKS, 16, 29, seed=3).to(DEV)
+    layout = PagedLayout.from_layers(kv)
+    n = layout.num_layers * 2 * 29 * HEADS * 64
+    raw = torch.empty(n * 2 + 16, dtype=torch.uint8, device=DEV)
+    out = raw[offset_bytes : offset_bytes + 2 * n].view(torch.float16).view(layout.token_buffer_shape(29))
+    kernels.gather_tokens(kv, slots, out)
+    want = reference.gather_tokens(kv, slots, torch.empty_like(out))
+    torch.cuda.synchronize()
+    assert bits_equal(out, want)
+    # Misaligned layer bases too: views starting 2 bytes into a bigger allocation.
+    big = [torch.zeros(t.numel() + 8, dtype=torch.float16, device=DEV) for t in kv]
+    shifted = [b[1 : 1 + t.numel()].view(t.shape) for b, t in zip(big, kv)]
+    kernels.scatter_tokens(shifted, slots, out)
+    back = reference.gather_tokens(shifted, slots, torch.empty_like(out))
+    torch.cuda.synchronize()
+    assert bits_equal(back, want)
+
+
+def test_empty_and_int32_slot_mappings():
+    kv = _kv(32, 128, "bf16")
+    empty = torch.empty(0, dtype=torch.int64, device=DEV)
+    kernels.gather_tokens(kv, empty, _buf(kv, 0, "device"))
+    kernels.scatter_tokens(kv, empty, _buf(kv, 0, "device"))
+    slots = torch.tensor([3, 70, 100], dtype=torch.int32, device=DEV)
+    got = kernels.gather_tokens(kv, slots, _buf(kv, 3, "pinned"))
+    torch.cuda.synchronize()
+    assert bits_equal(got, expected_gather(kv, slots.cpu().long()))
+
+
+def test_many_layers_one_launch():
+    kv = random_paged_kv(80, 4, 8, 16, 128, torch.float16, DEV, seed=4)
+    slots = ragged_slots(4, 16, 50, seed=5).to(DEV)
+    got = kernels.gather_tokens(kv, slots, _buf(kv, 50, "device"))
+    want = reference.gather_tokens(kv, slots, _buf(kv, 50, "device"))
+    torch.cuda.synchronize()
+    assert bits_equal(got, want)
+
+
+def test_side_stream_save_overlaps_and_orders_after_compute():
+    kv = _kv(16, 128, "fp16", seed=6)
+    layout = PagedLayout.from_layers(kv)
+    slots = ragged_slots(BLOCKS, 16, 60, seed=7).to(DEV)
+    ts = TransferStream(DEV)
+    # Compute stream writes the KV (slowly), then the save must see the written values.
+    a = torch.randn(2048, 2048, device=DEV)
+    for _ in range(20):
+        a = a @ a / 2048
+    for t in kv:
+        t.fill_(1.5)
+    out = torch.empty(layout.token_buffer_shape(60), dtype=torch.float16, pin_memory=True)
+    ev = ts.save_async(kv, slots, out)
+    ev.synchronize()
+    assert ev.query()
+    assert torch.all(out == 1.5)
+
+
+def test_side_stream_layer_by_layer_load():
+    kv = _kv(32, 64, "bf16", seed=8)
+    layout = PagedLayout.from_layers(kv)
+    slots = ragged_slots(BLOCKS, 32, 90, pad=2, seed=9).to(DEV)
+    host = torch.empty(layout.token_buffer_shape(slots.numel()), dtype=torch.bfloat16, pin_memory=True)
+    ts = TransferStream(DEV)
+    ts.save_async(kv, slots, host).synchronize()
+    dst = [torch.zeros_like(t) for t in kv]
+    events = [ts.load_layer_async(i, dst, slots, host) for i in range(LAYERS)]
+    check = torch.empty(layout.token_buffer_shape(slots.numel()), dtype=torch.bfloat16, device=DEV)
+    for i, ev in enumerate(events):
+        ts.wait(ev)  # wait_for_layer_load: the compute stream waits on the GPU
+        reference.gather_tokens([dst[i]], slots, check[i : i + 1])
+    torch.cuda.current_stream().synchronize()
+    assert bits_equal(check.cpu(), host)
+    ts.synchronize()
+
+
+def test_side_stream_blocks_and_all_layer_load():
+    kv = _kv(16, 64, "fp32", seed=10)
+    layout = PagedLayout.from_layers(kv)
+    ids = torch.tensor([1, 4, 6], device=DEV)
+    host = torch.empty((LAYERS, 3, layout.block_numel), dtype=torch.float32, pin_memory=True)
+    ts = TransferStream(DEV, priority=-1)
+    ts.save_async(kv, ids, host, granularity="blocks").synchronize()
+    dst = [torch.zeros_like(t) for t in kv]
+    ev = ts.load_async(dst, ids, host, granularity="blocks")
+    ts.wait(ev)
+    torch.cuda.current_stream().synchronize()
+    for a, b in zip(dst, kv):
+        assert bits_equal(a[[1, 4, 6]], b[[1, 4, 6]])

@@ -135,7 +135,7 @@ def test_contains_over_128_chunks_is_parallel_and_cached(s3_server: MotoS3, s3_b
         flog = RequestLog(fresh.client)
         gap = keys[:40] + [random_key()] + keys[40:]
         assert fresh.contains(gap) == 40
-        assert flog.total <= 48
+        assert flog.total <= 41 + 2 * 16  # the HEADs up to the miss, plus at most one window behind it
         fresh.close()
     finally:
         reader.close()

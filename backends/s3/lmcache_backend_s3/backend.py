@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -117,31 +119,37 @@ class S3Backend(StorageBackend):
             return n
         if not self._gate.allow():
             return n
-        wave = self.cfg.max_concurrency
         try:
-            while n < len(keys):
-                batch = keys[n : n + wave]
-                futures = [None if k in self._present else self._pool.submit(self._head, k) for k in batch]
-                pending = [f for f in futures if f is not None]
-                done, not_done = wait(pending, timeout=self.op_timeout_s)
-                for f in not_done:
-                    f.cancel()
-                for i, f in enumerate(futures):
-                    if f is None:
-                        continue
-                    if f in not_done:
-                        raise TimeoutError(f"HEAD did not answer within {self.op_timeout_s:.1f}s")
-                    if not f.result():  # raises the request's error, if any
-                        self._gate.succeeded()
-                        return n + i
-                n += len(batch)
+            n = self._probe(keys, n)
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
                 self._unavailable("lookup", err)
-                return n
+                return 0
             self._raise("lookup", None, err)
         self._gate.succeeded()
         return n
+
+    def _probe(self, keys: Sequence[ChunkKey], start: int) -> int:
+        """HEAD ``keys[start:]`` in parallel, in order, at most ``2 * max_concurrency``
+        outstanding; the first absent key ends the count and cancels the HEADs behind it."""
+        window = 2 * self.cfg.max_concurrency
+        deadline = time.monotonic() + self.op_timeout_s
+        pending: deque[tuple[int, Future[bool] | None]] = deque()
+        nxt = start
+        try:
+            while pending or nxt < len(keys):
+                while nxt < len(keys) and len(pending) < window:
+                    k = keys[nxt]
+                    pending.append((nxt, None if k in self._present else self._pool.submit(self._head, k)))
+                    nxt += 1
+                i, f = pending.popleft()
+                if f is not None and not f.result(timeout=max(0.0, deadline - time.monotonic())):
+                    return i
+            return len(keys)
+        finally:
+            for _, f in pending:
+                if f is not None:
+                    f.cancel()
 
     # -- writes ---------------------------------------------------------------------
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:

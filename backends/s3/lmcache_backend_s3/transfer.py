@@ -49,9 +49,9 @@ def ranged_get(
     try:
         m = _CONTENT_RANGE.match(first.get("ContentRange") or "")
         total = int(m.group(3)) if m else int(first.get("ContentLength") or 0)
-        if total > max_bytes:
+        if total > max_bytes or int(first.get("ContentLength") or 0) > max_bytes:
             raise ObjectTooLarge(f"object has {total} bytes, at most {max_bytes} expected")
-        head = body.read(max_bytes + 1)
+        head = body.read()  # bounded: the Range asked for, and Content-Length was checked above
     finally:
         body.close()
     if len(head) > max_bytes:
@@ -68,7 +68,7 @@ def ranged_get(
         r = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={lo}-{hi - 1}", **kw)
         part = r["Body"]
         try:
-            data = part.read(hi - lo + 1)
+            data = part.read()
         finally:
             part.close()
         if len(data) != hi - lo:

@@ -23,6 +23,8 @@ import logging
 import os
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -37,13 +39,13 @@ from lmcache_core.serde import (
     MAX_PAYLOAD_BYTES,
     Codec,
     FrameError,
-    encode,
-    parse_header,
+    tensor_bytes,
     try_decode,
 )
 
 from .config import DiskConfig
-from .fileio import probe_o_direct, read_whole, write_atomic
+from .fileio import probe_o_direct, read_into_crc, read_whole, write_atomic, write_parts_atomic
+from .frames import PREFIX_READ, frame_header, frame_meta, meta_crc, parse_frame_header
 from .index import LruIndex
 from .layout import FANOUT, MARKER_TEXT, Layout
 from .scan import scan
@@ -78,6 +80,7 @@ class DiskBackend(StorageBackend):
         self._index = LruIndex()
         self._reserved = 0
         self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="lmcache-disk-io")
         self._s = BackendStats(self.name, bytes_capacity=self.max_size)
         self._x: dict[str, Any] = {
             "path": str(self.root),
@@ -97,7 +100,7 @@ class DiskBackend(StorageBackend):
             self._x["o_direct_fallback"] = reason
         self._x["o_direct"] = self._o_direct
         if self.root.is_dir():
-            res = scan(self.root, verify=cfg.verify_on_start, threads=cfg.io_threads)
+            res = scan(self.root, verify=cfg.verify_on_start, pool=self._pool)
             self._index.load(res.entries)
             self._x.update(
                 startup_stale_temps=res.stale_temps,
@@ -172,8 +175,8 @@ class DiskBackend(StorageBackend):
                 if not self._index.touch(key):
                     self._index.add(key, st.st_size)
             return True
-        frame = encode(key, data, self._codec)
-        size = len(frame)
+        frame = self._frame(key, data)
+        size = frame.size
         if size > self.max_size:
             with self._lock:
                 self._index.discard(key)
@@ -207,10 +210,30 @@ class DiskBackend(StorageBackend):
         self._delete([v for v in victims if v[0] != key])
         return True
 
-    def _write(self, key: ChunkKey, path: Path, frame: bytes) -> None:
+    def _frame(self, key: ChunkKey, data: torch.Tensor) -> "_PendingFrame":
+        raw = tensor_bytes(data)
+        payload = self._codec.encode(raw)
+        mv = memoryview(payload).cast("B")
+        meta = frame_meta(key, data, self._codec.name, raw.nbytes)
+        return _PendingFrame(meta, mv)
+
+    def _write(self, key: ChunkKey, path: Path, frame: "_PendingFrame") -> None:
         for attempt in (0, 1):
+            temp = self.layout.temp_path(key)
             try:
-                write_atomic(path, self.layout.temp_path(key), frame, fsync=self.cfg.fsync, o_direct=self._o_direct)
+                if self._o_direct:
+                    parts = [frame.header(), frame.payload]
+                    write_atomic(path, temp, parts, fsync=self.cfg.fsync, o_direct=True)
+                else:
+                    write_parts_atomic(
+                        path,
+                        temp,
+                        header_len=frame.header_len,
+                        payload=frame.payload,
+                        make_header=frame.header,
+                        fsync=self.cfg.fsync,
+                        pool=self._pool,
+                    )
                 return
             except FileNotFoundError:
                 if attempt:
@@ -222,44 +245,73 @@ class DiskBackend(StorageBackend):
             return False
         path = self.layout.chunk_path(key)
         try:
-            buf, ino = read_whole(path, o_direct=self._o_direct, max_bytes=MAX_FRAME_BYTES)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except (FileNotFoundError, NotADirectoryError):
             return self._miss(key)
-        except ValueError as err:
-            self._drop_corrupt(key, path, None, str(err))
-            return False
         except OSError as err:
-            log.warning("disk tier: cannot read %s: %s", path, err)
-            with self._lock:
-                self._s.errors += 1
-                self._s.misses += 1
-            return False
+            return self._read_error(path, err)
         try:
-            info, _, _ = parse_header(buf)
-        except FrameError as err:
-            self._drop_corrupt(key, path, ino, str(err))
-            return False
-        if info.key != key.to_str():
-            self._drop_corrupt(key, path, ino, f"file holds key {info.key}")
-            return False
-        if info.codec not in self._codecs:
-            log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
-            return self._miss(key, keep=True)
-        if info.dtype != DTYPE_NAMES.get(out.dtype) or info.shape != tuple(out.shape):
-            with self._lock:
-                self._x["shape_mismatch"] += 1
-            return self._miss(key, keep=True)
-        _, reason = try_decode(buf, self._codecs, expect_key=key, out=out)
-        if reason is not None:
-            self._drop_corrupt(key, path, ino, reason)
-            return False
+            st = os.fstat(fd)
+            head = os.pread(fd, PREFIX_READ, 0)
+            if len(head) >= 8 and 8 + int.from_bytes(head[:8], "little") > len(head):
+                head += os.pread(fd, min(MAX_HEADER_BYTES, st.st_size) + 8 - len(head), len(head))
+            try:
+                info, meta, offset = parse_frame_header(head, st.st_size)
+            except FrameError as err:
+                self._drop_corrupt(key, path, st.st_ino, str(err))
+                return False
+            if info.key != key.to_str():
+                self._drop_corrupt(key, path, st.st_ino, f"file holds key {info.key}")
+                return False
+            if info.codec not in self._codecs:
+                log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
+                return self._miss(key, keep=True)
+            if info.dtype != DTYPE_NAMES.get(out.dtype) or info.shape != tuple(out.shape):
+                with self._lock:
+                    self._x["shape_mismatch"] += 1
+                return self._miss(key, keep=True)
+            direct = (
+                info.codec == "raw"
+                and info.payload_len == info.raw_len
+                and not self._o_direct
+                and out.device.type == "cpu"
+                and out.is_contiguous()
+            )
+            if direct:
+                dst = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+                try:
+                    crc = read_into_crc(fd, offset, dst, meta_crc(meta), pool=self._pool)
+                except EOFError as err:
+                    self._drop_corrupt(key, path, st.st_ino, str(err))
+                    return False
+                if crc != int(meta["checksum"], 16):
+                    self._drop_corrupt(key, path, st.st_ino, "checksum mismatch")
+                    return False
+        except OSError as err:
+            return self._read_error(path, err)
+        finally:
+            os.close(fd)
+        if not direct:
+            try:
+                buf, ino = read_whole(path, o_direct=self._o_direct, max_bytes=MAX_FRAME_BYTES)
+            except (FileNotFoundError, NotADirectoryError):
+                return self._miss(key)
+            except ValueError as err:
+                self._drop_corrupt(key, path, None, str(err))
+                return False
+            except OSError as err:
+                return self._read_error(path, err)
+            _, reason = try_decode(buf, self._codecs, expect_key=key, out=out)
+            if reason is not None:
+                self._drop_corrupt(key, path, ino, reason)
+                return False
         try:
             os.utime(path)
         except OSError:
             pass  # a read-only directory keeps its old LRU order
         with self._lock:
             if not self._index.touch(key):
-                self._index.add(key, buf.nbytes)
+                self._index.add(key, st.st_size)
             self._s.hits += 1
             self._s.get_bytes += out.nbytes
         return True
@@ -282,8 +334,16 @@ class DiskBackend(StorageBackend):
 
     def close(self) -> None:
         self._closed = True
+        self._pool.shutdown(wait=True)
 
     # -- helpers ------------------------------------------------------------------------
+    def _read_error(self, path: Path, err: OSError) -> bool:
+        log.warning("disk tier: cannot read %s: %s", path, err)
+        with self._lock:
+            self._s.errors += 1
+            self._s.misses += 1
+        return False
+
     def _miss(self, key: ChunkKey, *, keep: bool = False) -> bool:
         with self._lock:
             if not keep:
@@ -317,6 +377,21 @@ class DiskBackend(StorageBackend):
                 continue
             with self._lock:
                 self._s.evictions += 1
+
+
+class _PendingFrame:
+    """A frame about to be written: metadata plus payload. Its header (which holds
+    the payload checksum) is computed by :meth:`header`, possibly while the payload
+    is being written; its length is known up front."""
+
+    def __init__(self, meta: dict[str, str], payload: memoryview) -> None:
+        self.meta = meta
+        self.payload = payload
+        self.header_len = len(frame_header(meta, 0, payload.nbytes))
+        self.size = self.header_len + payload.nbytes
+
+    def header(self) -> bytes:
+        return frame_header(self.meta, zlib.crc32(self.payload, meta_crc(self.meta)), self.payload.nbytes)
 
 
 def create_disk_backend(section: Mapping[str, Any], ctx: BackendContext) -> DiskBackend:

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
+import zlib
+from concurrent.futures import Executor
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -70,17 +74,22 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(final: Path, temp: Path, data: bytes | memoryview, *, fsync: bool, o_direct: bool) -> None:
-    """Write ``data`` to ``temp``, make it durable (``fsync``), rename it onto
-    ``final``. On any error the temp file is removed and the error propagates;
-    ``final`` is then untouched."""
-    mv = memoryview(data).cast("B")
+def write_atomic(
+    final: Path, temp: Path, parts: Sequence[bytes | memoryview], *, fsync: bool, o_direct: bool
+) -> None:
+    """Write the concatenation of ``parts`` to ``temp``, make it durable (``fsync``),
+    rename it onto ``final``. On any error the temp file is removed and the error
+    propagates; ``final`` is then untouched."""
+    views = [memoryview(p).cast("B") for p in parts]
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC
     try:
         if o_direct:
-            size = mv.nbytes
+            size = sum(v.nbytes for v in views)
             padded = aligned_empty(-(-size // ALIGN) * ALIGN)
-            padded[:size] = np.frombuffer(mv, dtype=np.uint8)
+            pos = 0
+            for v in views:
+                padded[pos : pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
+                pos += v.nbytes
             padded[size:] = 0
             fd = os.open(temp, flags | _O_DIRECT, 0o644)
             try:
@@ -93,7 +102,8 @@ def write_atomic(final: Path, temp: Path, data: bytes | memoryview, *, fsync: bo
         else:
             fd = os.open(temp, flags, 0o644)
             try:
-                _write_all(fd, mv)
+                for v in views:
+                    _write_all(fd, v)
                 if fsync:
                     os.fsync(fd)
             finally:
@@ -131,3 +141,97 @@ def read_whole(path: Path, *, o_direct: bool, max_bytes: int) -> tuple[np.ndarra
         return buf[:got], st.st_ino
     finally:
         os.close(fd)
+
+
+# -- two-part frames, checksummed while the disk moves the payload ----------------------------
+SEGMENT = 1 << 20
+_OVERLAP_MIN = 2 * SEGMENT
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.pwrite(fd, view[:SEGMENT], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        view, offset = view[n:], offset + n
+
+
+def write_parts_atomic(
+    final: Path,
+    temp: Path,
+    *,
+    header_len: int,
+    payload: memoryview,
+    make_header: Callable[[], bytes],
+    fsync: bool,
+    pool: Executor | None,
+) -> None:
+    """Like :func:`write_atomic` for a frame given as a payload plus a header that
+    is computed (checksummed) by ``make_header`` while a pool thread writes the
+    payload at ``header_len``. The header must be exactly ``header_len`` bytes."""
+    fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, 0o644)
+    try:
+        try:
+            fut = pool.submit(_pwrite_all, fd, payload, header_len) if pool and payload.nbytes >= _OVERLAP_MIN else None
+            try:
+                header = make_header()
+            finally:
+                if fut is not None:
+                    fut.result()  # never leave a thread writing to a closed fd
+            if fut is None:
+                _pwrite_all(fd, payload, header_len)
+            if len(header) != header_len:
+                raise RuntimeError(f"frame header is {len(header)} bytes, expected {header_len}")
+            _pwrite_all(fd, memoryview(header), 0)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, final)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        fsync_dir(final.parent)
+
+
+def _pread_segments(fd: int, dst: memoryview, offset: int, done: "queue.SimpleQueue[object]") -> None:
+    pos = 0
+    try:
+        while pos < dst.nbytes:
+            n = os.preadv(fd, [dst[pos : pos + SEGMENT]], offset + pos)
+            if n == 0:
+                raise EOFError(f"file ends {dst.nbytes - pos} bytes early")
+            pos += n
+            done.put(pos)
+    except BaseException as err:  # handed to the consumer
+        done.put(err)
+
+
+def read_into_crc(fd: int, offset: int, dst: memoryview, seed: int, *, pool: Executor | None) -> int:
+    """Read ``dst.nbytes`` bytes at ``offset`` into ``dst`` and return their CRC32
+    chained on ``seed``, checksumming each segment while the next one is read.
+    Raises OSError, or EOFError when the file is shorter. When it returns or
+    raises, nothing writes into ``dst`` any more."""
+    done: queue.SimpleQueue[object] = queue.SimpleQueue()
+    if pool is None or dst.nbytes < _OVERLAP_MIN:
+        _pread_segments(fd, dst, offset, done)
+        fut = None
+    else:
+        fut = pool.submit(_pread_segments, fd, dst, offset, done)
+    crc, pos = seed, 0
+    try:
+        while pos < dst.nbytes:
+            item = done.get(timeout=600)
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, int)
+            crc = zlib.crc32(dst[pos:item], crc)
+            pos = item
+    finally:
+        if fut is not None:
+            fut.result(timeout=600)
+    return crc

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,11 +94,10 @@ def _scan_shard(shard_dir: Path, shard: str, verify: bool, now: float) -> ScanRe
     return res
 
 
-def scan(root: Path, *, verify: bool, threads: int) -> ScanResult:
-    """Scan every shard of ``root``; see the module docstring."""
+def scan(root: Path, *, verify: bool, pool: Executor) -> ScanResult:
+    """Scan every shard of ``root`` on ``pool``'s threads; see the module docstring."""
     now = time.time()
     total = ScanResult()
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmcache-disk-scan") as pool:
-        for part in pool.map(lambda s: _scan_shard(root / s, s, verify, now), FANOUT):
-            total.merge(part)
+    for part in pool.map(lambda s: _scan_shard(root / s, s, verify, now), FANOUT):
+        total.merge(part)
     return total

@@ -1,0 +1,87 @@
+"""The tier writes frames in two parts (header, payload) and reads raw payloads
+straight into the caller's tensor. These tests pin that the bytes on disk are
+exactly ``lmcache_core.serde.encode``'s and that every path still decodes with
+``serde.decode``, so the tier cannot drift from the core's frame format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_backend_disk import create_disk_backend
+from lmcache_backend_disk.frames import frame_header, frame_meta, meta_crc, parse_frame_header
+from lmcache_core.serde import FrameError, decode, encode, tensor_bytes
+from lmcache_core.testing import make_context, random_chunk, random_key
+
+CASES = [
+    ((4, 2, 64, 32), torch.float16),
+    ((3, 1000), torch.bfloat16),
+    ((5 << 18,), torch.uint8),  # 1.25 MiB
+    ((3 << 20,), torch.float32),  # 12 MiB: written and read in overlapped segments
+    ((0,), torch.float32),
+]
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("o_direct", [False, True])
+@pytest.mark.parametrize("shape,dtype", CASES)
+def test_file_bytes_equal_serde_encode(tmp_path: Path, codec: str, o_direct: bool, shape, dtype) -> None:
+    ctx = make_context(codec=codec)
+    b = create_disk_backend({"path": str(tmp_path / "t"), "o_direct": o_direct}, ctx)
+    data = random_chunk(shape, dtype=dtype) if dtype != torch.uint8 else torch.randint(0, 256, shape, dtype=dtype)
+    key = random_key()
+    assert b.put(key, data)
+    on_disk = b.layout.chunk_path(key).read_bytes()
+    assert on_disk == encode(key, data, ctx.codec)
+    assert torch.equal(decode(on_disk, ctx.codecs, expect_key=key).view(torch.uint8), data.view(torch.uint8))
+    out = torch.full_like(data, 7) if data.numel() else torch.empty_like(data)
+    assert b.get(key, out) and torch.equal(out.view(torch.uint8), data.view(torch.uint8))
+    b.close()
+
+
+def test_header_parts_match_serde() -> None:
+    key, data = random_key(), random_chunk((8, 8))
+    raw = tensor_bytes(data)
+    meta = frame_meta(key, data, "raw", raw.nbytes)
+    import zlib
+
+    header = frame_header(meta, zlib.crc32(raw, meta_crc(meta)), raw.nbytes)
+    frame = encode(key, data, make_context().codec)
+    assert frame == header + bytes(raw)
+    info, got_meta, offset = parse_frame_header(frame[:4096], len(frame))
+    assert offset == len(header) and info.key == key.to_str() and got_meta == {**meta, "checksum": got_meta["checksum"]}
+    with pytest.raises(FrameError):
+        parse_frame_header(frame[:4096], len(frame) - 1)  # truncated file
+    with pytest.raises(FrameError):
+        parse_frame_header(frame[:4], len(frame))
+
+
+def test_non_contiguous_out_uses_the_whole_frame_path(tmp_path: Path) -> None:
+    b = create_disk_backend({"path": str(tmp_path / "t")}, make_context())
+    key, data = random_key(), random_chunk((64, 64))
+    assert b.put(key, data)
+    out = torch.empty(64, 64, dtype=torch.float16).t()  # right shape, not contiguous
+    assert not out.is_contiguous()
+    assert b.get(key, out) and torch.equal(out, data)
+    b.close()
+
+
+def test_truncated_large_payload_is_a_miss(tmp_path: Path) -> None:
+    """A file cut inside a multi-segment payload (the overlapped read path)."""
+    b = create_disk_backend({"path": str(tmp_path / "t"), "verify_on_start": False}, make_context())
+    key, data = random_key(), torch.randint(0, 256, (6 << 20,), dtype=torch.uint8)
+    assert b.put(key, data)
+    p = b.layout.chunk_path(key)
+    frame = p.read_bytes()
+    bad = bytearray(frame)
+    bad[len(frame) // 2] ^= 1
+    p.write_bytes(bytes(bad))
+    assert b.get(key, torch.empty_like(data)) is False and not p.exists()
+    assert b.put(key, data)
+    with open(p, "r+b") as f:
+        f.truncate(len(frame) - 3 * (1 << 20))
+    assert b.get(key, torch.empty_like(data)) is False and not p.exists()
+    assert b.stats().extra["corrupt_removed"] == 2
+    b.close()

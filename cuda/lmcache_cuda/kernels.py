@@ -44,7 +44,8 @@ def layer_table(kv_caches: Sequence[torch.Tensor]) -> LayerTable:
     """The (cached) address table for these layer tensors.
 
     Built once per distinct set of addresses; the host-to-device copy is synchronized
-    so that any stream may use the table afterwards.
+    so that any stream may use the table afterwards (each use records its stream with
+    the caching allocator).
     """
     addrs = tuple(t.data_ptr() for t in kv_caches)
     device = kv_caches[0].device
@@ -54,8 +55,11 @@ def layer_table(kv_caches: Sequence[torch.Tensor]) -> LayerTable:
         if table is not None:
             _tables.move_to_end(key)
             return table
-    ptrs = torch.tensor(addrs, dtype=torch.int64).to(device)
-    torch.cuda.current_stream(device).synchronize()
+    # A private stream, so that building the table never waits on queued compute work.
+    private = torch.cuda.Stream(device)
+    with torch.cuda.stream(private):
+        ptrs = torch.tensor(addrs, dtype=torch.int64).to(device)
+    private.synchronize()
     align = min(16, min(a & -a for a in addrs)) if all(addrs) else 1
     table = LayerTable(ptrs, align)
     with _tables_lock:

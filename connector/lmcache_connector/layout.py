@@ -116,10 +116,12 @@ class BlockLayout:
 class TokenLayout:
     kind = "token"
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int, *, allow_cpu: bool = False) -> None:
+        """``allow_cpu`` is for tensors that really are in the logical layout (tests of
+        the pure-torch path); vLLM's CPU backend tensors are not."""
         self.layers = _check_layers(kv_caches)
         first = self.layers[0]
-        if first.device.type == "cpu":
+        if first.device.type == "cpu" and not allow_cpu:
             raise LayoutError(
                 "layout: token needs a KV layout whose logical shape is physical (GPU FlashAttention); "
                 "vLLM's CPU backend stores blocks in an ISA-dependent layout: use layout: block"

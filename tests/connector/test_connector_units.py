@@ -1,0 +1,156 @@
+"""Connector pieces with real parts and no engine: request options, multimodal keys
+(real vLLM Request objects), IPC lookups over real ZMQ sockets, layout adapters."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import zmq
+
+pytest.importorskip("vllm")
+
+from lmcache_core.config import ConfigError, CoreConfig, LoadedConfig  # noqa: E402
+from lmcache_connector.layout import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
+from lmcache_connector.lookup_ipc import LookupClient, LookupServer  # noqa: E402
+from lmcache_connector.options import ConnectorSettings, load_settings, parse_request_options  # noqa: E402
+from lmcache_connector.scheduler import SchedulerSide  # noqa: E402
+
+
+def test_request_options():
+    assert parse_request_options(None).skip_save is False
+    o = parse_request_options({"lmcache.skip_save": True, "lmcache.tag.tenant": "acme", "other": 1})
+    assert o.skip_save and o.tags == {"tenant": "acme"} and o.problem is None
+    for bad in ({"lmcache.skip_save": "yes"}, {"lmcache.tag.": "x"}, {"lmcache.tag.a": [1]}, {"lmcache.skipsave": True}):
+        b = parse_request_options(bad, "r1")
+        assert b.skip_save and b.skip_load and "r1" in (b.problem or "")
+
+
+def test_extra_config_overrides_and_errors(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 512\nbackends: [{name: local_cpu, max_size: 64MiB}]\n")
+    s = load_settings({"config_file": str(f), "save_unfull_chunk": True, "model_id": "m1"})
+    assert s.core.chunk_size == 512 and s.core.save_unfull_chunk and s.model_id == "m1"
+    with pytest.raises(ConfigError, match=r"chunk_sise.*unknown key.*kv_connector_extra_config"):
+        load_settings({"chunk_sise": 5})
+
+
+class _NoLookup:
+    def lookup(self, hashes, pin_id):
+        return 0
+
+    def close(self):
+        pass
+
+
+def _request(tokens, mm=None, params=None, rid="r"):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None, mm_features=mm)
+
+
+def _image(ident, offset, length):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+def _sched(**cfg):
+    settings = ConnectorSettings(LoadedConfig(CoreConfig(**cfg)))
+    return SchedulerSide(settings, block_size=128, can_load=True, can_save=True, lookup=_NoLookup())
+
+
+def test_multimodal_items_change_keys_from_their_chunk_on():
+    tokens = [7] * 1024  # the same placeholder tokens for every image
+    s = _sched()
+    a = s._state_for(_request(tokens, [_image("img-A", 300, 200)], rid="a")).hashes
+    b = s._state_for(_request(tokens, [_image("img-B", 300, 200)], rid="b")).hashes
+    a2 = s._state_for(_request(tokens, [_image("img-A", 300, 200)], rid="a2")).hashes
+    plain = s._state_for(_request(tokens, rid="p")).hashes
+    assert a == a2
+    assert a[0] == b[0] == plain[0]  # chunk 0 (tokens 0..255) holds no image
+    assert all(x != y for x, y in zip(a[1:], b[1:]))  # chunks 1.. differ
+    assert a[1] != plain[1]
+
+
+def test_tags_and_salt_change_keys():
+    s = _sched()
+    t = [5] * 512
+    base = s._state_for(_request(t, rid="1")).hashes
+    tagged = s._state_for(_request(t, params={"lmcache.tag.team": "x"}, rid="2")).hashes
+    assert base[0] != tagged[0]
+
+
+def test_lookup_server_and_timeout(tmp_path):
+    addr = f"ipc://{tmp_path}/lk.ipc"
+    seen = []
+
+    def lookup(hashes, pin):
+        seen.append((len(hashes), pin))
+        return len(hashes) - 1
+
+    server = LookupServer(addr, lookup)
+    client = LookupClient([addr], timeout_ms=2000)
+    try:
+        assert client.lookup([b"x" * 16] * 5, "req-1") == 4
+        assert client.lookup([b"y" * 16] * 3, None) == 2
+        assert seen == [(5, "req-1"), (3, None)]
+    finally:
+        client.close()
+        server.close()
+    # a worker that never answers: a miss within the timeout, never a hang
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind(f"ipc://{tmp_path}/silent.ipc")
+    client = LookupClient([f"ipc://{tmp_path}/silent.ipc"], timeout_ms=300)
+    try:
+        t0 = time.monotonic()
+        assert client.lookup([b"z" * 16] * 4, "r") == 0
+        assert time.monotonic() - t0 < 2.0
+        assert client.timeouts == 1
+    finally:
+        client.close()
+        silent.close(0)
+        ctx.term()
+
+
+def _paged(num_blocks=16, heads=2, bs=16, d=8, layers=3, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return {f"l{i}": torch.randn(num_blocks, heads, bs, 2 * d, generator=g).to(dtype) for i in range(layers)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_layout_round_trip_and_skips_shared_blocks(dtype):
+    src = _paged(dtype=dtype)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    a, b = BlockLayout(src, 16), BlockLayout(dst, 16)
+    src_blocks, dst_blocks = [3, 7, 1, 9], [2, 5, 11, 4]
+    buf = torch.empty(a.chunk_shape(64), dtype=dtype)
+    a.save_chunk(src_blocks, 0, 64, buf)
+    b.load_chunk(buf, dst_blocks, 0, 64, write_from=16)  # block 0 belongs to vLLM's prefix cache
+    for name in src:
+        assert torch.count_nonzero(dst[name][2]) == 0
+        for s_id, d_id in zip(src_blocks[1:], dst_blocks[1:]):
+            assert torch.equal(dst[name][d_id], src[name][s_id])
+    assert "bs16" in a.fingerprint() and str(dtype).removeprefix("torch.") in a.fingerprint()
+
+
+def test_token_layout_refuses_cpu_backend_and_round_trips_logical_layout():
+    src = _paged()
+    with pytest.raises(LayoutError, match="layout: block"):
+        TokenLayout(src, 16)
+    with pytest.raises(LayoutError, match="unknown adapter"):
+        make_layout("tokens", src, 16)
+    t = TokenLayout(src, 16, allow_cpu=True)
+    buf = torch.empty(t.chunk_shape(40))
+    t.save_chunk([4, 2, 8], 0, 40, buf)
+    # per-token K of token 17 = block 2, offset 1, first half of the last dim
+    assert torch.equal(buf[1, 0, 17], src["l1"][2, :, 1, :8])
+    assert torch.equal(buf[1, 1, 17], src["l1"][2, :, 1, 8:])
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    TokenLayout(dst, 16, allow_cpu=True).load_chunk(buf, [0, 5, 6], 0, 40, write_from=0)
+    assert torch.equal(dst["l0"][5, :, 1], src["l0"][2, :, 1])
+    assert torch.equal(dst["l2"][6, :, 7], src["l2"][8, :, 7])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 import torch
 
@@ -34,6 +34,18 @@ SHARED = "shared"  # visible to other processes or machines
 
 class BackendError(Exception):
     """A backend failed in a way its caller should treat as a miss."""
+
+
+def prefix_count(keys: Sequence[ChunkKey], present: Container[ChunkKey]) -> int:
+    """How many of ``keys``, from the first, are in ``present``: the usual body of
+    :meth:`StorageBackend.contains` for a backend with an in-memory index (call it
+    under the lock that guards ``present``)."""
+    n = 0
+    for k in keys:
+        if k not in present:
+            break
+        n += 1
+    return n
 
 
 @dataclass

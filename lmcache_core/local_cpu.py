@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageBackend
+from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageBackend, prefix_count
 from .config import ByteSize, StrictModel, validate_section
 from .keys import ChunkKey
 from .memory import MemoryBuffer, MemoryPool
@@ -41,13 +41,8 @@ class LocalCpuBackend(StorageBackend):
 
     # -- contract -------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
         with self._lock:
-            for k in keys:
-                if k not in self._entries:
-                    break
-                n += 1
-        return n
+            return prefix_count(keys, self._entries)
 
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         with self._lock:

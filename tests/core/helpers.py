@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from lmcache_core.backend import BackendContext, BackendStats, StorageBackend
+from lmcache_core.backend import BackendContext, BackendStats, StorageBackend, prefix_count
 from lmcache_core.hookspecs import RegisterBackend, hookimpl
 from lmcache_core.keys import ChunkKey
 
@@ -28,12 +28,7 @@ class DictTier(StorageBackend):
 
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
-            n = 0
-            for k in keys:
-                if k not in self.data:
-                    break
-                n += 1
-            return n
+            return prefix_count(keys, self.data)
 
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         if self.gate is not None:

@@ -34,6 +34,16 @@ def prompt(seed: int, n_chunks: int) -> list[int]:
     return [(seed * 1000003 + i * 7919) % 50000 for i in range(n_chunks * CS)]
 
 
+def prepared(eng: CacheEngine, seed: int, n_chunks: int) -> tuple[list[int], list[torch.Tensor], list[Any]]:
+    """A prompt, its chunk data and its keys in ``eng``'s namespace."""
+    toks = prompt(seed, n_chunks)
+    return toks, chunks_for(toks), eng.keys(eng.hashes(toks))
+
+
+def empty_outs(n: int) -> list[torch.Tensor]:
+    return [torch.empty(SHAPE, dtype=torch.float16) for _ in range(n)]
+
+
 def engine(backends: list[dict[str, Any]], plugin: TierPlugin | None = None, **cfg: Any) -> CacheEngine:
     pm = PluginManager(load_entry_points=False)
     if plugin is not None:
@@ -67,16 +77,14 @@ def test_store_reaches_tier0_synchronously_and_round_trips(two_tiers: Any) -> No
     assert eng.flush(10)
     assert tier1.contains(keys) == 4
     assert eng.lookup(toks) == 4 * CS
-    outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(4)]
+    outs = empty_outs(4)
     assert eng.retrieve(toks, outs) == 4
     assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(toks)))
 
 
 def test_lookup_is_longest_prefix_across_all_tiers(two_tiers: Any) -> None:
     eng, tier0, tier1 = two_tiers
-    toks = prompt(2, 6)
-    data = chunks_for(toks)
-    keys = eng.keys(eng.hashes(toks))
+    toks, data, keys = prepared(eng, 2, 6)
     for i in (0, 3):  # tier 0 has chunks 0 and 3
         tier0.put(keys[i], data[i])
     for i in (1, 2, 4):  # tier 1 has 1, 2 and 4; nobody has 5
@@ -90,14 +98,12 @@ def test_lookup_is_longest_prefix_across_all_tiers(two_tiers: Any) -> None:
 
 def test_retrieve_reads_fastest_tier_and_promotes(two_tiers: Any) -> None:
     eng, tier0, tier1 = two_tiers
-    toks = prompt(4, 3)
-    data = chunks_for(toks)
-    keys = eng.keys(eng.hashes(toks))
+    toks, data, keys = prepared(eng, 4, 3)
     tier0.put(keys[0], data[0])
     tier1.put(keys[0], torch.zeros(SHAPE, dtype=torch.float16))  # a stale copy lower down
     tier1.put(keys[1], data[1])
     tier1.put(keys[2], data[2])
-    outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(3)]
+    outs = empty_outs(3)
     assert eng.retrieve(toks, outs) == 3
     assert all(torch.equal(o, d) for o, d in zip(outs, data)), "chunk 0 must come from tier 0"
     assert tier0.contains(keys) == 3, "chunks read from tier 1 are promoted into tier 0"
@@ -108,12 +114,10 @@ def test_retrieve_reads_fastest_tier_and_promotes(two_tiers: Any) -> None:
 
 def test_retrieve_stops_at_first_missing_chunk(two_tiers: Any) -> None:
     eng, tier0, _ = two_tiers
-    toks = prompt(5, 3)
-    data = chunks_for(toks)
-    keys = eng.keys(eng.hashes(toks))
+    toks, data, keys = prepared(eng, 5, 3)
     tier0.put(keys[0], data[0])
     tier0.put(keys[2], data[2])
-    outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(3)]
+    outs = empty_outs(3)
     assert eng.retrieve(toks, outs) == 1
     assert eng.counters.load_errors == 1
 
@@ -176,7 +180,7 @@ def test_pins_protect_chunks_between_lookup_and_load() -> None:
             other = prompt(s, 2)
             eng.store(other, chunks_for(other))
         assert eng.lookup(a) == 4 * CS, "a pinned chunk was evicted"
-        outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(4)]
+        outs = empty_outs(4)
         assert eng.retrieve(a, outs) == 4
         assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(a)))
         eng.unpin("req-a")
@@ -197,7 +201,7 @@ def test_a_failing_backend_means_misses_not_exceptions(order: str) -> None:
         toks = prompt(30, 3)
         stored = eng.store(toks, chunks_for(toks))
         assert eng.flush(10)
-        outs = [torch.empty(SHAPE, dtype=torch.float16) for _ in range(3)]
+        outs = empty_outs(3)
         if order == "broken-only":
             assert stored == 0 and eng.lookup(toks) == 0 and eng.retrieve(toks, outs) == 0
         else:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from pydantic import Field
 
-from lmcache_core.backend import BackendContext, BackendStats, StorageBackend
+from lmcache_core.backend import BackendContext, BackendStats, StorageBackend, prefix_count
 from lmcache_core.config import StrictModel, validate_section
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import Codec, encode, try_decode
@@ -39,12 +39,7 @@ class DictBackend(StorageBackend):
 
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
-            n = 0
-            for k in keys:
-                if k not in self._frames:
-                    break
-                n += 1
-            return n
+            return prefix_count(keys, self._frames)
 
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         with self._lock:

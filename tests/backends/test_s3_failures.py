@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3_server import MotoS3, s3_bucket, s3_server, set_aws_env  # noqa: E402,F401 - fixtures
+from s3_server import MotoS3, set_aws_env  # noqa: E402
 
 from lmcache_backend_s3 import S3Backend, create_s3_backend  # noqa: E402
 from lmcache_core.config import load_config  # noqa: E402
@@ -243,3 +243,21 @@ def test_endpoint_stopped_mid_run_gives_misses_not_exceptions(monkeypatch: pytes
             assert b.lookup(list(range(200, 232))) == 32
     finally:
         server.stop()
+
+
+def test_silent_endpoint_never_blocks_store_on_the_engine(aws_env: None, silent_port: int) -> None:
+    """The engine writes the s3 tier in the background: store() returns long before the
+    tier's read timeout, and the first tier serves the chunks meanwhile."""
+    slow = {**FAST, "read_timeout_s": 2.0, "verify_on_start": False}
+    section = {"name": "s3", "bucket": "lmc-failures", "endpoint_url": f"http://127.0.0.1:{silent_port}", **slow}
+    cfg = load_config(env={}, overrides={"chunk_size": 16, "backends": [{"name": "local_cpu", "max_size": "8MiB"}, section]})
+    chunks = [random_chunk(shape=(2, 16, 8), seed=i) for i in range(4)]
+    with CacheEngine(cfg, namespace=KeyNamespace(model="m")) as engine:
+        stored, dt = timed(engine.store, list(range(64)), chunks)
+        assert stored == 4 and dt < 1.5
+        outs = [torch.empty_like(c) for c in chunks]
+        assert engine.retrieve(list(range(64)), outs) == 4
+        assert all(torch.equal(o, c) for o, c in zip(outs, chunks))
+        assert engine.flush(timeout=30)  # the background puts end as timeouts, counted, not raised
+        s3 = [t for t in engine.stats()["tiers"] if t["name"] == "s3"][0]  # type: ignore[union-attr]
+        assert s3["puts"] == 0 and s3["extra"]["endpoint_down"] is True

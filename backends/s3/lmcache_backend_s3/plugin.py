@@ -9,7 +9,6 @@ answers (storage is a cache).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping
 
 from botocore.exceptions import NoCredentialsError, PartialCredentialsError, ProfileNotFound
@@ -21,8 +20,6 @@ from lmcache_core.hookspecs import RegisterBackend, hookimpl
 from .backend import S3Backend
 from .client import Failure, classify, credential_method, describe
 from .config import S3Config
-
-log = logging.getLogger(__name__)
 
 
 def _credential_source(cfg: S3Config) -> str:

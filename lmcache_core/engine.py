@@ -94,9 +94,22 @@ class _TierWriter:
                 self._cv.wait(left)
         return True
 
-    def stop(self) -> None:
-        self.q.put(None)
-        self.thread.join(timeout=10)
+    def stop(self, timeout: float = 10.0) -> None:
+        """Drop queued writes (their buffers released) and end the thread; never
+        blocks on a full queue."""
+        while True:
+            try:
+                item = self.q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].release()
+                self._done()
+        try:
+            self.q.put_nowait(None)
+        except queue.Full:
+            pass
+        self.thread.join(timeout=timeout)
 
 
 def _pool_size(cfg: CoreConfig) -> int:
@@ -153,7 +166,7 @@ class CacheEngine:
                 t.close()
             raise
         self._writers = [_TierWriter(t, cfg.write_queue_size, self.counters) for t in self.tiers[1:]]
-        self._pins: dict[str, list[ChunkKey]] = {}
+        self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey]]]] = {}
         self._pin_lock = threading.Lock()
         self._closed = False
 
@@ -230,18 +243,18 @@ class CacheEngine:
             self._tier_error(tier, "pin", err)
             return
         with self._pin_lock:
-            self._pins.setdefault(pin_id, []).extend(keys)
+            self._pins.setdefault(pin_id, []).append((tier, keys))
 
     def unpin(self, pin_id: str) -> None:
+        """Release the pins taken by a lookup under ``pin_id`` (only in the tiers that
+        took them). Unknown ids are ignored."""
         with self._pin_lock:
-            keys = self._pins.pop(pin_id, None)
-        if keys:
-            for tier in self.tiers:
-                if PINNING in tier.capabilities:
-                    try:
-                        tier.unpin(keys)
-                    except Exception as err:
-                        self._tier_error(tier, "unpin", err)
+            pinned = self._pins.pop(pin_id, None)
+        for tier, keys in pinned or ():
+            try:
+                tier.unpin(keys)
+            except Exception as err:
+                self._tier_error(tier, "unpin", err)
 
     # -- memory -----------------------------------------------------------------------
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
@@ -270,7 +283,9 @@ class CacheEngine:
         return self.store_hashes(hashes, chunks, n_tokens=self._chunk_tokens(len(tokens), len(chunks), start_chunk))
 
     def store_hashes(self, hashes: Sequence[bytes], chunks: Sequence[ChunkData], *, n_tokens: int | None = None) -> int:
-        """Store chunks by prefix hash; returns how many reached the first tier."""
+        """Store chunks by prefix hash; returns how many new chunks reached the first
+        tier. A chunk tier 0 already holds is skipped entirely, slower tiers included
+        (a write a slow tier dropped earlier is not retried: it is a cache)."""
         if not self.tiers:
             return 0
         stored = 0
@@ -297,7 +312,17 @@ class CacheEngine:
                 nbytes = (buf.tensor if buf is not None else data).nbytes
                 m.TIER_BYTES.labels(tier0.name, "put").inc(nbytes)
             if self._writers:
-                self._write_behind(key, data)
+                src: ChunkData = data
+                if buf is None and ok and ZERO_COPY in tier0.capabilities:
+                    # tier 0 already copied the chunk into the pool: share that copy
+                    held = tier0.get_buffer(key)
+                    if held is not None:
+                        try:
+                            self._write_behind(key, held)
+                        finally:
+                            held.release()
+                        continue
+                self._write_behind(key, src)
         toks = n_tokens if n_tokens is not None and stored == len(hashes) else stored * self.chunk_size
         self.counters.add(stored_chunks=stored, stored_tokens=toks)
         m.STORED_TOKENS.inc(stored * self.chunk_size)

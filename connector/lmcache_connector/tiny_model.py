@@ -37,7 +37,7 @@ class TinyModelSpec:
 # Small enough for unit tests; the demo uses a larger one so prefill is measurable.
 TEST_SPEC = TinyModelSpec()
 DEMO_SPEC = TinyModelSpec(
-    hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64, intermediate_size=2816, vocab_size=4096
+    hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048, vocab_size=4096
 )
 
 

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from botocore.exceptions import ClientError
 
-from lmcache_core.backend import PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
+from lmcache_core.backend import PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend, prefix_count
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import DTYPE_NAMES, MAX_HEADER_BYTES, Codec, FrameError, encode, parse_header, try_decode
 
@@ -112,9 +112,7 @@ class S3Backend(StorageBackend):
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         if self._closed or self._gate.blocked():
             return 0  # known present or not, nothing can be read while the endpoint is down
-        n = 0
-        while n < len(keys) and keys[n] in self._present:
-            n += 1
+        n = prefix_count(keys, self._present)
         if n == len(keys):
             return n
         if not self._gate.allow():

@@ -2,8 +2,10 @@
 
     python bench/bench_disk.py [--quick] [--dir DIR]
 
-Write: the tier's ``put`` (encode a frame, temp file, fsync, rename, fsync dir) vs
-plain files holding the same bytes (write + fsync each file). Read: the tier's
+Write: the tier's ``put`` (frame header + payload checksummed while written, temp
+file, fsync, rename, fsync dir) vs plain files holding the same bytes (write + fsync
+each file). Tier and plain alternate chunk by chunk, so both meet the same disk
+(a VM disk's speed drifts within seconds). Read: the tier's
 ``get`` (read the file, check header and CRC, copy into the caller's tensor) vs a
 plain ``readinto`` of the same bytes into a preallocated buffer. Reads run twice:
 "cold" after dropping the page cache (only possible as root; the output says whether
@@ -49,49 +51,41 @@ def open_tier(root: Path, **opts: object) -> DiskBackend:
     return DiskBackend(cfg, codec=CODECS["raw"], codecs=CODECS)
 
 
-def plain_write(root: Path, chunks: list[torch.Tensor]) -> float:
-    root.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    for i, c in enumerate(chunks):
-        fd = os.open(root / f"{i}.bin", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-        try:
-            mv = memoryview(c.numpy()).cast("B")
-            while mv.nbytes:
-                mv = mv[os.write(fd, mv) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t0
+def _plain_write_one(path: Path, c: torch.Tensor) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        mv = memoryview(c.numpy()).cast("B")
+        while mv.nbytes:
+            mv = mv[os.write(fd, mv) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def plain_read(root: Path, outs: list[torch.Tensor]) -> float:
-    t0 = time.perf_counter()
-    for i, o in enumerate(outs):
-        with open(root / f"{i}.bin", "rb", buffering=0) as f:
-            mv = memoryview(o.numpy()).cast("B")
-            got = 0
-            while got < mv.nbytes:
-                n = f.readinto(mv[got:])
-                if not n:
-                    raise RuntimeError("short file")
-                got += n
-    return time.perf_counter() - t0
+def _plain_read_one(path: Path, o: torch.Tensor) -> None:
+    with open(path, "rb", buffering=0) as f:
+        mv = memoryview(o.numpy()).cast("B")
+        got = 0
+        while got < mv.nbytes:
+            n = f.readinto(mv[got:])
+            if not n:
+                raise RuntimeError("short file")
+            got += n
 
 
-def tier_write(tier: DiskBackend, keys: list, chunks: list[torch.Tensor]) -> float:
-    t0 = time.perf_counter()
-    for k, c in zip(keys, chunks):
-        if not tier.put(k, c):
-            raise RuntimeError("put failed")
-    return time.perf_counter() - t0
-
-
-def tier_read(tier: DiskBackend, keys: list, outs: list[torch.Tensor]) -> float:
-    t0 = time.perf_counter()
-    for k, o in zip(keys, outs):
-        if not tier.get(k, o):
-            raise RuntimeError("get missed")
-    return time.perf_counter() - t0
+def _interleaved(n: int, tier_op, plain_op) -> tuple[float, float]:
+    """Run chunk i through the tier and plain files back to back (alternating who
+    goes first), so both meet the same disk state; total seconds of each."""
+    tt = pt = 0.0
+    for i in range(n):
+        for who in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            (tier_op if who == 0 else plain_op)(i)
+            if who == 0:
+                tt += time.perf_counter() - t0
+            else:
+                pt += time.perf_counter() - t0
+    return tt, pt
 
 
 def throughput(base: Path, n: int, mib: int, repeat: int, o_direct: bool) -> list[tuple[str, float, float, str]]:
@@ -102,24 +96,28 @@ def throughput(base: Path, n: int, mib: int, repeat: int, o_direct: bool) -> lis
     ns = KeyNamespace(model="bench")
     rows: dict[str, list[tuple[float, float]]] = {"write": [], "read cold": [], "read warm": []}
     dropped = True
+
     for r in range(repeat):
         keys = [ns.key(os.urandom(16)) for _ in range(n)]
         tdir, pdir = base / f"tier{r}", base / f"plain{r}"
+        pdir.mkdir(parents=True)
         tier = open_tier(tdir, o_direct=o_direct)
-        # alternate who goes first so neither always meets a busier disk
-        if r % 2 == 0:
-            tw, pw = tier_write(tier, keys, chunks), plain_write(pdir, chunks)
-        else:
-            pw, tw = plain_write(pdir, chunks), tier_write(tier, keys, chunks)
-        rows["write"].append((tw, pw))
+
+        def put(i: int) -> None:
+            if not tier.put(keys[i], chunks[i]):
+                raise RuntimeError("put failed")
+
+        def get(i: int) -> None:
+            if not tier.get(keys[i], outs[i]):
+                raise RuntimeError("get missed")
+
+        rows["write"].append(_interleaved(n, put, lambda i: _plain_write_one(pdir / f"{i}.bin", chunks[i])))
         dropped &= drop_caches()
-        tr = tier_read(tier, keys, outs)
-        assert all(torch.equal(o, c) for o, c in zip(outs, chunks))
-        dropped &= drop_caches()
-        pr = plain_read(pdir, outs)
-        rows["read cold"].append((tr, pr))
-        tr, pr = tier_read(tier, keys, outs), plain_read(pdir, outs)
-        rows["read warm"].append((tr, pr))
+        rows["read cold"].append(_interleaved(n, get, lambda i: _plain_read_one(pdir / f"{i}.bin", outs[i])))
+        rows["read warm"].append(_interleaved(n, get, lambda i: _plain_read_one(pdir / f"{i}.bin", outs[i])))
+        for i in range(n):  # the tier really returns the stored bytes
+            get(i)
+            assert torch.equal(outs[i], chunks[i])
         tier.close()
         shutil.rmtree(tdir)
         shutil.rmtree(pdir)

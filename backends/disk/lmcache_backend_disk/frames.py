@@ -12,6 +12,7 @@ corruption is caught later by the full checksum on ``get``.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -34,18 +35,21 @@ _U64 = struct.Struct("<Q")
 PREFIX_READ = 4096
 
 
-def check_frame_file(path: Path, size: int, expect_key: str) -> None:
+def check_frame_file(path: str, size: int, expect_key: str) -> None:
     """Raise :class:`FrameError` unless ``path`` (``size`` bytes) starts with a frame
     header for ``expect_key`` whose lengths add up to exactly ``size``."""
-    with open(path, "rb", buffering=0) as f:
-        head = f.read(PREFIX_READ)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        head = os.pread(fd, PREFIX_READ, 0)
         if len(head) < 8:
             raise FrameError("truncated: shorter than the length prefix")
         (hlen,) = _U64.unpack_from(head, 0)
         if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
             raise FrameError(f"bad header length {hlen}")
         if 8 + hlen > len(head):
-            head += f.read(8 + hlen - len(head))
+            head += os.pread(fd, 8 + hlen - len(head), len(head))
+    finally:
+        os.close(fd)
     try:
         header = json.loads(head[8 : 8 + hlen])
         meta = header["__metadata__"]
@@ -58,8 +62,6 @@ def check_frame_file(path: Path, size: int, expect_key: str) -> None:
         raise FrameError(f"file holds key {meta.get('key')!r}")
     if lo != 0 or 8 + hlen + (hi - lo) != size:
         raise FrameError(f"length mismatch: header says {8 + hlen + hi - lo} bytes, file has {size}")
-
-
 
 
 # -- frames in parts -------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class ScanResult:
         self.foreign_removed += other.foreign_removed
 
 
-def _unlink(path: Path, why: str) -> bool:
+def _unlink(path: str, why: str) -> bool:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -54,16 +54,17 @@ def _unlink(path: Path, why: str) -> bool:
     return True
 
 
-def _scan_shard(shard_dir: Path, shard: str, verify: bool, now: float) -> ScanResult:
+def _scan_shard(shard_dir: str, shard: str, verify: bool, now: float) -> ScanResult:
     res = ScanResult()
     try:
         it = os.scandir(shard_dir)
     except (FileNotFoundError, NotADirectoryError):
         return res
+    me = os.getpid()
     with it:
         for entry in it:
             name = entry.name
-            path = shard_dir / name
+            path = entry.path
             try:
                 if not entry.is_file(follow_symlinks=False):
                     continue
@@ -73,7 +74,7 @@ def _scan_shard(shard_dir: Path, shard: str, verify: bool, now: float) -> ScanRe
             if name.startswith(TMP_PREFIX):
                 pid = temp_owner_pid(name)
                 young = now - st.st_mtime < STALE_TEMP_S
-                if pid is not None and young and pid != os.getpid() and pid_alive(pid):
+                if pid is not None and young and pid != me and pid_alive(pid):
                     continue
                 if _unlink(path, "unfinished write left by a process that is gone"):
                     res.stale_temps += 1
@@ -94,10 +95,13 @@ def _scan_shard(shard_dir: Path, shard: str, verify: bool, now: float) -> ScanRe
     return res
 
 
-def scan(root: Path, *, verify: bool, pool: Executor) -> ScanResult:
-    """Scan every shard of ``root`` on ``pool``'s threads; see the module docstring."""
+def scan(root: Path, *, verify: bool, pool: Executor | None) -> ScanResult:
+    """Scan every shard of ``root`` (on ``pool``'s threads, if given); see the
+    module docstring."""
     now = time.time()
     total = ScanResult()
-    for part in pool.map(lambda s: _scan_shard(root / s, s, verify, now), FANOUT):
+    base = str(root)
+    work = lambda s: _scan_shard(os.path.join(base, s), s, verify, now)  # noqa: E731
+    for part in (pool.map(work, FANOUT) if pool is not None else map(work, FANOUT)):
         total.merge(part)
     return total

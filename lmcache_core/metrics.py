@@ -1,10 +1,13 @@
 """Prometheus metrics, all prefixed ``lmcache_core:`` (the convention vLLM uses for
 its own ``vllm:`` metrics, so they sit side by side in ``/metrics``).
 
-Metrics live in prometheus_client's default registry; in vLLM's multiprocess mode
-they reach the API server's ``/metrics`` through ``PROMETHEUS_MULTIPROC_DIR`` as vLLM's
-own do. Every engine also keeps plain counters (:class:`EngineCounters`) for tests
-and the CLI, which need no registry.
+The metrics here live in the process that runs the cache engine, in their own
+registry :data:`REGISTRY` (serve it with
+``prometheus_client.start_http_server(port, registry=REGISTRY)``). Under vLLM the
+connector also ships per-step counters to vLLM's front end, which exports them in
+its own ``/metrics`` (see ``lmcache_connector.stats``); a separate registry keeps the
+two from colliding when they share a process. Every engine also keeps plain counters
+(:class:`EngineCounters`) for tests and the CLI.
 """
 
 from __future__ import annotations
@@ -12,24 +15,26 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 PREFIX = "lmcache_core:"
+REGISTRY = CollectorRegistry()
 
-LOOKUPS = Counter(PREFIX + "lookups", "Prefix lookups", ["role"])
-LOOKUP_HIT_TOKENS = Counter(PREFIX + "lookup_hit_tokens", "Tokens found by lookups")
-LOOKUP_TOKENS = Counter(PREFIX + "lookup_tokens", "Tokens asked for by lookups")
-STORED_TOKENS = Counter(PREFIX + "stored_tokens", "Tokens stored")
-LOADED_TOKENS = Counter(PREFIX + "loaded_tokens", "Tokens loaded into the engine")
-LOAD_ERRORS = Counter(PREFIX + "load_errors", "Chunks that failed to load (recomputed)")
-TIER_BYTES = Counter(PREFIX + "tier_bytes", "Bytes moved per tier", ["tier", "op"])
-TIER_ERRORS = Counter(PREFIX + "tier_errors", "Backend failures turned into misses", ["tier", "op"])
-TIER_DROPPED = Counter(PREFIX + "tier_dropped_writes", "Background writes dropped (queue full or skipped)", ["tier"])
+LOOKUPS = Counter(PREFIX + "lookups", "Prefix lookups", ["role"], registry=REGISTRY)
+LOOKUP_HIT_TOKENS = Counter(PREFIX + "lookup_hit_tokens", "Tokens found by lookups", registry=REGISTRY)
+LOOKUP_TOKENS = Counter(PREFIX + "lookup_tokens", "Tokens asked for by lookups", registry=REGISTRY)
+STORED_TOKENS = Counter(PREFIX + "stored_tokens", "Tokens stored", registry=REGISTRY)
+LOADED_TOKENS = Counter(PREFIX + "loaded_tokens", "Tokens loaded into the engine", registry=REGISTRY)
+LOAD_ERRORS = Counter(PREFIX + "load_errors", "Chunks that failed to load (recomputed)", registry=REGISTRY)
+TIER_BYTES = Counter(PREFIX + "tier_bytes", "Bytes moved per tier", ["tier", "op"], registry=REGISTRY)
+TIER_ERRORS = Counter(PREFIX + "tier_errors", "Backend failures turned into misses", ["tier", "op"], registry=REGISTRY)
+TIER_DROPPED = Counter(PREFIX + "tier_dropped_writes", "Background writes dropped (queue full or skipped)", ["tier"], registry=REGISTRY)
 TIER_LATENCY = Histogram(
     PREFIX + "tier_latency_seconds",
     "Latency of one backend call",
     ["tier", "op"],
     buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+    registry=REGISTRY,
 )
 
 

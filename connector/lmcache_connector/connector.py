@@ -29,6 +29,7 @@ from .lookup_ipc import LookupClient, socket_path
 from .metadata import LMCacheConnectorMetadata
 from .options import load_settings
 from .scheduler import SchedulerSide
+from .stats import LMCacheConnectorStats, LMCachePromMetrics
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -119,6 +120,26 @@ class LMCacheCoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    def get_kv_connector_stats(self) -> "LMCacheConnectorStats | None":
+        if self._worker is None:
+            return None
+        delta = self._worker.take_stats_delta()
+        return LMCacheConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "LMCacheConnectorStats":
+        return LMCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> LMCachePromMetrics:
+        return LMCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -66,6 +66,9 @@ class WorkerSide:
         self.saved_tokens = 0
         self.failed_loads = 0
         self.skipped_saves = 0
+        self.load_seconds = 0.0
+        self.save_seconds = 0.0
+        self._reported: dict[str, float] = {}
         _active.add(self)
 
     # -- set-up -----------------------------------------------------------------------
@@ -123,10 +126,12 @@ class WorkerSide:
             finally:
                 buf.release()
             loaded += hi - max(lo, t.write_from)
+        dt = time.perf_counter() - t0
         with self._lock:
             self.loaded_tokens += loaded
+            self.load_seconds += dt
         m.LOADED_TOKENS.inc(loaded)
-        m.TIER_LATENCY.labels("connector", "load_request").observe(time.perf_counter() - t0)
+        m.TIER_LATENCY.labels("connector", "load_request").observe(dt)
 
     def _fail(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> None:
         """Report the blocks of chunks ``from_chunk..`` so vLLM recomputes them."""
@@ -157,6 +162,7 @@ class WorkerSide:
 
     def _save(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         assert self.engine is not None and self.layout is not None
+        t0 = time.perf_counter()
         bufs: list[MemoryBuffer] = []
         hashes: list[bytes] = []
         tokens = 0
@@ -179,6 +185,39 @@ class WorkerSide:
         finally:
             for b in bufs:
                 b.release()
+            with self._lock:
+                self.save_seconds += time.perf_counter() - t0
+
+    # -- metrics ------------------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters, flat, as shipped to vLLM's metrics."""
+        out: dict[str, float] = {
+            "loaded_tokens": self.loaded_tokens,
+            "saved_tokens": self.saved_tokens,
+            "load_errors": self.failed_loads,
+            "load_seconds": self.load_seconds,
+            "save_seconds": self.save_seconds,
+        }
+        if self.engine is not None:
+            c = self.engine.counters.snapshot()
+            out.update(lookups=c["lookups"], lookup_tokens=c["lookup_tokens"], hit_tokens=c["hit_tokens"])
+            for tier in self.engine.tiers:
+                try:
+                    s = tier.stats()
+                except Exception:  # a broken tier reports nothing this step
+                    continue
+                out[f"tier_put_bytes/{tier.name}"] = s.put_bytes
+                out[f"tier_get_bytes/{tier.name}"] = s.get_bytes
+                out[f"tier_evictions/{tier.name}"] = s.evictions
+                out[f"tier_errors/{tier.name}"] = c["backend_errors"].get(tier.name, 0)
+        return out
+
+    def take_stats_delta(self) -> dict[str, float]:
+        """Counter increments since the previous call (vLLM sums these)."""
+        now = self.counters()
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        return {k: v for k, v in delta.items() if v}
 
     # -- housekeeping -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

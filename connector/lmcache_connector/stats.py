@@ -1,0 +1,81 @@
+"""Connector metrics in vLLM's own ``/metrics``.
+
+vLLM collects ``get_kv_connector_stats()`` from every worker each step, sums them
+with :meth:`LMCacheConnectorStats.aggregate`, ships them to its front-end process and
+hands them to the connector's :class:`LMCachePromMetrics`, which owns Prometheus
+counters registered where vLLM serves ``/metrics``. All names start with
+``lmcache_core:``; per-tier counters carry a ``tier`` label.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+PREFIX = "lmcache_core:"
+
+# stats key -> (metric name, help)
+COUNTERS = {
+    "lookups": ("lookups", "Prefix lookups answered by the cache"),
+    "lookup_tokens": ("lookup_tokens", "Prompt tokens looked up"),
+    "hit_tokens": ("hit_tokens", "Prompt tokens found in the cache"),
+    "loaded_tokens": ("loaded_tokens", "Tokens loaded into vLLM's KV cache"),
+    "saved_tokens": ("saved_tokens", "Tokens saved from vLLM's KV cache"),
+    "load_errors": ("load_errors", "Request loads that failed and were recomputed"),
+    "load_seconds": ("load_seconds", "Time spent loading KV into vLLM"),
+    "save_seconds": ("save_seconds", "Time spent saving KV from vLLM"),
+}
+# per-tier stats keys are "<kind>/<tier>"
+TIER_COUNTERS = {
+    "tier_put_bytes": ("tier_put_bytes", "Bytes written per tier"),
+    "tier_get_bytes": ("tier_get_bytes", "Bytes read per tier"),
+    "tier_errors": ("tier_errors", "Backend failures turned into misses, per tier"),
+    "tier_evictions": ("tier_evictions", "Chunks evicted per tier"),
+}
+
+
+class LMCacheConnectorStats(KVConnectorStats):
+    """Counter deltas since the last report: a flat ``{name: number}`` dict."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "LMCacheConnectorStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items()) if v}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class LMCachePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: self._per_engine(self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames))
+            for key, (name, doc) in COUNTERS.items()
+        }
+        self._tier_counters = {
+            key: self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=[*labelnames, "tier"])
+            for key, (name, doc) in TIER_COUNTERS.items()
+        }
+
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if not value or value < 0:
+                continue
+            if key in self._counters:
+                self._counters[key][engine_idx].inc(value)
+            elif "/" in key:
+                kind, tier = key.split("/", 1)
+                counter = self._tier_counters.get(kind)
+                if counter is not None:
+                    counter.labels(*self.per_engine_labelvalues[engine_idx], tier).inc(value)

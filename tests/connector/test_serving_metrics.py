@@ -1,0 +1,100 @@
+"""``vllm serve`` with the connector: an OpenAI-compatible server on 127.0.0.1 whose
+``/metrics`` shows the connector's ``lmcache_core:`` counters after a cache hit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from .conftest import random_prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+        return r.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback only
+        return json.loads(r.read())
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+            if m:
+                total += float(m.group(2))
+    return total
+
+
+def test_vllm_serve_exports_connector_metrics(tiny_model, tmp_path):
+    port = _free_port()
+    ktc = {
+        "kv_connector": "LMCacheCoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--no-enable-prefix-caching",
+         "--max-model-len", "4096", "--max-num-batched-tokens", "1024",
+         "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(ktc)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail("server exited:\n" + (tmp_path / "server.log").read_text()[-4000:])
+            try:
+                if _get(base + "/health") is not None:
+                    break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("server did not start in 240 s")
+        prompt = random_prompt(800, 301)
+        body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        first = _post(base + "/v1/completions", body)
+        second = _post(base + "/v1/completions", body)
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        text = ""
+        for _ in range(30):  # stats reach the front end with the next engine step
+            text = _get(base + "/metrics")
+            if _metric(text, "lmcache_core:loaded_tokens_total") > 0:
+                break
+            time.sleep(1)
+        assert _metric(text, "lmcache_core:loaded_tokens_total") == 768
+        assert _metric(text, "lmcache_core:saved_tokens_total") == 768
+        assert _metric(text, "lmcache_core:lookups_total") >= 2
+        assert _metric(text, 'lmcache_core:tier_put_bytes_total') > 0
+        assert 'tier="local_cpu"' in text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

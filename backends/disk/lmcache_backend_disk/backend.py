@@ -79,6 +79,7 @@ class DiskBackend(StorageBackend):
         self._lock = threading.Lock()
         self._index = LruIndex()
         self._reserved = 0
+        self._last_put_error: str | None = None
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="lmcache-disk-io")
         self._s = BackendStats(self.name, bytes_capacity=self.max_size)
@@ -198,16 +199,23 @@ class DiskBackend(StorageBackend):
                 else:
                     self._s.errors += 1
                     self._x["write_errors"] += 1
-            log.warning("disk tier: put of %s skipped: %s", key, err)
+            why = f"{type(err).__name__}: {err.strerror or err}"
+            if why != self._last_put_error:  # one line per kind of failure, not per chunk
+                self._last_put_error = why
+                log.warning("disk tier %s: puts are failing (%s); counted in stats, serving goes on", self.root, why)
             return False
         with self._lock:
             self._reserved -= size
             self._index.add(key, size)
             self._s.puts += 1
             self._s.put_bytes += data.nbytes
+            self._last_put_error = None
             over = self._index.bytes + self._reserved - self.max_size
             victims = self._index.pop_lru(over) if over > 0 else []
-        self._delete([v for v in victims if v[0] != key])
+            if any(k == key for k, _ in victims):  # never evict the chunk just written
+                victims = [v for v in victims if v[0] != key]
+                self._index.add(key, size)
+        self._delete(victims)
         return True
 
     def _frame(self, key: ChunkKey, data: torch.Tensor) -> "_PendingFrame":

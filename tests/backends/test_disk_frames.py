@@ -85,3 +85,30 @@ def test_truncated_large_payload_is_a_miss(tmp_path: Path) -> None:
     assert b.get(key, torch.empty_like(data)) is False and not p.exists()
     assert b.stats().extra["corrupt_removed"] == 2
     b.close()
+
+
+def test_large_chunks_from_many_threads_with_one_io_thread(tmp_path: Path) -> None:
+    """More concurrent callers than I/O threads: overlapped transfers queue, never
+    deadlock, and every caller gets its own bytes."""
+    import threading
+
+    b = create_disk_backend({"path": str(tmp_path / "t"), "io_threads": 1, "fsync": False}, make_context())
+    items = [(random_key(), torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)) for _ in range(6)]
+    errors: list[BaseException] = []
+
+    def work(k, d) -> None:
+        try:
+            for _ in range(3):
+                assert b.put(k, d)
+                out = torch.empty_like(d)
+                assert b.get(k, out) and torch.equal(out, d)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=item) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    b.close()

@@ -1,0 +1,143 @@
+"""Warm TTFT on real vLLM (CPU), side by side in one run, same model and prompts:
+
+* recompute: no connector, vLLM prefix caching off (the cold baseline)
+* ExampleConnector: vLLM's built-in debug connector (safetensors files)
+* lmcache-core: this connector, CPU tier (vLLM prefix caching off, so hits are ours)
+* vLLM prefix cache: vLLM's own in-engine cache (the upper bound)
+
+and a no-reuse workload (all prompts distinct) with and without the connector, run
+alternately. Targets: lmcache-core's warm TTFT within 1.5x of vLLM's prefix-cache
+hit; no-reuse TTFT within 5% of no connector.
+
+    python bench/bench_connector.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random_prompt  # noqa: E402
+
+SPEC = TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
+
+
+def engine(model: Path, system: str, tmp: Path, max_len: int) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = dict(
+        model=str(model),
+        enforce_eager=True,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        kv_cache_memory_bytes=256 << 20,
+        enable_prefix_caching=system == "vllm-prefix-cache",
+        seed=0,
+    )
+    if system == "example":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": str(tmp / "example")}
+        )
+    elif system == "lmcache":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheCoreConnector", kv_role="kv_both", kv_load_failure_policy="recompute"
+        )
+    return LLM(**kw)
+
+
+def ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    return time.perf_counter() - t, out[0].num_cached_tokens
+
+
+def close(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def reuse_workload(model: Path, tmp: Path, docs: list[list[int]], repeats: int, max_len: int) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for system in ("recompute", "example", "lmcache", "vllm-prefix-cache"):
+        print(f"  {system} ...", flush=True)
+        llm = engine(model, system, tmp, max_len)
+        ttft(llm, random_prompt(64, 7, SPEC.vocab_size))  # warm-up
+        cold, warm, cached = [], [], []
+        for d in docs:
+            t, _ = ttft(llm, d)
+            cold.append(t)
+        for _ in range(repeats):
+            for d in docs:
+                t, c = ttft(llm, d)
+                warm.append(t)
+                cached.append(c)
+        close(llm)
+        out[system] = {"cold": statistics.median(cold), "warm": statistics.median(warm), "cached": statistics.median(cached)}
+    return out
+
+
+def no_reuse_workload(model: Path, tmp: Path, n: int, tokens: int, rounds: int, max_len: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {"recompute": [], "lmcache": []}
+    seed = 10_000
+    for r in range(rounds):
+        for system in (("recompute", "lmcache") if r % 2 == 0 else ("lmcache", "recompute")):
+            llm = engine(model, system, tmp, max_len)
+            ttft(llm, random_prompt(64, 7, SPEC.vocab_size))
+            for _ in range(n):
+                seed += 1
+                t, c = ttft(llm, random_prompt(tokens, seed, SPEC.vocab_size))
+                assert c == 0, "no-reuse prompts must not hit"
+                times[system].append(t)
+            close(llm)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    n_docs, doc_tokens, repeats = (2, 1536, 2) if args.quick else (4, 3072, 3)
+    nr_n, nr_tokens, nr_rounds = (4, 1024, 2) if args.quick else (6, 2048, 4)
+    tmp = Path(tempfile.mkdtemp(prefix="lmcache-bench-"))
+    model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / SPEC.tag(), SPEC)
+    max_len = doc_tokens + 64
+    docs = [random_prompt(doc_tokens, 100 + i, SPEC.vocab_size) for i in range(n_docs)]
+    print(f"model {SPEC.tag()}, {n_docs} documents x {doc_tokens} tokens, warm = median of {repeats} repeats", flush=True)
+    res = reuse_workload(model, tmp, docs, repeats, max_len)
+    base = res["recompute"]["cold"]
+    upper = res["vllm-prefix-cache"]["warm"]
+    print("\nwarm TTFT (same prompt again), medians")
+    print(f"{'system':<20}{'cold ms':>10}{'warm ms':>10}{'warm/recompute':>16}{'warm/vLLM-prefix':>18}{'cached tok':>12}")
+    for name, r in res.items():
+        print(
+            f"{name:<20}{r['cold'] * 1000:>10.1f}{r['warm'] * 1000:>10.1f}"
+            f"{r['warm'] / base:>16.3f}{r['warm'] / upper:>18.2f}{int(r['cached']):>12}"
+        )
+    ratio = res["lmcache"]["warm"] / upper
+    print(f"target: lmcache-core warm TTFT <= 1.5x vLLM prefix-cache hit -> {ratio:.2f}x ({'met' if ratio <= 1.5 else 'NOT met'})")
+    print(f"lmcache-core vs ExampleConnector warm: {res['lmcache']['warm'] / res['example']['warm']:.2f}x")
+
+    print(f"\nno-reuse workload: {nr_n} distinct prompts x {nr_tokens} tokens, {nr_rounds} alternating rounds", flush=True)
+    nr = no_reuse_workload(model, tmp, nr_n, nr_tokens, nr_rounds, max(max_len, nr_tokens + 64))
+    over = nr["lmcache"] / nr["recompute"]
+    print(f"TTFT median: no connector {nr['recompute'] * 1000:.1f} ms, lmcache-core {nr['lmcache'] * 1000:.1f} ms, ratio {over:.3f}")
+    print(f"target: within 5% of no connector -> {'met' if over <= 1.05 else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

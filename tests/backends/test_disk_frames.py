@@ -112,3 +112,47 @@ def test_large_chunks_from_many_threads_with_one_io_thread(tmp_path: Path) -> No
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and not errors, errors
     b.close()
+
+
+def _open(path: Path, codecs: dict | None = None):
+    from lmcache_backend_disk import DiskBackend, DiskConfig
+    from lmcache_core.serde import Lz4Codec, RawCodec
+
+    codecs = codecs or {"raw": RawCodec(), "lz4": Lz4Codec()}
+    return DiskBackend(DiskConfig(path=str(path)), codec=next(iter(codecs.values())), codecs=codecs)
+
+
+def test_header_byte_faking_a_foreign_codec_is_removed(tmp_path: Path) -> None:
+    b = _open(tmp_path / "t")
+    key, data = random_key(), random_chunk((2, 64))
+    assert b.put(key, data)
+    p = b.layout.chunk_path(key)
+    raw = p.read_bytes()
+    i = raw.index(b'"codec":"raw"') + len(b'"codec":"')
+    p.write_bytes(raw[:i] + b"s" + raw[i + 1 :])  # "raw" -> "saw"
+    assert b.get(key, torch.empty_like(data)) is False
+    assert not p.exists() and b.stats().extra["corrupt_removed"] == 1
+
+
+def test_header_byte_faking_another_shape_is_removed(tmp_path: Path) -> None:
+    b = _open(tmp_path / "t")
+    key, data = random_key(), random_chunk((2, 64))
+    assert b.put(key, data)
+    p = b.layout.chunk_path(key)
+    raw = p.read_bytes()
+    p.write_bytes(raw.replace(b'"shape":"[2, 64]"', b'"shape":"[4, 32]"', 1))
+    assert b.get(key, torch.empty(4, 32, dtype=torch.float16)) is False
+    assert not p.exists() and b.stats().extra["corrupt_removed"] == 1
+
+
+def test_intact_frame_with_a_codec_not_installed_here_is_kept(tmp_path: Path) -> None:
+    from lmcache_core.serde import Lz4Codec, RawCodec
+
+    key, data = random_key(), torch.zeros(4096, dtype=torch.float32)
+    writer = _open(tmp_path / "t", {"lz4": Lz4Codec(), "raw": RawCodec()})
+    assert writer.put(key, data)
+    reader = _open(tmp_path / "t", {"raw": RawCodec()})
+    assert reader.get(key, torch.empty_like(data)) is False
+    assert reader.layout.chunk_path(key).exists() and reader.stats().extra["corrupt_removed"] == 0
+    out = torch.full_like(data, 1.0)
+    assert writer.get(key, out) and torch.equal(out, data)

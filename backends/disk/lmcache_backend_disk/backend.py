@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from lmcache_core.backend import PERSISTENT, SHARED, BackendContext, BackendStats, StorageBackend
@@ -271,12 +272,23 @@ class DiskBackend(StorageBackend):
             if info.key != key.to_str():
                 self._drop_corrupt(key, path, st.st_ino, f"file holds key {info.key}")
                 return False
-            if info.codec not in self._codecs:
-                log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
-                return self._miss(key, keep=True)
-            if info.dtype != DTYPE_NAMES.get(out.dtype) or info.shape != tuple(out.shape):
-                with self._lock:
-                    self._x["shape_mismatch"] += 1
+            unknown_codec = info.codec not in self._codecs
+            if unknown_codec or info.dtype != DTYPE_NAMES.get(out.dtype) or info.shape != tuple(out.shape):
+                # Not for this caller. Keep the file only if it is intact: a flipped
+                # byte in the header can fake a foreign codec or another shape.
+                scratch = memoryview(np.empty(info.payload_len, dtype=np.uint8))
+                try:
+                    crc = read_into_crc(fd, offset, scratch, meta_crc(meta), pool=self._pool)
+                except EOFError as err:
+                    crc, reason = None, str(err)
+                if crc != int(meta["checksum"], 16):
+                    self._drop_corrupt(key, path, st.st_ino, reason if crc is None else "checksum mismatch")
+                    return False
+                if unknown_codec:
+                    log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
+                else:
+                    with self._lock:
+                        self._x["shape_mismatch"] += 1
                 return self._miss(key, keep=True)
             direct = (
                 info.codec == "raw"

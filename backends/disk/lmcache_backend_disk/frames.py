@@ -15,7 +15,6 @@ import json
 import os
 import struct
 import zlib
-from pathlib import Path
 
 import numpy as np
 import torch

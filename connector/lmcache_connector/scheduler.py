@@ -33,7 +33,7 @@ def mm_extras(mm_features: Sequence[Any] | None, chunk_size: int) -> dict[int, b
     same placeholder tokens never share KV."""
     extras: dict[int, bytes] = {}
     for f in mm_features or ():
-        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        ident = f.identifier
         pos = f.mm_position
         if not ident:
             raise ValueError("multimodal item without a content hash")

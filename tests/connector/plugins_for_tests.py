@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from lmcache_core import serde
-from lmcache_core.backend import BackendContext, BackendError, BackendStats, StorageBackend
+from lmcache_core.backend import BackendContext, BackendError, BackendStats, StorageBackend, prefix_count
 from lmcache_core.config import StrictModel, validate_section
 from lmcache_core.hookspecs import hookimpl
 from lmcache_core.keys import ChunkKey
@@ -23,13 +23,8 @@ class _DictBackend(StorageBackend):
         self.s = BackendStats(self.name)
 
     def contains(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
         with self.lock:
-            for k in keys:
-                if k not in self.data:
-                    break
-                n += 1
-        return n
+            return prefix_count(keys, self.data)
 
     def remove(self, key: ChunkKey) -> bool:
         with self.lock:

@@ -12,7 +12,6 @@ A thin facade: vLLM builds one instance per role; the scheduler role delegates t
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +40,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+from .log import get_logger
+
+log = get_logger(__name__)
 
 
 def _rank() -> int:

@@ -21,7 +21,7 @@ shape, dtype or block size miss instead of loading garbage.
 from __future__ import annotations
 
 import platform
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -46,6 +46,28 @@ def _check_layers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return layers
 
 
+def _cuda_ops(device: torch.device) -> Any:
+    """``lmcache_cuda.ops`` for CUDA tensors when that optional package is installed
+    (it picks its kernels or its own torch reference and says which); else ``None``
+    and the pure-torch code below runs."""
+    if device.type != "cuda":
+        return None
+    try:
+        import lmcache_cuda.ops as ops
+    except ImportError:
+        return None
+    return ops
+
+
+def transfer_path(device: torch.device) -> str:
+    """Which code moves KV: for the start-up log line."""
+    if _cuda_ops(device) is None:
+        return "torch"
+    import lmcache_cuda
+
+    return f"lmcache_cuda:{lmcache_cuda.backend_name()} ({lmcache_cuda.backend_reason()})"
+
+
 def _isa_tag(device: torch.device) -> str:
     if device.type == "cpu":
         return f"cpu-{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}"
@@ -63,6 +85,7 @@ class BlockLayout:
         self.dtype = first.dtype
         self.device = first.device
         self.num_layers = len(self.layers)
+        self._ops = _cuda_ops(self.device)
 
     def fingerprint(self) -> str:
         return (
@@ -81,6 +104,9 @@ class BlockLayout:
         """Copy blocks ``block_ids`` of every layer into ``out[:, :len(block_ids)]``."""
         idx = self._index(block_ids)
         n = len(block_ids)
+        if self._ops is not None:
+            self._ops.gather_blocks(self.layers, idx, out[:, :n])
+            return
         for layer, kv in enumerate(self.layers):
             if kv.device == out.device:
                 torch.index_select(kv, 0, idx, out=out[layer, :n])
@@ -106,6 +132,9 @@ class BlockLayout:
         """Write ``buf[:, first:first+len(block_ids)]`` into blocks ``block_ids``."""
         idx = self._index(block_ids)
         n = len(block_ids)
+        if self._ops is not None:
+            self._ops.scatter_blocks(self.layers, idx, buf[:, first : first + n].contiguous())
+            return
         for layer, kv in enumerate(self.layers):
             src = buf[layer, first : first + n]
             if src.device != kv.device:
@@ -135,6 +164,7 @@ class TokenLayout:
         self.dtype = first.dtype
         self.device = first.device
         self.num_layers = len(self.layers)
+        self._ops = _cuda_ops(self.device)
 
     def fingerprint(self) -> str:
         # Block size is deliberately absent: token chunks are portable across it.
@@ -162,6 +192,9 @@ class TokenLayout:
 
     def gather_tokens(self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
         blk, off = self.slots(block_ids, start, end)
+        if self._ops is not None:
+            self._ops.gather_tokens(self.layers, blk * self.block_size + off, out[:, :, : end - start])
+            return
         d = self.head_size
         for layer, kv in enumerate(self.layers):
             per_tok = kv.transpose(1, 2)[blk, off]  # [T, H, 2D]
@@ -171,6 +204,9 @@ class TokenLayout:
     def scatter_tokens(self, buf: torch.Tensor, block_ids: Sequence[int], start: int, end: int, first: int = 0) -> None:
         blk, off = self.slots(block_ids, start, end)
         n = end - start
+        if self._ops is not None:
+            self._ops.scatter_tokens(self.layers, blk * self.block_size + off, buf[:, :, first : first + n].contiguous())
+            return
         for layer, kv in enumerate(self.layers):
             k = buf[layer, 0, first : first + n].to(kv.device, non_blocking=True)
             v = buf[layer, 1, first : first + n].to(kv.device, non_blocking=True)

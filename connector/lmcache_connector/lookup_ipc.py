@@ -9,7 +9,6 @@ pickle): ``[b"L1", seq, request_id, pin_flag, hashes...]`` and ``[b"L1", seq, co
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import threading
@@ -20,7 +19,9 @@ import zmq
 
 from lmcache_core.keys import HASH_BYTES
 
-log = logging.getLogger(__name__)
+from .log import get_logger
+
+log = get_logger(__name__)
 PROTO = b"L1"
 
 

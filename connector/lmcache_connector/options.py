@@ -13,13 +13,14 @@ and a warning says why.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from lmcache_core.config import CoreConfig, LoadedConfig, load_config
 
-log = logging.getLogger(__name__)
+from .log import get_logger
+
+log = get_logger(__name__)
 
 CONNECTOR_KEYS = {"config_file", "model_id"}
 SKIP_SAVE = "lmcache.skip_save"

@@ -8,7 +8,6 @@ worker(s) over IPC with a timeout that becomes a miss.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -24,7 +23,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+from .log import get_logger
+
+log = get_logger(__name__)
 
 
 def mm_extras(mm_features: Sequence[Any] | None, chunk_size: int) -> dict[int, bytes]:

@@ -10,7 +10,6 @@ crash vLLM: a failed load marks its blocks for recompute, a failed save is skipp
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -23,12 +22,14 @@ from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.memory import MemoryBuffer
 
-from .layout import BlockLayout, TokenLayout, make_layout
+from .layout import BlockLayout, TokenLayout, make_layout, transfer_path
 from .lookup_ipc import LookupServer
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import ConnectorSettings
 
-log = logging.getLogger(__name__)
+from .log import get_logger
+
+log = get_logger(__name__)
 
 VLLM_TAG = "vllm-0.32"
 _active: "weakref.WeakSet[WorkerSide]" = weakref.WeakSet()
@@ -87,7 +88,7 @@ class WorkerSide:
             self.layout.kind,
             self.cfg.chunk_size,
             [t.name for t in self.engine.tiers],
-            "torch",
+            transfer_path(self.layout.device),
         )
         if self.lookup_address:
             self.server = LookupServer(self.lookup_address, self._lookup)

@@ -113,7 +113,8 @@ class CoreConfig(StrictModel):
         256, gt=0, description="chunks queued per slower tier before new writes to it are dropped"
     )
     staging_size: ByteSize = Field(
-        256 * 2**20, description="memory pool size used when no local_cpu tier is configured"
+        256 * 2**20,
+        description="pool memory beyond the CPU tier for chunks in flight (saves, write-behind to slower tiers, loads)",
     )
 
 

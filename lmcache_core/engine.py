@@ -113,7 +113,9 @@ class _TierWriter:
 
 
 def _pool_size(cfg: CoreConfig) -> int:
-    """The pool holds the CPU tier(s); without one, ``staging_size`` for transfers.
+    """The pool holds the CPU tier(s) plus ``staging_size`` of headroom for chunks in
+    flight (gathered for a save, queued for a slower tier, read from one for a
+    load), so a full CPU tier never starves the transfers to and from slower tiers.
     Sizes that do not parse are reported by the tier's own validation."""
     total = 0
     for b in cfg.backends:
@@ -122,7 +124,7 @@ def _pool_size(cfg: CoreConfig) -> int:
                 total += parse_size(b.options().get("max_size", LocalCpuConfig().max_size))
             except ValueError:
                 pass
-    return total or cfg.staging_size
+    return total + cfg.staging_size
 
 
 class CacheEngine:

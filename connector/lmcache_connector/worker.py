@@ -20,7 +20,6 @@ import torch
 from lmcache_core import metrics as m
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
-from lmcache_core.memory import MemoryBuffer
 
 from .layout import BlockLayout, TokenLayout, make_layout, transfer_path
 from .lookup_ipc import LookupServer
@@ -162,31 +161,27 @@ class WorkerSide:
                     self.skipped_saves += 1
 
     def _save(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
+        """Gather and store chunk by chunk: one pool buffer in flight at a time."""
         assert self.engine is not None and self.layout is not None
         t0 = time.perf_counter()
-        bufs: list[MemoryBuffer] = []
-        hashes: list[bytes] = []
-        tokens = 0
+        saved = 0
         try:
             for i, h in enumerate(t.hashes):
                 lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
                 buf = self.engine.allocate(self.layout.chunk_shape(hi - lo), self.layout.dtype)
-                if buf is None:
+                if buf is None:  # pool exhausted by chunks in flight: a future miss
                     with self._lock:
                         self.skipped_saves += 1
                     break
-                bufs.append(buf)
-                self.layout.save_chunk(t.block_ids, lo, hi, buf.tensor)
-                hashes.append(h)
-                tokens += hi - lo
-            if bufs:
-                stored = self.engine.store_hashes(hashes, bufs, n_tokens=tokens)
-                with self._lock:
-                    self.saved_tokens += tokens if stored == len(bufs) else 0
+                try:
+                    self.layout.save_chunk(t.block_ids, lo, hi, buf.tensor)
+                    if self.engine.store_hashes([h], [buf], n_tokens=hi - lo):
+                        saved += hi - lo
+                finally:
+                    buf.release()
         finally:
-            for b in bufs:
-                b.release()
             with self._lock:
+                self.saved_tokens += saved
                 self.save_seconds += time.perf_counter() - t0
 
     # -- metrics ------------------------------------------------------------------------

@@ -229,3 +229,29 @@ def test_store_with_more_chunks_than_tokens_is_an_error(two_tiers: Any) -> None:
     toks = prompt(50, 2)
     with pytest.raises(ValueError, match="chunks given"):
         eng.store(toks, chunks_for(toks) + [torch.zeros(SHAPE, dtype=torch.float16)])
+
+
+def test_write_behind_survives_a_cpu_tier_smaller_than_the_writes() -> None:
+    """Chunks queued for a slow tier hold pool memory after the CPU tier evicted
+    them; the staging headroom keeps later saves from being dropped, so every chunk
+    reaches the slow tier even when the burst is 4x the CPU tier's budget."""
+    gate = threading.Event()
+    plugin = TierPlugin(gate)
+    n = 4 * (64 * 1024 // CHUNK_BYTES)  # 4x a 64 KiB CPU tier
+    with engine([{"name": "local_cpu", "max_size": "64KiB"}, {"name": "dict_tier"}], plugin, staging_size="1MiB") as eng:
+        slow = plugin.created[0]
+        toks = prompt(11, n)
+        chunks = chunks_for(toks)
+        for i in range(n):  # one chunk per call, as the connector stores them
+            buf = eng.allocate(SHAPE, torch.float16)
+            assert buf is not None, f"pool exhausted at chunk {i}"
+            buf.tensor.copy_(chunks[i])
+            assert eng.store_hashes(eng.hashes(toks)[i : i + 1], [buf]) == 1
+            buf.release()
+        assert eng.tiers[0].stats().bytes_used <= 64 * 1024
+        gate.set()
+        assert eng.flush(timeout=10)
+        assert slow.contains(eng.keys(eng.hashes(toks))) == n
+        outs = empty_outs(n)
+        assert eng.retrieve(toks, outs) == n
+        assert all(torch.equal(a, b) for a, b in zip(outs, chunks))

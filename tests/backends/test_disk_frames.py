@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lmcache_backend_disk import create_disk_backend
-from lmcache_backend_disk.frames import frame_header, frame_meta, meta_crc, parse_frame_header
-from lmcache_core.serde import FrameError, decode, encode, tensor_bytes
+from lmcache_backend_disk.frames import check_frame_file, read_frame_header
+from lmcache_core.serde import FrameError, decode, encode, encode_parts
 from lmcache_core.testing import make_context, random_chunk, random_key
 
 CASES = [
@@ -41,21 +41,58 @@ def test_file_bytes_equal_serde_encode(tmp_path: Path, codec: str, o_direct: boo
     b.close()
 
 
-def test_header_parts_match_serde() -> None:
-    key, data = random_key(), random_chunk((8, 8))
-    raw = tensor_bytes(data)
-    meta = frame_meta(key, data, "raw", raw.nbytes)
-    import zlib
+def test_header_read_from_a_file(tmp_path: Path) -> None:
+    import os
 
-    header = frame_header(meta, zlib.crc32(raw, meta_crc(meta)), raw.nbytes)
+    key, data = random_key(), random_chunk((8, 8))
+    header, payload = encode_parts(key, data, make_context().codec)
     frame = encode(key, data, make_context().codec)
-    assert frame == header + bytes(raw)
-    info, got_meta, offset = parse_frame_header(frame[:4096], len(frame))
-    assert offset == len(header) and info.key == key.to_str() and got_meta == {**meta, "checksum": got_meta["checksum"]}
+    assert frame == header + bytes(payload)
+    p = tmp_path / "f"
+    p.write_bytes(frame)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        info, meta, offset = read_frame_header(fd, len(frame))
+        assert offset == len(header) and info.key == key.to_str() and meta["format"] == "lmcache-core/2"
+        with pytest.raises(FrameError):
+            read_frame_header(fd, len(frame) - 1)  # truncated file
+    finally:
+        os.close(fd)
+    check_frame_file(str(p), len(frame), key.to_str())
+    with pytest.raises(FrameError, match="holds key"):
+        check_frame_file(str(p), len(frame), random_key().to_str())
+    p.write_bytes(frame[:4])
     with pytest.raises(FrameError):
-        parse_frame_header(frame[:4096], len(frame) - 1)  # truncated file
-    with pytest.raises(FrameError):
-        parse_frame_header(frame[:4], len(frame))
+        check_frame_file(str(p), 4, key.to_str())
+
+
+def test_long_header_needs_a_second_read(tmp_path: Path) -> None:
+    """A header longer than the first read (here: a 1500-dimension shape) is read in full."""
+    import os
+
+    from lmcache_backend_disk.frames import PREFIX_READ
+
+    key, data = random_key(), torch.zeros((1,) * 1500, dtype=torch.float16)
+    frame = encode(key, data, make_context().codec)
+    assert int.from_bytes(frame[:8], "little") > PREFIX_READ
+    p = tmp_path / "f"
+    p.write_bytes(frame)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        info, _, offset = read_frame_header(fd, len(frame))
+    finally:
+        os.close(fd)
+    assert info.key == key.to_str() and offset == len(frame) - data.nbytes
+
+
+def test_format_1_file_is_a_miss_and_removed(tmp_path: Path) -> None:
+    b = create_disk_backend({"path": str(tmp_path / "t")}, make_context())
+    key, data = random_key(), random_chunk((4, 16))
+    assert b.put(key, data)
+    p = b.layout.chunk_path(key)
+    p.write_bytes(p.read_bytes().replace(b'"format":"lmcache-core/2"', b'"format":"lmcache-core/1"'))
+    assert b.get(key, torch.empty_like(data)) is False and not p.exists()
+    b.close()
 
 
 def test_non_contiguous_out_uses_the_whole_frame_path(tmp_path: Path) -> None:

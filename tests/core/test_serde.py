@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_core.keys import KeyNamespace
+from lmcache_core import serde
 from lmcache_core.serde import DTYPES, FrameError, Lz4Codec, RawCodec, decode, encode, parse_header, try_decode
 
 CODECS = {"raw": RawCodec(), "lz4": Lz4Codec()}
@@ -164,8 +165,10 @@ def _reframe(frame: bytes, edit) -> bytes:  # type: ignore[no-untyped-def]
         (lambda h: h["__metadata__"].update(dtype="float32"), "shape, dtype|checksum"),
         (lambda h: h["__metadata__"].update(dtype="complex64"), "unknown dtype"),
         (lambda h: h["__metadata__"].update(format="lmcache-core/99"), "unknown frame format"),
-        (lambda h: h["__metadata__"].update(checksum="zzzzzzzz"), "checksum field"),
-        (lambda h: h["__metadata__"].update(checksum="00000000"), "checksum mismatch"),
+        (lambda h: h["__metadata__"].update(checksum="z" * 16), "checksum field"),
+        (lambda h: h["__metadata__"].update(checksum="0" * 8), "checksum field"),  # a format-1 CRC32 width
+        (lambda h: h["__metadata__"].update(checksum="ABCDEF0123456789"), "checksum field"),
+        (lambda h: h["__metadata__"].update(checksum="0" * 16), "checksum mismatch"),
         (lambda h: h["__metadata__"].update(shape="[1e400]"), "malformed"),
         (lambda h: h["__metadata__"].update(shape="[99999999999999999999999, 2]"), "disagree"),
         (lambda h: h["__metadata__"].update(shape="[-1]"), "malformed"),
@@ -271,3 +274,66 @@ def test_safetensors_can_open_a_frame(tmp_path: Path) -> None:
     assert loaded["payload"].numpy().tobytes() == raw_bytes(src)
     info, _, _ = parse_header(frame)
     assert info.shape == (4, 2, 16, 8) and info.raw_len == src.numel() * 2
+
+
+# -- the public pieces for tiers that move header and payload separately --------------------
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+@pytest.mark.parametrize("shape", [(2, 3, 8), (0,), (4096,)])
+def test_encode_parts_concatenate_to_encode(codec: str, shape: tuple[int, ...]) -> None:
+    t = make_tensor(11, shape)
+    header, payload = serde.encode_parts(KEY, t, CODECS[codec])
+    frame = encode(KEY, t, CODECS[codec])
+    assert header + bytes(payload) == frame
+    assert serde.header_span(frame[:8]) == len(header) and len(header) % 8 == 0
+    info, meta, offset = serde.parse_header_prefix(header, len(frame))
+    assert offset == len(header) and info.key == str(KEY) and info.payload_len == len(payload)
+    assert meta == parse_header(frame)[1]
+    serde.verify_payload(meta, payload)
+    h = serde.payload_hasher(meta)
+    for i in range(0, len(payload), 1000):  # any split gives the same digest
+        h.update(payload[i : i + 1000])
+    assert h.hexdigest() == meta["checksum"] and len(meta["checksum"]) == serde.CHECKSUM_HEX_LEN
+
+
+def test_frame_header_pieces_rebuild_encode() -> None:
+    t = make_tensor(12)
+    raw = serde.tensor_bytes(t)
+    meta = serde.frame_meta(KEY, t, "raw", raw.nbytes)
+    assert "checksum" not in meta and meta["format"] == serde.FRAME_FORMAT == "lmcache-core/2"
+    placeholder = serde.frame_header(meta, "0" * 16, raw.nbytes)
+    header = serde.frame_header(meta, serde.payload_checksum(meta, raw), raw.nbytes)
+    assert len(placeholder) == len(header)  # room can be reserved before hashing
+    assert header + bytes(raw) == encode(KEY, t, RawCodec())
+    with pytest.raises(ValueError):
+        serde.frame_header(meta, "abc", raw.nbytes)
+
+
+def test_checksum_covers_metadata_and_payload() -> None:
+    t = make_tensor(13)
+    _, meta, payload = parse_header(encode(KEY, t, RawCodec()))
+    with pytest.raises(FrameError, match="checksum mismatch"):
+        serde.verify_payload({**meta, "key": str(OTHER_KEY)}, payload)
+    with pytest.raises(FrameError, match="checksum mismatch"):
+        serde.verify_payload(meta, bytes(payload[:-1]) + bytes([payload[-1] ^ 1]))
+    with pytest.raises(FrameError, match="checksum mismatch"):
+        serde.verify_payload(meta, bytes(payload) + b"\0")
+
+
+def test_parse_header_prefix_is_as_strict_as_parse_header() -> None:
+    frame = encode(KEY, make_tensor(14), RawCodec())
+    span = serde.header_span(frame)
+    serde.parse_header_prefix(frame[:span], len(frame))
+    serde.parse_header_prefix(frame, len(frame))  # extra bytes are ignored
+    for total in (len(frame) - 1, len(frame) + 1, span - 1, 0):
+        with pytest.raises(FrameError):
+            serde.parse_header_prefix(frame[:span], total)
+    with pytest.raises(FrameError, match="only"):
+        serde.parse_header_prefix(frame[: span - 1], len(frame))  # caller read too little
+    for blob in (b"", b"\x00" * 7, struct.pack("<Q", 2**40) + b"{}"):
+        with pytest.raises(FrameError):
+            serde.parse_header_prefix(blob, 1 << 20)
+    old = frame.replace(b'"format":"lmcache-core/2"', b'"format":"lmcache-core/1"')
+    with pytest.raises(FrameError, match="unknown frame format"):
+        serde.parse_header_prefix(old, len(old))

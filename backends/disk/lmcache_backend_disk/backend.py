@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -36,17 +35,22 @@ from lmcache_core.config import ConfigError, validate_section
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import (
     DTYPE_NAMES,
+    CHECKSUM_HEX_LEN,
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
     Codec,
     FrameError,
+    frame_header,
+    frame_meta,
+    payload_checksum,
+    payload_hasher,
     tensor_bytes,
     try_decode,
 )
 
 from .config import DiskConfig
-from .fileio import probe_o_direct, read_into_crc, read_whole, write_atomic, write_parts_atomic
-from .frames import PREFIX_READ, frame_header, frame_meta, meta_crc, parse_frame_header
+from .fileio import probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts_atomic
+from .frames import read_frame_header
 from .index import LruIndex
 from .layout import FANOUT, MARKER_TEXT, Layout
 from .scan import scan
@@ -261,11 +265,8 @@ class DiskBackend(StorageBackend):
             return self._read_error(path, err)
         try:
             st = os.fstat(fd)
-            head = os.pread(fd, PREFIX_READ, 0)
-            if len(head) >= 8 and 8 + int.from_bytes(head[:8], "little") > len(head):
-                head += os.pread(fd, min(MAX_HEADER_BYTES, st.st_size) + 8 - len(head), len(head))
             try:
-                info, meta, offset = parse_frame_header(head, st.st_size)
+                info, meta, offset = read_frame_header(fd, st.st_size)
             except FrameError as err:
                 self._drop_corrupt(key, path, st.st_ino, str(err))
                 return False
@@ -277,12 +278,14 @@ class DiskBackend(StorageBackend):
                 # Not for this caller. Keep the file only if it is intact: a flipped
                 # byte in the header can fake a foreign codec or another shape.
                 scratch = memoryview(np.empty(info.payload_len, dtype=np.uint8))
+                hasher = payload_hasher(meta)
                 try:
-                    crc = read_into_crc(fd, offset, scratch, meta_crc(meta), pool=self._pool)
+                    read_into_hasher(fd, offset, scratch, hasher, pool=self._pool)
                 except EOFError as err:
-                    crc, reason = None, str(err)
-                if crc != int(meta["checksum"], 16):
-                    self._drop_corrupt(key, path, st.st_ino, reason if crc is None else "checksum mismatch")
+                    self._drop_corrupt(key, path, st.st_ino, str(err))
+                    return False
+                if hasher.hexdigest() != meta["checksum"]:
+                    self._drop_corrupt(key, path, st.st_ino, "checksum mismatch")
                     return False
                 if unknown_codec:
                     log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
@@ -299,12 +302,13 @@ class DiskBackend(StorageBackend):
             )
             if direct:
                 dst = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+                hasher = payload_hasher(meta)
                 try:
-                    crc = read_into_crc(fd, offset, dst, meta_crc(meta), pool=self._pool)
+                    read_into_hasher(fd, offset, dst, hasher, pool=self._pool)
                 except EOFError as err:
                     self._drop_corrupt(key, path, st.st_ino, str(err))
                     return False
-                if crc != int(meta["checksum"], 16):
+                if hasher.hexdigest() != meta["checksum"]:
                     self._drop_corrupt(key, path, st.st_ino, "checksum mismatch")
                     return False
         except OSError as err:
@@ -402,16 +406,17 @@ class DiskBackend(StorageBackend):
 class _PendingFrame:
     """A frame about to be written: metadata plus payload. Its header (which holds
     the payload checksum) is computed by :meth:`header`, possibly while the payload
-    is being written; its length is known up front."""
+    is being written; its length is known up front (serde's header length does not
+    depend on the checksum's value)."""
 
     def __init__(self, meta: dict[str, str], payload: memoryview) -> None:
         self.meta = meta
         self.payload = payload
-        self.header_len = len(frame_header(meta, 0, payload.nbytes))
+        self.header_len = len(frame_header(meta, "0" * CHECKSUM_HEX_LEN, payload.nbytes))
         self.size = self.header_len + payload.nbytes
 
     def header(self) -> bytes:
-        return frame_header(self.meta, zlib.crc32(self.payload, meta_crc(self.meta)), self.payload.nbytes)
+        return frame_header(self.meta, payload_checksum(self.meta, self.payload), self.payload.nbytes)
 
 
 def create_disk_backend(section: Mapping[str, Any], ctx: BackendContext) -> DiskBackend:

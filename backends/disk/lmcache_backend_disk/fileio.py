@@ -14,10 +14,9 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import zlib
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -143,7 +142,7 @@ def read_whole(path: Path, *, o_direct: bool, max_bytes: int) -> tuple[np.ndarra
         os.close(fd)
 
 
-# -- two-part frames, checksummed while the disk moves the payload ----------------------------
+# -- two-part frames, hashed while the disk moves the payload ---------------------------------
 SEGMENT = 1 << 20
 _OVERLAP_MIN = 2 * SEGMENT
 
@@ -167,7 +166,7 @@ def write_parts_atomic(
     pool: Executor | None,
 ) -> None:
     """Like :func:`write_atomic` for a frame given as a payload plus a header that
-    is computed (checksummed) by ``make_header`` while a pool thread writes the
+    is computed (the payload hashed) by ``make_header`` while a pool thread writes the
     payload at ``header_len``. The header must be exactly ``header_len`` bytes."""
     fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, 0o644)
     try:
@@ -211,11 +210,17 @@ def _pread_segments(fd: int, dst: memoryview, offset: int, done: "queue.SimpleQu
         done.put(err)
 
 
-def read_into_crc(fd: int, offset: int, dst: memoryview, seed: int, *, pool: Executor | None) -> int:
-    """Read ``dst.nbytes`` bytes at ``offset`` into ``dst`` and return their CRC32
-    chained on ``seed``, checksumming each segment while the next one is read.
-    Raises OSError, or EOFError when the file is shorter. When it returns or
-    raises, nothing writes into ``dst`` any more."""
+class Hasher(Protocol):
+    """A streaming hash (``serde.payload_hasher``'s)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+
+def read_into_hasher(fd: int, offset: int, dst: memoryview, hasher: Hasher, *, pool: Executor | None) -> None:
+    """Read ``dst.nbytes`` bytes at ``offset`` into ``dst``, feeding them in order
+    to ``hasher``, each segment while the next one is read. Raises OSError, or
+    EOFError when the file is shorter. When it returns or raises, nothing writes
+    into ``dst`` any more."""
     done: queue.SimpleQueue[object] = queue.SimpleQueue()
     if hasattr(os, "posix_fadvise") and dst.nbytes >= _OVERLAP_MIN:
         try:  # start readahead of the whole payload; the segment reads then mostly wait less
@@ -227,16 +232,15 @@ def read_into_crc(fd: int, offset: int, dst: memoryview, seed: int, *, pool: Exe
         fut = None
     else:
         fut = pool.submit(_pread_segments, fd, dst, offset, done)
-    crc, pos = seed, 0
+    pos = 0
     try:
         while pos < dst.nbytes:
             item = done.get(timeout=600)
             if isinstance(item, BaseException):
                 raise item
             assert isinstance(item, int)
-            crc = zlib.crc32(dst[pos:item], crc)
+            hasher.update(dst[pos:item])
             pos = item
     finally:
         if fut is not None:
             fut.result(timeout=600)
-    return crc

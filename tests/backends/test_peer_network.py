@@ -220,6 +220,9 @@ def test_wrong_secret_reads_nothing(node: PeerServer) -> None:
         out = torch.zeros(4, 64, dtype=torch.float16)
         assert bad.contains(keys) == 0
         assert bad.get(keys[0], out) is False and torch.count_nonzero(out) == 0
+        deadline = time.monotonic() + 5  # the server counts the failure on its own thread
+        while node.stats["auth_failures"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert node.stats["auth_failures"] >= 1
         assert good.contains(keys) == 3
         assert good.get(keys[0], out) and torch.equal(out, items[0][1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -47,6 +48,12 @@ def make_llm(
     """A vLLM engine on CPU; shut down (connector included) on exit."""
     from vllm import LLM
 
+    if "flask" in sys.modules and not multiprocess:
+        pytest.fail(
+            "flask is imported in this test process (moto's in-process S3 server does that): vLLM's CPU "
+            "start-up inspects every module attribute and flask's request proxies raise outside an app "
+            "context. Run the vLLM tests in their own pytest process: python tests/run.py (what tox runs)."
+        )
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     args: dict[str, Any] = dict(

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,29 +71,55 @@ def test_disk_tier_across_processes(tiny_model, tmp_path):
     _check(a, b, "disk")
 
 
+def _moto_process(port: int) -> Any:
+    """moto's S3 server in its own process: importing it here would put flask in
+    this process, and vLLM's CPU start-up trips over flask's context proxies."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    for _ in range(100):  # bounded: 10 s
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail("moto S3 server did not start")
+
+
 def test_s3_tier_across_processes(tiny_model):
     pytest.importorskip("lmcache_backend_s3")
-    from tests.backends.s3_server import AWS_ENV, MotoS3
+    import boto3
+    from botocore.config import Config
 
-    env_before = {k: os.environ.get(k) for k in AWS_ENV}
-    os.environ.update(AWS_ENV)
-    server = MotoS3()
+    env = {
+        "AWS_ACCESS_KEY_ID": "AKIATESTLMCACHE00001",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t-lmcache-e2e",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    port = _free_port()
+    server = _moto_process(port)
+    endpoint = f"http://127.0.0.1:{port}"
     try:
-        bucket = server.make_bucket()
-        cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, server.section(bucket)]}
-        a = _run(tiny_model, cfg, AWS_ENV)
+        s3 = boto3.client(
+            "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], config=Config(s3={"addressing_style": "path"}),
+        )
+        s3.create_bucket(Bucket="lmcache-e2e")
+        section = {"name": "s3", "bucket": "lmcache-e2e", "endpoint_url": endpoint, "addressing_style": "path"}
+        cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, section]}
+        a = _run(tiny_model, cfg, env)
         assert a["flushed"]
-        objects = server.client().list_objects_v2(Bucket=bucket).get("KeyCount", 0)
-        assert objects == 2 + 3
-        b = _run(tiny_model, cfg, AWS_ENV)
+        assert s3.list_objects_v2(Bucket="lmcache-e2e").get("KeyCount", 0) == 2 + 3
+        b = _run(tiny_model, cfg, env)
         _check(a, b, "s3")
     finally:
-        server.stop()
-        for k, v in env_before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def _free_port() -> int:

@@ -6,7 +6,7 @@ Write: the tier's ``put`` (frame header + payload checksummed while written, tem
 file, fsync, rename, fsync dir) vs plain files holding the same bytes (write + fsync
 each file). Tier and plain alternate chunk by chunk, so both meet the same disk
 (a VM disk's speed drifts within seconds). Read: the tier's
-``get`` (read the file, check header and CRC, copy into the caller's tensor) vs a
+``get`` (read the file, check header and checksum, copy into the caller's tensor) vs a
 plain ``readinto`` of the same bytes into a preallocated buffer. Reads run twice:
 "cold" after dropping the page cache (only possible as root; the output says whether
 it happened) and "warm" from the page cache. Start-up: opening a tier directory that

@@ -5,7 +5,7 @@ Both servers run in a child process on 127.0.0.1; the client side is this proces
 - raw socket: one request per chunk, the server sends the chunk's bytes, the client
   reads them into a preallocated buffer (the floor: no framing, no auth, no checks);
 - peer get: ``PeerBackend.get(key, out)`` against ``lmcache-peer-serve`` (pooled
-  authenticated connection, framed reply, serde frame verified by key and CRC,
+  authenticated connection, framed reply, serde frame verified by key and checksum,
   copied into the output tensor) -- what the engine does per chunk;
 - peer get_many: the same chunks in one batched GET per round trip;
 - peer client.get: raw frames over the protocol, not decoded (protocol cost only).

@@ -193,3 +193,39 @@ def test_intact_frame_with_a_codec_not_installed_here_is_kept(tmp_path: Path) ->
     assert reader.layout.chunk_path(key).exists() and reader.stats().extra["corrupt_removed"] == 0
     out = torch.full_like(data, 1.0)
     assert writer.get(key, out) and torch.equal(out, data)
+
+
+@pytest.mark.parametrize("mode", ["cached", "no_nowait", "uncached_after_3_mib", "uncached"])
+def test_read_and_hash_paths_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Payload segments already in the page cache are read and hashed inline, the
+    rest through the I/O pool; every split gives the same bytes and checksum, and a
+    flipped byte is caught on either side of the split."""
+    import os
+
+    from lmcache_backend_disk import fileio
+
+    if mode == "no_nowait":
+        monkeypatch.setattr(fileio, "_RWF_NOWAIT", 0)
+    elif mode.startswith("uncached"):
+        limit = 3 << 20 if mode == "uncached_after_3_mib" else 0
+        real = os.preadv
+
+        def preadv(fd, bufs, offset, flags=0):  # type: ignore[no-untyped-def]
+            if flags and offset >= limit:
+                raise BlockingIOError(11, "would block")
+            return real(fd, bufs, offset, flags)
+
+        monkeypatch.setattr(fileio.os, "preadv", preadv)
+    b = create_disk_backend({"path": str(tmp_path / "t"), "verify_on_start": False}, make_context())
+    key, data = random_key(), torch.randint(0, 256, (7 << 20,), dtype=torch.uint8)
+    assert b.put(key, data)
+    out = torch.empty_like(data)
+    assert b.get(key, out) and torch.equal(out, data)
+    p = b.layout.chunk_path(key)
+    for pos in (len(p.read_bytes()) - 100, len(p.read_bytes()) - (6 << 20)):  # after and before the split
+        bad = bytearray(p.read_bytes())
+        bad[pos] ^= 0x10
+        p.write_bytes(bytes(bad))
+        assert b.get(key, torch.empty_like(data)) is False and not p.exists()
+        assert b.put(key, data)
+    b.close()

@@ -24,8 +24,9 @@ import json
 import math
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -135,7 +136,7 @@ def frame_meta(key: ChunkKey, tensor: torch.Tensor, codec_name: str, raw_len: in
     }
 
 
-def payload_hasher(meta: Mapping[str, str]) -> "xxhash.xxh3_64":
+def payload_hasher(meta: Mapping[str, str]) -> xxhash.xxh3_64:
     """A streaming XXH3-64 hasher already fed the frame's canonical metadata.
 
     The checksum covers the metadata (every field but ``checksum``, as sorted compact

@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache_core.keys import KeyNamespace
 from lmcache_core import serde
+from lmcache_core.keys import KeyNamespace
 from lmcache_core.serde import DTYPES, FrameError, Lz4Codec, RawCodec, decode, encode, parse_header, try_decode
 
 CODECS = {"raw": RawCodec(), "lz4": Lz4Codec()}

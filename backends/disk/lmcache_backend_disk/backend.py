@@ -34,8 +34,8 @@ from lmcache_core.backend import PERSISTENT, SHARED, BackendContext, BackendStat
 from lmcache_core.config import ConfigError, validate_section
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import (
-    DTYPE_NAMES,
     CHECKSUM_HEX_LEN,
+    DTYPE_NAMES,
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
     Codec,

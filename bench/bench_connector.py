@@ -39,6 +39,7 @@ def engine(model: Path, system: str, tmp: Path, max_len: int) -> Any:
     kw: dict[str, Any] = dict(
         model=str(model),
         enforce_eager=True,
+        dtype="float32",  # bf16 is emulated (slow) on CPUs without AVX512-BF16
         max_model_len=max_len,
         max_num_batched_tokens=max_len,
         kv_cache_memory_bytes=256 << 20,

@@ -71,8 +71,10 @@ def child(model: str, system: str, store: str, prompts: list[list[int]]) -> None
 
 
 def run_child(model: Path, system: str, store: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", str(model), system, str(store), json.dumps(prompts)],
+        [sys.executable, __file__, "--child", str(model), system, str(store), f.name],
         capture_output=True, text=True, timeout=1800,
     )
     for line in proc.stdout.splitlines():
@@ -92,7 +94,7 @@ def drop_caches() -> bool:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))
+        child(sys.argv[2], sys.argv[3], sys.argv[4], json.loads(Path(sys.argv[5]).read_text()))
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")

@@ -7,7 +7,7 @@ Subcommands:
 - ``config``: the effective configuration (file, env overrides) with the source of
   each top-level key, or the validation error.
 - ``demo``: added by ``lmcache_connector.demo`` when that distribution is
-  installed. Its contract: a module-level ``add_parser(subparsers)`` that adds a
+  installed; ``serve`` (a standalone peer cache node) by ``lmcache_backend_peer.cli``. Its contract: a module-level ``add_parser(subparsers)`` that adds a
   sub-parser and sets ``func`` (``args -> int`` exit status) with ``set_defaults``.
   The module is imported on every invocation, so it must import vLLM lazily.
 """
@@ -28,7 +28,7 @@ from .plugins import PluginManager
 Command = Callable[[argparse.Namespace], int]
 
 # Distributions that add subcommands: module name -> subcommand it provides.
-EXTENSIONS = {"lmcache_connector.demo": "demo"}
+EXTENSIONS = {"lmcache_connector.demo": "demo", "lmcache_backend_peer.cli": "serve"}
 
 
 def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:

@@ -117,12 +117,12 @@ def engine_a(secret_file: Path) -> Iterator[tuple[str, str]]:
         stop(proc)
 
 
-@pytest.fixture
-def node(secret_file: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    exe = shutil.which("lmcache-peer-serve", path=os.path.dirname(sys.executable))
+@pytest.fixture(params=[["lmcache-peer-serve"], ["lmcache-core", "serve"]], ids=["lmcache-peer-serve", "lmcache-core-serve"])
+def node(secret_file: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, subprocess.Popen]]:
+    exe = shutil.which(request.param[0], path=os.path.dirname(sys.executable))
     assert exe, "install backends/peer (pip install -e backends/peer) for its console script"
     proc = subprocess.Popen(
-        [exe, "--listen", "127.0.0.1:0", "--secret-file", str(secret_file), "--max-size", "64MiB"],
+        [exe, *request.param[1:], "--listen", "127.0.0.1:0", "--secret-file", str(secret_file), "--max-size", "64MiB"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from lmcache_core.config import parse_size
 
@@ -42,8 +42,7 @@ def _address(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmcache-peer-serve", description="Run a standalone lmcache peer cache node.")
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", type=_address, required=True, help="host:port to listen on (port 0: pick one)")
     p.add_argument("--secret-file", type=Path, help=f"file with the shared secret (else ${SECRET_ENV})")
     p.add_argument("--max-size", type=_size, default=parse_size("1GiB"), help="memory budget, e.g. 2GiB (default 1GiB)")
@@ -51,7 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline (default 5000)")
     p.add_argument("--max-connections", type=int, default=256, help="concurrent connections (default 256)")
     p.add_argument("--read-only", action="store_true", help="refuse PUT and REMOVE")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmcache-peer-serve", description="Run a standalone lmcache peer cache node.")
+    _add_arguments(p)
     return p
+
+
+def add_parser(subparsers: Any) -> None:
+    """``lmcache-core serve``: the same node as ``lmcache-peer-serve``."""
+    p = subparsers.add_parser("serve", help="run a standalone peer cache node (shared cache for several instances)")
+    _add_arguments(p)
+    p.set_defaults(func=lambda args: _serve(args, p))
 
 
 def _secret(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bytes:
@@ -71,7 +82,10 @@ def _secret(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bytes:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    return _serve(parser.parse_args(argv), parser)
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.timeout_ms <= 0:
         parser.error("--timeout-ms must be positive")
     secret = _secret(args, parser)
@@ -87,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_connections=args.max_connections,
         )
     except OSError as err:
-        print(f"lmcache-peer-serve: cannot listen on {format_address(args.listen)}: {err.strerror or err}", file=sys.stderr)
+        print(f"{parser.prog}: cannot listen on {format_address(args.listen)}: {err.strerror or err}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -82,6 +82,9 @@ class StorageBackend(abc.ABC):
 
     name: str = "unnamed"
     capabilities: frozenset[str] = frozenset()
+    #: How many background writes the engine may run against this tier at once
+    #: (declared, not probed). Remote tiers set it to overlap round trips.
+    write_concurrency: int = 1
 
     @abc.abstractmethod
     def contains(self, keys: Sequence[ChunkKey]) -> int:

@@ -32,7 +32,8 @@ ChunkData = torch.Tensor | MemoryBuffer
 
 
 class _TierWriter:
-    """Background write-through for one slower tier."""
+    """Background write-through for one slower tier, with as many writer threads as
+    the tier declares in ``write_concurrency`` (remote tiers overlap round trips)."""
 
     def __init__(self, tier: StorageBackend, maxsize: int, counters: m.EngineCounters) -> None:
         self.tier = tier
@@ -40,8 +41,13 @@ class _TierWriter:
         self.q: queue.Queue[tuple[ChunkKey, MemoryBuffer] | None] = queue.Queue(maxsize=maxsize)
         self._pending = 0
         self._cv = threading.Condition()
-        self.thread = threading.Thread(target=self._run, name=f"lmcache-write-{tier.name}", daemon=True)
-        self.thread.start()
+        self._stopping = threading.Event()
+        n = max(1, int(tier.write_concurrency))
+        self.threads = [
+            threading.Thread(target=self._run, name=f"lmcache-write-{tier.name}-{i}", daemon=True) for i in range(n)
+        ]
+        for t in self.threads:
+            t.start()
 
     def submit(self, key: ChunkKey, buf: MemoryBuffer) -> bool:
         buf.retain()
@@ -63,8 +69,11 @@ class _TierWriter:
             self._cv.notify_all()
 
     def _run(self) -> None:
-        while True:
-            item = self.q.get()
+        while not self._stopping.is_set():
+            try:
+                item = self.q.get(timeout=0.5)
+            except queue.Empty:
+                continue
             if item is None:
                 return
             key, buf = item
@@ -95,8 +104,9 @@ class _TierWriter:
         return True
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Drop queued writes (their buffers released) and end the thread; never
+        """Drop queued writes (their buffers released) and end the threads; never
         blocks on a full queue."""
+        self._stopping.set()
         while True:
             try:
                 item = self.q.get_nowait()
@@ -105,11 +115,9 @@ class _TierWriter:
             if item is not None:
                 item[1].release()
                 self._done()
-        try:
-            self.q.put_nowait(None)
-        except queue.Full:
-            pass
-        self.thread.join(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _pool_size(cfg: CoreConfig) -> int:

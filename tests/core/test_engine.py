@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from lmcache_core import CacheEngine, KeyNamespace
 from lmcache_core.config import load_config
+from lmcache_core.hookspecs import hookimpl
 from lmcache_core.local_cpu import LocalCpuBackend
 from lmcache_core.plugins import PluginManager
 
@@ -255,3 +257,55 @@ def test_write_behind_survives_a_cpu_tier_smaller_than_the_writes() -> None:
         outs = empty_outs(n)
         assert eng.retrieve(toks, outs) == n
         assert all(torch.equal(a, b) for a, b in zip(outs, chunks))
+
+
+class _ConcurrentTier(DictTier):
+    """Declares 4 concurrent writes; records how many puts overlap."""
+
+    name = "concurrent_tier"
+    write_concurrency = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = 0
+        self.max_active = 0
+
+    def put(self, key: Any, data: torch.Tensor) -> bool:
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        time.sleep(0.05)  # a round trip
+        with self._lock:
+            self.active -= 1
+        return super().put(key, data)
+
+
+class _ConcurrentPlugin:
+    def __init__(self) -> None:
+        self.created: list[_ConcurrentTier] = []
+
+    @hookimpl
+    def register_backends(self, register: Any) -> None:
+        def factory(section: Any, ctx: Any) -> _ConcurrentTier:
+            t = _ConcurrentTier()
+            self.created.append(t)
+            return t
+
+        register("concurrent_tier", factory)
+
+
+@pytest.mark.parametrize("declared", [1, 4])
+def test_write_behind_uses_the_declared_write_concurrency(declared: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_ConcurrentTier, "write_concurrency", declared)
+    pm = PluginManager(load_entry_points=False)
+    plugin = _ConcurrentPlugin()
+    pm.register(plugin, name="concurrent")
+    loaded = load_config(env={}, overrides={"chunk_size": CS, "backends": [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "concurrent_tier"}]})
+    with CacheEngine(loaded, namespace=NS, plugins=pm) as eng:
+        toks = prompt(13, 12)
+        eng.store(toks, chunks_for(toks))
+        assert eng.flush(timeout=30)
+        tier = plugin.created[0]
+        assert tier.contains(eng.keys(eng.hashes(toks))) == 12
+        # never more than declared; with 4 declared, puts do overlap (timing-robust bound)
+        assert tier.max_active <= declared and (tier.max_active == 1 if declared == 1 else tier.max_active >= 2)

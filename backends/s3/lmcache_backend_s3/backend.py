@@ -50,6 +50,7 @@ class S3Backend(StorageBackend):
         self.endpoint = str(self.client.meta.endpoint_url)
         self.bucket = cfg.bucket
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="lmcache-s3")
+        self.write_concurrency = cfg.max_concurrency  # the engine's write-behind overlaps PUTs
         self._gate = HealthGate(cfg.down_cooldown_s)
         self._present = PresenceCache(cfg.presence_cache_size, cfg.presence_ttl_s)
         self._lock = threading.Lock()

@@ -278,14 +278,7 @@ class DiskBackend(StorageBackend):
                 # Not for this caller. Keep the file only if it is intact: a flipped
                 # byte in the header can fake a foreign codec or another shape.
                 scratch = memoryview(np.empty(info.payload_len, dtype=np.uint8))
-                hasher = payload_hasher(meta)
-                try:
-                    read_into_hasher(fd, offset, scratch, hasher, pool=self._pool)
-                except EOFError as err:
-                    self._drop_corrupt(key, path, st.st_ino, str(err))
-                    return False
-                if hasher.hexdigest() != meta["checksum"]:
-                    self._drop_corrupt(key, path, st.st_ino, "checksum mismatch")
+                if not self._read_verified(fd, offset, scratch, meta, key, path, st.st_ino):
                     return False
                 if unknown_codec:
                     log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
@@ -302,14 +295,7 @@ class DiskBackend(StorageBackend):
             )
             if direct:
                 dst = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-                hasher = payload_hasher(meta)
-                try:
-                    read_into_hasher(fd, offset, dst, hasher, pool=self._pool)
-                except EOFError as err:
-                    self._drop_corrupt(key, path, st.st_ino, str(err))
-                    return False
-                if hasher.hexdigest() != meta["checksum"]:
-                    self._drop_corrupt(key, path, st.st_ino, "checksum mismatch")
+                if not self._read_verified(fd, offset, dst, meta, key, path, st.st_ino):
                     return False
         except OSError as err:
             return self._read_error(path, err)
@@ -374,6 +360,20 @@ class DiskBackend(StorageBackend):
                 self._index.discard(key)
             self._s.misses += 1
         return False
+
+    def _read_verified(self, fd: int, offset: int, dst: memoryview, meta: dict[str, str], key: ChunkKey, path: Path, ino: int) -> bool:
+        """Read the payload into ``dst`` while hashing it; a short or corrupt file is
+        dropped and the read is a miss."""
+        hasher = payload_hasher(meta)
+        try:
+            read_into_hasher(fd, offset, dst, hasher, pool=self._pool)
+        except EOFError as err:
+            self._drop_corrupt(key, path, ino, str(err))
+            return False
+        if hasher.hexdigest() != meta["checksum"]:
+            self._drop_corrupt(key, path, ino, "checksum mismatch")
+            return False
+        return True
 
     def _drop_corrupt(self, key: ChunkKey, path: Path, ino: int | None, reason: str) -> None:
         """Remove a file that failed verification, unless another writer has since

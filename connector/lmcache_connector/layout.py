@@ -74,18 +74,25 @@ def _isa_tag(device: torch.device) -> str:
     return device.type
 
 
-class BlockLayout:
-    kind = "block"
+class _PagedLayers:
+    """What both adapters know of vLLM's per-layer KV tensors."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         self.layers = _check_layers(kv_caches)
         self.block_size = block_size
         first = self.layers[0]
-        self.block_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
         self.device = first.device
         self.num_layers = len(self.layers)
         self._ops = _cuda_ops(self.device)
+
+
+class BlockLayout(_PagedLayers):
+    kind = "block"
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+        super().__init__(kv_caches, block_size)
+        self.block_shape = tuple(self.layers[0].shape[1:])
 
     def fingerprint(self) -> str:
         return (
@@ -142,29 +149,23 @@ class BlockLayout:
             kv.index_copy_(0, idx, src)
 
 
-class TokenLayout:
+class TokenLayout(_PagedLayers):
     kind = "token"
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int, *, allow_cpu: bool = False) -> None:
         """``allow_cpu`` is for tensors that really are in the logical layout (tests of
         the pure-torch path); vLLM's CPU backend tensors are not."""
-        self.layers = _check_layers(kv_caches)
-        first = self.layers[0]
-        if first.device.type == "cpu" and not allow_cpu:
+        super().__init__(kv_caches, block_size)
+        if self.device.type == "cpu" and not allow_cpu:
             raise LayoutError(
                 "layout: token needs a KV layout whose logical shape is physical (GPU FlashAttention); "
                 "vLLM's CPU backend stores blocks in an ISA-dependent layout: use layout: block"
             )
-        nb, heads, bs, two_d = first.shape
+        nb, heads, bs, two_d = self.layers[0].shape
         if bs != block_size or two_d % 2:
-            raise LayoutError(f"unexpected KV shape {list(first.shape)} for block size {block_size}")
-        self.block_size = block_size
+            raise LayoutError(f"unexpected KV shape {list(self.layers[0].shape)} for block size {block_size}")
         self.num_heads = heads
         self.head_size = two_d // 2
-        self.dtype = first.dtype
-        self.device = first.device
-        self.num_layers = len(self.layers)
-        self._ops = _cuda_ops(self.device)
 
     def fingerprint(self) -> str:
         # Block size is deliberately absent: token chunks are portable across it.

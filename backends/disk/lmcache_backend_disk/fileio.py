@@ -15,8 +15,9 @@ import errno
 import os
 import queue
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -74,6 +75,24 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+@contextmanager
+def _published(final: Path, temp: Path, *, fsync: bool) -> Iterator[None]:
+    """Around writing ``temp``: on success rename it onto ``final`` (and make the
+    rename durable with ``fsync``); on any error remove ``temp`` and re-raise, so
+    ``final`` is never a partial file."""
+    try:
+        yield
+        os.rename(temp, final)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        fsync_dir(final.parent)
+
+
 def write_atomic(
     final: Path, temp: Path, parts: Sequence[bytes | memoryview], *, fsync: bool, o_direct: bool
 ) -> None:
@@ -82,7 +101,7 @@ def write_atomic(
     propagates; ``final`` is then untouched."""
     views = [memoryview(p).cast("B") for p in parts]
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC
-    try:
+    with _published(final, temp, fsync=fsync):
         if o_direct:
             size = sum(v.nbytes for v in views)
             padded = aligned_empty(-(-size // ALIGN) * ALIGN)
@@ -108,15 +127,6 @@ def write_atomic(
                     os.fsync(fd)
             finally:
                 os.close(fd)
-        os.rename(temp, final)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(final.parent)
 
 
 def read_whole(path: Path, *, o_direct: bool, max_bytes: int) -> tuple[np.ndarray, int]:
@@ -170,7 +180,7 @@ def write_parts_atomic(
     is computed (the payload hashed) by ``make_header`` while a pool thread writes the
     payload at ``header_len``. The header must be exactly ``header_len`` bytes."""
     fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, 0o644)
-    try:
+    with _published(final, temp, fsync=fsync):
         try:
             fut = pool.submit(_pwrite_all, fd, payload, header_len) if pool and payload.nbytes >= _OVERLAP_MIN else None
             try:
@@ -187,15 +197,6 @@ def write_parts_atomic(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(temp, final)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(final.parent)
 
 
 def _pread_segments(fd: int, dst: memoryview, offset: int, done: "queue.SimpleQueue[object]") -> None:

@@ -37,6 +37,7 @@ class LocalCpuBackend(StorageBackend):
         self._lock = threading.RLock()
         self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
         self._bytes = 0
+        self._pinned = 0  # entries with pins > 0: stats() is read every engine step, keep it O(1)
         self._s = BackendStats(self.name, bytes_capacity=self.max_size)
 
     # -- contract -------------------------------------------------------------------
@@ -80,6 +81,8 @@ class LocalCpuBackend(StorageBackend):
             if entry is None:
                 return False
             self._bytes -= entry.buf.size
+            if entry.pins:
+                self._pinned -= 1
         entry.buf.release()
         return True
 
@@ -88,7 +91,7 @@ class LocalCpuBackend(StorageBackend):
             s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
             s.chunks = len(self._entries)
             s.bytes_used = self._bytes
-            s.extra["pinned"] = sum(1 for e in self._entries.values() if e.pins)
+            s.extra["pinned"] = self._pinned
         return s
 
     def close(self) -> None:
@@ -96,6 +99,7 @@ class LocalCpuBackend(StorageBackend):
             entries = list(self._entries.values())
             self._entries.clear()
             self._bytes = 0
+            self._pinned = 0
         for e in entries:
             e.buf.release()
 
@@ -168,6 +172,7 @@ class LocalCpuBackend(StorageBackend):
             for k in keys:
                 e = self._entries.get(k)
                 if e is not None:
+                    self._pinned += e.pins == 0
                     e.pins += 1
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
@@ -176,6 +181,7 @@ class LocalCpuBackend(StorageBackend):
                 e = self._entries.get(k)
                 if e is not None and e.pins > 0:
                     e.pins -= 1
+                    self._pinned -= e.pins == 0
 
 
 def create_local_cpu(section: Mapping[str, Any], ctx: BackendContext) -> LocalCpuBackend:

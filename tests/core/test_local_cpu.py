@@ -177,3 +177,20 @@ def test_thread_safety_under_puts_gets_evictions_and_pins() -> None:
     assert tier.pool.used == s.bytes_used == s.chunks * CHUNK_BYTES
     tier.close()
     assert tier.pool.used == 0 and tier.pool.free_regions == 1
+
+
+def test_pinned_count_in_stats_follows_pins_unpins_and_removal() -> None:
+    tier = make_tier(4)
+    a, b, c = random_key(), random_key(), random_key()
+    for i, k in enumerate((a, b, c)):
+        assert tier.put(k, chunk(i))
+    tier.pin([a, b])
+    tier.pin([a])  # a second pin on the same chunk counts it once
+    assert tier.stats().extra["pinned"] == 2
+    tier.unpin([a])
+    assert tier.stats().extra["pinned"] == 2  # a still holds one pin
+    assert tier.remove(b)
+    assert tier.stats().extra["pinned"] == 1
+    tier.unpin([a, c])  # c was never pinned
+    assert tier.stats().extra["pinned"] == 0
+    tier.close()

@@ -301,42 +301,48 @@ class CacheEngine:
         stored = 0
         tier0 = self.tiers[0]
         for key, data in zip(self.keys(hashes), chunks):
-            buf = data if isinstance(data, MemoryBuffer) else None
             try:
                 if tier0.contains([key]):
                     continue  # already cached (another request stored it): no rewrite
             except Exception as err:
                 self._tier_error(tier0, "contains", err)
-            t0 = time.perf_counter()
+            if isinstance(data, MemoryBuffer):
+                buf, owned = data, False
+            elif ZERO_COPY in tier0.capabilities:
+                # Copy once into the pool: tier 0 adopts the buffer, write-behind shares it.
+                buf, owned = self.allocate(tuple(data.shape), data.dtype), True
+                if buf is not None:
+                    buf.tensor.copy_(data)
+            else:
+                buf, owned = None, False
             try:
-                if buf is not None and ZERO_COPY in tier0.capabilities:
-                    ok = tier0.put_buffer(key, buf)
-                else:
-                    ok = tier0.put(key, buf.tensor if buf is not None else data)
-            except Exception as err:
-                self._tier_error(tier0, "put", err)
-                ok = False
-            m.TIER_LATENCY.labels(tier0.name, "put").observe(time.perf_counter() - t0)
-            if ok:
-                stored += 1
-                nbytes = (buf.tensor if buf is not None else data).nbytes
-                m.TIER_BYTES.labels(tier0.name, "put").inc(nbytes)
-            if self._writers:
-                src: ChunkData = data
-                if buf is None and ok and ZERO_COPY in tier0.capabilities:
-                    # tier 0 already copied the chunk into the pool: share that copy
-                    held = tier0.get_buffer(key)
-                    if held is not None:
-                        try:
-                            self._write_behind(key, held)
-                        finally:
-                            held.release()
-                        continue
-                self._write_behind(key, src)
+                stored += self._put_tier0(tier0, key, data if buf is None else buf)
+                if self._writers:
+                    self._write_behind(key, data if buf is None else buf)
+            finally:
+                if owned and buf is not None:
+                    buf.release()
         toks = n_tokens if n_tokens is not None and stored == len(hashes) else stored * self.chunk_size
         self.counters.add(stored_chunks=stored, stored_tokens=toks)
         m.STORED_TOKENS.inc(stored * self.chunk_size)
         return stored
+
+    def _put_tier0(self, tier0: StorageBackend, key: ChunkKey, data: ChunkData) -> int:
+        """Put one chunk into tier 0 (adopting a pool buffer where it can); 1 if stored."""
+        t0 = time.perf_counter()
+        try:
+            if isinstance(data, MemoryBuffer) and ZERO_COPY in tier0.capabilities:
+                ok = tier0.put_buffer(key, data)
+            else:
+                ok = tier0.put(key, data.tensor if isinstance(data, MemoryBuffer) else data)
+        except Exception as err:
+            self._tier_error(tier0, "put", err)
+            ok = False
+        m.TIER_LATENCY.labels(tier0.name, "put").observe(time.perf_counter() - t0)
+        if not ok:
+            return 0
+        m.TIER_BYTES.labels(tier0.name, "put").inc((data.tensor if isinstance(data, MemoryBuffer) else data).nbytes)
+        return 1
 
     def _write_behind(self, key: ChunkKey, data: ChunkData, upto: int | None = None) -> None:
         """Queue ``data`` for the slower tiers (all, or those above tier ``upto``)."""
@@ -444,14 +450,7 @@ class CacheEngine:
         return False
 
     def _promote(self, key: ChunkKey, data: ChunkData, level: int) -> None:
-        tier0 = self.tiers[0]
-        try:
-            if isinstance(data, MemoryBuffer) and ZERO_COPY in tier0.capabilities:
-                tier0.put_buffer(key, data)
-            else:
-                tier0.put(key, data.tensor if isinstance(data, MemoryBuffer) else data)
-        except Exception as err:
-            self._tier_error(tier0, "put", err)
+        self._put_tier0(self.tiers[0], key, data)
         if level > 1:
             self._write_behind(key, data, upto=level)
 

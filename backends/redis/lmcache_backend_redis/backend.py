@@ -1,0 +1,352 @@
+"""The Redis tier: one string value per chunk, a serde frame, under ``{prefix}{key}``.
+
+Contract (see :class:`lmcache_core.backend.StorageBackend`):
+
+* Batched calls are pipelines: ``contains`` sends one ``EXISTS`` per key, ``get_many``
+  one ``STRLEN`` + ``GETRANGE`` pair per key, ``put_many`` (after an ``EXISTS`` pipeline)
+  one ``SET`` per missing key. A pipeline is one round trip on a single server, and one
+  round trip per node on a cluster (redis-py groups the commands by slot owner).
+* Reads are bounded: ``GETRANGE`` asks for at most the largest frame the caller's
+  buffer could need, so a huge or foreign value never costs more memory than the
+  chunk; a value that fails its checksum, names another key or is not a frame is a miss.
+* Frames larger than ``max_value_size`` are refused (the put is skipped and counted),
+  never split: a chunk is one value, so it is present or absent as a whole.
+* The server's memory limit is the tier's: an ``OOM`` reply (``maxmemory`` reached
+  under ``noeviction``) is a skipped put, counted in ``extra["oom"]``.
+* A server that is down, slow past ``socket_timeout_s``, loading, or a cluster whose
+  slots are not served makes the call a miss, and the :class:`HealthGate` makes the
+  following calls misses without a request until ``down_cooldown_s`` passes. Wrong
+  credentials or missing ACL permissions mid-run raise :class:`BackendError` (the
+  engine counts it and treats it as a miss).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+from lmcache_core.backend import PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
+from lmcache_core.keys import ChunkKey
+from lmcache_core.serde import (
+    DTYPE_NAMES,
+    MAX_HEADER_BYTES,
+    Codec,
+    FrameError,
+    encode_parts,
+    header_span,
+    parse_header_prefix,
+    try_decode,
+)
+
+from .client import Client, Failure, classify, describe, make_client
+from .config import RedisConfig
+from .health import HealthGate
+
+log = logging.getLogger(__name__)
+
+_OOM_LOG_EVERY_S = 60.0
+
+
+def max_frame_bytes(out: torch.Tensor) -> int:
+    """The largest frame that can decode into ``out``: header, plus the payload of the
+    largest codec output for it (LZ4's worst case on incompressible data)."""
+    return 8 + MAX_HEADER_BYTES + out.nbytes + out.nbytes // 255 + 64
+
+
+def _frame(key: ChunkKey, data: torch.Tensor, codec: Codec) -> memoryview:
+    """The frame as one buffer, built with a single copy of the payload."""
+    header, payload = encode_parts(key, data, codec)
+    buf = bytearray(len(header) + payload.nbytes)
+    buf[: len(header)] = header
+    buf[len(header) :] = payload
+    return memoryview(buf)
+
+
+class RedisBackend(StorageBackend):
+    name = "redis"
+    capabilities = frozenset({PERSISTENT, SHARED})
+
+    def __init__(
+        self,
+        cfg: RedisConfig,
+        *,
+        codec: Codec,
+        codecs: dict[str, Codec],
+        password: str | None = None,
+        client: Client | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.codec = codec
+        self.codecs = dict(codecs)
+        self.client = client if client is not None else make_client(cfg, password)
+        self.target = cfg.target()
+        self.write_concurrency = cfg.write_concurrency
+        self._ttl_ms = int(cfg.ttl_s * 1000) if cfg.ttl_s is not None else None
+        self._gate = HealthGate(cfg.down_cooldown_s)
+        self._lock = threading.Lock()
+        self._s = BackendStats(self.name)
+        self._extra = {"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0}
+        self._last_oom_log = -_OOM_LOG_EVERY_S
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RedisBackend({self.target!r}, prefix={self.cfg.prefix!r})"
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def _add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                if k in self._extra:
+                    self._extra[k] += v
+                else:
+                    setattr(self._s, k, getattr(self._s, k) + v)
+
+    def _name(self, key: ChunkKey) -> str:
+        return self.cfg.prefix + key.to_str()
+
+    def _open(self) -> bool:
+        return not self._closed and self._gate.allow()
+
+    def _ok(self) -> None:
+        if self._gate.succeeded():
+            log.warning("redis tier: %s answers again; lookups and stores resume", self.target)
+
+    def _failed(self, op: str, err: BaseException) -> None:
+        """Sort a failed call: unavailable -> close the gate (the caller returns a miss);
+        credentials or anything unexpected -> raise :class:`BackendError`."""
+        self._add(errors=1)
+        kind = classify(err)
+        if kind is Failure.UNAVAILABLE:
+            if self._gate.failed():
+                log.warning(
+                    "redis tier: %s on %s failed (%s); every call is a miss for the next %.1fs",
+                    op, self.target, describe(err), self.cfg.down_cooldown_s,
+                )
+            return
+        self._gate.succeeded()
+        hint = ""
+        if kind is Failure.DENIED:
+            hint = (
+                "; check username / password / password_file (or the url's user:password) and that the ACL user "
+                "may run EXISTS, GET, GETRANGE, STRLEN, SET, DEL on the prefix's keys"
+            )
+        raise BackendError(f"redis {op} on {self.target}: {describe(err)}{hint}") from None
+
+    def _pipeline(self) -> Any:
+        self._add(pipelines=1)
+        return self.client.pipeline(transaction=False)
+
+    # -- lookups --------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        if not keys or not self._open():
+            return 0
+        try:
+            pipe = self._pipeline()
+            for k in keys:
+                pipe.exists(self._name(k))
+            found = pipe.execute()
+        except Exception as err:
+            self._failed("lookup", err)
+            return 0
+        self._ok()
+        n = 0
+        for f in found:
+            if not f:
+                break
+            n += 1
+        return n
+
+    # -- reads ----------------------------------------------------------------------
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        return self.get_many([key], [out])[0]
+
+    def get_many(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill each ``outs[i]`` with ``keys[i]``'s chunk in one pipeline; per key,
+        True for a hit. Holds at most one bounded frame per key in memory at once."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output tensors")
+        hits = [False] * len(keys)
+        if not keys:
+            return hits
+        if not self._open():
+            self._add(misses=len(keys))
+            return hits
+        try:
+            pipe = self._pipeline()
+            for k, out in zip(keys, outs):
+                name = self._name(k)
+                pipe.strlen(name)
+                pipe.getrange(name, 0, max_frame_bytes(out) - 1)
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as err:
+            self._add(misses=len(keys))
+            self._failed("get", err)
+            return hits
+        self._ok()
+        for i, (k, out) in enumerate(zip(keys, outs)):
+            hits[i] = self._decode(k, out, replies[2 * i], replies[2 * i + 1])
+        return hits
+
+    def _decode(self, key: ChunkKey, out: torch.Tensor, size: Any, frame: Any) -> bool:
+        for reply in (size, frame):
+            if isinstance(reply, BaseException):
+                if str(reply).startswith("WRONGTYPE"):
+                    self._bad_value(key, b"", 0, out, "not a string value")
+                    return False
+                self._add(misses=1, errors=1)
+                log.debug("redis get %s: %s", self._name(key), describe(reply))
+                return False
+        if not size:
+            self._add(misses=1)
+            return False
+        if size > max_frame_bytes(out):
+            self._bad_value(key, frame, size, out, f"{size} bytes, more than a frame for this chunk can have")
+            return False
+        tensor, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
+        if tensor is None:
+            self._bad_value(key, frame, size, out, reason or "undecodable")
+            return False
+        self._add(hits=1, get_bytes=out.nbytes)
+        return True
+
+    def _bad_value(self, key: ChunkKey, frame: bytes, size: int, out: torch.Tensor, reason: str) -> None:
+        """A value that did not decode into ``out``: either the caller asked for another
+        shape or dtype (the value is fine) or the value is corrupt or not ours."""
+        self._add(misses=1)
+        try:
+            header_span(frame)
+            info, _, _ = parse_header_prefix(frame, size)
+            caller_mismatch = info.key == key.to_str() and (
+                info.shape != tuple(out.shape) or info.dtype != DTYPE_NAMES.get(out.dtype)
+            )
+        except FrameError:
+            caller_mismatch = False
+        if caller_mismatch:
+            log.debug("redis get %s: %s", self._name(key), reason)
+            return
+        self._add(corrupt=1)
+        log.warning("redis tier: value %s on %s is not a valid frame for its key (%s); treated as a miss",
+                    self._name(key), self.target, reason)
+        if self.cfg.delete_corrupt:
+            try:
+                self.client.delete(self._name(key))
+            except Exception as err:
+                log.warning("redis tier: could not delete corrupt value %s: %s", self._name(key), describe(err))
+
+    # -- writes ---------------------------------------------------------------------
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        return self.put_many([(key, data)])[0]
+
+    def put_many(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
+        """Store chunks with at most two pipelines (``EXISTS``, then ``SET`` for the
+        missing ones); per item, True if the chunk is now stored (or already was)."""
+        done = [False] * len(items)
+        if not items:
+            return done
+        if not self._open():
+            self._add(skipped=len(items))
+            return done
+        try:
+            todo = list(range(len(items)))
+            if self.cfg.check_exists_before_put:
+                pipe = self._pipeline()
+                for k, _ in items:
+                    pipe.exists(self._name(k))
+                present = pipe.execute()
+                todo = [i for i in todo if not present[i]]
+                for i in range(len(items)):
+                    done[i] = bool(present[i])
+            frames: list[tuple[int, memoryview]] = []
+            for i in todo:
+                k, data = items[i]
+                frame = _frame(k, data, self.codec)
+                if frame.nbytes > self.cfg.max_value_size:
+                    self._too_large(k, frame.nbytes)
+                    continue
+                frames.append((i, frame))
+            replies: list[Any] = []
+            if frames:
+                pipe = self._pipeline()
+                for i, frame in frames:
+                    pipe.set(self._name(items[i][0]), frame, px=self._ttl_ms)
+                replies = pipe.execute(raise_on_error=False)
+        except Exception as err:
+            self._add(skipped=sum(1 for d in done if not d))
+            self._failed("put", err)
+            return done
+        self._ok()
+        for (i, frame), reply in zip(frames, replies):
+            if isinstance(reply, BaseException):
+                self._put_refused(items[i][0], reply)
+                continue
+            done[i] = True
+            self._add(puts=1, put_bytes=items[i][1].nbytes)
+        return done
+
+    def _too_large(self, key: ChunkKey, nbytes: int) -> None:
+        self._add(skipped=1, too_large=1)
+        log.warning(
+            "redis tier: chunk %s is a %d-byte frame, over max_value_size (%d); not stored. Raise max_value_size "
+            "(and the server's proto-max-bulk-len if above 512MiB) or use a smaller chunk_size",
+            key.to_str(), nbytes, self.cfg.max_value_size,
+        )
+
+    def _put_refused(self, key: ChunkKey, err: BaseException) -> None:
+        kind = classify(err)
+        if kind is Failure.FULL:
+            self._add(skipped=1, oom=1)
+            now = time.monotonic()
+            with self._lock:
+                say = now - self._last_oom_log >= _OOM_LOG_EVERY_S
+                if say:
+                    self._last_oom_log = now
+            if say:
+                log.warning(
+                    "redis tier: %s is out of memory (%s); puts are skipped. Set maxmemory-policy allkeys-lru "
+                    "(or volatile-lru with ttl_s) so the server evicts old chunks, or raise maxmemory",
+                    self.target, describe(err),
+                )
+            return
+        self._add(skipped=1)
+        self._failed("put", err)
+
+    def remove(self, key: ChunkKey) -> bool:
+        if not self._open():
+            raise BackendError(f"redis remove {self._name(key)}: {self.target} is unavailable")
+        try:
+            n = self.client.delete(self._name(key))
+        except Exception as err:
+            self._failed("remove", err)
+            raise BackendError(f"redis remove {self._name(key)}: {describe(err)}") from None
+        self._ok()
+        return bool(n)
+
+    # -- housekeeping ---------------------------------------------------------------
+    def ping(self) -> None:
+        """One PING (to every node of a cluster); raises redis-py's error as it comes."""
+        self.client.ping()
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s.extra.update(self._extra)
+        s.extra.update(
+            server_down=self._gate.down,
+            server_trips=self._gate.trips,
+            target=self.target,
+            prefix=self.cfg.prefix,
+        )
+        return s
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.client.close()
+        except Exception as err:  # a dead socket: nothing left to release
+            log.debug("redis tier: client close: %s", describe(err))

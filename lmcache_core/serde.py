@@ -37,6 +37,11 @@ from .keys import ChunkKey
 FRAME_FORMAT = "lmcache-core/2"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 1 << 34
+#: Default cap on the raw (decoded) size when :func:`decode` has no ``out`` tensor
+#: to compare the header with; with ``out`` the raw size must equal ``out``'s.
+MAX_DECODE_RAW_BYTES = 1 << 30
+_MAX_INT = 1 << 62  # any length, offset or dimension above this is malformed
+_DIGITS_RE = re.compile(r"[0-9]{1,19}")
 _U64 = struct.Struct("<Q")
 CHECKSUM_HEX_LEN = 16  # XXH3-64, lowercase hex
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{16}")
@@ -66,7 +71,11 @@ class FrameError(Exception):
 
 class Codec(Protocol):
     """A payload codec. ``decode`` gets the exact raw length from the (checksummed)
-    header and must fail (raise) rather than return a different length."""
+    header and must fail (raise) rather than return a different length.
+
+    A codec may also declare ``max_ratio`` (an int): no payload of ``n`` bytes ever
+    decodes to more than ``max_ratio * n + 64`` bytes. :func:`decode` then refuses a
+    header that claims more before it allocates anything (see :func:`check_frame`)."""
 
     name: str
 
@@ -77,6 +86,7 @@ class Codec(Protocol):
 
 class RawCodec:
     name = "raw"
+    max_ratio = 1
 
     def encode(self, raw: memoryview) -> memoryview:
         return raw
@@ -87,6 +97,7 @@ class RawCodec:
 
 class Lz4Codec:
     name = "lz4"
+    max_ratio = 255  # LZ4 block format: one extra length byte per 255 bytes of match
 
     def encode(self, raw: memoryview) -> bytes:
         import lz4.block
@@ -290,43 +301,97 @@ def _parse_header_json(text: memoryview, have_payload: int) -> tuple[FrameInfo, 
     if not _CHECKSUM_RE.fullmatch(meta["checksum"]):
         raise FrameError("checksum field is malformed")
     try:
-        shape = tuple(json.loads(meta["shape"]))
-        raw_len = int(meta["raw_len"])
-        if not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError
-        offsets = entry["data_offsets"]
-        if entry.get("dtype") != "U8" or not (isinstance(offsets, list) and len(offsets) == 2):
-            raise ValueError
-        lo, hi = int(offsets[0]), int(offsets[1])
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        raise FrameError("metadata values are malformed") from None
+        shape_doc = json.loads(meta["shape"])
+    except (ValueError, RecursionError):
+        raise FrameError("metadata values are malformed: shape is not JSON") from None
+    if not isinstance(shape_doc, list):  # its length is bounded by MAX_HEADER_BYTES
+        raise FrameError("metadata values are malformed: shape is not a list of sizes")
+    shape = tuple(_bounded_int(d, "shape") for d in shape_doc)
+    if not _DIGITS_RE.fullmatch(meta["raw_len"]):
+        raise FrameError("metadata values are malformed: raw_len is not a decimal byte count")
+    raw_len = int(meta["raw_len"])
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or entry.get("dtype") != "U8" or not (isinstance(offsets, list) and len(offsets) == 2):
+        raise FrameError("metadata values are malformed: payload entry")
+    lo, hi = _bounded_int(offsets[0], "data_offsets"), _bounded_int(offsets[1], "data_offsets")
     payload_len = hi - lo
     if lo != 0 or payload_len < 0 or payload_len > MAX_PAYLOAD_BYTES or entry.get("shape") != [payload_len]:
         raise FrameError("bad payload offsets")
     if payload_len != have_payload:
         raise FrameError(f"length mismatch: header says {payload_len} payload bytes, frame has {have_payload}")
-    if math.prod(shape) * _ITEMSIZE[meta["dtype"]] != raw_len or raw_len > MAX_PAYLOAD_BYTES:
+    numel = 0 if 0 in shape else 1
+    for d in shape if numel else ():  # stop once the product is absurd: no huge multiplications
+        numel *= d
+        if numel > MAX_PAYLOAD_BYTES:
+            break
+    if raw_len > MAX_PAYLOAD_BYTES or numel * _ITEMSIZE[meta["dtype"]] != raw_len:
         raise FrameError("shape, dtype and raw length disagree")
     info = FrameInfo(meta["key"], meta["codec"], meta["dtype"], shape, raw_len, payload_len)
     return info, meta
 
 
-def decode(
-    frame: bytes | bytearray | memoryview,
-    codecs: dict[str, Codec],
+def _bounded_int(value: object, field: str) -> int:
+    """A JSON number from a header as a non-negative int below 2**62: ``Infinity``,
+    ``NaN``, floats, booleans, negatives and huge integers are malformed (a miss),
+    never an ``OverflowError`` or a giant allocation."""
+    if type(value) is not int or not 0 <= value < _MAX_INT:
+        raise FrameError(f"metadata values are malformed: {field} holds {str(value)[:40]!r}")
+    return value
+
+
+def check_frame(
+    info: FrameInfo,
+    codecs: Mapping[str, Codec],
     *,
     expect_key: ChunkKey | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode and verify a frame. With ``out``, the data is written into it (its
-    dtype and shape must match the frame) and ``out`` is returned."""
-    info, meta, payload = parse_header(frame)
+    max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
+) -> Codec:
+    """Everything a header must satisfy before any payload work: the key, the codec,
+    the dtype and shape ``out`` expects (so a frame never decodes into more memory
+    than the caller's chunk), a raw size no larger than ``max_raw_bytes`` when there
+    is no ``out``, and no larger than the codec can produce from the payload (a
+    decompression bomb is refused here, before a single byte is allocated or
+    decompressed). Returns the codec; raises :class:`FrameError`. Every tier's reads
+    go through it via :func:`decode`; the disk tier calls it on a header it read
+    itself."""
     if expect_key is not None and info.key != expect_key.to_str():
         raise FrameError(f"key mismatch: frame holds {info.key}")
-    verify_payload(meta, payload)
     codec = codecs.get(info.codec)
     if codec is None:
         raise FrameError(f"codec {info.codec!r} is not installed")
+    if out is not None:
+        if DTYPES[info.dtype] != out.dtype or info.shape != tuple(out.shape):
+            raise FrameError(
+                f"frame holds {info.dtype}{list(info.shape)}, caller expects "
+                f"{DTYPE_NAMES.get(out.dtype, out.dtype)}{list(out.shape)}"
+            )
+    elif info.raw_len > max_raw_bytes:
+        raise FrameError(f"frame declares {info.raw_len} raw bytes, more than the {max_raw_bytes} allowed")
+    ratio = getattr(codec, "max_ratio", None)
+    if isinstance(ratio, int) and info.raw_len > ratio * info.payload_len + 64:
+        raise FrameError(
+            f"frame declares {info.raw_len} raw bytes from a {info.payload_len}-byte {info.codec} payload "
+            f"(at most {ratio}x): not a frame this codec wrote"
+        )
+    return codec
+
+
+def decode(
+    frame: bytes | bytearray | memoryview,
+    codecs: Mapping[str, Codec],
+    *,
+    expect_key: ChunkKey | None = None,
+    out: torch.Tensor | None = None,
+    max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
+) -> torch.Tensor:
+    """Decode and verify a frame. With ``out``, the data is written into it (its
+    dtype and shape must match the frame) and ``out`` is returned; without it the
+    raw size is capped at ``max_raw_bytes``. The header is checked against all of
+    that (:func:`check_frame`) before the payload is hashed or decompressed."""
+    info, meta, payload = parse_header(frame)
+    codec = check_frame(info, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes)
+    verify_payload(meta, payload)
     try:
         raw = codec.decode(payload, info.raw_len)
     except Exception as err:  # a codec library error on bad bytes is a miss
@@ -336,11 +401,6 @@ def decode(
         raise FrameError("decoded length differs from the header")
     dtype = DTYPES[info.dtype]
     if out is not None:
-        if out.dtype != dtype or tuple(out.shape) != info.shape:
-            raise FrameError(
-                f"frame holds {info.dtype}{list(info.shape)}, caller expects "
-                f"{DTYPE_NAMES.get(out.dtype, out.dtype)}{list(out.shape)}"
-            )
         if info.raw_len == 0:
             return out
         if out.is_contiguous() and out.device.type == "cpu":
@@ -356,15 +416,16 @@ def decode(
 
 def try_decode(
     frame: bytes | bytearray | memoryview | None,
-    codecs: dict[str, Codec],
+    codecs: Mapping[str, Codec],
     *,
     expect_key: ChunkKey | None = None,
     out: torch.Tensor | None = None,
+    max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
 ) -> tuple[torch.Tensor | None, str | None]:
     """``decode`` that returns ``(None, reason)`` instead of raising."""
     if frame is None:
         return None, "missing"
     try:
-        return decode(frame, codecs, expect_key=expect_key, out=out), None
+        return decode(frame, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes), None
     except FrameError as err:
         return None, str(err)

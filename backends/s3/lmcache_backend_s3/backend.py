@@ -11,6 +11,10 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   is a miss, and the :class:`HealthGate` makes the following calls misses without a
   request until the cooldown passes. Credential or permission failures mid-run raise
   :class:`BackendError` (the engine counts them and treats them as misses).
+* Every operation ends within ``op_deadline_s`` whatever the server does (a server
+  trickling bytes never trips botocore's per-read timeout): the network part runs on
+  a worker the caller stops waiting for at the deadline (see :mod:`.deadline`), and an
+  overrun trips the health gate like any other unavailability.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -31,6 +35,7 @@ from lmcache_core.serde import DTYPE_NAMES, MAX_HEADER_BYTES, Codec, FrameError,
 
 from .client import Failure, classify, describe, make_client, status_of
 from .config import S3Config
+from .deadline import DeadlineExceeded, Watchdog, run_bounded
 from .health import HealthGate
 from .presence import PresenceCache
 from .transfer import ObjectTooLarge, multipart_put, ranged_get
@@ -50,6 +55,10 @@ class S3Backend(StorageBackend):
         self.endpoint = str(self.client.meta.endpoint_url)
         self.bucket = cfg.bucket
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="lmcache-s3")
+        # Whole operations run here (their parts on _pool), so the caller can stop
+        # waiting at the deadline; tasks here submit to _pool, never to _ops.
+        self._ops = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="lmcache-s3-op")
+        self._watchdog = Watchdog()
         self.write_concurrency = cfg.max_concurrency  # the engine's write-behind overlaps PUTs
         self._gate = HealthGate(cfg.down_cooldown_s)
         self._present = PresenceCache(cfg.presence_cache_size, cfg.presence_ttl_s)
@@ -57,9 +66,9 @@ class S3Backend(StorageBackend):
         self._s = BackendStats(self.name)
         self._requests = 0
         self._corrupt = 0
+        self._overruns = 0
         self._closed = False
-        # Worst case for one request: every attempt times out, plus botocore's backoff.
-        self.op_timeout_s = cfg.max_attempts * (cfg.connect_timeout_s + cfg.read_timeout_s + 2.0)
+        self.op_deadline_s = cfg.op_deadline_s
         self.client.meta.events.register("before-send.s3", self._count_request)
 
     def __repr__(self) -> str:
@@ -78,10 +87,16 @@ class S3Backend(StorageBackend):
     def _object(self, key: ChunkKey) -> str:
         return self.cfg.object_name(key.to_str())
 
+    def _deadline(self) -> float:
+        return time.monotonic() + self.op_deadline_s
+
     def _unavailable(self, op: str, err: BaseException) -> None:
         was_down = self._gate.down
         self._gate.failed()
         self._add(errors=1)
+        if isinstance(err, DeadlineExceeded):
+            with self._lock:
+                self._overruns += 1
         if not was_down:
             log.warning(
                 "s3 tier: %s on bucket %r at %s failed (%s); every call is a miss for the next %.1fs",
@@ -119,7 +134,7 @@ class S3Backend(StorageBackend):
         if not self._gate.allow():
             return n
         try:
-            n = self._probe(keys, n)
+            n = self._probe(keys, n, self._deadline())
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
                 self._unavailable("lookup", err)
@@ -128,11 +143,11 @@ class S3Backend(StorageBackend):
         self._gate.succeeded()
         return n
 
-    def _probe(self, keys: Sequence[ChunkKey], start: int) -> int:
+    def _probe(self, keys: Sequence[ChunkKey], start: int, deadline: float) -> int:
         """HEAD ``keys[start:]`` in parallel, in order, at most ``2 * max_concurrency``
-        outstanding; the first absent key ends the count and cancels the HEADs behind it."""
+        outstanding; the first absent key ends the count and cancels the HEADs behind it.
+        Raises :class:`DeadlineExceeded` at ``deadline``."""
         window = 2 * self.cfg.max_concurrency
-        deadline = time.monotonic() + self.op_timeout_s
         pending: deque[tuple[int, Future[bool] | None]] = deque()
         nxt = start
         try:
@@ -142,7 +157,13 @@ class S3Backend(StorageBackend):
                     pending.append((nxt, None if k in self._present else self._pool.submit(self._head, k)))
                     nxt += 1
                 i, f = pending.popleft()
-                if f is not None and not f.result(timeout=max(0.0, deadline - time.monotonic())):
+                if f is None:
+                    continue
+                try:
+                    present = f.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    raise DeadlineExceeded("lookup did not finish within the operation deadline") from None
+                if not present:
                     return i
             return len(keys)
         finally:
@@ -158,18 +179,15 @@ class S3Backend(StorageBackend):
             self._add(skipped=1)
             return False
         name = self._object(key)
+        deadline = self._deadline()
         try:
-            if self.cfg.check_exists_before_put and self._head(key):
+            if self.cfg.check_exists_before_put and run_bounded(self._ops, deadline, "put (exists check)", self._head, key):
                 self._gate.succeeded()
                 return True
+            # Encoded here, not on the worker: a worker abandoned at the deadline must
+            # never read ``data`` after the caller has reused its memory.
             frame = encode(key, data, self.codec)
-            if len(frame) >= self.cfg.multipart_threshold:
-                multipart_put(
-                    self.client, self.bucket, name, frame, self._pool,
-                    part_size=self.cfg.multipart_chunksize, timeout=self.op_timeout_s * 4,
-                )
-            else:
-                self.client.put_object(Bucket=self.bucket, Key=name, Body=frame)
+            run_bounded(self._ops, deadline, "put", self._upload, name, frame, deadline)
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
                 self._unavailable("put", err)
@@ -181,23 +199,35 @@ class S3Backend(StorageBackend):
         self._add(puts=1, put_bytes=data.nbytes)
         return True
 
+    def _upload(self, name: str, frame: bytes, deadline: float) -> None:
+        if len(frame) >= self.cfg.multipart_threshold:
+            multipart_put(
+                self.client, self.bucket, name, frame, self._pool,
+                part_size=self.cfg.multipart_chunksize, deadline=deadline,
+            )
+        else:
+            self.client.put_object(Bucket=self.bucket, Key=name, Body=frame)
+
+    def _remove_remote(self, key: ChunkKey) -> bool:
+        if not self._head(key):
+            return False
+        self._present.discard(key)
+        self.client.delete_object(Bucket=self.bucket, Key=self._object(key))
+        return True
+
     def remove(self, key: ChunkKey) -> bool:
         if self._closed or not self._gate.allow():
             raise BackendError(f"s3 remove {self._object(key)}: endpoint {self.endpoint} is unavailable")
         self._present.discard(key)
         try:
-            if not self._head(key):
-                self._gate.succeeded()
-                return False
-            self._present.discard(key)
-            self.client.delete_object(Bucket=self.bucket, Key=self._object(key))
+            removed = run_bounded(self._ops, self._deadline(), "remove", self._remove_remote, key)
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
                 self._unavailable("remove", err)
                 raise BackendError(f"s3 remove {self._object(key)}: {describe(err)}") from None
             self._raise("remove", key, err)
         self._gate.succeeded()
-        return True
+        return removed
 
     # -- reads ----------------------------------------------------------------------
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
@@ -207,10 +237,13 @@ class S3Backend(StorageBackend):
         # Bound what we accept before reading: header, plus the payload of the largest
         # codec output for ``out`` (LZ4's worst case on incompressible data).
         max_bytes = 8 + MAX_HEADER_BYTES + out.nbytes + out.nbytes // 255 + 64
+        deadline = self._deadline()
         try:
-            frame = ranged_get(
+            # The worker returns fresh bytes; only this thread writes into ``out``.
+            frame = run_bounded(
+                self._ops, deadline, "get", ranged_get,
                 self.client, self.bucket, self._object(key), self._pool,
-                range_size=self.cfg.range_chunksize, max_bytes=max_bytes, timeout=self.op_timeout_s,
+                range_size=self.cfg.range_chunksize, max_bytes=max_bytes, deadline=deadline, watchdog=self._watchdog,
             )
         except ObjectTooLarge as err:
             self._gate.succeeded()
@@ -274,6 +307,8 @@ class S3Backend(StorageBackend):
             s.extra.update(
                 requests=self._requests,
                 corrupt=self._corrupt,
+                deadline_overruns=self._overruns,
+                op_deadline_s=self.op_deadline_s,
                 known_present=len(self._present),
                 endpoint_down=self._gate.down,
                 endpoint_trips=self._gate.trips,
@@ -284,14 +319,17 @@ class S3Backend(StorageBackend):
         return s
 
     def check_bucket(self) -> None:
-        """One HeadBucket request; raises its error as botocore gives it."""
-        self.client.head_bucket(Bucket=self.bucket)
+        """One HeadBucket request within the operation deadline; raises its error as
+        botocore gives it (or :class:`DeadlineExceeded`)."""
+        run_bounded(self._ops, self._deadline(), "bucket check", self.client.head_bucket, Bucket=self.bucket)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._ops.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._watchdog.close()
         try:
             self.client.close()
         except Exception as err:  # closing twice or a dead socket: nothing to do

@@ -32,6 +32,10 @@ class S3Config(StrictModel):
     read_timeout_s: float = Field(10.0, gt=0, le=3600, description="socket read timeout per attempt")
     max_attempts: int = Field(3, ge=1, le=20, description="attempts per request, the first included")
     retry_mode: Literal["standard", "adaptive", "legacy"] = Field("standard", description="botocore retry mode")
+    op_deadline_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="total deadline for one lookup, get, put or remove, retries included; past it: a miss and the endpoint counts as down",
+    )
     multipart_threshold: ByteSize = Field(64 * 2**20, description="frames this large or larger use multipart upload")
     multipart_chunksize: ByteSize = Field(16 * 2**20, description="part size for multipart uploads (>= 5MiB)")
     range_chunksize: ByteSize = Field(

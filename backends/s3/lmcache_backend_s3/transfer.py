@@ -6,15 +6,20 @@ fetched as parallel ranges (pinned to the first response's ETag, so a concurrent
 overwrite cannot splice two versions). Frames at or above the multipart threshold are
 uploaded as parallel parts; a failed upload is aborted so no parts are left billed.
 Parts run on the caller-given executor, whose tasks never submit further tasks.
+Everything runs against one absolute deadline (``time.monotonic()``); with a
+:class:`~.deadline.Watchdog`, a body still being read at the deadline is cut.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import Executor, Future, wait
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, ContextManager
 
 from .config import MAX_PARTS
+from .deadline import DeadlineExceeded, Watchdog
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
@@ -23,12 +28,12 @@ class ObjectTooLarge(Exception):
     """The object is larger than the caller's buffer could ever need: not our chunk."""
 
 
-def _wait_all(futures: list[Future[Any]], timeout: float) -> None:
-    done, pending = wait(futures, timeout=timeout)
+def _wait_all(futures: list[Future[Any]], deadline: float) -> None:
+    done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
     if pending:
         for f in pending:
             f.cancel()
-        raise TimeoutError(f"{len(pending)} of {len(futures)} transfers did not finish within {timeout:.1f}s")
+        raise DeadlineExceeded(f"{len(pending)} of {len(futures)} transfers did not finish before the deadline")
     for f in done:
         f.result()
 
@@ -41,9 +46,14 @@ def ranged_get(
     *,
     range_size: int,
     max_bytes: int,
-    timeout: float,
+    deadline: float,
+    watchdog: Watchdog | None = None,
 ) -> bytes | bytearray:
     """The whole object ``name``; raises botocore errors, ``ObjectTooLarge`` or ``TimeoutError``."""
+
+    def guard(b: Any) -> ContextManager[None]:
+        return watchdog.guard_body(b, deadline) if watchdog is not None else nullcontext()
+
     first = client.get_object(Bucket=bucket, Key=name, Range=f"bytes=0-{range_size - 1}")
     body = first["Body"]
     try:
@@ -51,7 +61,8 @@ def ranged_get(
         total = int(m.group(3)) if m else int(first.get("ContentLength") or 0)
         if total > max_bytes or int(first.get("ContentLength") or 0) > max_bytes:
             raise ObjectTooLarge(f"object has {total} bytes, at most {max_bytes} expected")
-        head = body.read()  # bounded: the Range asked for, and Content-Length was checked above
+        with guard(body):
+            head = body.read()  # bounded: the Range asked for, and Content-Length was checked above
     finally:
         body.close()
     if len(head) > max_bytes:
@@ -68,7 +79,8 @@ def ranged_get(
         r = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={lo}-{hi - 1}", **kw)
         part = r["Body"]
         try:
-            data = part.read()
+            with guard(part):
+                data = part.read()
         finally:
             part.close()
         if len(data) != hi - lo:
@@ -76,7 +88,7 @@ def ranged_get(
         view[lo:hi] = data
 
     futures = [pool.submit(fetch, lo, min(lo + range_size, total)) for lo in range(len(head), total, range_size)]
-    _wait_all(futures, timeout)
+    _wait_all(futures, deadline)
     return buf
 
 
@@ -88,7 +100,7 @@ def multipart_put(
     pool: Executor,
     *,
     part_size: int,
-    timeout: float,
+    deadline: float,
 ) -> int:
     """Upload ``data`` in parallel parts; returns the number of parts. Aborts on failure."""
     part_size = max(part_size, -(-len(data) // MAX_PARTS))
@@ -103,7 +115,7 @@ def multipart_put(
             return {"PartNumber": number, "ETag": r["ETag"]}
 
         futures = [pool.submit(upload, i + 1, lo) for i, lo in enumerate(range(0, len(data), part_size))]
-        _wait_all(futures, timeout)
+        _wait_all(futures, deadline)
         parts = [f.result() for f in futures]
         client.complete_multipart_upload(
             Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}

@@ -1,0 +1,14 @@
+"""The Mooncake Store tier for lmcache-core.
+
+A fleet's shared DRAM pool: a ``mooncake_master`` keeps the metadata, segment owners
+(this tier itself with ``segment_size`` > 0, or standalone ``mooncake_client``
+services) hold the bytes. Chunks are serde frames under ``{key_prefix}{chunk key}``.
+Configured as ``{name: mooncake, master: host:port, metadata: http://...}`` (see
+:class:`MooncakeConfig`, docs/backends/mooncake.md). Importing this package does not
+import the Mooncake client; the factory does.
+"""
+
+from .config import MooncakeConfig
+from .plugin import create_mooncake_backend
+
+__all__ = ["MooncakeConfig", "create_mooncake_backend"]

@@ -1,0 +1,388 @@
+"""The Mooncake tier: chunks as serde frames, one Mooncake object each.
+
+Contract (see :class:`lmcache_core.backend.StorageBackend`):
+
+* Batched: ``contains`` is one ``batch_is_exist`` for all keys; :meth:`get_batch`
+  and :meth:`put_batch` move many chunks in one ``batch_get_into`` /
+  ``batch_put_from_multi_buffers`` call (``get``/``put`` are batches of one).
+* Zero-copy puts: the frame header comes from registered staging memory and the
+  payload straight from the caller's tensor (the engine's pool, registered with the
+  store at startup). Gets land in registered staging memory, are verified there
+  (checksum, key, dtype, shape), and only then copied into ``out``: a transfer that
+  overran its deadline may still be writing, and must never write into a pool
+  buffer the engine has already reused (see :mod:`.staging`).
+* Failure rule: every call has a deadline (:mod:`.guard`); a dead master, an
+  overrun or a busy client is a miss, and closes the health gate so the following
+  calls are misses without touching the client until the cooldown passes. A
+  segment owner that is down fails the transfers of its objects (misses, counted).
+  A put the store rejects for space is a skipped put, counted in ``no_space``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from lmcache_core.backend import SHARED, BackendError, BackendStats, StorageBackend
+from lmcache_core.keys import ChunkKey
+from lmcache_core.memory import MemoryBuffer
+from lmcache_core.serde import Codec, try_decode
+
+from . import codes
+from .client import SetupFailed, StoreClient
+from .config import MooncakeConfig
+from .frames import frame_parts, max_frame_len
+from .guard import Deadline, HealthGate, StoreUnavailable
+from .staging import Staging
+
+log = logging.getLogger(__name__)
+
+Region = tuple[int, int]  # (base address, bytes)
+
+
+class MooncakeBackend(StorageBackend):
+    name = "mooncake"
+    capabilities = frozenset({SHARED})
+
+    def __init__(
+        self,
+        cfg: MooncakeConfig,
+        *,
+        codec: Codec,
+        codecs: Mapping[str, Codec],
+        pool_region: Region | None = None,
+        client_factory: Callable[[MooncakeConfig], StoreClient] = StoreClient,
+    ) -> None:
+        self.cfg = cfg
+        self.codec = codec
+        self.codecs = dict(codecs)
+        self.write_concurrency = cfg.max_inflight
+        self.timeout_s = cfg.timeout_ms / 1000
+        self._client_factory = client_factory
+        self._gate = HealthGate(cfg.down_cooldown_ms / 1000)
+        self._deadline = Deadline(cfg.max_inflight, self._gate)
+        self._staging = Staging(cfg.staging_size, cfg.quarantine_s)
+        self._regions: list[Region] = [(self._staging.base, self._staging.size)]
+        if pool_region is not None:
+            self._regions.append(pool_region)
+        self._client: StoreClient | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reconnector: threading.Thread | None = None
+        self._s = BackendStats(self.name)
+        self._extra = dict(
+            no_space=0, corrupt=0, transfer_errors=0, overruns=0, zero_copy_puts=0, copied_puts=0,
+            setup_failures=0,
+        )
+
+    def __repr__(self) -> str:
+        return f"MooncakeBackend(master={self.cfg.master!r}, metadata={self.cfg.metadata!r}, protocol={self.cfg.protocol!r})"
+
+    # -- connection -----------------------------------------------------------------
+    def connect(self) -> None:
+        """Set up a client (within ``setup_timeout_ms``) and register staging and the
+        pool with it. Raises :class:`BackendError` saying what failed and where."""
+        client = self._client_factory(self.cfg)
+        where = f"master {self.cfg.master} (metadata {self.cfg.metadata}, protocol {self.cfg.protocol})"
+        try:
+            self._deadline.run("setup", self.cfg.setup_timeout_ms / 1000, client.setup)
+            for base, size in self._regions:
+                client.register(base, size)
+        except (SetupFailed, StoreUnavailable) as err:
+            self._count(setup_failures=1)
+            self._gate.failed()
+            if not (isinstance(err, StoreUnavailable) and err.overrun):
+                client.close()  # an overrun setup is abandoned: the native call may still be running
+            raise BackendError(
+                f"mooncake tier: cannot connect to {where}: {err}. Check that mooncake_master runs there with "
+                "--enable_http_metadata_server (or that the metadata server is up), and that this host can reach it"
+            ) from None
+        with self._lock:
+            self._client = client
+        if self._gate.succeeded():
+            log.info("mooncake tier: connected to %s", where)
+
+    def connect_in_background(self) -> None:
+        """Keep trying :meth:`connect` every cooldown until it works or the tier closes;
+        calls are misses meanwhile."""
+        self._gate.failed()
+
+        def loop() -> None:
+            while not self._closed.wait(max(0.2, self._gate.cooldown_s)):
+                try:
+                    self.connect()
+                    return
+                except BackendError as err:
+                    log.debug("%s", err)
+
+        self._reconnector = threading.Thread(target=loop, name="lmcache-mooncake-connect", daemon=True)
+        self._reconnector.start()
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                if k in self._extra:
+                    self._extra[k] += v
+                else:
+                    setattr(self._s, k, getattr(self._s, k) + v)
+
+    def _name(self, key: ChunkKey) -> str:
+        return self.cfg.key_prefix + key.to_str()
+
+    def _ready(self) -> StoreClient | None:
+        with self._lock:
+            return None if self._closed.is_set() else self._client
+
+    def _call(
+        self, op: str, fn: Callable[[], list[int]], on_late: Callable[[], None] | None = None
+    ) -> tuple[list[int] | None, bool]:
+        """``(codes, overran)``: ``fn()``'s codes under the deadline, or None when the
+        store could not answer; ``overran`` when ``fn`` is still running (then
+        ``on_late`` runs when it ends). On an answer, the gate follows the codes."""
+        try:
+            result = self._deadline.run(op, self.timeout_s, fn, on_late=on_late)
+        except StoreUnavailable as err:
+            if err.overrun:
+                self._count(overruns=1, errors=1)
+                self._down(op, str(err))
+            return None, err.overrun
+        if any(codes.outcome(c) is codes.Outcome.MASTER_DOWN for c in result):
+            self._count(errors=1)
+            self._down(op, f"master did not answer (code {min(result)})")
+        elif self._gate.succeeded():
+            log.warning("mooncake tier: master %s answers again; calls go through", self.cfg.master)
+        return result, False
+
+    def _down(self, op: str, why: str) -> None:
+        if self._gate.failed():
+            log.warning(
+                "mooncake tier: %s against master %s failed (%s); every call is a miss for the next %.1fs, then retried",
+                op, self.cfg.master, why, self._gate.cooldown_s,
+            )
+
+    def _registered(self, t: torch.Tensor) -> bool:
+        ptr, n = t.data_ptr(), t.numel() * t.element_size()
+        return any(base <= ptr and ptr + n <= base + size for base, size in self._regions)
+
+    def _settle(self, slots: Sequence[MemoryBuffer | None], code: int) -> None:
+        """Release staging slots, or quarantine them when I/O may still touch them."""
+        live = [s for s in slots if s is not None]
+        if codes.memory_reusable(code):
+            for s in live:
+                s.release()
+        else:
+            self._staging.quarantine(live)
+
+    # -- lookups --------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        client = self._ready()
+        if client is None or not keys:
+            return 0
+        names = [self._name(k) for k in keys]
+        result, _ = self._call("lookup", lambda: client.exist(names))
+        if result is None:
+            return 0
+        if len(result) != len(keys):
+            self._count(errors=1)
+            return 0
+        n = 0
+        for c in result:
+            if c != 1:
+                break
+            n += 1
+        return n
+
+    # -- reads ----------------------------------------------------------------------
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        return self.get_batch([key], [out])[0]
+
+    def get_batch(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill each ``outs[i]`` with chunk ``keys[i]`` in one store call; per-key hit flags."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_batch: {len(keys)} keys but {len(outs)} output tensors")
+        hits = [False] * len(keys)
+        client = self._ready()
+        if client is None:
+            self._count(misses=len(keys))
+            return hits
+        todo: list[tuple[int, MemoryBuffer, int]] = []
+        for i, (k, out) in enumerate(zip(keys, outs)):
+            cap = max_frame_len(k, out)
+            slot = self._staging.allocate(cap)
+            if slot is None:
+                self._count(misses=1)
+                continue
+            todo.append((i, slot, cap))
+        if not todo:
+            return hits
+        names = [self._name(keys[i]) for i, _, _ in todo]
+        ptrs = [s.tensor.data_ptr() for _, s, _ in todo]
+        caps = [cap for _, _, cap in todo]
+        slots = [s for _, s, _ in todo]
+        result, overran = self._call(
+            "get", lambda: client.get_into(names, ptrs, caps), on_late=lambda: self._staging.quarantine(slots)
+        )
+        if result is None or len(result) != len(todo):
+            self._count(misses=len(todo))
+            if result is not None:  # an answer that does not fit the question: keep the memory away
+                self._count(errors=1)
+                self._staging.quarantine(slots)
+            elif not overran:  # never reached the client
+                for s in slots:
+                    s.release()
+            return hits
+        for (i, slot, _), code in zip(todo, result):
+            if code > 0:
+                hits[i] = self._decode(keys[i], slot, code, outs[i])
+                slot.release()
+                continue
+            self._settle([slot], code)
+            kind = codes.outcome(code)
+            self._count(misses=1)
+            if kind is codes.Outcome.TRANSFER:
+                self._count(transfer_errors=1, errors=1)
+            elif kind is codes.Outcome.OTHER:
+                self._count(errors=1)
+        return hits
+
+    def _decode(self, key: ChunkKey, slot: MemoryBuffer, n: int, out: torch.Tensor) -> bool:
+        frame = memoryview(slot.tensor.numpy()).cast("B")[:n]
+        tensor, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
+        if tensor is None:
+            self._count(misses=1)
+            if reason and ("caller expects" not in reason):
+                self._count(corrupt=1)
+                log.warning("mooncake tier: object %s is not a valid frame for its key (%s); treated as a miss",
+                            self._name(key), reason)
+            return False
+        self._count(hits=1, get_bytes=out.numel() * out.element_size())
+        return True
+
+    # -- writes ---------------------------------------------------------------------
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        return self.put_batch([(key, data)])[0]
+
+    def put_batch(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
+        """Store each ``(key, tensor)`` in one store call; per-item success flags.
+        Existing keys are successes (no-op); a put rejected for space is skipped."""
+        done = [False] * len(items)
+        client = self._ready()
+        if client is None:
+            self._count(skipped=len(items))
+            return done
+        todo: list[tuple[int, list[MemoryBuffer], list[int], list[int]]] = []
+        for i, (key, data) in enumerate(items):
+            header, payload, in_place = frame_parts(key, data, self.codec)
+            hslot = self._staging.allocate(len(header))
+            if hslot is None:
+                self._count(skipped=1)
+                continue
+            hslot.tensor.numpy()[:] = np.frombuffer(header, dtype=np.uint8)
+            slots = [hslot]
+            if in_place and (self.cfg.protocol == "tcp" or self._registered(data)):
+                pptr = data.data_ptr()
+                self._count(zero_copy_puts=1)
+            else:
+                pslot = self._staging.allocate(payload.nbytes)
+                if pslot is None:
+                    hslot.release()
+                    self._count(skipped=1)
+                    continue
+                pslot.tensor.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+                slots.append(pslot)
+                pptr = pslot.tensor.data_ptr()
+                self._count(copied_puts=1)
+            todo.append((i, slots, [hslot.tensor.data_ptr(), pptr], [len(header), payload.nbytes]))
+        if not todo:
+            return done
+        names = [self._name(items[i][0]) for i, _, _, _ in todo]
+        ptrs = [p for _, _, p, _ in todo]
+        sizes = [n for _, _, _, n in todo]
+        all_slots = [s for _, slots, _, _ in todo for s in slots]
+        keep_alive = [items[i][1] for i, _, _, _ in todo]  # the call reads these tensors until it returns
+
+        def call() -> list[int]:
+            assert keep_alive is not None
+            return client.put_parts(names, ptrs, sizes)
+
+        result, overran = self._call("put", call, on_late=lambda: self._staging.quarantine(all_slots))
+        if result is None or len(result) != len(todo):
+            self._count(skipped=len(todo))
+            if result is not None:
+                self._count(errors=1)
+                self._staging.quarantine(all_slots)
+            elif not overran:
+                for s in all_slots:
+                    s.release()
+            return done
+        for (i, slots, _, n), code in zip(todo, result):
+            self._settle(slots, code)
+            kind = codes.outcome(code)
+            if kind is codes.Outcome.OK:
+                done[i] = True
+                self._count(puts=1, put_bytes=items[i][1].numel() * items[i][1].element_size())
+            elif kind is codes.Outcome.NO_SPACE:
+                self._count(skipped=1, no_space=1)
+            else:
+                self._count(skipped=1, errors=1)
+                if kind is codes.Outcome.TRANSFER:
+                    self._count(transfer_errors=1)
+        return done
+
+    def remove(self, key: ChunkKey) -> bool:
+        client = self._ready()
+        if client is None:
+            raise BackendError(f"mooncake remove {self._name(key)}: not connected to master {self.cfg.master}")
+        result, _ = self._call("remove", lambda: client.remove([self._name(key)]))
+        if result is None or len(result) != 1:
+            raise BackendError(f"mooncake remove {self._name(key)}: master {self.cfg.master} did not answer")
+        kind = codes.outcome(result[0])
+        if kind is codes.Outcome.OK:
+            return True
+        if kind is codes.Outcome.MISSING:
+            return False
+        raise BackendError(f"mooncake remove {self._name(key)}: store returned code {result[0]}")
+
+    # -- housekeeping ---------------------------------------------------------------
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s.extra.update(self._extra)
+            connected = self._client is not None
+        s.extra.update(
+            master=self.cfg.master,
+            protocol=self.cfg.protocol,
+            connected=connected,
+            master_down=self._gate.down,
+            master_trips=self._gate.trips,
+            busy_rejects=self._deadline.rejected_busy,
+            staging_full=self._staging.full,
+            staging_used=self._staging.used,
+            quarantined_bytes=self._staging.quarantined_bytes,
+        )
+        return s
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._lock:
+            client, self._client = self._client, None
+        self._deadline.close()
+        if client is None:
+            return
+        if self._deadline.busy:
+            # A call is still inside the native client; closing under it could crash the
+            # process. The client (and its registered memory) is left to process exit.
+            log.warning("mooncake tier: %d store calls still running at close; client left open", self._deadline.busy)
+            self._abandoned = (client, self._staging)
+            return
+        try:
+            client.close()
+        except Exception as err:  # closing a client whose master is gone: nothing to do
+            log.debug("mooncake tier: client close: %s", err)

@@ -1,0 +1,95 @@
+"""The ``mooncake`` section of ``backends:``: every option, its default and its bounds.
+
+Validated with :func:`lmcache_core.config.validate_section`, so a wrong value fails
+at startup with its key path and source. Sizes take units (``4GiB``, ``512MiB``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from lmcache_core.config import ByteSize, StrictModel
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+):([0-9]{1,5})$")
+_METADATA = re.compile(r"^(https?://[^/\s]+(/\S*)?|etcd://\S+|redis://\S+|P2PHANDSHAKE)$")
+_KEY_PREFIX = re.compile(r"^[A-Za-z0-9._/\-]{0,128}$")
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; raises ValueError naming the format."""
+    m = _HOST_PORT.match(value.strip())
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise ValueError(f"expected host:port (e.g. 10.0.0.5:50051), got {value!r}")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
+class MooncakeConfig(StrictModel):
+    """``{name: mooncake, ...}``; docs/backends/mooncake.md explains every key."""
+
+    master: str = Field(description="host:port of mooncake_master's RPC service")
+    metadata: str = Field(
+        description="transfer metadata server: http://host:port/metadata (the master's own with "
+        "--enable_http_metadata_server), etcd://..., redis://... or P2PHANDSHAKE"
+    )
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="transport between this client and segment owners")
+    rdma_devices: str = Field("", description="RDMA NICs to use, comma-separated (protocol: rdma); '' = all")
+    local_hostname: str | None = Field(
+        None, description="address other nodes reach this client at; None = the local address that routes to the master"
+    )
+    segment_size: ByteSize = Field(
+        0, description="DRAM this process contributes to the pool (0 = a pure client of store services)"
+    )
+    buffer_size: ByteSize = Field(64 << 20, description="the client's own transfer buffer (local_buffer_size)")
+    replicas: int = Field(1, ge=1, le=16, description="memory replicas written per chunk")
+    key_prefix: str = Field("lmcache/", description="object keys are {key_prefix}{chunk key}")
+    timeout_ms: int = Field(2000, gt=0, le=600_000, description="deadline of one store call (lookup, get, put)")
+    setup_timeout_ms: int = Field(15_000, gt=0, le=600_000, description="deadline of connecting to the master")
+    down_cooldown_ms: int = Field(
+        2000, ge=0, le=600_000, description="after the master fails or a call overruns, calls are misses for this long"
+    )
+    max_inflight: int = Field(8, ge=1, le=256, description="store calls running at once (and background writers)")
+    staging_size: ByteSize = Field(
+        128 << 20, description="registered memory that gets land in (checked there, then copied into the pool)"
+    )
+    quarantine_s: float = Field(
+        30.0, ge=0, le=3600, description="staging memory of a failed or overrun transfer is not reused for this long"
+    )
+    verify_on_start: bool = Field(True, description="fail at startup when the master cannot be reached")
+
+    @field_validator("master")
+    @classmethod
+    def _master(cls, v: str) -> str:
+        split_host_port(v)
+        return v.strip()
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: str) -> str:
+        if not _METADATA.match(v.strip()):
+            raise ValueError(
+                "expected http://host:port/metadata (the master's HTTP metadata server), etcd://host:port, "
+                f"redis://host:port or P2PHANDSHAKE, got {v!r}"
+            )
+        return v.strip()
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not _KEY_PREFIX.match(v):
+            raise ValueError(f"key_prefix may hold letters, digits and . _ / - (at most 128), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "MooncakeConfig":
+        if self.buffer_size < 1 << 20:
+            raise ValueError(f"buffer_size must be at least 1MiB, got {self.buffer_size}")
+        if self.staging_size < 1 << 20:
+            raise ValueError(f"staging_size must be at least 1MiB (it must hold one chunk's frame), got {self.staging_size}")
+        if self.segment_size and self.segment_size < 16 << 20:
+            raise ValueError(f"segment_size must be 0 or at least 16MiB, got {self.segment_size}")
+        if self.rdma_devices and self.protocol != "rdma":
+            raise ValueError("rdma_devices is only used with protocol: rdma")
+        return self

@@ -1,0 +1,137 @@
+"""Deadlines and a health gate around the Mooncake client, whose calls can block for
+seconds (a dead master costs each call its RPC connect retries) and cannot be
+cancelled.
+
+Every call runs on one of ``max_inflight`` worker threads and the caller waits at
+most the deadline. A call that overruns keeps its worker until the client returns,
+but the caller has its miss and the gate closes: for ``cooldown_s`` every call is a
+miss without touching the client, then one call probes and its outcome reopens or
+recloses the gate. When all workers are busy a call is a miss at once instead of
+queueing, so neither time nor memory grows while the store is away.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class StoreUnavailable(Exception):
+    """The store could not be asked (gate closed, workers busy) or did not answer in time."""
+
+    def __init__(self, message: str, *, overrun: bool = False) -> None:
+        super().__init__(message)
+        self.overrun = overrun
+
+
+class HealthGate:
+    """A circuit breaker: after a failure, ``allow()`` is False for ``cooldown_s``;
+    then it lets one probe through, whose outcome closes or reopens the gate."""
+
+    def __init__(self, cooldown_s: float) -> None:
+        self.cooldown_s = cooldown_s
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._probing = False
+        self.trips = 0
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self._down_until == 0.0:
+                return True
+            if self._probing or time.monotonic() < self._down_until:
+                return False
+            self._probing = True
+            return True
+
+    def failed(self) -> bool:
+        """Close the gate; True if it was open (a new outage, worth one log line)."""
+        with self._lock:
+            new = self._down_until == 0.0
+            if new:
+                self.trips += 1
+            self._down_until = time.monotonic() + self.cooldown_s
+            self._probing = False
+            return new
+
+    def succeeded(self) -> bool:
+        """Open the gate; True if it was closed (a recovery)."""
+        with self._lock:
+            was_down = self._down_until != 0.0
+            self._down_until = 0.0
+            self._probing = False
+            return was_down
+
+    @property
+    def down(self) -> bool:
+        with self._lock:
+            return self._down_until != 0.0
+
+
+class Deadline:
+    """Runs client calls on worker threads with a deadline each (see module docstring)."""
+
+    def __init__(self, workers: int, gate: HealthGate) -> None:
+        self.gate = gate
+        self._workers = workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="lmcache-mooncake")
+        self._lock = threading.Lock()
+        self._busy = 0
+        self.overruns = 0
+        self.rejected_busy = 0
+
+    @property
+    def busy(self) -> int:
+        with self._lock:
+            return self._busy
+
+    def run(self, op: str, timeout_s: float, fn: Callable[[], T], *, on_late: Callable[[], None] | None = None) -> T:
+        """``fn()``'s result, or :class:`StoreUnavailable` when the gate is closed, every
+        worker is busy, or ``fn`` overran ``timeout_s`` (then ``on_late`` runs on the
+        worker once ``fn`` finally returns, to release what the call was using)."""
+        if not self.gate.allow():
+            raise StoreUnavailable(f"{op}: store marked down, retrying after the cooldown")
+        with self._lock:
+            full = self._busy >= self._workers
+            if full:
+                self.rejected_busy += 1
+            else:
+                self._busy += 1
+        if full:
+            if self.gate.down:  # this call was the probe: keep the gate closed for another cooldown
+                self.gate.failed()
+            raise StoreUnavailable(f"{op}: all {self._workers} store workers are busy")
+        state_lock = threading.Lock()
+        state = {"finished": False, "abandoned": False}
+
+        def call() -> T:
+            try:
+                return fn()
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                with state_lock:
+                    state["finished"] = True
+                    late = state["abandoned"]
+                if late and on_late is not None:
+                    on_late()
+
+        fut: Future[T] = self._pool.submit(call)
+        try:
+            return fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            with state_lock:
+                state["abandoned"] = not state["finished"]
+            if not state["abandoned"]:
+                return fut.result()  # it returned just now; its result is a moment away
+            with self._lock:
+                self.overruns += 1
+            raise StoreUnavailable(f"{op}: no answer within {timeout_s:.1f}s", overrun=True) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

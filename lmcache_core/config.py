@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, TypeVar
 
@@ -49,23 +51,38 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([a-zA-Z]*)\s*$")
+MAX_SIZE_BYTES = 2**60  # 1 EiB: above any real budget, far below what breaks arithmetic
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; more is not a config file
+MAX_YAML_NODES = 100_000  # values after expanding YAML aliases
 
 
 def parse_size(value: Any) -> int:
-    """Parse ``1024``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` into bytes."""
+    """Parse ``1024``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` into bytes.
+
+    Exact arithmetic (no float rounding): a size must come to a whole number of
+    bytes (``"0.5"`` and ``"1.3B"`` are errors, ``"0.5KiB"`` is 512) and at most
+    :data:`MAX_SIZE_BYTES`, so a typo never becomes 0 bytes or an overflow."""
     if isinstance(value, bool):
         raise ValueError(f"expected a size like 512MiB or 2GiB, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"size must not be negative, got {value}")
+        if value > MAX_SIZE_BYTES:
+            raise ValueError(f"size is larger than {MAX_SIZE_BYTES} bytes (1 EiB), got a {len(str(value))}-digit number")
         return value
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            exact = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+            if exact.denominator != 1:
+                raise ValueError(f"size {value!r} is not a whole number of bytes; write it in bytes or a smaller unit")
+            if exact > MAX_SIZE_BYTES:
+                raise ValueError(f"size {value!r} is larger than {MAX_SIZE_BYTES} bytes (1 EiB)")
+            return int(exact)
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
     raise ValueError(
-        f"expected a size like 512MiB or 2GiB (units: B, KiB, MiB, GiB, TiB, KB, MB, GB), got {value!r}"
+        f"expected a size like 512MiB or 2GiB (units: B, KiB, MiB, GiB, TiB, KB, MB, GB), got {shown}"
     )
 
 
@@ -164,11 +181,93 @@ def validate_section(model: type[M], data: Mapping[str, Any], key_path: str, sou
         raise ConfigError(format_validation_error(err, key_path, source)) from None
 
 
-def _read_yaml(text: str, where: str) -> dict[str, Any]:
+def _expanded_nodes(root: yaml.Node, where: str) -> int:
+    """How many values ``root`` stands for once every alias is expanded, counted on
+    the composed graph (aliases share nodes, so this costs one visit per node). A
+    few hundred bytes of nested aliases can expand to billions of values, which
+    validation or ``config --show`` would then materialize."""
+    memo: dict[int, int] = {}
+    active: set[int] = set()
+
+    def count(node: yaml.Node) -> int:
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if key in active:
+            raise ConfigError(f"{where}: a YAML alias refers to a value that contains it (a cycle)")
+        active.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(count(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(count(k) + count(v) for k, v in node.value)
+        active.discard(key)
+        memo[key] = total = min(total, MAX_YAML_NODES + 1)
+        return total
+
+    return count(root)
+
+
+def safe_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` with bounds: at most :data:`MAX_YAML_NODES` values after
+    alias expansion, no alias cycles, no nesting deep enough to exhaust the stack.
+    Every failure is a :class:`ConfigError` naming ``where``."""
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_nodes(node, where) > MAX_YAML_NODES:
+            raise ConfigError(
+                f"{where}: the YAML expands to more than {MAX_YAML_NODES} values (nested aliases?); "
+                "a configuration needs a few dozen"
+            )
+        return loader.construct_document(node)
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: not valid YAML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: the YAML is nested too deeply to be a configuration") from None
+    finally:
+        loader.dispose()
+
+
+def read_config_text(path: Path) -> str:
+    """The text of a config file, read in bounded time and memory: it must be a
+    regular file (a device or FIFO may never end), at most :data:`MAX_CONFIG_BYTES`,
+    and UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(
+                f"config file {path} is not a regular file (a directory, device or pipe); "
+                "give the path of a YAML file"
+            )
+        data = b""
+        while len(data) <= MAX_CONFIG_BYTES:
+            piece = os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))
+            if not piece:
+                break
+            data += piece
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; is it a config file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {err.start} is {data[err.start]:#04x}); "
+            "is it a YAML config file?"
+        ) from None
+
+
+def _read_yaml(text: str, where: str) -> dict[str, Any]:
+    data = safe_yaml(text, where)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -188,10 +287,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
                 f"{name}: unknown setting {key!r}; known: "
                 + ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
             )
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{name}: value is not valid YAML: {err}") from None
+        value = safe_yaml(raw, f"env var {name}") if raw.strip() else None
         out[key] = (value, f"env var {name}")
     return out
 
@@ -213,11 +309,7 @@ def load_config(
         file_src = str(path) if path is not None else "embedded default"
     if path is not None:
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as err:
-            raise ConfigError(f"cannot read config file {p}: {err.strerror or err}") from None
-        data = _read_yaml(text, str(p))
+        data = _read_yaml(read_config_text(p), str(p))
     else:
         data = _read_yaml(DEFAULT_YAML, "embedded default")
     sources = {k: file_src for k in data}

@@ -20,10 +20,10 @@ import torch
 
 from . import metrics as m
 from .backend import PINNING, ZERO_COPY, BackendContext, StorageBackend
-from .config import CoreConfig, LoadedConfig, load_config, parse_size
+from .config import ConfigError, CoreConfig, LoadedConfig, load_config, parse_size
 from .local_cpu import LocalCpuConfig
 from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
-from .memory import MemoryBuffer, MemoryPool
+from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,27 @@ def _pool_size(cfg: CoreConfig) -> int:
     return total + cfg.staging_size
 
 
+def _make_pool(loaded: LoadedConfig) -> MemoryPool:
+    """The engine's pool, or a :class:`ConfigError` naming the keys that size it when
+    the machine cannot hold it (rather than an allocator error naming no key, or
+    the OOM killer later)."""
+    cfg = loaded.config
+    size = max(_pool_size(cfg), 1 << 20)
+    avail = available_memory()
+    if avail is None or size <= avail:
+        try:
+            return MemoryPool(size)
+        except (RuntimeError, MemoryError) as err:
+            reason = f"allocating it failed: {err}"
+    else:
+        reason = f"only {avail / 2**30:.1f} GiB of memory is available on this machine"
+    keys = [f"backends[{i}].max_size" for i, b in enumerate(cfg.backends) if b.name == "local_cpu"]
+    raise ConfigError(
+        f"{' + '.join(keys + ['staging_size'])}: the CPU memory pool would be {size / 2**30:.1f} GiB but {reason}; "
+        f"lower them (backends from {loaded.source_of('backends')}, staging_size from {loaded.source_of('staging_size')})"
+    )
+
+
 class CacheEngine:
     """Stores and retrieves KV chunks by token ids across the configured tiers."""
 
@@ -157,7 +178,7 @@ class CacheEngine:
         self.plugins = plugins or get_plugin_manager()
         self.codecs = self.plugins.codec_map()
         self.codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
-        self.pool = MemoryPool(max(_pool_size(cfg), 1 << 20))
+        self.pool = _make_pool(loaded)
         self.counters = m.EngineCounters()
         self.tiers: list[StorageBackend] = []
         try:

@@ -11,11 +11,48 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 ALIGN = 256
+
+
+_CGROUP_LIMITS = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still obtain: the kernel's ``MemAvailable``,
+    lowered to the headroom under a container (cgroup) memory limit if there is one.
+    ``None`` where neither is known. Used to refuse a pool that cannot exist with a
+    config error instead of an allocator error or the OOM killer."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        avail = None
+    for limit_path, usage_path in _CGROUP_LIMITS:
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            headroom = max(0, limit - usage)
+            avail = headroom if avail is None else min(avail, headroom)
+            break
+    return avail
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:

@@ -158,7 +158,7 @@ def test_engine_b_retrieves_what_engine_a_stored(engine_a: tuple[str, str], secr
 
 def test_engine_with_the_wrong_secret_gets_nothing(engine_a: tuple[str, str], tmp_path: Path) -> None:
     address, _ = engine_a
-    c = engine([{"name": "peer", "peers": [address], "secret": "wrong-secret", "max_size": 0, "timeout_ms": 1000}])
+    c = engine([{"name": "peer", "peers": [address], "secret": "wrong-secret-0123456789", "max_size": 0, "timeout_ms": 1000}])
     try:
         tokens = tokens_for(7)
         assert c.lookup(tokens) == 0
@@ -173,7 +173,7 @@ def test_standalone_node_shares_pushed_chunks(node: tuple[str, subprocess.Popen]
     address, proc = node
     peer = {"name": "peer", "peers": [address], "secret_file": str(secret_file), "max_size": 0, "timeout_ms": 1000}
     writer = engine([{**peer, "push": True}])
-    bad = engine([{**peer, "push": True, "secret_file": None, "secret": "wrong"}])
+    bad = engine([{**peer, "push": True, "secret_file": None, "secret": "wrong-secret-0123456789"}])
     reader = engine([peer])
     try:
         tokens, data = tokens_for(3), chunks_for(3)
@@ -222,7 +222,7 @@ def test_cli_refuses_to_start_without_a_secret(tmp_path: Path) -> None:
 
 def test_engine_config_errors_name_the_key_and_source(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
-        engine([{"name": "peer", "peers": ["10.0.0.1"], "secret": "s"}])
+        engine([{"name": "peer", "peers": ["10.0.0.1"], "secret": "s" * 16}])
     assert "backends[1].peers[0]" in str(info.value) and "programmatic override" in str(info.value)
     with pytest.raises(ConfigError, match=r"backends\[1\].secret_file: cannot read"):
         engine([{"name": "peer", "peers": ["10.0.0.1:1"], "secret_file": str(tmp_path / "none")}])

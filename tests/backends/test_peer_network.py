@@ -214,7 +214,7 @@ def test_unreachable_peer_is_a_miss_and_then_skipped() -> None:
 def test_wrong_secret_reads_nothing(node: PeerServer) -> None:
     items = fill(node, 3)
     keys = [k for k, _ in items]
-    bad = client_backend([addr(node)], secret=b"not-the-secret")
+    bad = client_backend([addr(node)], secret=b"not-the-secret-0123456789")
     good = client_backend([addr(node)])
     try:
         out = torch.zeros(4, 64, dtype=torch.float16)
@@ -232,7 +232,7 @@ def test_wrong_secret_reads_nothing(node: PeerServer) -> None:
 
 
 def test_wrong_secret_put_stores_nothing(node: PeerServer) -> None:
-    bad = client_backend([addr(node)], secret=b"not-the-secret", push=True)
+    bad = client_backend([addr(node)], secret=b"not-the-secret-0123456789", push=True)
     try:
         key = random_key()
         assert bad.put(key, random_chunk(shape=(4, 64))) is False

@@ -170,27 +170,27 @@ def _err(section: dict) -> str:
 
 
 def test_config_errors_name_key_and_source() -> None:
-    msg = _err({"peers": ["10.0.0.1:9000", "nope"], "secret": "s"})
+    msg = _err({"peers": ["10.0.0.1:9000", "nope"], "secret": "s" * 16})
     assert "backends[1].peers[1]" in msg and "host:port" in msg and "cfg.yaml" in msg
     msg = _err({"peers": ["a:1"]})
     assert "backends[1]" in msg and "exactly one of secret or secret_file" in msg
-    msg = _err({"peers": ["a:1"], "secret": "s", "secret_file": "/x"})
+    msg = _err({"peers": ["a:1"], "secret": "s" * 16, "secret_file": "/x"})
     assert "exactly one" in msg
-    assert "listen" in _err({"secret": "s"})
-    msg = _err({"peers": ["a:1"], "secret": "s", "timeout_ms": 0})
+    assert "listen" in _err({"secret": "s" * 16})
+    msg = _err({"peers": ["a:1"], "secret": "s" * 16, "timeout_ms": 0})
     assert "backends[1].timeout_ms" in msg
-    msg = _err({"peers": ["a:1"], "secret": "s", "max_size": "lots"})
+    msg = _err({"peers": ["a:1"], "secret": "s" * 16, "max_size": "lots"})
     assert "backends[1].max_size" in msg
-    msg = _err({"peers": ["a:1"], "secret": "s", "listne": "a:1"})
+    msg = _err({"peers": ["a:1"], "secret": "s" * 16, "listne": "a:1"})
     assert "backends[1].listne: unknown key" in msg
-    assert "listen" in _err({"listen": "127.0.0.1", "secret": "s"})
+    assert "listen" in _err({"listen": "127.0.0.1", "secret": "s" * 16})
 
 
 def test_secret_file(tmp_path) -> None:
     f = tmp_path / "secret"
-    f.write_text("top-secret\n")
+    f.write_text("top-secret-0123456789\n")
     cfg = validate_section(PeerConfig, {"peers": ["a:1"], "secret_file": str(f)}, "b", "t")
-    assert load_secret(cfg, "b", "t") == b"top-secret"
+    assert load_secret(cfg, "b", "t") == b"top-secret-0123456789"
     f.write_text("\n")
     with pytest.raises(ConfigError, match=r"b\.secret_file: .* is empty"):
         load_secret(cfg, "b", "t")
@@ -200,16 +200,16 @@ def test_secret_file(tmp_path) -> None:
 
 
 def test_secret_is_not_in_the_repr() -> None:
-    cfg = validate_section(PeerConfig, {"peers": ["a:1"], "secret": "hunter2-hunter2"}, "b", "t")
+    cfg = validate_section(PeerConfig, {"peers": ["a:1"], "secret": "hunter2-hunter2-hunter2"}, "b", "t")
     assert "hunter2" not in repr(cfg)
 
 
 def test_listen_on_a_busy_port_is_a_config_error() -> None:
     ctx = make_context(key_path="backends[1]")
-    first = create_peer_backend({"listen": "127.0.0.1:0", "secret": "s"}, ctx)
+    first = create_peer_backend({"listen": "127.0.0.1:0", "secret": "s" * 16}, ctx)
     try:
         host, port = first.server.address
         with pytest.raises(ConfigError, match=r"backends\[1\]\.listen: cannot listen"):
-            create_peer_backend({"listen": f"{host}:{port}", "secret": "s"}, ctx)
+            create_peer_backend({"listen": f"{host}:{port}", "secret": "s" * 16}, ctx)
     finally:
         first.close()

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from lmcache_core.config import parse_size
 
 from .client import format_address
-from .config import parse_address
+from .config import check_secret, parse_address
 from .server import PeerServer
 from .store import FrameStore
 
@@ -73,11 +73,15 @@ def _secret(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bytes:
             parser.error(f"--secret-file: cannot read {args.secret_file}: {err.strerror or err}")
         if not data:
             parser.error(f"--secret-file: {args.secret_file} is empty")
-        return data
-    env = os.environ.get(SECRET_ENV, "")
-    if not env:
-        parser.error(f"give --secret-file or set {SECRET_ENV}")
-    return env.encode()
+    else:
+        data = os.environ.get(SECRET_ENV, "").encode()
+        if not data:
+            parser.error(f"give --secret-file or set {SECRET_ENV}")
+    try:
+        check_secret(data)
+    except ValueError as err:
+        parser.error(f"{'--secret-file' if args.secret_file is not None else SECRET_ENV}: {err}")
+    return data
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,19 @@ from lmcache_core.config import ByteSize, ConfigError, StrictModel
 
 Address = tuple[str, int]
 
+MIN_SECRET_BYTES = 16
+GENERATE_SECRET = "head -c 32 /dev/urandom | base64 > peer.secret && chmod 600 peer.secret"
+
+
+def check_secret(secret: bytes) -> None:
+    """Raise ValueError unless ``secret`` is long enough to resist guessing: at least
+    :data:`MIN_SECRET_BYTES` bytes. The message says how to make a good one."""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the shared secret is {len(secret)} bytes; it must be at least {MIN_SECRET_BYTES} "
+            f"(random bytes, e.g. `{GENERATE_SECRET}`, then use secret_file)"
+        )
+
 
 def parse_address(value: Any, *, allow_port_zero: bool = False) -> Address:
     """``"host:port"`` or ``"[v6addr]:port"`` -> ``(host, port)``."""
@@ -68,8 +81,8 @@ class PeerConfig(StrictModel):
     def _one_secret(self) -> "PeerConfig":
         if (self.secret is None) == (self.secret_file is None):
             raise ValueError("give exactly one of secret or secret_file")
-        if self.secret is not None and not self.secret.get_secret_value():
-            raise ValueError("secret must not be empty")
+        if self.secret is not None:
+            check_secret(self.secret.get_secret_value().encode())
         if self.listen is None and not self.peers:
             raise ValueError("give listen (serve), peers (ask), or both; with neither the tier does nothing")
         if self.max_frame_size < 1024:
@@ -91,4 +104,8 @@ def load_secret(cfg: PeerConfig, key_path: str, source: str) -> bytes:
     data = data.rstrip(b"\r\n")
     if not data:
         raise ConfigError(f"{where}: {cfg.secret_file} is empty; put the shared secret in it (from {source})")
+    try:
+        check_secret(data)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {cfg.secret_file}: {err} (from {source})") from None
     return data

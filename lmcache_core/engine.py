@@ -439,24 +439,29 @@ class CacheEngine:
         return None
 
     def _retrieve_one(self, key: ChunkKey, out: torch.Tensor, *, start: int = 0, buf: MemoryBuffer | None = None) -> bool:
+        """Fill ``out`` from the fastest tier holding ``key`` and promote it. ``buf``
+        is the caller's pool buffer whose tensor is ``out`` (promoted without a copy);
+        a zero-copy tier's own buffer is released right after the copy into ``out`` and
+        never promoted (it may hold another shape, and its memory may be reused)."""
         for level, tier in enumerate(self.tiers):
             if level < start:
                 continue
             t0 = time.perf_counter()
             try:
                 if ZERO_COPY in tier.capabilities:
-                    buf = tier.get_buffer(key)
-                    ok = buf is not None
-                    if buf is not None:
+                    got = tier.get_buffer(key)
+                    ok = False
+                    if got is not None:
                         try:
-                            if buf.tensor.dtype != out.dtype or buf.tensor.shape != out.shape:
+                            if got.tensor.dtype != out.dtype or got.tensor.shape != out.shape:
                                 raise ValueError(
-                                    f"stored chunk is {buf.tensor.dtype}{list(buf.tensor.shape)}, "
+                                    f"stored chunk is {got.tensor.dtype}{list(got.tensor.shape)}, "
                                     f"expected {out.dtype}{list(out.shape)}"
                                 )
-                            out.copy_(buf.tensor)
+                            out.copy_(got.tensor)
+                            ok = True
                         finally:
-                            buf.release()
+                            got.release()
                 else:
                     ok = tier.get(key, out)
             except Exception as err:

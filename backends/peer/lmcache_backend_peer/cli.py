@@ -48,7 +48,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-size", type=_size, default=parse_size("1GiB"), help="memory budget, e.g. 2GiB (default 1GiB)")
     p.add_argument("--max-frame-size", type=_size, default=parse_size("256MiB"), help="largest message (default 256MiB)")
     p.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline (default 5000)")
-    p.add_argument("--max-connections", type=int, default=256, help="concurrent connections (default 256)")
+    p.add_argument("--max-connections", type=int, default=256, help="concurrent authenticated connections (default 256)")
+    p.add_argument("--max-unauthenticated", type=int, default=32,
+                   help="connections still authenticating, apart from --max-connections (default 32)")
+    p.add_argument("--max-unauthenticated-per-address", type=int, default=4,
+                   help="of those, from one client address (default 4)")
+    p.add_argument("--handshake-timeout-ms", type=int, default=1000,
+                   help="a new connection must authenticate within this (default 1000)")
+    p.add_argument("--max-inflight", type=_size, default=None,
+                   help="request bytes held at once across connections (default 2 x --max-frame-size)")
     p.add_argument("--read-only", action="store_true", help="refuse PUT and REMOVE")
 
 
@@ -92,6 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.timeout_ms <= 0:
         parser.error("--timeout-ms must be positive")
+    if args.handshake_timeout_ms <= 0:
+        parser.error("--handshake-timeout-ms must be positive")
+    for flag in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_address"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     secret = _secret(args, parser)
     store = FrameStore(args.max_size)
     try:
@@ -103,7 +116,13 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             max_frame_size=args.max_frame_size,
             timeout=args.timeout_ms / 1000,
             max_connections=args.max_connections,
+            handshake_timeout=args.handshake_timeout_ms / 1000,
+            max_unauthenticated=args.max_unauthenticated,
+            max_unauthenticated_per_address=args.max_unauthenticated_per_address,
+            max_inflight_bytes=args.max_inflight,
         )
+    except ValueError as err:
+        parser.error(str(err))
     except OSError as err:
         print(f"{parser.prog}: cannot listen on {format_address(args.listen)}: {err.strerror or err}", file=sys.stderr)
         return 2

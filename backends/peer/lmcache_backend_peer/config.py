@@ -75,7 +75,15 @@ class PeerConfig(StrictModel):
     max_frame_size: ByteSize = Field(256 << 20, description="largest message accepted or sent (bounds one reply)")
     pool_size: int = Field(4, ge=1, le=256, description="idle connections kept per peer")
     retry_after_ms: int = Field(1000, ge=0, description="a peer that failed is skipped for this long")
-    max_connections: int = Field(64, ge=1, description="connections the server accepts at once")
+    max_connections: int = Field(64, ge=1, description="authenticated connections the server keeps at once")
+    max_unauthenticated: int = Field(
+        32, ge=1, description="connections still authenticating, kept apart from max_connections"
+    )
+    max_unauthenticated_per_address: int = Field(4, ge=1, description="of those, from one client address")
+    handshake_timeout_ms: int = Field(1000, gt=0, description="a new connection must authenticate within this")
+    max_inflight: ByteSize | None = Field(
+        None, description="request bytes the server holds at once across connections; null: 2 x max_frame_size"
+    )
 
     @model_validator(mode="after")
     def _one_secret(self) -> "PeerConfig":

@@ -95,19 +95,28 @@ class Connection:
         With ``reuse`` the body is a view into this connection's receive buffer, valid
         only until the next ``recv`` (saves allocating and faulting in fresh pages for
         every large reply); otherwise it is a fresh buffer the caller owns."""
+        header = self.recv_header(header_deadline, max_body)
+        deadline = header_deadline if body_timeout is None else time.monotonic() + body_timeout
+        return header, self.recv_body(header, deadline, reuse=reuse)
+
+    def recv_header(self, deadline: float, max_body: int) -> Header:
+        """Read and bound one message header (nothing is allocated for the body yet,
+        so the caller can decide whether it may: see the server's in-flight budget)."""
         hbuf = bytearray(HEADER_SIZE)
-        self._recv_exact(memoryview(hbuf), header_deadline)
-        header = decode_header(hbuf, max_body)
+        self._recv_exact(memoryview(hbuf), deadline)
+        return decode_header(hbuf, max_body)
+
+    def recv_body(self, header: Header, deadline: float, *, reuse: bool = False) -> memoryview:
+        """Read the body announced by ``header`` (see :meth:`recv` for ``reuse``)."""
         if reuse and header.body_len <= REUSE_LIMIT:
             if len(self._rbuf) < header.body_len:
                 self._rbuf = bytearray(header.body_len)
             body = memoryview(self._rbuf)[: header.body_len]
         else:
             body = memoryview(bytearray(header.body_len))
-        deadline = header_deadline if body_timeout is None else time.monotonic() + body_timeout
         if header.body_len:
             self._recv_exact(body, deadline)
-        return header, body
+        return body
 
     def close(self) -> None:
         if self.closed:

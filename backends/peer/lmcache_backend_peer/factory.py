@@ -32,7 +32,13 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
                 max_frame_size=cfg.max_frame_size,
                 timeout=timeout,
                 max_connections=cfg.max_connections,
+                handshake_timeout=cfg.handshake_timeout_ms / 1000,
+                max_unauthenticated=cfg.max_unauthenticated,
+                max_unauthenticated_per_address=cfg.max_unauthenticated_per_address,
+                max_inflight_bytes=cfg.max_inflight,
             )
+        except ValueError as err:
+            raise ConfigError(f"{ctx.key_path}: {err} (from {ctx.source})") from None
         except OSError as err:
             raise ConfigError(
                 f"{ctx.key_path}.listen: cannot listen on {format_address(cfg.listen)}: "

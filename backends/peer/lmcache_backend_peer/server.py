@@ -1,11 +1,16 @@
 """The serving side: answers LOOKUP/GET (and, when writable, PUT/REMOVE) from a source.
 
-One accept thread plus one thread per connection (bounded by ``max_connections``;
-extra connections are closed at once). A connection must authenticate within the
-handshake timeout before any request is read. Each request body must arrive within
-``timeout`` of its header; an idle connection is dropped after ``idle_timeout``. A
+One accept thread plus one thread per connection. A new connection takes one of
+``max_unauthenticated`` slots (at most ``max_unauthenticated_per_address`` per client
+address; extra connections are closed at once) and must authenticate within
+``handshake_timeout``; only then does it count against ``max_connections`` (see
+:mod:`.limits`). Each request body is reserved against the node's
+``max_inflight_bytes`` before it is allocated and must arrive within ``timeout`` of
+its header; a body that cannot be reserved in that time is answered ERROR ("busy")
+and the connection closed. An idle connection is dropped after ``idle_timeout``. A
 malformed message closes the connection; a failing source answers ERROR. Nothing a
-client sends can crash the server or make it allocate past ``max_frame_size``.
+client sends can crash the server or make it hold more than ``max_inflight_bytes``
+of request bodies (``max_frame_size`` per connection).
 """
 
 from __future__ import annotations
@@ -20,18 +25,22 @@ from typing import Any
 from lmcache_core.serde import FrameError, parse_header
 
 from .auth import server_handshake
-from .connection import Connection
+from .connection import Connection, PeerTimeout
+from .limits import Admission, ByteBudget
 from .protocol import (
     ERROR,
     GET,
     GET_OK,
+    KEY_SIZE,
     LOOKUP,
     LOOKUP_OK,
     PUT,
     PUT_OK,
     REMOVE,
+    MAX_KEYS_PER_MESSAGE,
     REMOVE_OK,
     SERVER_ID_SIZE,
+    TYPE_NAMES,
     KeysRequest,
     PeerError,
     PutRequest,
@@ -44,6 +53,9 @@ from .store import ChunkSource
 log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
+
+KEYS_BODY_LIMIT = 4 + MAX_KEYS_PER_MESSAGE * KEY_SIZE
+"""Largest LOOKUP/GET/REMOVE body; only PUT bodies may be larger."""
 
 
 class PeerServer:
@@ -62,9 +74,21 @@ class PeerServer:
         timeout: float = 5.0,
         idle_timeout: float = 300.0,
         max_connections: int = 64,
+        handshake_timeout: float = 1.0,
+        max_unauthenticated: int = 32,
+        max_unauthenticated_per_address: int = 4,
+        max_inflight_bytes: int | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the shared secret must not be empty")
+        inflight = max_inflight_bytes if max_inflight_bytes is not None else 2 * max_frame_size
+        if writable and inflight < max_frame_size:
+            raise ValueError(
+                f"max_inflight_bytes ({inflight}) is below max_frame_size ({max_frame_size}): "
+                "a PUT of the largest accepted frame could never be received; raise one or lower the other"
+            )
+        if min(max_connections, max_unauthenticated, max_unauthenticated_per_address) < 1 or handshake_timeout <= 0:
+            raise ValueError("connection limits must be at least 1 and handshake_timeout positive")
         self.source: Any = source
         self.secret = secret
         self.writable = writable
@@ -72,8 +96,14 @@ class PeerServer:
         self.timeout = timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
+        self.handshake_timeout = handshake_timeout
+        self.admission = Admission(max_connections, max_unauthenticated, max_unauthenticated_per_address)
+        self.inflight = ByteBudget(inflight)
         self.server_id = os.urandom(SERVER_ID_SIZE)
-        self.stats = {"connections": 0, "auth_failures": 0, "protocol_errors": 0, "requests": 0, "rejected": 0}
+        self.stats = {
+            "connections": 0, "auth_failures": 0, "protocol_errors": 0, "requests": 0,
+            "rejected": 0, "rejected_unauthenticated": 0, "handshake_timeouts": 0, "busy": 0,
+        }
         self._lock = threading.Lock()
         self._conns: set[Connection] = set()
         self._stop = threading.Event()
@@ -126,36 +156,91 @@ class PeerServer:
                 time.sleep(0.05)
                 continue
             conn = Connection(sock, f"{addr[0]}:{addr[1]}")
+            if self.admission.admit(addr[0]) is not None:
+                with self._lock:
+                    self.stats["rejected_unauthenticated"] += 1
+                conn.close()
+                continue
             with self._lock:
-                if len(self._conns) >= self.max_connections:
-                    self.stats["rejected"] += 1
-                    conn.close()
-                    continue
                 self._conns.add(conn)
                 self.stats["connections"] += 1
-            threading.Thread(target=self._serve, args=(conn,), name="lmcache-peer-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, addr[0]), name="lmcache-peer-conn", daemon=True).start()
 
     # -- one connection ---------------------------------------------------------------
-    def _serve(self, conn: Connection) -> None:
+    def _count(self, stat: str) -> None:
+        with self._lock:
+            self.stats[stat] += 1
+
+    def _serve(self, conn: Connection, host: str) -> None:
+        slot = "unauthenticated"
         try:
-            if not server_handshake(conn, self.secret, self.server_id, self.timeout):
-                self.stats["auth_failures"] += 1
+            try:
+                ok = server_handshake(conn, self.secret, self.server_id, self.handshake_timeout)
+            except PeerTimeout:
+                self._count("handshake_timeouts")
+                return
+            if not ok:
+                self._count("auth_failures")
                 log.warning("peer server %s: client %s failed authentication", self.address, conn.peer)
                 return
+            slot = "authenticated" if self.admission.authenticated(host) else "none"
+            if slot == "none":
+                self._count("rejected")
+                self._refuse(conn, f"server is at max_connections ({self.max_connections}); try again later")
+                return
             while not self._stop.is_set():
-                header, body = conn.recv(time.monotonic() + self.idle_timeout, self.max_frame_size, self.timeout)
-                self.stats["requests"] += 1
-                self._handle(conn, header.type, header.request_id, body)
+                header = conn.recv_header(time.monotonic() + self.idle_timeout, self.max_frame_size)
+                self._count("requests")
+                if not self._admit_body(conn, header):
+                    return
+                try:
+                    body = conn.recv_body(header, time.monotonic() + self.timeout)
+                    self._handle(conn, header.type, header.request_id, body)
+                    del body  # the buffer goes before its reservation does
+                finally:
+                    self.inflight.release(header.body_len)
         except PeerError as err:
             if not self._stop.is_set() and "closed" not in str(err):
-                self.stats["protocol_errors"] += 1
+                self._count("protocol_errors")
                 log.debug("peer server %s: dropping %s: %s", self.address, conn.peer, err)
         except Exception:  # a bug must cost one connection, not the server
             log.exception("peer server %s: unexpected error on %s", self.address, conn.peer)
         finally:
             conn.close()
+            if slot != "none":
+                self.admission.leave(host, slot == "authenticated")
             with self._lock:
                 self._conns.discard(conn)
+
+    def _refuse(self, conn: Connection, message: str, rid: int = 0) -> None:
+        """Best-effort ERROR before the caller closes the connection."""
+        try:
+            conn.send(ERROR, rid, [message.encode()[:1000]], time.monotonic() + min(self.timeout, 1.0))
+        except PeerError:
+            pass
+
+    def _admit_body(self, conn: Connection, header: Any) -> bool:
+        """Whether the body announced by ``header`` may be read: within the limit for
+        its type, and reserved against the in-flight budget (waiting at most
+        ``timeout``). On False the client got an ERROR; the connection must close
+        (the unread body would otherwise be taken for the next message)."""
+        name = TYPE_NAMES.get(header.type, str(header.type))
+        if header.type == PUT and not self.writable:
+            self._refuse(conn, "this peer is read-only", header.request_id)
+            return False
+        limit = self.max_frame_size if header.type == PUT else KEYS_BODY_LIMIT
+        if header.body_len > limit:
+            self._count("protocol_errors")
+            self._refuse(conn, f"{name} body of {header.body_len} bytes exceeds the limit of {limit}", header.request_id)
+            return False
+        if not self.inflight.acquire(header.body_len, time.monotonic() + self.timeout):
+            self._count("busy")
+            log.info("peer server %s: %s from %s refused: in-flight budget of %d bytes is in use",
+                     self.address, name, conn.peer, self.inflight.total)
+            self._refuse(conn, f"busy: {name} body of {header.body_len} bytes does not fit the node's in-flight "
+                               f"budget ({self.inflight.total} bytes) now; retry later", header.request_id)
+            return False
+        return True
 
     def _handle(self, conn: Connection, mtype: int, rid: int, body: memoryview) -> None:
         deadline = time.monotonic() + self.timeout

@@ -1,0 +1,253 @@
+"""Issue #12 on a real peer cache node (``lmcache-core serve`` in a child process,
+127.0.0.1 only):
+
+* finding 2: a flood of a few hundred idle sockets from clients without the secret
+  never starves authenticated clients (their own budget, per-address cap, short
+  handshake deadline). Negative control: with the per-address cap as large as the
+  whole budget (and the old handshake deadline), the same flood starves fresh
+  connections.
+* finding 3: clients that announce large PUT bodies and stall cannot push the node's
+  RSS past its in-flight budget; the surplus is refused "busy".
+
+Flood sources use other loopback addresses (127.0.0.2, ...) to stand for other hosts.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_node import PeerNode  # noqa: E402
+
+from lmcache_backend_peer import PeerClient, create_peer_backend  # noqa: E402
+from lmcache_backend_peer import protocol as p  # noqa: E402
+from lmcache_backend_peer.auth import client_handshake  # noqa: E402
+from lmcache_backend_peer.backend import PeerBackend  # noqa: E402
+from lmcache_backend_peer.connection import Connection  # noqa: E402
+from lmcache_core.serde import RawCodec, encode  # noqa: E402
+from lmcache_core.testing import make_context, random_chunk, random_key  # noqa: E402
+
+SECRET = "hardening-test-secret-0123456789abcdef"
+FLOOD_SOCKETS = 300
+WINDOW_S = 2.0
+MiB = 1 << 20
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    f = tmp_path / "peer.secret"
+    f.write_text(SECRET + "\n")
+    return f
+
+
+def port_of(node: PeerNode) -> tuple[str, int]:
+    return ("127.0.0.1", node.port)
+
+
+class Flood:
+    """Keeps ``n`` idle TCP connections open to ``target`` from ``sources`` (round
+    robin), replacing the oldest 20 every 50 ms; never sends a byte. Bounded: stops
+    at ``stop()`` or after ``max_s``."""
+
+    def __init__(self, target: tuple[str, int], sources: list[str], n: int = FLOOD_SOCKETS, max_s: float = 20.0) -> None:
+        self.target, self.sources, self.n, self.max_s = target, sources, n, max_s
+        self.opened = 0
+        self._stop = threading.Event()
+        self._socks: deque[socket.socket] = deque()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        s = socket.socket()
+        s.bind((self.sources[self.opened % len(self.sources)], 0))
+        s.settimeout(1.0)
+        try:
+            s.connect(self.target)
+        except OSError:
+            s.close()
+            return
+        self.opened += 1
+        self._socks.append(s)
+
+    def _run(self) -> None:
+        end = time.monotonic() + self.max_s
+        while len(self._socks) < self.n and not self._stop.is_set():
+            self._open()
+        while not self._stop.is_set() and time.monotonic() < end:
+            for _ in range(20):
+                self._socks.popleft().close()
+                self._open()
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        while self._socks:
+            self._socks.popleft().close()
+
+
+def fresh_lookups(address: tuple[str, int], keys: list, seconds: float) -> tuple[int, int]:
+    """(succeeded, attempted) lookups, each on a new connection (connect +
+    handshake + LOOKUP), for ``seconds``."""
+    ok = tried = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and tried < 200:
+        client = PeerClient(address, SECRET.encode(), timeout=1.0, connect_timeout=0.5, pool_size=0)
+        tried += 1
+        try:
+            ok += client.lookup(keys) == len(keys)
+        except p.PeerError:
+            pass
+        finally:
+            client.close()
+        time.sleep(0.02)
+    return ok, tried
+
+
+def pooled_lookups(backend: PeerBackend, keys: list, seconds: float) -> tuple[int, int]:
+    ok = tried = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and tried < 500:
+        tried += 1
+        ok += backend.contains(keys) == len(keys)
+        time.sleep(0.01)
+    return ok, tried
+
+
+@pytest.fixture
+def guarded_node(secret_file: Path) -> Iterator[PeerNode]:
+    node = PeerNode(["--max-size", "64MiB", "--max-unauthenticated", "32", "--max-unauthenticated-per-address", "4",
+                     "--handshake-timeout-ms", "500"], secret_file)
+    yield node
+    node.stop()
+
+
+def stored_keys(node: PeerNode, n: int = 4) -> list:
+    client = PeerClient(port_of(node), SECRET.encode(), timeout=5.0)
+    keys = [random_key() for _ in range(n)]
+    for i, k in enumerate(keys):
+        assert client.put(k, encode(k, random_chunk(shape=(8, 64), seed=i), RawCodec()))
+    client.close()
+    return keys
+
+
+def test_flood_from_one_host_never_starves_fresh_authenticated_connections(guarded_node: PeerNode) -> None:
+    keys = stored_keys(guarded_node)
+    flood = Flood(port_of(guarded_node), ["127.0.0.2"])
+    try:
+        time.sleep(0.5)
+        ok, tried = fresh_lookups(port_of(guarded_node), keys, WINDOW_S)
+    finally:
+        flood.stop()
+    print(f"one-host flood ({flood.opened} sockets): fresh lookups {ok}/{tried}")
+    assert flood.opened >= FLOOD_SOCKETS
+    assert tried >= 30 and ok / tried >= 0.99, (ok, tried)
+
+
+def test_flood_from_many_hosts_never_starves_pooled_authenticated_clients(guarded_node: PeerNode) -> None:
+    keys = stored_keys(guarded_node)
+    section = {"peers": [guarded_node.address], "secret": SECRET, "max_size": 0, "timeout_ms": 2000, "retry_after_ms": 0}
+    backend = create_peer_backend(section, make_context())
+    assert isinstance(backend, PeerBackend)
+    try:
+        assert backend.contains(keys) == len(keys)  # warm: an authenticated pooled connection
+        flood = Flood(port_of(guarded_node), [f"127.0.0.{i}" for i in range(2, 102)])
+        try:
+            time.sleep(0.5)
+            ok, tried = pooled_lookups(backend, keys, WINDOW_S)
+        finally:
+            flood.stop()
+        print(f"many-host flood ({flood.opened} sockets): pooled lookups {ok}/{tried}")
+        assert flood.opened >= FLOOD_SOCKETS
+        assert tried >= 50 and ok / tried >= 0.99, (ok, tried)
+    finally:
+        backend.close()
+
+
+def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connections(secret_file: Path) -> None:
+    """The old admission: no per-address cap, handshakes allowed the request timeout."""
+    node = PeerNode(["--max-size", "64MiB", "--max-unauthenticated", "32", "--max-unauthenticated-per-address", "32",
+                     "--handshake-timeout-ms", "3000"], secret_file)
+    try:
+        keys = stored_keys(node)
+        flood = Flood(port_of(node), ["127.0.0.2"])
+        try:
+            time.sleep(0.5)
+            ok, tried = fresh_lookups(port_of(node), keys, WINDOW_S)
+        finally:
+            flood.stop()
+        print(f"control, no per-address cap: fresh lookups {ok}/{tried}")
+        assert tried >= 10 and ok / tried < 0.5, (ok, tried)
+    finally:
+        node.stop()
+
+
+# -- finding 3: bytes in flight ------------------------------------------------------------
+def stalled_put(address: tuple[str, int], body_len: int, sent: int) -> socket.socket:
+    """Authenticate, announce a PUT of ``body_len`` bytes, send ``sent`` of them, stall."""
+    sock = socket.create_connection(address, timeout=5)
+    conn = Connection(sock, "staller")
+    client_handshake(conn, SECRET.encode(), time.monotonic() + 5)
+    sock.sendall(p.pack_header(p.PUT, 1, body_len) + b"\0" * sent)
+    return sock
+
+
+def test_stalled_puts_cannot_push_the_node_past_its_inflight_budget(secret_file: Path) -> None:
+    budget, body, n = 64 * MiB, 60 * MiB, 6
+    node = PeerNode(["--max-size", "64MiB", "--max-frame-size", "64MiB", "--max-inflight", "64MiB",
+                     "--timeout-ms", "2000"], secret_file)
+    socks: list[socket.socket] = []
+    try:
+        keys = stored_keys(node)
+        base = node.rss()
+        socks = [stalled_put(port_of(node), body, MiB) for _ in range(n)]
+        peak = base
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            peak = max(peak, node.rss())
+            time.sleep(0.1)
+        # A small authenticated request still goes through meanwhile.
+        assert PeerClient(port_of(node), SECRET.encode(), timeout=2.0, pool_size=0).lookup(keys) == len(keys)
+        grown = peak - base
+        print(f"stalled PUTs: node RSS grew {grown / MiB:.1f} MiB (budget {budget // MiB} MiB, {n} x {body // MiB} MiB announced)")
+        # One stalled body was admitted (the probe does see allocations), never six.
+        assert 40 * MiB <= grown <= budget + 24 * MiB, f"RSS grew {grown / MiB:.0f} MiB (6 x 60 MiB without the budget)"
+        # The others were told the node is busy after waiting up to --timeout-ms for room
+        # (one may get in when the first stalled body reaches its deadline and is dropped).
+        busy = 0
+        for s in socks:
+            s.settimeout(5)
+            try:
+                head = s.recv(p.HEADER_SIZE)
+                if len(head) == p.HEADER_SIZE and p.decode_header(head, 1 << 20).type == p.ERROR:
+                    busy += b"busy" in s.recv(1024)
+            except OSError:
+                pass
+        print(f"stalled PUTs refused busy: {busy}/{n}")
+        assert busy >= n - 2, busy
+    finally:
+        for s in socks:
+            s.close()
+        node.stop()
+
+
+def test_read_only_tier_server_refuses_put_before_reading_the_body() -> None:
+    section = {"listen": "127.0.0.1:0", "secret": SECRET, "max_size": "8MiB"}
+    b = create_peer_backend(section, make_context())
+    assert isinstance(b, PeerBackend) and b.server is not None
+    try:
+        s = stalled_put(b.server.address, 200 * MiB, 0)
+        s.settimeout(3)
+        head = s.recv(p.HEADER_SIZE)
+        assert p.decode_header(head, 1 << 20).type == p.ERROR
+        assert b.server.inflight.peak == 0  # nothing was reserved, let alone allocated
+    finally:
+        b.close()

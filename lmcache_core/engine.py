@@ -345,7 +345,7 @@ class CacheEngine:
                     buf.release()
         toks = n_tokens if n_tokens is not None and stored == len(hashes) else stored * self.chunk_size
         self.counters.add(stored_chunks=stored, stored_tokens=toks)
-        m.STORED_TOKENS.inc(stored * self.chunk_size)
+        m.STORED_TOKENS.inc(toks)
         return stored
 
     def _put_tier0(self, tier0: StorageBackend, key: ChunkKey, data: ChunkData) -> int:

@@ -19,11 +19,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_core.config import ConfigError
 
+from .groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size
 from .lookup_ipc import LookupClient, socket_path
 from .metadata import LMCacheConnectorMetadata
 from .options import load_settings
@@ -54,20 +57,47 @@ def _rank() -> int:
         return 0
 
 
-class LMCacheCoreConnector(KVConnectorBase_V1):
+def _page_sizes(kv_cache_config: Any, plan: GroupPlan) -> tuple[dict[int, int], dict[int, int]]:
+    """Each group's page size in vLLM's pool and the bytes of it that hold data."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    page, real = {}, {}
+    for g in plan.groups:
+        if g.index < len(groups):
+            spec = groups[g.index].kv_cache_spec
+            page[g.index] = int(spec.page_size_bytes)
+            real[g.index] = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
+    return page, real
+
+
+class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager (``SupportsHMA``): models with
+    sliding-window, full-attention and state-space layers keep their per-group
+    caches; see :mod:`lmcache_connector.groups`."""
+
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.settings = settings = load_settings(ktc.kv_connector_extra_config)
-        cfg = settings.core
-        block_size = vllm_config.cache_config.block_size
-        if cfg.chunk_size % block_size:
-            raise ConfigError(
-                f"chunk_size: {cfg.chunk_size} is not a multiple of vLLM's block size {block_size} "
-                f"(from {settings.loaded.source_of('chunk_size')}); use e.g. {block_size * max(1, cfg.chunk_size // block_size)}"
+        try:
+            self.plan = plan = describe_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        except UnsupportedGroupError as err:
+            raise ConfigError(f"LMCacheCoreConnector: {err}") from None
+        block_size = plan.token_block_size()
+        chunk = effective_chunk_size(settings.core.chunk_size, plan)
+        if chunk != settings.core.chunk_size:
+            log.warning(
+                "lmcache-core: chunk_size %d (from %s) is not a multiple of vLLM's block size %d for this model: using %d",
+                settings.core.chunk_size,
+                settings.loaded.source_of("chunk_size"),
+                block_size,
+                chunk,
             )
+            settings = self.settings = settings.with_chunk_size(chunk)
+        cfg = settings.core
+        if plan.hybrid and cfg.save_unfull_chunk:
+            log.info("lmcache-core: save_unfull_chunk has no effect with several KV-cache groups (whole chunks only)")
         world = vllm_config.parallel_config.world_size
         engine_id = ktc.engine_id or "default"
         self._sched: SchedulerSide | None = None
@@ -80,6 +110,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1):
                 can_load=ktc.is_kv_consumer,
                 can_save=ktc.is_kv_producer,
                 lookup=client,
+                plan=plan,
             )
         else:
             rank = _rank()
@@ -90,6 +121,8 @@ class LMCacheCoreConnector(KVConnectorBase_V1):
                 rank=rank,
                 world_size=world,
                 lookup_address=socket_path(engine_id, rank),
+                plan=plan,
+                pages=_page_sizes(kv_cache_config, plan),
             )
 
     @property
@@ -118,6 +151,20 @@ class LMCacheCoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, LMCacheConnectorMetadata)
         self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        done, _ = self._worker.take_finished_loads()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads (multi-group models) completed this step; a failed one is
+        recomputed by vLLM as a whole request."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
@@ -162,5 +209,11 @@ class LMCacheCoreConnector(KVConnectorBase_V1):
         return self._sched.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)

@@ -68,7 +68,7 @@ def transfer_path(device: torch.device) -> str:
     return f"lmcache_cuda:{lmcache_cuda.backend_name()} ({lmcache_cuda.backend_reason()})"
 
 
-def _isa_tag(device: torch.device) -> str:
+def isa_tag(device: torch.device) -> str:
     if device.type == "cpu":
         return f"cpu-{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}"
     return device.type
@@ -96,7 +96,7 @@ class BlockLayout(_PagedLayers):
 
     def fingerprint(self) -> str:
         return (
-            f"block/v1/{_isa_tag(self.device)}/{str(self.dtype).removeprefix('torch.')}/"
+            f"block/v1/{isa_tag(self.device)}/{str(self.dtype).removeprefix('torch.')}/"
             f"L{self.num_layers}/bs{self.block_size}/{'x'.join(map(str, self.block_shape))}"
         )
 

@@ -25,6 +25,11 @@ class ChunkTransfer:
     chunk_ends: list[int]
     block_ids: list[int]
     write_from: int = 0  # loads: tokens below this are vLLM's own and are not written
+    # Models with several KV-cache groups (see groups.py): every group's block table,
+    # and the boundary objects to load (one, after the last chunk) or save.
+    group_block_ids: tuple[list[int], ...] | None = None
+    boundaries: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, end token)
+    async_load: bool = False  # report completion through get_finished / failed_recving
 
 
 @dataclass

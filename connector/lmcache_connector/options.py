@@ -13,7 +13,7 @@ and a warning says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from lmcache_core.config import CoreConfig, LoadedConfig, load_config
@@ -35,6 +35,12 @@ class ConnectorSettings:
     @property
     def core(self) -> CoreConfig:
         return self.loaded.config
+
+    def with_chunk_size(self, chunk_size: int) -> "ConnectorSettings":
+        """The same settings with the chunk size the model needs (the key's source
+        stays the one the user's value came from)."""
+        cfg = self.loaded.config.model_copy(update={"chunk_size": chunk_size})
+        return replace(self, loaded=replace(self.loaded, config=cfg))
 
 
 def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from lmcache_core import metrics as m
 from lmcache_core.keys import chain_seed, chunk_hashes
 
+from .groups import GroupPlan, boundary_hash
 from .lookup_ipc import LookupClient
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import ConnectorSettings, RequestOptions, parse_request_options
@@ -82,10 +83,16 @@ class SchedulerSide:
         can_load: bool,
         can_save: bool,
         lookup: LookupClient,
+        plan: GroupPlan | None = None,
     ) -> None:
         self.cfg = settings.core
         self.cs = self.cfg.chunk_size
         self.block_size = block_size
+        # Several KV-cache groups: boundary objects, per-group block tables, and loads
+        # reported asynchronously (vLLM can only fail a multi-group load per request).
+        self.plan = plan
+        self.hybrid = plan is not None and plan.hybrid
+        self._async_loads: list[_Req] = []
         self.can_load = can_load
         self.can_save = can_save
         self.lookup_client = lookup
@@ -106,6 +113,7 @@ class SchedulerSide:
         request: Any = None,
     ) -> _Req:
         save = self.can_save and not opts.skip_save
+        partial_ok = self.cfg.save_unfull_chunk and not self.hybrid
         if self.cfg.priority_limit is not None and priority > self.cfg.priority_limit:
             save = False
         try:
@@ -115,9 +123,9 @@ class SchedulerSide:
             opts = RequestOptions(skip_save=True, skip_load=True, problem=str(err))
             save, extras = False, {}
         seed = request_seed(opts, cache_salt, lora_name)
-        hashes = chunk_hashes(prompt, self.cs, seed=seed, extras=extras, include_partial=self.cfg.save_unfull_chunk)
+        hashes = chunk_hashes(prompt, self.cs, seed=seed, extras=extras, include_partial=partial_ok)
         partial = None
-        if self.cfg.save_unfull_chunk and len(prompt) % self.cs:
+        if partial_ok and len(prompt) % self.cs:
             partial = hashes.pop()
         st = _Req(req_id, len(prompt), seed, extras, hashes, partial, save, opts, request)
         self._reqs[req_id] = st
@@ -140,6 +148,10 @@ class SchedulerSide:
         return st
 
     def _lookup_hashes(self, st: _Req) -> list[bytes]:
+        if self.plan is not None and self.plan.has_state:
+            # A recurrent state restores exactly its boundary: the hit must leave at
+            # least the last prompt token to compute, so it ends before the prompt does.
+            return st.hashes[: (st.prompt_len - 1) // self.cs]
         return st.hashes[: st.prompt_len // self.cs] + ([st.partial] if st.partial else [])
 
     def _chunk_end(self, st: _Req, chunk: int) -> int:
@@ -172,13 +184,14 @@ class SchedulerSide:
         if ext <= 0:
             return 0, False
         st.load_start, st.load_end = num_computed_tokens, hit
-        return ext, False
+        return ext, self.hybrid
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0:
             return
-        block_ids = list(blocks.get_block_ids()[0])
+        tables = blocks.get_block_ids()
+        block_ids = list(tables[0])
         start = st.load_start
         end = start + num_external_tokens
         c0, c1 = start // self.cs, -(-end // self.cs)
@@ -191,9 +204,18 @@ class SchedulerSide:
             block_ids,
             write_from=start,
         )
+        if self.hybrid:
+            st.load.group_block_ids = tuple(list(t) for t in tables)
+            st.load.async_load = True
+            if self.plan is not None and self.plan.has_boundary and hashes:
+                st.load.boundaries = [(boundary_hash(hashes[-1]), c1 * self.cs)]
+            self._async_loads.append(st)
 
     def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata(chunk_size=self.cs)
+        if self.hybrid:
+            self._build_hybrid(so, meta)
+            return meta
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -215,6 +237,61 @@ class SchedulerSide:
             self._plan_save(st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0), meta)
         meta.unpins, self._unpins = self._unpins, []
         return meta
+
+    def _build_hybrid(self, so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
+        """Loads are asynchronous (issued the step after allocation, whether or not
+        the request runs); saves read every group's current block table from vLLM."""
+        for st in self._async_loads:
+            self._emit_load(st, meta)
+        self._async_loads = []
+        block_state = getattr(so, "kv_connector_block_state", None)
+        scheduled = [(new.req_id, new.num_computed_tokens) for new in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, done in scheduled:
+            st = self._reqs.get(rid)
+            if st is None or not st.save:
+                continue
+            tables = block_state.get_block_ids(rid) if block_state is not None else None
+            if tables is None:
+                log.warning("request %s: vLLM gave no block tables this step; not saving it", rid)
+                st.save = False
+                continue
+            self._plan_save_hybrid(st, done + so.num_scheduled_tokens.get(rid, 0), tables, meta)
+        meta.unpins, self._unpins = self._unpins, []
+
+    def _plan_save_hybrid(self, st: _Req, computed: int, tables: Sequence[Sequence[int]], meta: LMCacheConnectorMetadata) -> None:
+        assert self.plan is not None
+        limit = computed if self.cfg.save_decode_cache else min(computed, st.prompt_len)
+        n_full = limit // self.cs
+        if n_full > len(st.hashes):
+            self._extend_hashes(st, n_full)
+            n_full = min(n_full, len(st.hashes))
+        chunks = list(range(st.saved_full, n_full))
+        boundaries: list[tuple[bytes, int]] = []
+        if self.plan.has_state:
+            # vLLM materialises a recurrent state only where a step ends, and only the
+            # prompt's states are kept at their boundary.
+            c = computed // self.cs - 1
+            if computed % self.cs == 0 and computed <= st.prompt_len and 0 <= c < len(st.hashes):
+                boundaries.append((boundary_hash(st.hashes[c]), computed))
+        elif self.plan.has_boundary:
+            boundaries = [(boundary_hash(st.hashes[c]), (c + 1) * self.cs) for c in chunks]
+        if not chunks and not boundaries:
+            return
+        first = chunks[0] if chunks else n_full
+        meta.saves.append(
+            ChunkTransfer(
+                st.req_id,
+                [st.hashes[c] for c in chunks],
+                first,
+                [(c + 1) * self.cs for c in chunks],
+                list(tables[0]),
+                group_block_ids=tuple(list(t) for t in tables),
+                boundaries=boundaries,
+            )
+        )
+        st.saved_full = max(st.saved_full, n_full)
 
     def _emit_load(self, st: _Req, meta: LMCacheConnectorMetadata) -> None:
         if st.load is not None:
@@ -264,8 +341,11 @@ class SchedulerSide:
         )
         st.hashes.extend(more)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
+    def request_finished(self, request: "Request", block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
+        """Saves complete within the step that computed them: blocks are never held."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st in self._async_loads:
+            self._async_loads.remove(st)
         self._unpins.append(request.request_id)
         return False, None
 

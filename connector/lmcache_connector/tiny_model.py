@@ -51,22 +51,29 @@ def vocabulary(size: int) -> list[str]:
     return ["<unk>", "<s>", "</s>"] + sorted(words)
 
 
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over :func:`vocabulary`, saved as a fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = vocabulary(vocab_size)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
 def build_tiny_model(path: str | Path, spec: TinyModelSpec = TEST_SPEC) -> Path:
     """Write config, random weights and tokenizer to ``path`` (reused when present)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
     marker = path / "lmcache_tiny_model.json"
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
         return path
     path.mkdir(parents=True, exist_ok=True)
-    vocab = vocabulary(spec.vocab_size)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
+    write_tokenizer(path, spec.vocab_size)
     cfg = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

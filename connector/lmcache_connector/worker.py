@@ -21,6 +21,8 @@ from lmcache_core import metrics as m
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 
+from .grouped_layout import GroupedLayout
+from .groups import GroupPlan, boundary_hash
 from .layout import BlockLayout, TokenLayout, make_layout, transfer_path
 from .lookup_ipc import LookupServer
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
@@ -32,6 +34,18 @@ log = get_logger(__name__)
 
 VLLM_TAG = "vllm-0.32"
 _active: "weakref.WeakSet[WorkerSide]" = weakref.WeakSet()
+
+
+MAX_BOUNDARY_PROBES = 64
+
+
+def _boundary_pin(pin_id: str | None) -> str | None:
+    return None if pin_id is None else f"{pin_id}/boundary"
+
+
+def _dtype_of(kv: Any) -> str:
+    ts = [kv] if isinstance(kv, torch.Tensor) else list(kv)
+    return "+".join(str(t.dtype).removeprefix("torch.") for t in ts)
 
 
 def active_workers() -> list["WorkerSide"]:
@@ -49,7 +63,10 @@ class WorkerSide:
         rank: int,
         world_size: int,
         lookup_address: str | None,
+        plan: GroupPlan | None = None,
+        pages: tuple[dict[int, int], dict[int, int]] = ({}, {}),
     ) -> None:
+        """``pages``: each KV-cache group's page size in vLLM's pool and its data bytes."""
         self.settings = settings
         self.cfg = settings.core
         self.model_id = model_id
@@ -57,7 +74,11 @@ class WorkerSide:
         self.rank = rank
         self.world_size = world_size
         self.lookup_address = lookup_address
-        self.layout: BlockLayout | TokenLayout | None = None
+        self.plan = plan
+        self._page_bytes, self._real_bytes = pages
+        self.layout: BlockLayout | TokenLayout | GroupedLayout | None = None
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
         self.engine: CacheEngine | None = None
         self.server: LookupServer | None = None
         self._errors: set[int] = set()
@@ -72,29 +93,51 @@ class WorkerSide:
         _active.add(self)
 
     # -- set-up -----------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layout = make_layout(self.cfg.layout, kv_caches, self.block_size)
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.plan is not None and self.plan.hybrid:
+            self.layout = GroupedLayout(kv_caches, self.plan, self._page_bytes, self._real_bytes)
+            dtype = "+".join(sorted({_dtype_of(t) for t in kv_caches.values()}))
+        else:
+            self.layout = make_layout(self.cfg.layout, kv_caches, self.block_size)
+            dtype = str(self.layout.dtype).removeprefix("torch.")
         ns = KeyNamespace(
             model=self.model_id,
             layout=f"{VLLM_TAG}/{self.layout.fingerprint()}",
-            dtype=str(self.layout.dtype).removeprefix("torch."),
+            dtype=dtype,
             world_size=self.world_size,
             rank=self.rank,
         )
         self.engine = CacheEngine(self.settings.loaded, namespace=ns)
         log.info(
-            "lmcache-core: %s layout, chunk %d tokens, tiers %s, transfer path %s",
+            "lmcache-core: %s layout, chunk %d tokens, tiers %s, transfer path %s%s",
             self.layout.kind,
             self.cfg.chunk_size,
             [t.name for t in self.engine.tiers],
             transfer_path(self.layout.device),
+            f", KV-cache groups: {self.plan.describe()}" if self.plan is not None and self.plan.hybrid else "",
         )
         if self.lookup_address:
             self.server = LookupServer(self.lookup_address, self._lookup)
 
     def _lookup(self, hashes: list[bytes], pin_id: str | None) -> int:
         assert self.engine is not None
-        return self.engine.lookup_hashes(hashes, pin_id=pin_id)
+        n = self.engine.lookup_hashes(hashes, pin_id=pin_id)
+        if n and self.plan is not None and self.plan.has_boundary:
+            n = self._restorable(hashes, n, pin_id)
+        return n
+
+    def _restorable(self, hashes: list[bytes], n: int, pin_id: str | None) -> int:
+        """The longest prefix of ``n`` present chunks that also has its boundary object
+        (window pages / states), probing at most ``MAX_BOUNDARY_PROBES`` boundaries
+        from the longest down; that boundary is pinned with the chunks."""
+        assert self.engine is not None
+        bpin = _boundary_pin(pin_id)
+        for k in range(n, max(0, n - MAX_BOUNDARY_PROBES), -1):
+            if self.engine.lookup_hashes([boundary_hash(hashes[k - 1])], pin_id=bpin):
+                return k
+        if bpin is not None:
+            self.engine.unpin(bpin)
+        return 0
 
     # -- loads --------------------------------------------------------------------------
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
@@ -102,14 +145,19 @@ class WorkerSide:
             return
         for t in meta.loads:
             try:
-                self._load(t, meta)
+                if t.group_block_ids is not None:
+                    self._load_grouped(t, meta)
+                else:
+                    self._load(t, meta)
             except Exception as err:  # never crash vLLM: recompute instead
                 log.warning("request %s: load failed, recomputing: %s: %s", t.req_id, type(err).__name__, err)
                 self._fail(t, meta, 0)
             finally:
                 self.engine.unpin(t.req_id)
+                self.engine.unpin(_boundary_pin(t.req_id) or "")
         for rid in meta.unpins:
             self.engine.unpin(rid)
+            self.engine.unpin(_boundary_pin(rid) or "")
 
     def _load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         assert self.engine is not None and self.layout is not None
@@ -133,8 +181,51 @@ class WorkerSide:
         m.LOADED_TOKENS.inc(loaded)
         m.TIER_LATENCY.labels("connector", "load_request").observe(dt)
 
+    def _load_grouped(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
+        """All chunks and the boundary, or nothing: a recurrent state resumes exactly at
+        its boundary, so a partial load is reported as a failed request (vLLM then
+        recomputes it from its own prefix cache or from scratch)."""
+        assert self.engine is not None and isinstance(self.layout, GroupedLayout)
+        assert t.group_block_ids is not None
+        t0 = time.perf_counter()
+        loaded = 0
+        for i, h in enumerate(t.hashes):
+            lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
+            buf = self.engine.retrieve_buffer(h, self.layout.chunk_shape(hi - lo), torch.uint8)
+            if buf is None:
+                raise LookupError(f"chunk {t.first_chunk + i} is no longer in the cache")
+            try:
+                self.layout.load_chunk(buf.tensor, t.group_block_ids, lo, hi, t.write_from)
+            finally:
+                buf.release()
+            loaded += hi - max(lo, t.write_from)
+        for bh, end in t.boundaries:
+            buf = self.engine.retrieve_buffer(bh, self.layout.boundary_shape(end), torch.uint8)
+            if buf is None:
+                raise LookupError(f"the boundary object at token {end} is no longer in the cache")
+            try:
+                self.layout.load_boundary(buf.tensor, t.group_block_ids, end, t.write_from)
+            finally:
+                buf.release()
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.loaded_tokens += loaded
+            self.load_seconds += dt
+            if t.async_load:
+                self._recv_done.add(t.req_id)
+        m.LOADED_TOKENS.inc(loaded)
+        m.TIER_LATENCY.labels("connector", "load_request").observe(dt)
+
     def _fail(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> None:
-        """Report the blocks of chunks ``from_chunk..`` so vLLM recomputes them."""
+        """Report the blocks of chunks ``from_chunk..`` so vLLM recomputes them (the
+        whole request, for asynchronous loads of multi-group models)."""
+        if t.async_load:
+            with self._lock:
+                self._recv_failed.add(t.req_id)
+                self._recv_done.add(t.req_id)
+                self.failed_loads += 1
+            m.LOAD_ERRORS.inc(len(t.hashes) - from_chunk)
+            return
         lo = max(meta.chunk_start(t, from_chunk), t.write_from)
         hi = t.chunk_ends[-1]
         blocks = t.block_ids[lo // self.block_size : -(-hi // self.block_size)]
@@ -148,13 +239,24 @@ class WorkerSide:
             errs, self._errors = self._errors, set()
         return errs
 
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads completed since the last call: (finished, failed); failed
+        ones are in both sets, as vLLM expects."""
+        with self._lock:
+            done, failed = self._recv_done, self._recv_failed
+            self._recv_done, self._recv_failed = set(), set()
+        return done, failed
+
     # -- saves --------------------------------------------------------------------------
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
             return
         for t in meta.saves:
             try:
-                self._save(t, meta)
+                if t.group_block_ids is not None:
+                    self._save_grouped(t, meta)
+                else:
+                    self._save(t, meta)
             except Exception as err:  # a lost save is a future miss, never a crash
                 log.warning("request %s: save failed, skipped: %s: %s", t.req_id, type(err).__name__, err)
                 with self._lock:
@@ -183,6 +285,39 @@ class WorkerSide:
             with self._lock:
                 self.saved_tokens += saved
                 self.save_seconds += time.perf_counter() - t0
+
+    def _save_grouped(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
+        assert self.engine is not None and isinstance(self.layout, GroupedLayout)
+        assert t.group_block_ids is not None
+        t0 = time.perf_counter()
+        saved = 0
+        try:
+            for i, h in enumerate(t.hashes):
+                lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
+                if self._store_one(h, self.layout.chunk_shape(hi - lo), hi - lo, lambda out: self.layout.save_chunk(t.group_block_ids, lo, hi, out)):  # type: ignore[union-attr,arg-type]
+                    saved += hi - lo
+            for bh, end in t.boundaries:
+                self._store_one(bh, self.layout.boundary_shape(end), 0, lambda out: self.layout.save_boundary(t.group_block_ids, end, out))  # type: ignore[union-attr,arg-type]
+        finally:
+            with self._lock:
+                self.saved_tokens += saved
+                self.save_seconds += time.perf_counter() - t0
+
+    def _store_one(self, h: bytes, shape: tuple[int, ...], n_tokens: int, fill: Any) -> bool:
+        """Allocate a pool buffer, let ``fill`` gather into it (False: nothing to
+        store), store it under ``h``."""
+        assert self.engine is not None
+        buf = self.engine.allocate(shape, torch.uint8)
+        if buf is None:  # pool exhausted by chunks in flight: a future miss
+            with self._lock:
+                self.skipped_saves += 1
+            return False
+        try:
+            if fill(buf.tensor) is False:
+                return False
+            return bool(self.engine.store_hashes([h], [buf], n_tokens=n_tokens))
+        finally:
+            buf.release()
 
     # -- metrics ------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:

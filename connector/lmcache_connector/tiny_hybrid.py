@@ -1,0 +1,151 @@
+"""Small hybrid and sliding-window models built locally (random weights, the same
+word-level tokenizer as :mod:`lmcache_connector.tiny_model`): one per attention family
+the connector supports beyond dense attention.
+
+* ``gemma3``: Gemma 3 text, sliding-window layers interleaved with full attention;
+* ``gpt_oss``: gpt-oss style, alternating sliding/full attention with sinks, MoE;
+* ``granite_hybrid``: GraniteMoeHybrid, Mamba2 layers plus attention layers;
+* ``qwen3_next``: Qwen3-Next, gated delta-net (linear attention) plus full attention
+  (bf16, linear head dim 128: what vLLM's CPU kernels need).
+
+Weights are scaled up from the usual initialisation so greedy outputs vary with the
+prompt instead of collapsing onto one token; tests compare outputs token by token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .tiny_model import random_prompt, write_tokenizer
+
+__all__ = ["FAMILIES", "HybridSpec", "build_hybrid_model", "random_prompt"]
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    family: str
+    vocab_size: int = 2048
+    sliding_window: int = 128
+    dtype: str = "float32"
+    std: float = 0.05
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+FAMILIES: dict[str, HybridSpec] = {
+    "gemma3": HybridSpec("gemma3", sliding_window=160),
+    "gpt_oss": HybridSpec("gpt_oss", sliding_window=128, dtype="bfloat16"),
+    "granite_hybrid": HybridSpec("granite_hybrid", dtype="float32"),
+    "qwen3_next": HybridSpec("qwen3_next", dtype="bfloat16"),
+}
+
+
+def _config(spec: HybridSpec) -> Any:
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=16384,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if spec.family == "gemma3":
+        return tf.Gemma3TextConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            sliding_window=spec.sliding_window,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            **common,
+        )
+    if spec.family == "gpt_oss":
+        return tf.GptOssConfig(
+            hidden_size=256,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=spec.sliding_window,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            **common,
+        )
+    if spec.family == "granite_hybrid":
+        return tf.GraniteMoeHybridConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            shared_intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            layer_types=["mamba", "attention", "mamba", "attention"],
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_d_state=64,
+            mamba_n_groups=1,
+            mamba_expand=1,
+            mamba_chunk_size=128,
+            position_embedding_type="rope",
+            **common,
+        )
+    if spec.family == "qwen3_next":
+        return tf.Qwen3NextConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            decoder_sparse_step=1,
+            **common,
+        )
+    raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")
+
+
+def build_hybrid_model(path: str | Path, family: str | HybridSpec) -> Path:
+    """Write config, random weights and tokenizer for ``family`` to ``path`` (reused
+    when the marker file says the same spec is already there)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = FAMILIES[family] if isinstance(family, str) else family
+    path = Path(path)
+    marker = path / "lmcache_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(path, spec.vocab_size)
+    cfg = _config(spec)
+    dtype = getattr(torch, spec.dtype)
+    cfg.torch_dtype = dtype
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, spec.std)
+    model.save_pretrained(path, safe_serialization=True)
+    marker.write_text(json.dumps(asdict(spec)))
+    return path

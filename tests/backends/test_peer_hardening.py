@@ -251,3 +251,102 @@ def test_read_only_tier_server_refuses_put_before_reading_the_body() -> None:
         assert b.server.inflight.peak == 0  # nothing was reserved, let alone allocated
     finally:
         b.close()
+
+
+# -- finding 8: tenants on a shared node -------------------------------------------------------
+VICTIM, MALLORY = "t-victim", "t-mallory"
+VICTIM_SECRET, MALLORY_SECRET = "victim-secret-9f8e7d6c5b4a3210", "mallory-secret-0a1b2c3d4e5f6789"
+N_FORGED = 16
+
+
+@pytest.fixture
+def tenant_node(tmp_path: Path, secret_file: Path) -> Iterator[PeerNode]:
+    tf = tmp_path / "tenants"
+    tf.write_text(f"# name secret\n{VICTIM} {VICTIM_SECRET}\n{MALLORY} {MALLORY_SECRET}\n")
+    node = PeerNode(["--max-size", "64MiB", "--tenants-file", str(tf)], secret_file)
+    yield node
+    node.stop()
+
+
+def tier(node: PeerNode, secret: str, tenant: str | None = None) -> PeerBackend:
+    section = {"peers": [node.address], "secret": secret, "push": True, "max_size": 0, "timeout_ms": 2000,
+               "retry_after_ms": 0, **({"tenant": tenant} if tenant else {})}
+    b = create_peer_backend(section, make_context())
+    assert isinstance(b, PeerBackend)
+    return b
+
+
+def test_a_chunk_written_without_the_tenants_key_is_never_its_hit(tenant_node: PeerNode) -> None:
+    import torch
+
+    victim, mallory, shared = (tier(tenant_node, VICTIM_SECRET, VICTIM), tier(tenant_node, MALLORY_SECRET, MALLORY),
+                               tier(tenant_node, SECRET))
+    try:
+        own = random_key()
+        genuine = random_chunk(shape=(8, 64), seed=1)
+        assert victim.put(own, genuine)
+        forged_keys = [random_key() for _ in range(N_FORGED)]
+        forged = random_chunk(shape=(8, 64), seed=666)
+        # Another tenant and a holder of the node's shared secret both write valid frames
+        # under the victim's keys, and try to overwrite the victim's existing chunk.
+        for i, k in enumerate(forged_keys):
+            assert (mallory if i % 2 else shared).put(k, forged)
+        assert mallory.put(own, forged) and shared.put(own, forged)
+        out = torch.zeros_like(forged)
+        hits = sum(victim.get(k, out) for k in forged_keys)
+        print(f"tenant isolation: forged chunks served to the victim as hits: {hits}/{N_FORGED}")
+        assert hits == 0 and victim.contains(forged_keys) == 0
+        assert victim.get(own, out) and torch.equal(out, genuine)  # its own chunk, untouched
+        # Control: the forgers do read back what they wrote (the frames are valid hits
+        # in their own namespaces), and a shared-secret reader is one trust domain.
+        assert mallory.get(forged_keys[1], out) and torch.equal(out, forged)
+        assert shared.get(forged_keys[0], out) and torch.equal(out, forged)
+        assert mallory.get(own, out) and torch.equal(out, forged)
+    finally:
+        for b in (victim, mallory, shared):
+            b.close()
+
+
+def test_a_tenant_name_with_another_tenants_secret_is_refused(tenant_node: PeerNode) -> None:
+    from lmcache_backend_peer.auth import AuthError
+
+    for name, secret in ((VICTIM, MALLORY_SECRET), (VICTIM, SECRET), ("t-nobody", MALLORY_SECRET)):
+        client = PeerClient(port_of(tenant_node), secret.encode(), timeout=2.0, tenant=name)
+        try:
+            with pytest.raises(AuthError):
+                client.lookup([random_key()])
+        finally:
+            client.close()
+
+
+def test_tenants_file_errors_name_the_line(tmp_path: Path) -> None:
+    from lmcache_backend_peer.tenants import load_tenants
+
+    tf = tmp_path / "tenants"
+    for text, match in ((f"{VICTIM} short\n", r":1: tenant 't-victim'.*at least 16"),
+                        (f"{VICTIM} {VICTIM_SECRET}\n{VICTIM} {MALLORY_SECRET}\n", ":2: tenant 't-victim' is listed twice"),
+                        ("bad/name x\n", ":1: tenant name"), ("# nothing\n", "no tenants")):
+        tf.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_tenants(tf)
+
+
+def test_instances_of_one_tenant_serve_each_other_and_nobody_else() -> None:
+    import torch
+
+    a = create_peer_backend({"listen": "127.0.0.1:0", "secret": VICTIM_SECRET, "tenant": VICTIM, "max_size": "8MiB"},
+                            make_context())
+    assert isinstance(a, PeerBackend) and a.server is not None
+    host, port = a.server.address
+    k, data = random_key(), random_chunk(shape=(8, 64), seed=5)
+    assert a.put(k, data)
+    b = create_peer_backend({"peers": [f"{host}:{port}"], "secret": VICTIM_SECRET, "tenant": VICTIM, "max_size": 0},
+                            make_context())
+    c = create_peer_backend({"peers": [f"{host}:{port}"], "secret": VICTIM_SECRET, "max_size": 0}, make_context())
+    try:
+        out = torch.zeros_like(data)
+        assert b.get(k, out) and torch.equal(out, data)
+        assert c.contains([k]) == 0 and not c.get(k, out)  # right secret, but not as the tenant
+    finally:
+        for x in (a, b, c):
+            x.close()

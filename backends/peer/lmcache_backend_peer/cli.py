@@ -3,7 +3,9 @@
 Holds chunks in memory (LRU within ``--max-size``) and accepts LOOKUP, GET, PUT and
 REMOVE from clients that know the shared secret, so instances with ``push: true`` can
 share one cache. The secret comes from ``--secret-file`` or the environment variable
-``LMCACHE_PEER_SECRET`` (never the command line, where ``ps`` would show it). Prints
+``LMCACHE_PEER_SECRET`` (never the command line, where ``ps`` would show it). With
+``--tenants-file`` each tenant authenticates with its own secret and sees only its
+own chunks (see :mod:`.tenants`). Prints
 ``listening on HOST:PORT`` once ready (with port 0 the chosen port), runs until
 SIGINT/SIGTERM.
 """
@@ -24,6 +26,7 @@ from .client import format_address
 from .config import check_secret, parse_address
 from .server import PeerServer
 from .store import FrameStore
+from .tenants import load_tenants
 
 SECRET_ENV = "LMCACHE_PEER_SECRET"
 
@@ -45,6 +48,8 @@ def _address(text: str) -> tuple[str, int]:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", type=_address, required=True, help="host:port to listen on (port 0: pick one)")
     p.add_argument("--secret-file", type=Path, help=f"file with the shared secret (else ${SECRET_ENV})")
+    p.add_argument("--tenants-file", type=Path,
+                   help="file of 'NAME SECRET' lines: each tenant sees only its own chunks (the shared secret becomes optional)")
     p.add_argument("--max-size", type=_size, default=parse_size("1GiB"), help="memory budget, e.g. 2GiB (default 1GiB)")
     p.add_argument("--max-frame-size", type=_size, default=parse_size("256MiB"), help="largest message (default 256MiB)")
     p.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline (default 5000)")
@@ -105,13 +110,20 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for flag in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_address"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    secret = _secret(args, parser)
+    tenants = None
+    if args.tenants_file is not None:
+        try:
+            tenants = load_tenants(args.tenants_file)
+        except ValueError as err:
+            parser.error(f"--tenants-file: {err}")
+    secret = _secret(args, parser) if tenants is None or args.secret_file or os.environ.get(SECRET_ENV) else None
     store = FrameStore(args.max_size)
     try:
         server = PeerServer(
             store,
             args.listen,
             secret,
+            tenants=tenants,
             writable=not args.read_only,
             max_frame_size=args.max_frame_size,
             timeout=args.timeout_ms / 1000,

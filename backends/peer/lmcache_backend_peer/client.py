@@ -57,7 +57,8 @@ def format_address(addr: Address) -> str:
 
 
 class PeerClient:
-    """Talks to the peer at ``address`` with the shared ``secret``."""
+    """Talks to the peer at ``address`` with the shared ``secret``, or, with ``tenant``,
+    as that tenant of a shared node with the tenant's own ``secret``."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class PeerClient:
         connect_timeout: float = 0.5,
         max_frame_size: int = 256 << 20,
         pool_size: int = 4,
+        tenant: str | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the shared secret must not be empty")
@@ -78,6 +80,7 @@ class PeerClient:
         self.connect_timeout = connect_timeout
         self.max_frame_size = max_frame_size
         self.pool_size = pool_size
+        self.tenant = tenant
         self.server_id: bytes | None = None
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
@@ -97,7 +100,7 @@ class PeerClient:
             raise PeerClosed(f"{self.name}: cannot connect: {err}") from None
         conn = Connection(sock, self.name)
         try:
-            self.server_id = client_handshake(conn, self.secret, deadline)
+            self.server_id = client_handshake(conn, self.secret, deadline, self.tenant)
         except BaseException:
             conn.close()
             raise

@@ -68,6 +68,10 @@ class PeerConfig(StrictModel):
     peers: list[PeerAddress] = Field(default_factory=list, description="host:port of the peers (or cache nodes) to ask")
     secret: SecretStr | None = Field(None, description="shared secret (prefer secret_file)")
     secret_file: Path | None = Field(None, description="file holding the shared secret")
+    tenant: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="authenticate as this tenant of a shared node; the secret is then the tenant's own",
+    )
     max_size: ByteSize = Field(1 << 30, description="bytes of chunks kept (and served) by this tier; 0 keeps none")
     push: bool = Field(False, description="also send every put (and remove) to the peers, e.g. a shared cache node")
     timeout_ms: int = Field(2000, gt=0, description="whole-request deadline (connect, auth, send, reply)")

@@ -24,10 +24,14 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
     server = None
     if cfg.listen is not None:
         try:
+            # With a tenant, the instances of that tenant serve each other; the store
+            # holds only this instance's chunks, so no partitioning is needed.
             server = PeerServer(
                 store,
                 cfg.listen,
-                secret,
+                None if cfg.tenant else secret,
+                tenants={cfg.tenant: secret} if cfg.tenant else None,
+                partition_tenants=False,
                 writable=False,
                 max_frame_size=cfg.max_frame_size,
                 timeout=timeout,
@@ -53,6 +57,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
             connect_timeout=min(cfg.connect_timeout_ms, cfg.timeout_ms) / 1000,
             max_frame_size=cfg.max_frame_size,
             pool_size=cfg.pool_size,
+            tenant=cfg.tenant,
         )
         for a in peers
     ]

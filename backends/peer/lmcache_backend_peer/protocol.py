@@ -16,6 +16,7 @@ No pickle, no eval, no untrusted lengths used before they are bounded.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Sequence, Union
@@ -33,6 +34,8 @@ MAC_SIZE = 32
 SERVER_ID_SIZE = 16
 MAX_KEYS_PER_MESSAGE = 16384
 MAX_ERROR_TEXT = 1024
+MAX_TENANT_NAME = 64
+TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 
@@ -40,6 +43,7 @@ _U64 = struct.Struct(">Q")
 CHALLENGE = 1
 AUTH = 2
 AUTH_OK = 3
+AUTH_TENANT = 4
 LOOKUP = 10
 LOOKUP_OK = 11
 GET = 12
@@ -54,6 +58,7 @@ TYPE_NAMES = {
     CHALLENGE: "CHALLENGE",
     AUTH: "AUTH",
     AUTH_OK: "AUTH_OK",
+    AUTH_TENANT: "AUTH_TENANT",
     LOOKUP: "LOOKUP",
     LOOKUP_OK: "LOOKUP_OK",
     GET: "GET",
@@ -93,6 +98,15 @@ class Challenge:
 class Auth:
     nonce: bytes
     mac: bytes
+
+
+@dataclass(frozen=True)
+class AuthTenant:
+    """AUTH as a named tenant: the proof is made with that tenant's own secret."""
+
+    nonce: bytes
+    mac: bytes
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -138,7 +152,7 @@ class ErrorReply:
     message: str
 
 
-Body = Union[Challenge, Auth, AuthOk, KeysRequest, Count, GetReply, PutRequest, PutReply, ErrorReply]
+Body = Union[Challenge, Auth, AuthTenant, AuthOk, KeysRequest, Count, GetReply, PutRequest, PutReply, ErrorReply]
 
 
 # -- header ---------------------------------------------------------------------------
@@ -238,6 +252,13 @@ def parse_body(mtype: int, body: Buffer) -> Body:
     if mtype == AUTH:
         _exact(mv, NONCE_SIZE + MAC_SIZE, "AUTH")
         return Auth(bytes(mv[:NONCE_SIZE]), bytes(mv[NONCE_SIZE:]))
+    if mtype == AUTH_TENANT:
+        if not NONCE_SIZE + MAC_SIZE < mv.nbytes <= NONCE_SIZE + MAC_SIZE + MAX_TENANT_NAME:
+            raise ProtocolError(f"AUTH_TENANT body must be {NONCE_SIZE + MAC_SIZE + 1}..{NONCE_SIZE + MAC_SIZE + MAX_TENANT_NAME} bytes")
+        name = bytes(mv[NONCE_SIZE + MAC_SIZE :]).decode("ascii", errors="replace")
+        if not TENANT_NAME_RE.match(name):
+            raise ProtocolError("AUTH_TENANT tenant name is not [A-Za-z0-9._-]{1,64}")
+        return AuthTenant(bytes(mv[:NONCE_SIZE]), bytes(mv[NONCE_SIZE : NONCE_SIZE + MAC_SIZE]), name)
     if mtype == AUTH_OK:
         _exact(mv, MAC_SIZE, "AUTH_OK")
         return AuthOk(bytes(mv))

@@ -11,6 +11,9 @@ and the connection closed. An idle connection is dropped after ``idle_timeout``.
 malformed message closes the connection; a failing source answers ERROR. Nothing a
 client sends can crash the server or make it hold more than ``max_inflight_bytes``
 of request bodies (``max_frame_size`` per connection).
+
+With ``tenants`` a connection that authenticates as tenant T sees only T's namespace
+of the store (:mod:`.tenants`); the shared secret, if any, sees the untenanted part.
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from lmcache_core.serde import FrameError, parse_header
 
-from .auth import server_handshake
+from .auth import Credentials, Principal, server_authenticate
 from .connection import Connection, PeerTimeout
 from .limits import Admission, ByteBudget
 from .protocol import (
@@ -49,6 +52,7 @@ from .protocol import (
     u32,
 )
 from .store import ChunkSource
+from .tenants import TenantSource
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +64,19 @@ KEYS_BODY_LIMIT = 4 + MAX_KEYS_PER_MESSAGE * KEY_SIZE
 
 class PeerServer:
     """Serve ``source`` (a :class:`~lmcache_backend_peer.store.ChunkSource`) on
-    ``listen`` to clients that know ``secret``. PUT and REMOVE are accepted only when
-    ``writable`` (the source must then have ``put_frame``/``remove``)."""
+    ``listen`` to clients that know ``secret`` or a tenant's secret in ``tenants``.
+    PUT and REMOVE are accepted only when ``writable`` (the source must then have
+    ``put_frame``/``remove``). ``partition_tenants=False`` serves tenants the whole
+    source (a server holding one tenant's chunks only, like a tier's own server)."""
 
     def __init__(
         self,
         source: ChunkSource,
         listen: Address,
-        secret: bytes,
+        secret: bytes | None,
         *,
+        tenants: Mapping[str, bytes] | None = None,
+        partition_tenants: bool = True,
         writable: bool = False,
         max_frame_size: int = 256 << 20,
         timeout: float = 5.0,
@@ -79,7 +87,7 @@ class PeerServer:
         max_unauthenticated_per_address: int = 4,
         max_inflight_bytes: int | None = None,
     ) -> None:
-        if not secret:
+        if not secret and not tenants:
             raise ValueError("the shared secret must not be empty")
         inflight = max_inflight_bytes if max_inflight_bytes is not None else 2 * max_frame_size
         if writable and inflight < max_frame_size:
@@ -91,6 +99,8 @@ class PeerServer:
             raise ValueError("connection limits must be at least 1 and handshake_timeout positive")
         self.source: Any = source
         self.secret = secret
+        self.credentials = Credentials(secret or None, dict(tenants or {}))
+        self.partition_tenants = partition_tenants
         self.writable = writable
         self.max_frame_size = max_frame_size
         self.timeout = timeout
@@ -175,11 +185,11 @@ class PeerServer:
         slot = "unauthenticated"
         try:
             try:
-                ok = server_handshake(conn, self.secret, self.server_id, self.handshake_timeout)
+                who = server_authenticate(conn, self.credentials, self.server_id, self.handshake_timeout)
             except PeerTimeout:
                 self._count("handshake_timeouts")
                 return
-            if not ok:
+            if who is None:
                 self._count("auth_failures")
                 log.warning("peer server %s: client %s failed authentication", self.address, conn.peer)
                 return
@@ -188,6 +198,7 @@ class PeerServer:
                 self._count("rejected")
                 self._refuse(conn, f"server is at max_connections ({self.max_connections}); try again later")
                 return
+            source = self._source_for(who)
             while not self._stop.is_set():
                 header = conn.recv_header(time.monotonic() + self.idle_timeout, self.max_frame_size)
                 self._count("requests")
@@ -195,7 +206,7 @@ class PeerServer:
                     return
                 try:
                     body = conn.recv_body(header, time.monotonic() + self.timeout)
-                    self._handle(conn, header.type, header.request_id, body)
+                    self._handle(conn, header.type, header.request_id, body, source)
                     del body  # the buffer goes before its reservation does
                 finally:
                     self.inflight.release(header.body_len)
@@ -211,6 +222,11 @@ class PeerServer:
                 self.admission.leave(host, slot == "authenticated")
             with self._lock:
                 self._conns.discard(conn)
+
+    def _source_for(self, who: Principal) -> Any:
+        if who.tenant is None or not self.partition_tenants:
+            return self.source
+        return TenantSource(self.source, who.tenant)
 
     def _refuse(self, conn: Connection, message: str, rid: int = 0) -> None:
         """Best-effort ERROR before the caller closes the connection."""
@@ -242,24 +258,24 @@ class PeerServer:
             return False
         return True
 
-    def _handle(self, conn: Connection, mtype: int, rid: int, body: memoryview) -> None:
+    def _handle(self, conn: Connection, mtype: int, rid: int, body: memoryview, source: Any) -> None:
         deadline = time.monotonic() + self.timeout
         msg = parse_body(mtype, body)
         try:
             if mtype == LOOKUP and isinstance(msg, KeysRequest):
-                conn.send(LOOKUP_OK, rid, [u32(self.source.contains(msg.keys))], deadline)
+                conn.send(LOOKUP_OK, rid, [u32(source.contains(msg.keys))], deadline)
             elif mtype == GET and isinstance(msg, KeysRequest):
-                conn.send(GET_OK, rid, encode_get_reply_parts(self._frames_for(msg)), deadline)
+                conn.send(GET_OK, rid, encode_get_reply_parts(self._frames_for(msg, source)), deadline)
             elif mtype == PUT and isinstance(msg, PutRequest):
                 if not self.writable:
                     conn.send(ERROR, rid, [b"this peer is read-only"], deadline)
                 else:
-                    conn.send(PUT_OK, rid, [b"\x01" if self._put(msg) else b"\x00"], deadline)
+                    conn.send(PUT_OK, rid, [b"\x01" if self._put(msg, source) else b"\x00"], deadline)
             elif mtype == REMOVE and isinstance(msg, KeysRequest):
                 if not self.writable:
                     conn.send(ERROR, rid, [b"this peer is read-only"], deadline)
                 else:
-                    conn.send(REMOVE_OK, rid, [u32(sum(1 for k in msg.keys if self.source.remove(k)))], deadline)
+                    conn.send(REMOVE_OK, rid, [u32(sum(1 for k in msg.keys if source.remove(k)))], deadline)
             else:
                 conn.send(ERROR, rid, [f"unexpected message type {mtype}".encode()], deadline)
         except PeerError:
@@ -268,13 +284,13 @@ class PeerServer:
             log.warning("peer server %s: source failed: %s: %s", self.address, type(err).__name__, err)
             conn.send(ERROR, rid, [f"server error: {type(err).__name__}".encode()], deadline)
 
-    def _frames_for(self, req: KeysRequest) -> list[bytes | memoryview | None]:
+    def _frames_for(self, req: KeysRequest, source: Any) -> list[bytes | memoryview | None]:
         """Frames in request order until the reply would pass ``max_frame_size``; a
         frame that alone is too large is answered as a miss."""
         budget = self.max_frame_size - 4
         frames: list[bytes | memoryview | None] = []
         for k in req.keys:
-            f = self.source.get_frame(k)
+            f = source.get_frame(k)
             size = 8 + (memoryview(f).nbytes if f is not None else 0)
             if size > budget:
                 if frames:
@@ -284,11 +300,11 @@ class PeerServer:
             budget -= size
         return frames
 
-    def _put(self, req: PutRequest) -> bool:
+    def _put(self, req: PutRequest, source: Any) -> bool:
         try:
             info, _, _ = parse_header(req.frame)
         except FrameError:
             return False
         if info.key != req.key.to_str():
             return False
-        return bool(self.source.put_frame(req.key, bytes(req.frame)))
+        return bool(source.put_frame(req.key, bytes(req.frame)))

@@ -1,0 +1,87 @@
+"""Tenant isolation on a shared node: per-tenant secrets bound to a server-side namespace.
+
+Chunk frames carry a checksum, not a MAC, so whoever may write a key on a node can
+make any reader of that key load their bytes as a valid hit. On a node shared by
+several tenants the node itself must therefore keep them apart. A tenant client
+authenticates with its own secret (AUTH_TENANT, see :mod:`.auth`), and every key on
+that connection is mapped into the tenant's own namespace (:class:`TenantSource`)
+before it reaches the store: what tenant A writes under key K lands at
+``(A, K)``, and tenant T asking for K reads ``(T, K)``. No key a client can send
+reaches another tenant's entries, whatever secret it holds.
+
+The tenants file (``lmcache-core serve --tenants-file``) has one ``NAME SECRET`` pair
+per line; blank lines and ``#`` comments are ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Sequence
+
+from lmcache_core.keys import HASH_BYTES, ChunkKey
+
+from .config import check_secret
+from .protocol import TENANT_NAME_RE
+
+_NS_KEY = b"lmcache-peer/tenant-namespace/v1"
+
+
+def tenant_key(tenant: str, key: ChunkKey) -> ChunkKey:
+    """Where ``key`` of ``tenant`` lives in the node's store."""
+    ns = hashlib.blake2b(tenant.encode() + b"\0" + key.namespace, digest_size=HASH_BYTES, key=_NS_KEY).digest()
+    return ChunkKey(ns, key.chunk_hash)
+
+
+class TenantSource:
+    """A view of a shared source in which only ``tenant``'s entries exist. Frames keep
+    the client's own key inside (the reader checks it); only the index is mapped."""
+
+    def __init__(self, source: Any, tenant: str) -> None:
+        self.source = source
+        self.tenant = tenant
+
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        return int(self.source.contains([tenant_key(self.tenant, k) for k in keys]))
+
+    def get_frame(self, key: ChunkKey) -> Any:
+        return self.source.get_frame(tenant_key(self.tenant, key))
+
+    def put_frame(self, key: ChunkKey, frame: bytes) -> bool:
+        return bool(self.source.put_frame(tenant_key(self.tenant, key), frame))
+
+    def remove(self, key: ChunkKey) -> bool:
+        return bool(self.source.remove(tenant_key(self.tenant, key)))
+
+
+def parse_tenants(text: str, where: str) -> dict[str, bytes]:
+    """``NAME SECRET`` lines -> {name: secret}; ValueError naming the line on anything wrong."""
+    tenants: dict[str, bytes] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"{where}:{n}: expected 'NAME SECRET', got {len(parts)} fields")
+        name, secret = parts
+        if not TENANT_NAME_RE.match(name):
+            raise ValueError(f"{where}:{n}: tenant name {name!r} must be 1-64 of A-Z a-z 0-9 . _ -")
+        if name in tenants:
+            raise ValueError(f"{where}:{n}: tenant {name!r} is listed twice")
+        try:
+            check_secret(secret.encode())
+        except ValueError as err:
+            raise ValueError(f"{where}:{n}: tenant {name!r}: {err}") from None
+        tenants[name] = secret.encode()
+    if not tenants:
+        raise ValueError(f"{where}: no tenants in the file (one 'NAME SECRET' per line)")
+    return tenants
+
+
+def load_tenants(path: Path) -> dict[str, bytes]:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    return parse_tenants(text, str(path))

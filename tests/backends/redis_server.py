@@ -39,10 +39,15 @@ def redis_binary() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(max_port: int = 65535) -> int:
+    """A free loopback port at most ``max_port`` (a cluster node also needs port + 10000)."""
+    for _ in range(200):  # bounded
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port <= max_port:
+            return port
+    raise RuntimeError(f"no free loopback port at most {max_port} after 200 tries")
 
 
 class RedisServer:
@@ -51,7 +56,7 @@ class RedisServer:
     def __init__(self, *args: str, password: str | None = None, port: int | None = None) -> None:
         self.binary = redis_binary()
         self.dir = Path(tempfile.mkdtemp(prefix="lmc-redis-"))
-        self.port = port or free_port()
+        self.port = port or free_port(55535 if "--cluster-enabled" in args else 65535)
         self.password = password
         self.args = list(args)
         self.proc: subprocess.Popen[bytes] | None = None

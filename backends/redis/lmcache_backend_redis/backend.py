@@ -4,7 +4,8 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
 
 * Batched calls are pipelines: ``contains`` sends one ``EXISTS`` per key, ``get_many``
   one ``STRLEN`` + ``GETRANGE`` pair per key, ``put_many`` (after an ``EXISTS`` pipeline)
-  one ``SET`` per missing key. A pipeline is one round trip on a single server, and one
+  one ``SET`` per missing key (on a single server with the frame's header and payload
+  as separate buffers, see :mod:`.wire`). A pipeline is one round trip on a single server, and one
   round trip per node on a cluster (redis-py groups the commands by slot owner).
 * Reads are bounded: ``GETRANGE`` asks for at most the largest frame the caller's
   buffer could need, so a huge or foreign value never costs more memory than the
@@ -27,6 +28,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+import redis
 import torch
 
 from lmcache_core.backend import PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
@@ -45,6 +47,7 @@ from lmcache_core.serde import (
 from .client import Client, Failure, classify, describe, make_client
 from .config import RedisConfig
 from .health import HealthGate
+from .wire import pipelined, set_command
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +60,8 @@ def max_frame_bytes(out: torch.Tensor) -> int:
     return 8 + MAX_HEADER_BYTES + out.nbytes + out.nbytes // 255 + 64
 
 
-def _frame(key: ChunkKey, data: torch.Tensor, codec: Codec) -> memoryview:
+def _join(header: bytes, payload: memoryview) -> memoryview:
     """The frame as one buffer, built with a single copy of the payload."""
-    header, payload = encode_parts(key, data, codec)
     buf = bytearray(len(header) + payload.nbytes)
     buf[: len(header)] = header
     buf[len(header) :] = payload
@@ -84,6 +86,8 @@ class RedisBackend(StorageBackend):
         self.codecs = dict(codecs)
         self.client = client if client is not None else make_client(cfg, password)
         self.target = cfg.target()
+        # A single server's pool takes our zero-copy SETs; a cluster client routes itself.
+        self._single_pool = self.client.connection_pool if isinstance(self.client, redis.Redis) else None
         self.write_concurrency = cfg.write_concurrency
         self._ttl_ms = int(cfg.ttl_s * 1000) if cfg.ttl_s is not None else None
         self._gate = HealthGate(cfg.down_cooldown_s)
@@ -260,32 +264,39 @@ class RedisBackend(StorageBackend):
                 todo = [i for i in todo if not present[i]]
                 for i in range(len(items)):
                     done[i] = bool(present[i])
-            frames: list[tuple[int, memoryview]] = []
+            frames: list[tuple[int, bytes, memoryview]] = []
             for i in todo:
                 k, data = items[i]
-                frame = _frame(k, data, self.codec)
-                if frame.nbytes > self.cfg.max_value_size:
-                    self._too_large(k, frame.nbytes)
+                header, payload = encode_parts(k, data, self.codec)
+                if len(header) + payload.nbytes > self.cfg.max_value_size:
+                    self._too_large(k, len(header) + payload.nbytes)
                     continue
-                frames.append((i, frame))
-            replies: list[Any] = []
-            if frames:
-                pipe = self._pipeline()
-                for i, frame in frames:
-                    pipe.set(self._name(items[i][0]), frame, px=self._ttl_ms)
-                replies = pipe.execute(raise_on_error=False)
+                frames.append((i, header, payload))
+            replies = self._set_all([(self._name(items[i][0]), h, p) for i, h, p in frames]) if frames else []
         except Exception as err:
             self._add(skipped=sum(1 for d in done if not d))
             self._failed("put", err)
             return done
         self._ok()
-        for (i, frame), reply in zip(frames, replies):
+        for (i, _, _), reply in zip(frames, replies):
             if isinstance(reply, BaseException):
                 self._put_refused(items[i][0], reply)
                 continue
             done[i] = True
             self._add(puts=1, put_bytes=items[i][1].nbytes)
         return done
+
+    def _set_all(self, values: list[tuple[str, bytes, memoryview]]) -> list[Any]:
+        """``SET`` every ``(name, header, payload)`` in one pipeline; per value, the
+        reply or the error reply as an exception."""
+        self._add(pipelines=1)
+        if self._single_pool is not None:
+            cmds = [set_command(name.encode(), h, p, self._ttl_ms) for name, h, p in values]
+            return pipelined(self._single_pool, cmds)
+        pipe = self.client.pipeline(transaction=False)
+        for name, h, p in values:
+            pipe.set(name, _join(h, p), px=self._ttl_ms)
+        return pipe.execute(raise_on_error=False)
 
     def _too_large(self, key: ChunkKey, nbytes: int) -> None:
         self._add(skipped=1, too_large=1)

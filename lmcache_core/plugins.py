@@ -36,6 +36,7 @@ KNOWN_BACKENDS = {
     "disk": "lmcache-core[disk]",
     "s3": "lmcache-core[s3]",
     "peer": "lmcache-core[peer]",
+    "redis": "lmcache-core[redis]",
 }
 
 

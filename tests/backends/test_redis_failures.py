@@ -110,6 +110,21 @@ def test_server_killed_and_restarted_mid_run(ctx: Any) -> None:
         server.stop()
 
 
+def test_pooled_connection_survives_a_quick_restart(ctx: Any) -> None:
+    server = RedisServer()
+    b = create_redis_backend({"url": server.url, "check_exists_before_put": False, **FAST}, ctx)
+    try:
+        first, second = random_key(), random_key()
+        assert b.put(first, random_chunk(shape=(8, 8)))  # leaves a pooled connection
+        server.restart()  # that connection is now dead
+        assert b.put(second, random_chunk(shape=(8, 8)))  # the SET pipeline is the first call
+        assert b.contains([second]) == 1
+        assert b.stats().extra["server_trips"] == 0
+    finally:
+        b.close()
+        server.stop()
+
+
 def test_slow_server_is_a_bounded_miss(ctx: Any) -> None:
     server = RedisServer()
     b = create_redis_backend({"url": server.url, **FAST}, ctx)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence, Union
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 Buffer = Union[bytes, memoryview]
@@ -38,20 +39,28 @@ def set_command(name: bytes, header: bytes, payload: memoryview, px: int | None)
 def pipelined(pool: Any, commands: Sequence[list[Buffer]]) -> list[Any]:
     """Send ``commands`` on one pooled connection in one write, then read one reply
     each. An error reply (``OOM``, ``NOPERM``) is returned in its slot as the
-    exception; a connection failure raises, and the connection is dropped so a
+    exception. A connection that turns out dead (the server restarted since it was
+    pooled) is dropped and the batch sent once more on a fresh one (``SET`` is
+    idempotent); any other failure raises, and the connection is dropped so a
     half-read reply never reaches the next user."""
-    conn = pool.get_connection()
-    try:
-        conn.send_packed_command([buf for cmd in commands for buf in cmd])
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(conn.read_response())
-            except ResponseError as err:
-                replies.append(err)
-        return replies
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
+    for attempt in range(2):
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([buf for cmd in commands for buf in cmd])
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as err:
+                    replies.append(err)
+            return replies
+        except RedisConnectionError:
+            conn.disconnect()
+            if attempt:
+                raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+    raise AssertionError("unreachable")

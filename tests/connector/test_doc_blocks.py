@@ -60,6 +60,7 @@ def test_documented_yaml_loads_with_only_absolute_paths_moved(tmp_path: Path):
         ("--port 8000 \\\n  --no-enable", "--port 9000 \\\n  --no-enable", "expected '--port 8000' once"),
         ('"config_file": "lmcache.yaml"', '"config_file": "/etc/lmcache.yaml"', "must name a relative YAML file"),
         ("--host 127.0.0.1 --port 8000 \\\n  --no-enable", "--port 8000\n  --no-enable", "one command"),
+        ("--kv-transfer-config '", "--kv-events-config '", "expected one --kv-transfer-config '<json>'"),
     ],
 )
 def test_broken_cpu_block_fails_naming_readme(old: str, new: str, message: str):

@@ -42,6 +42,7 @@ from .staging import Staging
 log = logging.getLogger(__name__)
 
 Region = tuple[int, int]  # (base address, bytes)
+DEADLINE_BYTES_PER_S = 256 << 20  # a call's deadline grows by 1 s per 256 MiB it moves
 
 
 class MooncakeBackend(StorageBackend):
@@ -118,6 +119,10 @@ class MooncakeBackend(StorageBackend):
                     return
                 except BackendError as err:
                     log.debug("%s", err)
+                except Exception as err:  # a native error must not end the retries
+                    self._gate.failed()
+                    log.warning("mooncake tier: connecting to master %s failed: %s: %s",
+                                self.cfg.master, type(err).__name__, err)
 
         self._reconnector = threading.Thread(target=loop, name="lmcache-mooncake-connect", daemon=True)
         self._reconnector.start()
@@ -139,13 +144,15 @@ class MooncakeBackend(StorageBackend):
             return None if self._closed.is_set() else self._client
 
     def _call(
-        self, op: str, fn: Callable[[], list[int]], on_late: Callable[[], None] | None = None
+        self, op: str, fn: Callable[[], list[int]], on_late: Callable[[], None] | None = None, nbytes: int = 0
     ) -> tuple[list[int] | None, bool]:
         """``(codes, overran)``: ``fn()``'s codes under the deadline, or None when the
         store could not answer; ``overran`` when ``fn`` is still running (then
-        ``on_late`` runs when it ends). On an answer, the gate follows the codes."""
+        ``on_late`` runs when it ends). On an answer, the gate follows the codes.
+        The deadline is ``timeout_ms`` plus ``nbytes`` at :data:`DEADLINE_BYTES_PER_S`, so
+        a large batch is not cut off for being large."""
         try:
-            result = self._deadline.run(op, self.timeout_s, fn, on_late=on_late)
+            result = self._deadline.run(op, self.timeout_s + nbytes / DEADLINE_BYTES_PER_S, fn, on_late=on_late)
         except StoreUnavailable as err:
             if err.overrun:
                 self._count(overruns=1, errors=1)
@@ -225,7 +232,8 @@ class MooncakeBackend(StorageBackend):
         caps = [cap for _, _, cap in todo]
         slots = [s for _, s, _ in todo]
         result, overran = self._call(
-            "get", lambda: client.get_into(names, ptrs, caps), on_late=lambda: self._staging.quarantine(slots)
+            "get", lambda: client.get_into(names, ptrs, caps), on_late=lambda: self._staging.quarantine(slots),
+            nbytes=sum(caps),
         )
         if result is None or len(result) != len(todo):
             self._count(misses=len(todo))
@@ -310,7 +318,9 @@ class MooncakeBackend(StorageBackend):
             assert keep_alive is not None
             return client.put_parts(names, ptrs, sizes)
 
-        result, overran = self._call("put", call, on_late=lambda: self._staging.quarantine(all_slots))
+        result, overran = self._call(
+            "put", call, on_late=lambda: self._staging.quarantine(all_slots), nbytes=sum(map(sum, sizes))
+        )
         if result is None or len(result) != len(todo):
             self._count(skipped=len(todo))
             if result is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 from typing import Any, Sequence
+from urllib.parse import urlsplit
 
 from .config import MooncakeConfig, split_host_port
 
@@ -30,6 +31,23 @@ def route_address(master: str) -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
+
+
+def reachable(host: str, port: int, timeout_s: float) -> str | None:
+    """None when a TCP connection to ``host:port`` opens within ``timeout_s``, else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as err:
+        return f"{host}:{port} does not accept connections ({err.strerror or err})"
+
+
+def metadata_endpoint(metadata: str) -> tuple[str, int] | None:
+    """``(host, port)`` of an http(s) metadata server, None for other kinds."""
+    u = urlsplit(metadata)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return None
+    return u.hostname, u.port or (443 if u.scheme == "https" else 80)
 
 
 def import_store() -> Any:
@@ -55,9 +73,21 @@ class StoreClient:
         self._replicate.replica_num = cfg.replicas
         self.connected = False
 
-    def setup(self) -> None:
-        """Connect to the master and mount ``segment_size`` bytes (if any); raises SetupFailed."""
+    def setup(self, probe_timeout_s: float = 2.0) -> None:
+        """Connect to the master and mount ``segment_size`` bytes (if any); raises SetupFailed.
+
+        The native ``setup`` retries an absent master for about 90 s while holding the
+        GIL (no Python thread runs meanwhile, so no deadline can fire): the master and
+        an http metadata server are first checked to accept TCP connections."""
         c = self.cfg
+        endpoints = [split_host_port(c.master)]
+        meta = metadata_endpoint(c.metadata)
+        if meta is not None:
+            endpoints.append(meta)
+        for host, port in endpoints:
+            why = reachable(host, port, probe_timeout_s)
+            if why is not None:
+                raise SetupFailed(why)
         rc = self._store.setup(
             self.hostname, c.metadata, c.segment_size, c.buffer_size, c.protocol, c.rdma_devices, c.master
         )

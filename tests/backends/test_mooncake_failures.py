@@ -1,0 +1,196 @@
+"""Failure behaviour of the mooncake tier against a real Mooncake Store on loopback:
+the master killed mid-run and restarted, a segment owner killed, a master that is
+not there at startup, a store out of space, and corrupt or foreign objects. Every
+case is a miss (or a skipped put) within a bound derived from ``timeout_ms``, never
+an exception out of the tier and never wrong data."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mooncake_server import MooncakeMaster, SegmentOwner, fresh_store, mooncake_store  # noqa: E402,F401 - fixtures
+
+from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
+from lmcache_backend_mooncake.backend import MooncakeBackend  # noqa: E402
+from lmcache_core.backend import BackendError  # noqa: E402
+from lmcache_core.serde import RawCodec, encode  # noqa: E402
+from lmcache_core.testing import make_context, random_chunk, random_key  # noqa: E402
+
+TIMEOUT_MS = 800
+FAST = {"timeout_ms": TIMEOUT_MS, "down_cooldown_ms": 1000, "setup_timeout_ms": 5000, "staging_size": "16MiB"}
+# One call: its deadline plus thread hand-off, with slack for 2 busy CPUs.
+BOUND_S = TIMEOUT_MS / 1000 + 0.7
+
+
+def make(store: MooncakeMaster, **options: Any) -> MooncakeBackend:
+    backend = create_mooncake_backend(store.options(**{**FAST, **options}), make_context())
+    assert isinstance(backend, MooncakeBackend)
+    return backend
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - t0
+
+
+def until(cond: Callable[[], bool], limit_s: float) -> bool:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_master_killed_mid_run_then_restarted(fresh_store: tuple[MooncakeMaster, SegmentOwner]) -> None:
+    master, _owner = fresh_store
+    b = make(master)
+    try:
+        key, data = random_key(), random_chunk()
+        assert b.put(key, data)
+        assert b.contains([key]) == 1
+
+        master.kill()
+        out = torch.empty_like(data)
+        for op in (lambda: b.get(key, out), lambda: b.put(random_key(), data), lambda: b.contains([key])):
+            result, took = timed(op)
+            assert result in (False, 0) and took < BOUND_S, (result, took)
+        s = b.stats()
+        assert s.extra["master_down"] is True and s.extra["master_trips"] == 1
+        # Gate closed: calls are misses without touching the client.
+        (hit, took) = timed(b.get, key, out)
+        assert hit is False and took < 0.05
+
+        # A hung master (its port accepts, nothing answers): the client would wait on
+        # its own RPC timeouts; every call of the tier still returns by its deadline.
+        with socket.socket() as hung:
+            hung.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            hung.bind(("127.0.0.1", master.rpc_port))
+            hung.listen(64)
+            for _ in range(3):
+                time.sleep(1.1)  # past the cooldown: the next call is a probe that reaches the client
+                result, took = timed(b.get, key, out)
+                assert result is False and took < BOUND_S, took
+        assert b.stats().extra["overruns"] >= 1
+
+        master.start()  # same ports, empty metadata: the store's objects are gone
+        fresh, fresh_data = random_key(), random_chunk(seed=7)
+        assert until(lambda: b.put(fresh, fresh_data), 30), "no recovery within 30 s of the master's return"
+        got = torch.empty_like(fresh_data)
+        assert b.contains([fresh]) == 1 and b.get(fresh, got) and torch.equal(got, fresh_data)
+        assert b.stats().extra["master_down"] is False
+        assert b.contains([key]) == 0  # the restarted master does not know the old object
+    finally:
+        b.close()
+
+
+def test_segment_owner_down_is_a_bounded_miss(fresh_store: tuple[MooncakeMaster, SegmentOwner]) -> None:
+    master, owner = fresh_store
+    b = make(master)
+    try:
+        key, data = random_key(), random_chunk()
+        assert b.put(key, data)  # lands in the owner's segment (the tier contributes none)
+        owner.kill()
+        out = torch.zeros_like(data)
+        for _ in range(3):
+            hit, took = timed(b.get, key, out)
+            assert hit is False and took < BOUND_S, took
+        assert not torch.equal(out, data)
+        assert b.stats().hits == 0
+    finally:
+        b.close()
+
+
+def test_master_absent_at_startup(tmp_path: Path) -> None:
+    master = MooncakeMaster(tmp_path)
+    master.kill()
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=r"backends\[0\].*cannot connect to master 127\.0\.0\.1:\d+.*verify_on_start"):
+        make(master)
+    assert time.monotonic() - t0 < FAST["setup_timeout_ms"] / 1000 + 1.5
+
+    b = make(master, verify_on_start=False)  # starts down, keeps connecting in the background
+    try:
+        key, data = random_key(), random_chunk()
+        (ok, took) = timed(b.put, key, data)
+        assert ok is False and took < 0.05 and b.stats().skipped == 1
+        master.start()
+        owner = SegmentOwner(master, size_mib=32)
+        try:
+            assert until(lambda: b.put(key, data), 30), "the tier did not connect after the master started"
+            out = torch.empty_like(data)
+            assert b.get(key, out) and torch.equal(out, data)
+        finally:
+            owner.kill()
+    finally:
+        b.close()
+        master.kill()
+
+
+def test_put_rejected_for_space_is_a_counted_skip(fresh_store: tuple[MooncakeMaster, SegmentOwner]) -> None:
+    master, _owner = fresh_store  # a 64 MiB segment
+    b = make(master, staging_size="4MiB", timeout_ms=5000)
+    try:
+        big = torch.zeros(24 << 20, dtype=torch.uint8)  # three of these cannot fit in 64 MiB at once
+        results = b.put_batch([(random_key(), big) for _ in range(4)])
+        s = b.stats()
+        assert results.count(False) >= 1 and s.extra["no_space"] >= 1, (results, s)
+        assert s.skipped >= s.extra["no_space"] and s.puts == results.count(True)
+        small, out = random_chunk(shape=(8, 8)), torch.empty(8, 8, dtype=torch.float16)
+        k = random_key()
+        assert b.put(k, small) and b.get(k, out)  # the tier goes on working
+    finally:
+        b.close()
+
+
+def _raw_store(master: MooncakeMaster) -> Any:
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.master) == 0
+    return s
+
+
+def test_corrupt_foreign_and_oversized_objects_are_misses(mooncake_store: MooncakeMaster) -> None:
+    b = make(mooncake_store, key_prefix="corrupt/")
+    raw = _raw_store(mooncake_store)
+    try:
+        data = random_chunk()
+        cases: dict[str, bytes] = {}
+        k_ok, k_flip, k_foreign, k_trunc, k_big, k_junk = (random_key() for _ in range(6))
+        good = encode(k_ok, data, RawCodec())
+        cases["intact"] = good  # negative control: written the same way, must hit
+        flipped = bytearray(encode(k_flip, data, RawCodec()))
+        flipped[-100] ^= 0x01
+        cases["flipped"] = bytes(flipped)
+        cases["foreign"] = encode(random_key(), data, RawCodec())  # a valid frame of another key
+        cases["truncated"] = encode(k_trunc, data, RawCodec())[:-10]
+        cases["oversized"] = encode(k_big, torch.zeros(4 * data.numel(), dtype=data.dtype), RawCodec())
+        cases["junk"] = np.random.default_rng(1).bytes(len(good))
+        keys = dict(zip(cases, (k_ok, k_flip, k_foreign, k_trunc, k_big, k_junk)))
+        for name, blob in cases.items():
+            assert raw.put(b._name(keys[name]), blob) == 0, name
+        for name, key in keys.items():
+            out = torch.zeros_like(data)
+            hit, took = timed(b.get, key, out)
+            assert took < BOUND_S
+            if name == "intact":
+                assert hit and torch.equal(out, data)
+            else:
+                assert hit is False, name
+        s = b.stats()
+        assert s.hits == 1 and s.misses == 5 and s.extra["corrupt"] >= 4
+        assert s.extra["staging_used"] == 0  # every staging slot came back
+    finally:
+        raw.close()
+        b.close()

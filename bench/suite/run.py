@@ -19,9 +19,10 @@ Systems, each on a fresh engine per workload, one request at a time:
 - ``vllm-prefix-cache``: vLLM's in-engine prefix cache, no connector;
 - ``example-connector``: vLLM's ExampleConnector (safetensors files), prefix caching off;
 - ``lmc-cpu``: lmcache-core, CPU tier;
-- ``lmc-disk`` / ``lmc-s3`` / ``lmc-peer``: lmcache-core with a small CPU tier in front
+- ``lmc-disk`` / ``lmc-s3`` / ``lmc-peer`` / ``lmc-redis``: lmcache-core with a small CPU tier in front
   of a disk tier, an S3 tier (moto on loopback, separate process) or a peer cache node
-  (``lmcache-peer-serve``, separate process), so repeat hits are read from that tier.
+  (``lmcache-peer-serve``, separate process) or a ``redis-server`` on loopback (its own
+  process, no persistence), so repeat hits are read from that tier.
 
 Connector systems run with vLLM's prefix caching off, so every hit counted comes from
 the connector. TTFT = wall time of ``LLM.generate`` with ``max_tokens=1``. Between
@@ -198,6 +199,40 @@ class PeerNode:
             self.proc.kill()
 
 
+class RedisProcess:
+    """A ``redis-server`` on 127.0.0.1 at a free port, no persistence, its own temp dir."""
+
+    def __init__(self, root: Path) -> None:
+        import socket
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("lmc-redis needs redis-server on PATH (apt-get install redis-server)")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        workdir = tempfile.mkdtemp(prefix="redis-", dir=root)
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for _ in range(200):  # bounded: 10 s
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        self.proc.kill()
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 # ---------------------------------------------------------------------------- systems
 
 
@@ -216,6 +251,7 @@ class Services:
         self.root = root
         self.moto: MotoProcess | None = None
         self.peer: PeerNode | None = None
+        self.redis: RedisProcess | None = None
         self.secret = secrets.token_hex(16)
         # CPU tier in front of disk/s3/peer: the largest prompt's KV plus two chunks
         # (a load stages all of a request's chunks in the pool at once, so a smaller tier
@@ -236,8 +272,14 @@ class Services:
         self.peer = PeerNode(self.secret)
         return {"name": "peer", "peers": [self.peer.address], "secret": self.secret, "push": True, "max_size": 0}
 
+    def redis_section(self) -> dict[str, Any]:
+        if self.redis is None:
+            self.redis = RedisProcess(self.root)
+        # a fresh prefix per engine: an empty cache without restarting the server
+        return {"name": "redis", "url": f"redis://127.0.0.1:{self.redis.port}/0", "prefix": f"bench-{uuid.uuid4().hex[:8]}:"}
+
     def close(self) -> None:
-        for s in (self.peer, self.moto):
+        for s in (self.peer, self.moto, self.redis):
             if s is not None:
                 s.stop()
 
@@ -250,6 +292,7 @@ SYSTEMS = [
     System("lmc-disk", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, {"name": "disk", "path": s.tmpdir("disk-")}]),
     System("lmc-s3", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.s3_section()]),
     System("lmc-peer", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.peer_section()]),
+    System("lmc-redis", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.redis_section()]),
 ]
 
 
@@ -571,7 +614,7 @@ def render(
         + f". Model: random-weight Llama {spec.tag()}, float32, vLLM CPU backend, eager, "
         f"vLLM KV cache {report.fmt_bytes(setup.kv_cache_bytes)} (holds the whole working set, so the in-engine "
         f"prefix cache is at its best here), lmcache-core chunk size {CHUNK}. lmc-cpu: CPU tier 2 GiB; "
-        f"lmc-disk/s3/peer: CPU tier {report.fmt_bytes(small_cpu)} (largest prompt + 2 chunks) in front of the slower tier."
+        f"lmc-disk/s3/peer/redis: CPU tier {report.fmt_bytes(small_cpu)} (largest prompt + 2 chunks) in front of the slower tier."
     )
     for w in workloads:
         lens = [len(r.tokens) for r in w.requests]

@@ -11,9 +11,15 @@ Contract details (beyond :class:`lmcache_core.backend.StorageBackend`):
   another process are noticed; ``get`` opens the file whatever the index says.
 * ``get`` refreshes the file's mtime; the start-up scan orders the index by mtime, so
   LRU order survives restarts.
-* Every failure is a miss or a skipped put, counted in :meth:`stats`: corrupt or
-  foreign files are removed and never loaded; a full disk (ENOSPC) or a read-only
-  directory makes ``put`` return False while reads go on.
+* ``max_size`` holds for the directory, whatever the number of processes sharing
+  it: a byte count shared through ``LMCACHE_DISK_TIER.usage`` and changed only
+  under an exclusive lock on it, together with the files (see budget.py).
+* Inside the directory no symbolic link is ever followed (shards are opened with
+  ``O_NOFOLLOW``, files relative to them), and only files with the tier's own
+  names are ever deleted.
+* Every failure is a miss or a skipped put, counted in :meth:`stats`: corrupt files
+  are removed and never loaded; a full disk (ENOSPC) or a read-only directory makes
+  ``put`` return False while reads go on.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -48,17 +56,23 @@ from lmcache_core.serde import (
     try_decode,
 )
 
+from .budget import DirBudget
 from .config import DiskConfig
-from .fileio import probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts_atomic
+from .fileio import probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts
 from .frames import read_frame_header
 from .index import LruIndex
-from .layout import FANOUT, MARKER_TEXT, Layout
+from .layout import FANOUT, MARKER_TEXT, USAGE, Layout, open_dir, shard_name, temp_name
 from .scan import scan
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 8 + MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_O_RDONLY = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+class _ShardRefused(Exception):
+    """The shard directory is a symbolic link or not a directory: never entered."""
 
 
 class DiskBackend(StorageBackend):
@@ -83,9 +97,11 @@ class DiskBackend(StorageBackend):
         self._codecs = dict(codecs)
         self._lock = threading.Lock()
         self._index = LruIndex()
-        self._reserved = 0
         self._last_put_error: str | None = None
         self._closed = False
+        self._root_fd: int | None = None
+        self._budget: DirBudget | None = None
+        self._refused_shards: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="lmcache-disk-io")
         self._s = BackendStats(self.name, bytes_capacity=self.max_size)
         self._x: dict[str, Any] = {
@@ -94,9 +110,12 @@ class DiskBackend(StorageBackend):
             "disk_full": 0,
             "write_errors": 0,
             "shape_mismatch": 0,
+            "links_refused": 0,
+            "dir_bytes": 0,
             "unavailable": None,
         }
         self._prepare_root(key_path, source)
+        self._open_root()
         self._o_direct = False
         if cfg.o_direct and self._x["unavailable"] is None:
             reason = probe_o_direct(self.root)
@@ -105,16 +124,17 @@ class DiskBackend(StorageBackend):
                 log.warning("disk tier %s: o_direct requested, using buffered I/O: %s", self.root, reason)
             self._x["o_direct_fallback"] = reason
         self._x["o_direct"] = self._o_direct
-        if self.root.is_dir():
-            res = scan(self.root, verify=cfg.verify_on_start, pool=self._pool)
+        if self._root_fd is not None:
+            res = scan(self._root_fd, str(self.root), verify=cfg.verify_on_start, pool=self._pool)
             self._index.load(res.entries)
             self._x.update(
                 startup_stale_temps=res.stale_temps,
                 startup_bad_removed=res.bad_removed,
-                startup_foreign_removed=res.foreign_removed,
+                startup_foreign_kept=res.foreign_kept,
+                startup_shards_refused=res.shards_refused,
             )
-            victims = self._index.pop_lru(self._index.bytes - self.max_size)
-            self._delete(victims)
+            if self._budget is not None:
+                self._recount_and_trim()
         self._x["startup_s"] = round(time.perf_counter() - t0, 4)
 
     # -- set-up -------------------------------------------------------------------------
@@ -146,19 +166,97 @@ class DiskBackend(StorageBackend):
             except FileExistsError:
                 pass
             for shard in FANOUT:
-                (root / shard).mkdir(exist_ok=True)
+                try:
+                    os.mkdir(root / shard, 0o755)
+                except FileExistsError:  # a directory, or something refused when used (a link)
+                    pass
         except OSError as err:
             reason = f"cannot write {root}: {err.strerror or err}"
             self._x["unavailable"] = reason
             log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
+
+    def _open_root(self) -> None:
+        """Hold the directory open (every file operation is relative to it) and the
+        shared budget. Neither is possible for a directory we cannot write: the tier
+        then serves reads only (as far as it can open the directory)."""
+        try:
+            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as err:
+            self._x["unavailable"] = self._x["unavailable"] or f"cannot open {self.root}: {err.strerror or err}"
+            return
+        try:
+            self._budget = DirBudget(self.root / USAGE)
+        except OSError as err:
+            reason = f"cannot open {self.root / USAGE}: {err.strerror or err}"
+            self._x["unavailable"] = self._x["unavailable"] or reason
+            log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
+
+    def _recount_and_trim(self) -> None:
+        """Under the budget lock: set the shared count to what the directory holds
+        (chunk files plus frames live processes are writing) and evict down to
+        ``max_size``. Corrects whatever a process that died mid-write left."""
+        assert self._budget is not None and self._root_fd is not None
+        with self._budget.locked() as budget:
+            listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
+            budget.set(listing.chunk_bytes + listing.reserved_bytes)
+            self._evict_locked(budget, 0)
+            self._x["dir_bytes"] = budget.last
+
+    @contextmanager
+    def _shard(self, key: ChunkKey, *, create: bool = False) -> Iterator[int]:
+        """The key's shard directory as a descriptor, opened without following a
+        link; raises :class:`_ShardRefused` for a link (logged once per shard) and
+        FileNotFoundError for a missing shard (``create`` makes it)."""
+        name = shard_name(key)
+        if self._root_fd is None:
+            raise FileNotFoundError(errno.ENOENT, "tier directory is not open")
+        try:
+            fd = open_dir(name, self._root_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:
+                os.mkdir(name, 0o755, dir_fd=self._root_fd)
+            except FileExistsError:
+                pass
+            fd = self._open_shard_or_refuse(name)
+        except OSError as err:
+            self._refuse_shard(name, err)
+            raise _ShardRefused(name) from None
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _open_shard_or_refuse(self, name: str) -> int:
+        try:
+            return open_dir(name, self._root_fd)
+        except OSError as err:
+            self._refuse_shard(name, err)
+            raise _ShardRefused(name) from None
+
+    def _refuse_shard(self, name: str, err: OSError) -> None:
+        with self._lock:
+            self._x["links_refused"] += 1
+            first = name not in self._refused_shards
+            self._refused_shards.add(name)
+        if first:
+            log.warning(
+                "disk tier: %s is not a directory (a symbolic link?): %s; the tier never follows links inside "
+                "its directory, so chunks of that shard are misses and are not stored; replace it with an "
+                "empty directory", self.root / name, err.strerror or err,
+            )
 
     # -- contract -----------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         n = 0
         for key in keys:
             try:
-                st = os.stat(self.layout.chunk_path(key))
-            except OSError:
+                with self._shard(key) as dfd:
+                    st = os.stat(key.to_str(), dir_fd=dfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise FileNotFoundError(key.to_str())
+            except (OSError, _ShardRefused):
                 with self._lock:
                     self._index.discard(key)
                 break
@@ -171,57 +269,159 @@ class DiskBackend(StorageBackend):
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         if self._closed:
             return False
-        path = self.layout.chunk_path(key)
         try:
-            st = os.stat(path)
-        except OSError:
+            with self._shard(key, create=True) as dfd:
+                return self._put_in(key, data, dfd)
+        except _ShardRefused:
+            with self._lock:
+                self._s.skipped += 1
+            return False
+        except OSError as err:
+            return self._put_failed(err)
+
+    def _put_in(self, key: ChunkKey, data: torch.Tensor, dfd: int) -> bool:
+        name = key.to_str()
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
             st = None
         if st is not None:
+            if not stat.S_ISREG(st.st_mode):  # a link or other thing under a chunk name: not ours
+                with self._lock:
+                    self._x["links_refused"] += 1
+                    self._s.skipped += 1
+                return False
             with self._lock:
                 if not self._index.touch(key):
                     self._index.add(key, st.st_size)
             return True
+        if self._budget is None:
+            raise OSError(errno.EROFS, self._x["unavailable"] or "the tier directory is not writable")
         frame = self._frame(key, data)
         size = frame.size
-        if size > self.max_size:
-            with self._lock:
-                self._index.discard(key)
-                self._s.skipped += 1
-            return False
         with self._lock:
             self._index.discard(key)
-            victims = self._index.pop_lru(self._index.bytes + self._reserved + size - self.max_size)
-            self._reserved += size
-        self._delete(victims)
-        try:
-            self._write(key, path, frame)
-        except OSError as err:
+        temp = self._reserve(dfd, size) if size <= self.max_size else None
+        if temp is None:
             with self._lock:
-                self._reserved -= size
-                if err.errno in _FULL_ERRNOS:
-                    self._s.skipped += 1
-                    self._x["disk_full"] += 1
-                else:
-                    self._s.errors += 1
-                    self._x["write_errors"] += 1
-            why = f"{type(err).__name__}: {err.strerror or err}"
-            if why != self._last_put_error:  # one line per kind of failure, not per chunk
-                self._last_put_error = why
-                log.warning("disk tier %s: puts are failing (%s); counted in stats, serving goes on", self.root, why)
+                self._s.skipped += 1
             return False
+        try:
+            self._write(dfd, temp, frame)
+            self._publish(key, dfd, temp, size)
+        except OSError as err:
+            self._unlink_temp(dfd, temp, size)
+            return self._put_failed(err)
         with self._lock:
-            self._reserved -= size
             self._index.add(key, size)
             self._s.puts += 1
             self._s.put_bytes += data.nbytes
             self._last_put_error = None
-            over = self._index.bytes + self._reserved - self.max_size
-            victims = self._index.pop_lru(over) if over > 0 else []
-            if any(k == key for k, _ in victims):  # never evict the chunk just written
-                victims = [v for v in victims if v[0] != key]
-                self._index.add(key, size)
-        self._delete(victims)
         return True
+
+    def _put_failed(self, err: OSError) -> bool:
+        with self._lock:
+            if err.errno in _FULL_ERRNOS:
+                self._s.skipped += 1
+                self._x["disk_full"] += 1
+            else:
+                self._s.errors += 1
+                self._x["write_errors"] += 1
+        why = f"{type(err).__name__}: {err.strerror or err}"
+        if why != self._last_put_error:  # one line per kind of failure, not per chunk
+            self._last_put_error = why
+            log.warning("disk tier %s: puts are failing (%s); counted in stats, serving goes on", self.root, why)
+        return False
+
+    # -- the shared budget (see budget.py): every change of the files under its lock ------
+    def _reserve(self, dfd: int, size: int) -> str | None:
+        """Make room for ``size`` bytes in the directory, count them, and create the
+        temp file that will hold them (its name carries the size, so a recount by
+        any process sees the reservation). None when the room cannot be made."""
+        assert self._budget is not None
+        with self._budget.locked() as budget:
+            if not self._evict_locked(budget, size):
+                return None
+            temp = temp_name(size)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                         0o644, dir_fd=dfd)
+            os.close(fd)
+            budget.add(size)
+            self._x["dir_bytes"] = budget.last
+        return temp
+
+    def _evict_locked(self, budget: DirBudget, size: int) -> bool:
+        """Under the budget lock: delete least recently used chunks until ``size``
+        more bytes fit under ``max_size``. This process's index knows its own chunks
+        and those it has seen; when it runs dry, the directory is listed once to learn
+        the others'. False when even that cannot make room."""
+        count = budget.value()
+        listed = False
+        while count + size > self.max_size:
+            with self._lock:
+                victims = self._index.pop_lru(count + size - self.max_size)
+            if not victims:
+                if listed or self._root_fd is None:
+                    return False
+                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
+                with self._lock:
+                    self._index = LruIndex()
+                    self._index.load(listing.entries)
+                listed = True
+                continue
+            for key, _ in victims:
+                freed = self._unlink_chunk(key)
+                if freed:
+                    count = budget.add(-freed)
+                    with self._lock:
+                        self._s.evictions += 1
+        self._x["dir_bytes"] = count
+        return True
+
+    def _unlink_chunk(self, key: ChunkKey, ino: int | None = None) -> int:
+        """Remove ``key``'s chunk file (only a regular file, and only inode ``ino``
+        if given); the bytes freed, 0 if there was none. Call under the budget lock."""
+        name = key.to_str()
+        try:
+            with self._shard(key) as dfd:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino):
+                    return 0
+                os.unlink(name, dir_fd=dfd)
+                return st.st_size
+        except FileNotFoundError:
+            return 0
+        except (OSError, _ShardRefused) as err:
+            log.warning("disk tier: cannot remove %s: %s", self.root / shard_name(key) / name, err)
+            return 0
+
+    def _publish(self, key: ChunkKey, dfd: int, temp: str, size: int) -> None:
+        """Rename the complete temp file onto the chunk name (a chunk file it
+        replaces leaves the count), then make the rename durable."""
+        assert self._budget is not None
+        name = key.to_str()
+        with self._budget.locked() as budget:
+            try:
+                old = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                replaced = old.st_size if stat.S_ISREG(old.st_mode) else 0
+            except FileNotFoundError:
+                replaced = 0
+            os.rename(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            if replaced:
+                budget.add(-replaced)
+            self._x["dir_bytes"] = budget.last
+        if self.cfg.fsync:
+            os.fsync(dfd)
+
+    def _unlink_temp(self, dfd: int, temp: str, size: int) -> None:
+        assert self._budget is not None
+        with self._budget.locked() as budget:
+            try:
+                os.unlink(temp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            budget.add(-size)
+            self._x["dir_bytes"] = budget.last
 
     def _frame(self, key: ChunkKey, data: torch.Tensor) -> "_PendingFrame":
         raw = tensor_bytes(data)
@@ -230,38 +430,41 @@ class DiskBackend(StorageBackend):
         meta = frame_meta(key, data, self._codec.name, raw.nbytes)
         return _PendingFrame(meta, mv)
 
-    def _write(self, key: ChunkKey, path: Path, frame: "_PendingFrame") -> None:
-        for attempt in (0, 1):
-            temp = self.layout.temp_path(key)
-            try:
-                if self._o_direct:
-                    parts = [frame.header(), frame.payload]
-                    write_atomic(path, temp, parts, fsync=self.cfg.fsync, o_direct=True)
-                else:
-                    write_parts_atomic(
-                        path,
-                        temp,
-                        header_len=frame.header_len,
-                        payload=frame.payload,
-                        make_header=frame.header,
-                        fsync=self.cfg.fsync,
-                        pool=self._pool,
-                    )
-                return
-            except FileNotFoundError:
-                if attempt:
-                    raise
-                path.parent.mkdir(parents=True, exist_ok=True)  # shard removed under us
+    def _write(self, dfd: int, temp: str, frame: "_PendingFrame") -> None:
+        if self._o_direct:
+            write_atomic(temp, [frame.header(), frame.payload], dir_fd=dfd, fsync=self.cfg.fsync, o_direct=True)
+        else:
+            write_parts(
+                temp,
+                dir_fd=dfd,
+                header_len=frame.header_len,
+                payload=frame.payload,
+                make_header=frame.header,
+                fsync=self.cfg.fsync,
+                pool=self._pool,
+            )
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
         if self._closed:
             return False
-        path = self.layout.chunk_path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            with self._shard(key) as dfd:
+                return self._get_in(key, out, dfd)
+        except (FileNotFoundError, NotADirectoryError, _ShardRefused):
+            return self._miss(key)
+
+    def _get_in(self, key: ChunkKey, out: torch.Tensor, dfd: int) -> bool:
+        path = self.layout.chunk_path(key)  # for messages; every operation is relative to dfd
+        name = key.to_str()
+        try:
+            fd = os.open(name, _O_RDONLY, dir_fd=dfd)
         except (FileNotFoundError, NotADirectoryError):
             return self._miss(key)
         except OSError as err:
+            if err.errno == errno.ELOOP:  # a symbolic link under a chunk name: never followed, never deleted
+                with self._lock:
+                    self._x["links_refused"] += 1
+                return self._miss(key)
             return self._read_error(path, err)
         try:
             st = os.fstat(fd)
@@ -303,7 +506,7 @@ class DiskBackend(StorageBackend):
             os.close(fd)
         if not direct:
             try:
-                buf, ino = read_whole(path, o_direct=self._o_direct, max_bytes=MAX_FRAME_BYTES)
+                buf, ino = read_whole(name, dir_fd=dfd, o_direct=self._o_direct, max_bytes=MAX_FRAME_BYTES)
             except (FileNotFoundError, NotADirectoryError):
                 return self._miss(key)
             except ValueError as err:
@@ -316,7 +519,7 @@ class DiskBackend(StorageBackend):
                 self._drop_corrupt(key, path, ino, reason)
                 return False
         try:
-            os.utime(path)
+            os.utime(name, dir_fd=dfd, follow_symlinks=False)
         except OSError:
             pass  # a read-only directory keeps its old LRU order
         with self._lock:
@@ -329,11 +532,18 @@ class DiskBackend(StorageBackend):
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:
             self._index.discard(key)
-        try:
-            os.unlink(self.layout.chunk_path(key))
-        except OSError:
-            return False
-        return True
+        return self._unlink_counted(key) > 0
+
+    def _unlink_counted(self, key: ChunkKey, ino: int | None = None) -> int:
+        """:meth:`_unlink_chunk` with the freed bytes taken off the shared count."""
+        if self._budget is None:
+            return self._unlink_chunk(key, ino)
+        with self._budget.locked() as budget:
+            freed = self._unlink_chunk(key, ino)
+            if freed:
+                budget.add(-freed)
+            self._x["dir_bytes"] = budget.last
+        return freed
 
     def stats(self) -> BackendStats:
         with self._lock:
@@ -343,8 +553,15 @@ class DiskBackend(StorageBackend):
         return s
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if self._budget is not None:
+            self._budget.close()
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
 
     # -- helpers ------------------------------------------------------------------------
     def _read_error(self, path: Path, err: OSError) -> bool:
@@ -379,29 +596,12 @@ class DiskBackend(StorageBackend):
         """Remove a file that failed verification, unless another writer has since
         replaced it with a new file (different inode)."""
         log.warning("disk tier: %s is not a valid frame for its key (%s); removed", path, reason)
-        try:
-            if ino is None or os.stat(path).st_ino == ino:
-                os.unlink(path)
-        except OSError:
-            pass
+        self._unlink_counted(key, ino)
         with self._lock:
             self._index.discard(key)
             self._s.misses += 1
             self._s.errors += 1
             self._x["corrupt_removed"] += 1
-
-    def _delete(self, victims: list[tuple[ChunkKey, int]]) -> None:
-        for key, _ in victims:
-            try:
-                os.unlink(self.layout.chunk_path(key))
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                log.warning("disk tier: cannot evict %s: %s", key, err)
-                continue
-            with self._lock:
-                self._s.evictions += 1
-
 
 class _PendingFrame:
     """A frame about to be written: metadata plus payload. Its header (which holds

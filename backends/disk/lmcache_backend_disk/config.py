@@ -11,7 +11,9 @@ class DiskConfig(StrictModel):
     """Options of the disk tier; see docs/backends/disk.md for the guide."""
 
     path: str = Field(..., min_length=1, description="directory of the tier; created if missing")
-    max_size: ByteSize = Field(10 * 2**30, description="byte budget of the chunk files; LRU eviction above it")
+    max_size: ByteSize = Field(
+        10 * 2**30, description="byte budget of the directory (all processes sharing it); LRU eviction above it"
+    )
     fsync: bool = Field(True, description="fsync each chunk file and its directory before it becomes visible")
     o_direct: bool = Field(False, description="bypass the page cache with O_DIRECT where the filesystem allows it")
     io_threads: int = Field(4, ge=1, le=64, description="threads that scan and verify the directory at start-up")

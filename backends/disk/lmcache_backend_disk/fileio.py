@@ -1,12 +1,14 @@
-"""File I/O for chunk frames: atomic durable writes and whole-file reads, with
-optional O_DIRECT.
+"""File I/O for chunk frames: durable writes into a temp file and whole-file reads,
+with optional O_DIRECT, all relative to a directory descriptor and never through a
+symbolic link (``O_NOFOLLOW``).
 
 A chunk becomes visible only by ``rename`` of a complete, fsynced temp file in the
-same directory, so a crash at any point leaves either the old state or the whole new
-file, never a partial chunk under a chunk name. O_DIRECT needs aligned buffers,
-offsets and lengths: writes pad to the alignment and truncate back, reads use an
-aligned buffer; where the filesystem refuses O_DIRECT (tmpfs, some FUSE) the caller
-probes once with :func:`probe_o_direct` and falls back to buffered I/O.
+same directory (the backend renames it, under the directory's budget lock), so a
+crash at any point leaves either the old state or the whole new file, never a
+partial chunk under a chunk name. O_DIRECT needs aligned buffers, offsets and
+lengths: writes pad to the alignment and truncate back, reads use an aligned
+buffer; where the filesystem refuses O_DIRECT (tmpfs, some FUSE) the caller probes
+once with :func:`probe_o_direct` and falls back to buffered I/O.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ import errno
 import os
 import queue
 from concurrent.futures import Executor
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -25,6 +26,8 @@ ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC
 
 
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
@@ -67,78 +70,49 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[n:]
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def _published(final: Path, temp: Path, *, fsync: bool) -> Iterator[None]:
-    """Around writing ``temp``: on success rename it onto ``final`` (and make the
-    rename durable with ``fsync``); on any error remove ``temp`` and re-raise, so
-    ``final`` is never a partial file."""
-    try:
-        yield
-        os.rename(temp, final)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(final.parent)
-
-
-def write_atomic(
-    final: Path, temp: Path, parts: Sequence[bytes | memoryview], *, fsync: bool, o_direct: bool
-) -> None:
-    """Write the concatenation of ``parts`` to ``temp``, make it durable (``fsync``),
-    rename it onto ``final``. On any error the temp file is removed and the error
-    propagates; ``final`` is then untouched."""
+def write_atomic(temp: str, parts: Sequence[bytes | memoryview], *, dir_fd: int, fsync: bool, o_direct: bool) -> None:
+    """Write the concatenation of ``parts`` to the temp file ``temp`` in the
+    directory ``dir_fd`` and make it durable (``fsync``). The caller renames it into
+    place, or removes it when this raises."""
     views = [memoryview(p).cast("B") for p in parts]
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC
-    with _published(final, temp, fsync=fsync):
-        if o_direct:
-            size = sum(v.nbytes for v in views)
-            padded = aligned_empty(-(-size // ALIGN) * ALIGN)
-            pos = 0
+    if o_direct:
+        size = sum(v.nbytes for v in views)
+        padded = aligned_empty(-(-size // ALIGN) * ALIGN)
+        pos = 0
+        for v in views:
+            padded[pos : pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
+            pos += v.nbytes
+        padded[size:] = 0
+        fd = os.open(temp, _TEMP_FLAGS | _O_DIRECT, 0o644, dir_fd=dir_fd)
+        try:
+            _write_all(fd, memoryview(padded))
+            os.ftruncate(fd, size)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:
+        fd = os.open(temp, _TEMP_FLAGS, 0o644, dir_fd=dir_fd)
+        try:
             for v in views:
-                padded[pos : pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
-                pos += v.nbytes
-            padded[size:] = 0
-            fd = os.open(temp, flags | _O_DIRECT, 0o644)
-            try:
-                _write_all(fd, memoryview(padded))
-                os.ftruncate(fd, size)
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        else:
-            fd = os.open(temp, flags, 0o644)
-            try:
-                for v in views:
-                    _write_all(fd, v)
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                _write_all(fd, v)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
-def read_whole(path: Path, *, o_direct: bool, max_bytes: int) -> tuple[np.ndarray, int]:
-    """The file's bytes and its inode number (to tell it apart from a file that
-    replaced it later). Raises OSError (FileNotFoundError on a miss), or ValueError
-    when the file is larger than ``max_bytes``."""
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if o_direct else 0))
+def read_whole(name: str, *, dir_fd: int, o_direct: bool, max_bytes: int) -> tuple[np.ndarray, int]:
+    """The bytes of the file ``name`` in the directory ``dir_fd`` (never through a
+    link) and its inode number (to tell it apart from a file that replaced it
+    later). Raises OSError (FileNotFoundError on a miss, ELOOP for a link), or
+    ValueError when the file is larger than ``max_bytes``."""
+    fd = os.open(name, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | (_O_DIRECT if o_direct else 0), dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         size = st.st_size
         if size > max_bytes:
-            raise ValueError(f"{path} is {size} bytes, more than any frame ({max_bytes})")
+            raise ValueError(f"{name} is {size} bytes, more than any frame ({max_bytes})")
         cap = -(-size // ALIGN) * ALIGN if o_direct else size
         buf = aligned_empty(max(cap, ALIGN) if o_direct else cap)
         view = memoryview(buf)
@@ -166,37 +140,36 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def write_parts_atomic(
-    final: Path,
-    temp: Path,
+def write_parts(
+    temp: str,
     *,
+    dir_fd: int,
     header_len: int,
     payload: memoryview,
     make_header: Callable[[], bytes],
     fsync: bool,
-    pool: Executor | None,
+    pool: Executor | None = None,
 ) -> None:
     """Like :func:`write_atomic` for a frame given as a payload plus a header that
     is computed (the payload hashed) by ``make_header`` while a pool thread writes the
     payload at ``header_len``. The header must be exactly ``header_len`` bytes."""
-    fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_CLOEXEC, 0o644)
-    with _published(final, temp, fsync=fsync):
+    fd = os.open(temp, _TEMP_FLAGS, 0o644, dir_fd=dir_fd)
+    try:
+        fut = pool.submit(_pwrite_all, fd, payload, header_len) if pool and payload.nbytes >= _OVERLAP_MIN else None
         try:
-            fut = pool.submit(_pwrite_all, fd, payload, header_len) if pool and payload.nbytes >= _OVERLAP_MIN else None
-            try:
-                header = make_header()
-            finally:
-                if fut is not None:
-                    fut.result()  # never leave a thread writing to a closed fd
-            if fut is None:
-                _pwrite_all(fd, payload, header_len)
-            if len(header) != header_len:
-                raise RuntimeError(f"frame header is {len(header)} bytes, expected {header_len}")
-            _pwrite_all(fd, memoryview(header), 0)
-            if fsync:
-                os.fsync(fd)
+            header = make_header()
         finally:
-            os.close(fd)
+            if fut is not None:
+                fut.result()  # never leave a thread writing to a closed fd
+        if fut is None:
+            _pwrite_all(fd, payload, header_len)
+        if len(header) != header_len:
+            raise RuntimeError(f"frame header is {len(header)} bytes, expected {header_len}")
+        _pwrite_all(fd, memoryview(header), 0)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _pread_segments(fd: int, dst: memoryview, offset: int, done: "queue.SimpleQueue[object]") -> None:

@@ -38,11 +38,11 @@ def read_frame_header(fd: int, size: int) -> tuple[FrameInfo, dict[str, str], in
     return parse_header_prefix(head, size)
 
 
-def check_frame_file(path: str, size: int, expect_key: str) -> None:
-    """Raise :class:`~lmcache_core.serde.FrameError` unless ``path`` (``size``
-    bytes) starts with a valid frame header for ``expect_key`` whose lengths add up
-    to exactly ``size``."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+def check_frame_file(name: str, size: int, expect_key: str, *, dir_fd: int | None = None) -> None:
+    """Raise :class:`~lmcache_core.serde.FrameError` unless the file ``name`` in the
+    directory ``dir_fd`` (``size`` bytes; never opened through a link) starts with a
+    valid frame header for ``expect_key`` whose lengths add up to exactly ``size``."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
     try:
         info, _, _ = read_frame_header(fd, size)
     finally:

@@ -3,11 +3,17 @@
 ::
 
     <path>/LMCACHE_DISK_TIER        marker: this directory belongs to a disk tier
+    <path>/LMCACHE_DISK_TIER.usage  the directory's byte count, shared by its processes (see budget.py)
     <path>/<hh>/<key.to_str()>      one chunk frame; <hh> = first two hex chars of the chunk hash
-    <path>/<hh>/.tmp-<pid>-<rand>   a write in progress (renamed onto the chunk name when complete)
+    <path>/<hh>/.tmp-<pid>-<rand>-<bytes>
+                                    a write in progress of a <bytes>-byte frame (renamed onto the
+                                    chunk name when complete)
 
 The marker keeps the tier from ever deleting files in a directory it does not own:
-a non-empty directory without it is refused.
+a non-empty directory without it is refused. Inside the directory the tier never
+follows a symbolic link: shard directories are opened with ``O_NOFOLLOW`` and every
+file operation is relative to that descriptor (:meth:`Layout.open_shard`), and the
+only files it deletes are ones whose names it gives (chunk and temp names).
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ from pathlib import Path
 from lmcache_core.keys import ChunkKey
 
 MARKER = "LMCACHE_DISK_TIER"
+USAGE = "LMCACHE_DISK_TIER.usage"
 MARKER_TEXT = "lmcache-core disk tier, layout 1\n"
 TMP_PREFIX = ".tmp-"
 FANOUT = [f"{i:02x}" for i in range(256)]
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -35,12 +43,25 @@ class Layout:
     def chunk_path(self, key: ChunkKey) -> Path:
         return self.shard(key) / key.to_str()
 
-    def temp_path(self, key: ChunkKey) -> Path:
-        return self.shard(key) / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-
     @property
     def marker(self) -> Path:
         return self.root / MARKER
+
+
+def temp_name(nbytes: int) -> str:
+    """A fresh temp file name of this process for a frame of ``nbytes`` bytes: the
+    size in the name lets any process count the write's reservation."""
+    return f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-{nbytes}"
+
+
+def shard_name(key: ChunkKey) -> str:
+    return key.chunk_hash[:1].hex()
+
+
+def open_dir(name: str, dir_fd: int | None) -> int:
+    """Open the directory ``name`` (relative to ``dir_fd``) without following a
+    symbolic link: a link (or anything but a directory) raises OSError."""
+    return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
 
 
 def parse_chunk_name(shard: str, name: str) -> ChunkKey | None:
@@ -59,6 +80,12 @@ def temp_owner_pid(name: str) -> int | None:
         return None
     pid, _, _ = name[len(TMP_PREFIX) :].partition("-")
     return int(pid) if pid.isdigit() else None
+
+
+def temp_reserved_bytes(name: str) -> int:
+    """The frame size a temp file name declares (0 for names without one)."""
+    tail = name[len(TMP_PREFIX) :].split("-")
+    return int(tail[2]) if len(tail) == 3 and tail[2].isdigit() else 0
 
 
 def pid_alive(pid: int) -> bool:

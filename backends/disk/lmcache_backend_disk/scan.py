@@ -1,27 +1,32 @@
 """The start-up scan: rebuild the index from the directory and clean what a crash
-or a stray copy left behind.
+left behind; and :func:`count`, the directory's byte count for the shared budget.
 
 Per shard directory (in parallel, ``io_threads``): chunk files become index entries
 ``(key, size, mtime_ns)``; with ``verify`` each file's header must match its name and
 size, else it is removed; temp files whose writer is gone (or that are older than
 :data:`STALE_TEMP_S`) are removed, while those of a live writer in another process
-are left alone; files that are not ours inside a shard are removed.
+are left alone.
+
+Only files the tier names (chunk and temp names) are ever removed. Anything else
+in a shard (a stray file, a symbolic link, a directory) is left alone and counted
+as ``foreign_kept``; a shard that is a symbolic link is not entered at all
+(``shards_refused``), so nothing outside the cache directory is read or deleted.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import FrameError
 
 from .frames import check_frame_file
-from .layout import FANOUT, TMP_PREFIX, parse_chunk_name, pid_alive, temp_owner_pid
+from .layout import FANOUT, TMP_PREFIX, open_dir, parse_chunk_name, pid_alive, temp_owner_pid, temp_reserved_bytes
 
 log = logging.getLogger(__name__)
 
@@ -33,75 +38,92 @@ class ScanResult:
     entries: list[tuple[ChunkKey, int, int]] = field(default_factory=list)
     stale_temps: int = 0
     bad_removed: int = 0
-    foreign_removed: int = 0
+    foreign_kept: int = 0
+    shards_refused: int = 0
+    reserved_bytes: int = 0  # frames being written by live processes (from temp names)
 
     def merge(self, other: "ScanResult") -> None:
         self.entries.extend(other.entries)
         self.stale_temps += other.stale_temps
         self.bad_removed += other.bad_removed
-        self.foreign_removed += other.foreign_removed
+        self.foreign_kept += other.foreign_kept
+        self.shards_refused += other.shards_refused
+        self.reserved_bytes += other.reserved_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(size for _, size, _ in self.entries)
 
 
-def _unlink(path: str, why: str) -> bool:
+def _unlink(name: str, dir_fd: int, where: str, why: str) -> bool:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     except OSError as err:
-        log.warning("disk tier: cannot remove %s (%s): %s", path, why, err)
+        log.warning("disk tier: cannot remove %s/%s (%s): %s", where, name, why, err)
         return False
-    log.warning("disk tier: removed %s: %s", path, why)
+    log.warning("disk tier: removed %s/%s: %s", where, name, why)
     return True
 
 
-def _scan_shard(shard_dir: str, shard: str, verify: bool, now: float) -> ScanResult:
+def _scan_shard(root_fd: int, root: str, shard: str, verify: bool, clean: bool, now: float) -> ScanResult:
     res = ScanResult()
+    where = os.path.join(root, shard)
     try:
-        it = os.scandir(shard_dir)
-    except (FileNotFoundError, NotADirectoryError):
+        dfd = open_dir(shard, root_fd)
+    except FileNotFoundError:
+        return res
+    except OSError as err:
+        log.warning(
+            "disk tier: %s is not a directory (a symbolic link?): %s; the tier never follows links inside its "
+            "directory, so that shard is not used; replace it with an empty directory", where, err.strerror or err,
+        )
+        res.shards_refused += 1
         return res
     me = os.getpid()
-    with it:
-        for entry in it:
+    try:
+        for entry in os.scandir(dfd):
             name = entry.name
-            path = entry.path
             try:
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                st = entry.stat(follow_symlinks=False)
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:
                 continue
-            if name.startswith(TMP_PREFIX):
-                pid = temp_owner_pid(name)
+            if not stat.S_ISREG(st.st_mode):
+                res.foreign_kept += 1  # a link, directory, device...: not ours, never touched
+                continue
+            if name.startswith(TMP_PREFIX) and (pid := temp_owner_pid(name)) is not None:
                 young = now - st.st_mtime < STALE_TEMP_S
-                if pid is not None and young and pid != me and pid_alive(pid):
+                if young and (pid != me or not clean) and pid_alive(pid):
+                    res.reserved_bytes += temp_reserved_bytes(name)
                     continue
-                if _unlink(path, "unfinished write left by a process that is gone"):
+                if clean and _unlink(name, dfd, where, "unfinished write left by a process that is gone"):
                     res.stale_temps += 1
                 continue
             key = parse_chunk_name(shard, name)
             if key is None:
-                if _unlink(path, "not a chunk file of this tier"):
-                    res.foreign_removed += 1
+                res.foreign_kept += 1
                 continue
             if verify:
                 try:
-                    check_frame_file(path, st.st_size, name)
+                    check_frame_file(name, st.st_size, name, dir_fd=dfd)
                 except (FrameError, OSError) as err:
-                    if _unlink(path, f"not a valid frame ({err})"):
+                    if _unlink(name, dfd, where, f"not a valid frame ({err})"):
                         res.bad_removed += 1
                     continue
             res.entries.append((key, st.st_size, st.st_mtime_ns))
+    finally:
+        os.close(dfd)
     return res
 
 
-def scan(root: Path, *, verify: bool, pool: Executor | None) -> ScanResult:
-    """Scan every shard of ``root`` (on ``pool``'s threads, if given); see the
-    module docstring."""
+def scan(root_fd: int, root: str, *, verify: bool, clean: bool = True, pool: Executor | None) -> ScanResult:
+    """Scan every shard of the tier directory open as ``root_fd`` (on ``pool``'s
+    threads, if given); see the module docstring. With ``clean=False`` nothing is
+    removed (a listing for the budget count)."""
     now = time.time()
     total = ScanResult()
-    base = str(root)
-    work = lambda s: _scan_shard(os.path.join(base, s), s, verify, now)  # noqa: E731
+    work = lambda s: _scan_shard(root_fd, root, s, verify, clean, now)  # noqa: E731
     for part in (pool.map(work, FANOUT) if pool is not None else map(work, FANOUT)):
         total.merge(part)
     return total

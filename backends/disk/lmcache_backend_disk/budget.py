@@ -1,0 +1,75 @@
+"""The byte budget of one tier directory, shared by every process that uses it.
+
+Each process used to enforce ``max_size`` over the chunks it knew about, so N
+processes sharing a directory could grow it to about N times the budget. Now the
+directory's byte count lives in ``<path>/LMCACHE_DISK_TIER.usage`` (8 bytes, little
+endian) and every change to the directory's chunk and temp files happens while
+holding an exclusive ``flock`` on that file, together with the matching change of
+the count:
+
+* reserve: before a frame is written, evict until ``count + size <= max_size``,
+  then add ``size`` and create the temp file (its name carries the size);
+* publish: rename the temp onto the chunk name, subtracting the size of a chunk
+  file it replaces;
+* unlink (eviction, removal, a corrupt file, a failed write): subtract the size
+  of the file actually removed.
+
+So the count is the size of the chunk files plus the frames being written, and
+it never exceeds ``max_size`` after a reservation. A process that dies mid-write
+leaves its reservation counted (the directory stays smaller, never larger); every
+process recounts the directory under the lock at start-up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+_U64 = struct.Struct("<Q")
+
+
+class DirBudget:
+    """The shared count, with a lock that excludes other threads and processes."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one descriptor
+        self._held = False
+        self.last = 0  # the count as last seen, for stats (no syscall to read it)
+
+    @contextmanager
+    def locked(self) -> Iterator["DirBudget"]:
+        with self._thread_lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._held = True
+            try:
+                yield self
+            finally:
+                self._held = False
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def value(self) -> int:
+        assert self._held, "read the count only under locked()"
+        raw = os.pread(self._fd, 8, 0)
+        self.last = _U64.unpack(raw)[0] if len(raw) == 8 else 0
+        return self.last
+
+    def set(self, nbytes: int) -> None:
+        assert self._held, "change the count only under locked()"
+        self.last = max(0, nbytes)
+        os.pwrite(self._fd, _U64.pack(self.last), 0)
+
+    def add(self, delta: int) -> int:
+        self.set(self.value() + delta)
+        return self.last
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass

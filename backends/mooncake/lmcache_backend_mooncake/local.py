@@ -1,0 +1,138 @@
+"""A Mooncake Store on this machine, from the binaries in the client wheel: for
+development, tests and benchmarks (production runs the master and store services
+under its own supervision).
+
+``LocalMaster`` runs ``mooncake_master`` with its HTTP metadata server on free ports
+of 127.0.0.1; ``LocalSegmentOwner`` runs ``mooncake_client``, a store service that
+contributes DRAM to the pool. Both can be killed and started again on the same
+ports. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+START_TIMEOUT_S = 20.0
+
+
+def wheel_dir() -> Path:
+    """The installed client wheel's directory (it holds the binaries)."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the Mooncake client is not installed: pip install mooncake-transfer-engine-non-cuda")
+    path = Path(list(spec.submodule_search_locations)[0])
+    if not (path / "mooncake_master").exists():
+        raise RuntimeError(f"{path} has no mooncake_master binary; reinstall mooncake-transfer-engine-non-cuda")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait(timeout=10)
+    raise RuntimeError(f"{what} not ready within {START_TIMEOUT_S}s: {log.read_text(errors='replace')[-2000:]}")
+
+
+def _kill(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+class LocalMaster:
+    """``mooncake_master`` on 127.0.0.1 with its HTTP metadata server; logs in ``workdir``."""
+
+    def __init__(self, workdir: Path, *, client_ttl_s: int = 3) -> None:
+        self.bin = wheel_dir()
+        self.workdir = workdir
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.client_ttl_s = client_ttl_s
+        self.master = f"127.0.0.1:{self.rpc_port}"
+        self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        log = self.workdir / "master.log"
+        args = [
+            str(self.bin / "mooncake_master"),
+            f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.http_port}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+            f"--client_ttl={self.client_ttl_s}", "--rpc_thread_num=2", "--enable_metric_reporting=false",
+        ]
+        self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.workdir)
+
+        def ready() -> bool:
+            with socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2):
+                pass
+            try:
+                urllib.request.urlopen(f"{self.metadata}?key=probe", timeout=0.5).close()
+            except urllib.error.HTTPError:
+                pass  # 404 for an unknown key: the server answers
+            return True
+
+        _wait(ready, self.proc, "mooncake_master", log)
+
+    def kill(self) -> None:
+        _kill(self.proc)
+        self.proc = None
+
+    def options(self, **options: Any) -> dict[str, Any]:
+        """The mooncake factory's section for this master (a ``backends:`` entry less ``name``)."""
+        return {"master": self.master, "metadata": self.metadata, "local_hostname": "127.0.0.1", **options}
+
+    def section(self, **options: Any) -> dict[str, Any]:
+        return {"name": "mooncake", **self.options(**options)}
+
+
+class LocalSegmentOwner:
+    """The wheel's ``mooncake_client`` store service, contributing ``size_mib`` of DRAM."""
+
+    def __init__(self, master: LocalMaster, size_mib: int = 256) -> None:
+        self.master = master
+        self.size_mib = size_mib
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        log = self.master.workdir / f"owner-{self.port}.log"
+        args = [
+            str(self.master.bin / "mooncake_client"),
+            f"--master_server_address={self.master.master}", f"--metadata_server={self.master.metadata}",
+            "--host=127.0.0.1", f"--port={self.port}", f"--global_segment_size={self.size_mib} MB",
+            "--local_buffer_size=16 MB", "--protocol=tcp",
+        ]
+        with log.open("ab") as f:
+            start = f.tell()
+        self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.master.workdir)
+        _wait(lambda: b"Starting real client service" in log.read_bytes()[start:], self.proc, "mooncake_client", log)
+
+    def kill(self) -> None:
+        _kill(self.proc)
+        self.proc = None

@@ -2,9 +2,10 @@
 (or env var) and key, in bounded time and memory.
 
 Figures checked: the 605-byte YAML alias bomb and ``/dev/zero`` as a config file
-make ``lmcache-core config --show`` exit 2 in < 5 s with < 64 MiB more peak RSS than
-showing a valid config, under an address-space limit of 256 MiB above the imports
-(a fresh subprocess, ``resource.getrusage`` and ``RLIMIT_AS``);
+make ``lmcache-core config --show`` exit 2 in < 5 s with < 64 MiB peak RSS growth,
+under an address-space limit of 256 MiB above the imports (a fresh subprocess,
+``resource.getrusage`` and ``RLIMIT_AS``; a valid config shown by the same process
+is the control);
 a CPU tier larger than the machine's available memory is refused before any
 allocation; sizes use exact arithmetic; peer secrets under 16 bytes are refused.
 """
@@ -113,36 +114,34 @@ CLI_PROBE = textwrap.dedent(
     """
     import contextlib, io, json, resource, sys, time
     from lmcache_core.cli import main
-    path = sys.argv[1]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # A hard bound, not just a measurement: at most 256 MiB more address space than
     # the imports took, so an expanding document fails with MemoryError here.
     vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
-    err = io.StringIO()
-    t0 = time.perf_counter()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = main(["config", "--show", "-f", path])
-    rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
-    print(json.dumps({"rc": rc, "s": time.perf_counter() - t0, "rss_mib": rss, "err": err.getvalue()}))
+    for path in sys.argv[1:]:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        err = io.StringIO()
+        t0 = time.perf_counter()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(["config", "--show", "-f", path])
+        rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+        print(json.dumps({"rc": rc, "s": time.perf_counter() - t0, "rss_mib": rss, "err": err.getvalue()}))
     """
 )
 
 
-def _show(path: str) -> dict[str, object]:
-    proc = subprocess.run([sys.executable, "-c", CLI_PROBE, path], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_config_show_on_a_bomb_or_a_device_is_bounded(tmp_path: Path) -> None:
-    bomb, dev = _show(str(write(tmp_path, LAUGHS))), _show("/dev/zero")
-    control = _show(str(write(tmp_path, "chunk_size: 128\n", "ok.yaml")))
+    """One fresh process shows the bomb, then /dev/zero, then a valid config (the
+    control, which must succeed); peak RSS growth is measured per call."""
+    paths = [str(write(tmp_path, LAUGHS)), "/dev/zero", str(write(tmp_path, "chunk_size: 128\n", "ok.yaml"))]
+    proc = subprocess.run([sys.executable, "-c", CLI_PROBE, *paths], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bomb, dev, control = (json.loads(line) for line in proc.stdout.strip().splitlines()[-3:])
     print(json.dumps({"bomb": bomb, "dev_zero": dev, "control": control}, indent=1))
     assert control["rc"] == 0
     for res, what in ((bomb, "expands to more than"), (dev, "not a regular file")):
         assert res["rc"] == 2 and what in str(res["err"]), res
-        assert res["s"] < 5.0 and float(res["rss_mib"]) < float(control["rss_mib"]) + 64, (res, control)
+        assert res["s"] < 5.0 and float(res["rss_mib"]) < 64, res
 
 
 # -- memory ----------------------------------------------------------------------------------

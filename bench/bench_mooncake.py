@@ -1,0 +1,214 @@
+"""Mooncake tier throughput vs the store's own raw batch calls, side by side with the
+peer and S3 tiers, for the same chunks (default 64 x 4 MiB fp16).
+
+    python bench/bench_mooncake.py [--quick] [--chunks N] [--chunk-mib M] [--rounds R] [--no-others]
+
+A ``mooncake_master`` and a segment owner (``mooncake_client``, the wheel's store
+service) run on 127.0.0.1, each in its own process; the client side is this process.
+
+- raw store: ``batch_put_from`` / ``batch_get_into`` of the chunks' bytes from and
+  into registered memory: the floor (no frames, no checks, no deadlines);
+- tier batch: ``MooncakeBackend.put_batch`` / ``get_batch`` on chunks that live in
+  the engine's pool (registered), frames checksummed and verified;
+- tier per chunk: ``put`` / ``get`` one chunk per call, as the engine's write-behind
+  and retrieve call a tier today;
+- peer and s3: the same chunks through ``PeerBackend`` (``lmcache-peer-serve`` child,
+  ``push``) and ``S3Backend`` (moto child), one chunk per call.
+
+Rounds alternate between the paths so load from other processes hits all alike;
+keys are fresh each round and removed after it. Target: tier batch >= 0.7 x raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+import torch  # noqa: E402
+
+from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
+from lmcache_backend_mooncake.local import LocalMaster, LocalSegmentOwner  # noqa: E402
+from lmcache_core.keys import ChunkKey, KeyNamespace  # noqa: E402
+from lmcache_core.testing import make_context  # noqa: E402
+
+MOTO = """
+import sys, logging
+logging.disable(logging.INFO)
+from moto.server import ThreadedMotoServer
+s = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+s.start()
+print(s._server.server_port, flush=True)
+sys.stdin.read()
+s.stop()
+"""
+
+
+def rate(nbytes: int, fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - t0)
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise SystemExit(f"benchmark aborted: {what}")
+
+
+class Others:
+    """The peer and s3 tiers, each against its server in a child process."""
+
+    def __init__(self, tmp: Path, capacity: int) -> None:
+        from lmcache_backend_peer import create_peer_backend
+        from lmcache_backend_s3 import create_s3_backend
+
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                          AWS_EC2_METADATA_DISABLED="true")
+        secret = uuid.uuid4().hex
+        (tmp / "secret").write_text(secret)
+        exe = shutil.which("lmcache-peer-serve", path=os.path.dirname(sys.executable)) or "lmcache-peer-serve"
+        self.peer_proc = subprocess.Popen(
+            [exe, "--listen", "127.0.0.1:0", "--secret-file", str(tmp / "secret"), "--max-size", str(capacity)],
+            stdout=subprocess.PIPE, text=True,
+        )
+        address = (self.peer_proc.stdout.readline() if self.peer_proc.stdout else "").strip().removeprefix("listening on ")
+        self.moto = subprocess.Popen([sys.executable, "-c", MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        endpoint = f"http://127.0.0.1:{int(self.moto.stdout.readline())}" if self.moto.stdout else ""
+        import boto3
+
+        bucket = f"bench-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        ctx = make_context(pool_bytes=1 << 20)
+        self.tiers = {
+            "peer": create_peer_backend(
+                {"peers": [address], "secret": secret, "max_size": 0, "push": True, "timeout_ms": 60_000}, ctx
+            ),
+            "s3": create_s3_backend(
+                {"bucket": bucket, "endpoint_url": endpoint, "addressing_style": "path", "read_timeout_s": 120,
+                 "check_exists_before_put": False}, ctx
+            ),
+        }
+
+    def close(self) -> None:
+        for t in self.tiers.values():
+            t.close()
+        self.peer_proc.kill()
+        if self.moto.stdin:
+            self.moto.stdin.close()
+        self.moto.wait(timeout=30)
+        self.peer_proc.wait(timeout=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16 chunks, 2 rounds")
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--chunk-mib", type=float, default=4.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-others", action="store_true", help="skip the peer and s3 tiers")
+    args = ap.parse_args()
+    n, rounds = (16, 2) if args.quick else (args.chunks, args.rounds)
+    size = int(args.chunk_mib * (1 << 20)) // 2 * 2
+    total = n * size
+    torch.set_num_threads(1)
+
+    from mooncake.store import MooncakeDistributedStore
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-mooncake-"))
+    master = LocalMaster(tmp)
+    owner = LocalSegmentOwner(master, size_mib=max(256, 3 * total // (1 << 20)))
+    others = None if args.no_others else Others(tmp, total + (64 << 20))
+    try:
+        ctx = make_context(pool_bytes=2 * total + (16 << 20))
+        tier = create_mooncake_backend(
+            master.options(key_prefix="bench/", staging_size=total + total // 8 + (16 << 20), timeout_ms=60_000), ctx
+        )
+        raw = MooncakeDistributedStore()
+        check(raw.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.master) == 0, "raw client setup")
+        src_bufs = [ctx.pool.allocate((size // 2,), torch.float16) for _ in range(n)]
+        dst_bufs = [ctx.pool.allocate((size // 2,), torch.float16) for _ in range(n)]
+        check(all(b is not None for b in src_bufs + dst_bufs), "pool too small")
+        srcs = [b.tensor for b in src_bufs if b is not None]
+        dsts = [b.tensor for b in dst_bufs if b is not None]
+        for t in srcs:
+            t.copy_(torch.randn(t.shape))
+        for t in srcs + dsts:  # the raw client gets the same zero-copy access the tier has
+            check(raw.register_buffer(t.data_ptr(), size) == 0, "register_buffer")
+        ns = KeyNamespace(model="bench")
+        res: dict[str, list[float]] = {}
+
+        def record(name: str, value: float) -> None:
+            res.setdefault(name, []).append(value)
+
+        for r in range(rounds):
+            keys: list[ChunkKey] = [ns.key(os.urandom(16)) for _ in range(n)]
+            names = [f"raw/{r}/{i}" for i in range(n)]
+            src_ptrs, dst_ptrs, sizes = [t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts], [size] * n
+            record("put raw store (batch_put_from)", rate(total, lambda: check(
+                all(c == 0 for c in raw.batch_put_from(names, src_ptrs, sizes)), "raw put")))
+            record("put tier batch (put_batch)", rate(total, lambda: check(
+                all(tier.put_batch(list(zip(keys, srcs)))), "tier put_batch")))
+            record("get raw store (batch_get_into)", rate(total, lambda: check(
+                all(c == size for c in raw.batch_get_into(names, dst_ptrs, sizes)), "raw get")))
+            record("get tier batch (get_batch)", rate(total, lambda: check(
+                all(tier.get_batch(keys, dsts)), "tier get_batch")))
+            check(all(torch.equal(a, b) for a, b in zip(srcs, dsts)), "tier returned wrong bytes")
+            tier_keys = [tier._name(k) for k in keys]
+            raw.batch_remove(tier_keys + names, True)
+
+            keys = [ns.key(os.urandom(16)) for _ in range(n)]
+            record("put tier per chunk (put)", rate(total, lambda: check(
+                all(tier.put(k, t) for k, t in zip(keys, srcs)), "tier put")))
+            record("get tier per chunk (get)", rate(total, lambda: check(
+                tier.contains(keys) == n and all(tier.get(k, t) for k, t in zip(keys, dsts)), "tier get")))
+            raw.batch_remove([tier._name(k) for k in keys], True)
+
+            if others is not None:
+                for name, other in others.tiers.items():
+                    okeys = [ns.key(os.urandom(16)) for _ in range(n)]
+                    record(f"put {name} per chunk (put)", rate(total, lambda: check(
+                        all(other.put(k, t) for k, t in zip(okeys, srcs)), f"{name} put")))
+                    record(f"get {name} per chunk (get)", rate(total, lambda: check(
+                        all(other.get(k, t) for k, t in zip(okeys, dsts)), f"{name} get")))
+                    for k in okeys:
+                        other.remove(k)
+        stats = tier.stats()
+        tier.close()
+        raw.close()
+    finally:
+        if others is not None:
+            others.close()
+        owner.kill()
+        master.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"mooncake tier vs the store's raw batch calls: {n} chunks x {size / (1 << 20):.1f} MiB fp16, "
+          f"median of {rounds} alternating rounds; master and segment owner on loopback (tcp), "
+          f"{os.cpu_count()} CPUs shared")
+    print(f"{'path':<36}{'MB/s':>10}{'ratio vs raw':>15}")
+    for op in ("put", "get"):
+        base = statistics.median(res[f"{op} raw store ({'batch_put_from' if op == 'put' else 'batch_get_into'})"])
+        for name, vals in res.items():
+            if name.startswith(op):
+                med = statistics.median(vals)
+                print(f"{name:<36}{med / 1e6:>10.1f}{med / base:>15.2f}")
+    for op, call in (("put", "put_batch"), ("get", "get_batch")):
+        base = statistics.median(res[f"{op} raw store ({'batch_put_from' if op == 'put' else 'batch_get_into'})"])
+        ratio = statistics.median(res[f"{op} tier batch ({call})"]) / base
+        print(f"target: {op} tier batch >= 0.70 x raw -> {'met' if ratio >= 0.7 else 'NOT met'} ({ratio:.2f})")
+    print(f"zero-copy puts: {stats.extra['zero_copy_puts']}, copied puts: {stats.extra['copied_puts']}, "
+          f"errors: {stats.errors}, skipped: {stats.skipped}")
+
+
+if __name__ == "__main__":
+    main()

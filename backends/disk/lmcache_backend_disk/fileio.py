@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import stat
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -42,21 +43,27 @@ def probe_o_direct(directory: Path) -> str | None:
     if not _O_DIRECT:
         return "O_DIRECT is not available on this platform"
     probe = directory / f".tmp-{os.getpid()}-odirect-probe"
+    try:  # O_NOFOLLOW: a link planted under the probe's name is refused, never truncated
+        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_TRUNC | _O_NOFOLLOW | _O_DIRECT | _O_CLOEXEC, 0o644)
+    except OSError as err:
+        try:  # some filesystems create the file, then refuse O_DIRECT: remove it, never a link
+            if stat.S_ISREG(os.lstat(probe).st_mode):
+                os.unlink(probe)
+        except OSError:
+            pass
+        return f"O_DIRECT refused in {directory}: {err.strerror or err}"
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_TRUNC | _O_DIRECT | _O_CLOEXEC, 0o644)
-        try:
-            buf = aligned_empty(ALIGN)
-            buf[:] = 0
-            os.write(fd, buf)
-            os.lseek(fd, 0, os.SEEK_SET)
-            os.readv(fd, [buf])
-        finally:
-            os.close(fd)
+        buf = aligned_empty(ALIGN)
+        buf[:] = 0
+        os.write(fd, buf)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.readv(fd, [buf])
     except OSError as err:
         return f"O_DIRECT refused in {directory}: {err.strerror or err}"
     finally:
+        os.close(fd)
         try:
-            os.unlink(probe)
+            os.unlink(probe)  # only a file this call opened (created or truncated) as a regular file
         except OSError:
             pass
     return None

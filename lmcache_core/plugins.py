@@ -37,6 +37,7 @@ KNOWN_BACKENDS = {
     "s3": "lmcache-core[s3]",
     "peer": "lmcache-core[peer]",
     "redis": "lmcache-core[redis]",
+    "mooncake": "lmcache-core[mooncake]",
 }
 
 

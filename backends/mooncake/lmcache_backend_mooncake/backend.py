@@ -61,7 +61,8 @@ class MooncakeBackend(StorageBackend):
         self.cfg = cfg
         self.codec = codec
         self.codecs = dict(codecs)
-        self.write_concurrency = cfg.max_inflight
+        # Background writers get half the workers, so lookups and loads always find one free.
+        self.write_concurrency = max(1, cfg.max_inflight // 2)
         self.timeout_s = cfg.timeout_ms / 1000
         self._client_factory = client_factory
         self._gate = HealthGate(cfg.down_cooldown_ms / 1000)

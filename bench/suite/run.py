@@ -19,10 +19,11 @@ Systems, each on a fresh engine per workload, one request at a time:
 - ``vllm-prefix-cache``: vLLM's in-engine prefix cache, no connector;
 - ``example-connector``: vLLM's ExampleConnector (safetensors files), prefix caching off;
 - ``lmc-cpu``: lmcache-core, CPU tier;
-- ``lmc-disk`` / ``lmc-s3`` / ``lmc-peer`` / ``lmc-redis``: lmcache-core with a small CPU tier in front
+- ``lmc-disk`` / ``lmc-s3`` / ``lmc-peer`` / ``lmc-redis`` / ``lmc-mooncake``: lmcache-core with a small CPU tier in front
   of a disk tier, an S3 tier (moto on loopback, separate process) or a peer cache node
   (``lmcache-peer-serve``, separate process) or a ``redis-server`` on loopback (its own
-  process, no persistence), so repeat hits are read from that tier.
+  process, no persistence) or a Mooncake Store (``mooncake_master`` and a 2 GiB segment
+  owner from the client wheel, on loopback), so repeat hits are read from that tier.
 
 Connector systems run with vLLM's prefix caching off, so every hit counted comes from
 the connector. TTFT = wall time of ``LLM.generate`` with ``max_tokens=1``. Between
@@ -233,6 +234,21 @@ class RedisProcess:
             self.proc.kill()
 
 
+class MooncakeStore:
+    """``mooncake_master`` plus one 2 GiB segment owner on 127.0.0.1, from the client wheel."""
+
+    def __init__(self, root: Path) -> None:
+        from lmcache_backend_mooncake.local import LocalMaster, LocalSegmentOwner
+
+        os.environ.setdefault("GLOG_minloglevel", "2")
+        self.master = LocalMaster(Path(tempfile.mkdtemp(prefix="mooncake-", dir=root)))
+        self.owner = LocalSegmentOwner(self.master, size_mib=2048)
+
+    def stop(self) -> None:
+        self.owner.kill()
+        self.master.kill()
+
+
 # ---------------------------------------------------------------------------- systems
 
 
@@ -252,6 +268,7 @@ class Services:
         self.moto: MotoProcess | None = None
         self.peer: PeerNode | None = None
         self.redis: RedisProcess | None = None
+        self.mooncake: MooncakeStore | None = None
         self.secret = secrets.token_hex(16)
         # CPU tier in front of disk/s3/peer: the largest prompt's KV plus two chunks
         # (a load stages all of a request's chunks in the pool at once, so a smaller tier
@@ -278,8 +295,14 @@ class Services:
         # a fresh prefix per engine: an empty cache without restarting the server
         return {"name": "redis", "url": f"redis://127.0.0.1:{self.redis.port}/0", "prefix": f"bench-{uuid.uuid4().hex[:8]}:"}
 
+    def mooncake_section(self) -> dict[str, Any]:
+        if self.mooncake is None:
+            self.mooncake = MooncakeStore(self.root)
+        # a fresh key prefix per engine: an empty cache without restarting the store
+        return self.mooncake.master.section(key_prefix=f"bench-{uuid.uuid4().hex[:8]}/")
+
     def close(self) -> None:
-        for s in (self.peer, self.moto, self.redis):
+        for s in (self.peer, self.moto, self.redis, self.mooncake):
             if s is not None:
                 s.stop()
 
@@ -293,6 +316,7 @@ SYSTEMS = [
     System("lmc-s3", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.s3_section()]),
     System("lmc-peer", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.peer_section()]),
     System("lmc-redis", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.redis_section()]),
+    System("lmc-mooncake", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.mooncake_section()]),
 ]
 
 
@@ -614,7 +638,7 @@ def render(
         + f". Model: random-weight Llama {spec.tag()}, float32, vLLM CPU backend, eager, "
         f"vLLM KV cache {report.fmt_bytes(setup.kv_cache_bytes)} (holds the whole working set, so the in-engine "
         f"prefix cache is at its best here), lmcache-core chunk size {CHUNK}. lmc-cpu: CPU tier 2 GiB; "
-        f"lmc-disk/s3/peer/redis: CPU tier {report.fmt_bytes(small_cpu)} (largest prompt + 2 chunks) in front of the slower tier."
+        f"lmc-disk/s3/peer/redis/mooncake: CPU tier {report.fmt_bytes(small_cpu)} (largest prompt + 2 chunks) in front of the slower tier."
     )
     for w in workloads:
         lens = [len(r.tokens) for r in w.requests]

@@ -104,7 +104,12 @@ class MooncakeBackend(StorageBackend):
                 "--enable_http_metadata_server (or that the metadata server is up), and that this host can reach it"
             ) from None
         with self._lock:
-            self._client = client
+            closed = self._closed.is_set()
+            if not closed:
+                self._client = client
+        if closed:  # close() ran while we were connecting
+            client.close()
+            return
         if self._gate.succeeded():
             log.info("mooncake tier: connected to %s", where)
 

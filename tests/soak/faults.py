@@ -1,0 +1,200 @@
+"""Fault injectors for the soak: an S3 endpoint that can be stopped, slowed, made to
+answer 5xx or to trickle, and disk faults (corrupted chunk files, a full disk).
+
+:class:`S3FaultProxy` is a TCP proxy on 127.0.0.1 in front of a real S3 server (moto).
+Its mode applies to connections accepted after a switch; a switch closes every open
+connection, so pooled keep-alive connections cannot carry the old mode on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+MODES = ("ok", "stopped", "slow", "5xx", "trickle")
+_5XX_BODY = (b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code>"
+             b"<Message>injected by the soak</Message></Error>")
+
+
+class S3FaultProxy:
+    def __init__(self, upstream: tuple[str, int], slow_s: float = 0.2, trickle: tuple[int, float] = (16, 0.1)) -> None:
+        self.upstream = upstream
+        self.slow_s = slow_s
+        self.trickle_step, self.trickle_period = trickle
+        self.mode = "ok"
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._stop = threading.Event()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self._sock.settimeout(0.2)
+        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._accept, name="soak-s3-proxy", daemon=True)
+        self._thread.start()
+
+    def set_mode(self, mode: str) -> None:
+        assert mode in MODES, mode
+        with self._lock:
+            self.mode = mode
+            socks, self._open = list(self._open), set()
+        for s in socks:
+            _close(s)
+
+    def _track(self, s: socket.socket) -> bool:
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            self._open.add(s)
+            return True
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                c, _ = self._sock.accept()
+            except OSError:
+                continue
+            mode = self.mode
+            if mode == "stopped" or not self._track(c):
+                _close(c)
+                continue
+            threading.Thread(target=self._serve, args=(c, mode), daemon=True).start()
+
+    def _serve(self, c: socket.socket, mode: str) -> None:
+        if mode == "5xx":
+            self._answer_5xx(c)
+            return
+        try:
+            u = socket.create_connection(self.upstream, timeout=5)
+        except OSError:
+            _close(c)
+            return
+        if not self._track(u):
+            _close(c)
+            _close(u)
+            return
+        threading.Thread(target=self._pump, args=(c, u, "ok"), daemon=True).start()
+        self._pump(u, c, mode)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, mode: str) -> None:
+        try:
+            src.settimeout(30)
+            while not self._stop.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                if mode == "slow":
+                    time.sleep(self.slow_s)
+                    dst.sendall(data)
+                elif mode == "trickle":
+                    for i in range(0, len(data), self.trickle_step):
+                        if self._stop.is_set():
+                            break
+                        dst.sendall(data[i : i + self.trickle_step])
+                        time.sleep(self.trickle_period)
+                else:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(src)
+            _close(dst)
+
+    def _answer_5xx(self, c: socket.socket) -> None:
+        """Read one request (headers and body) and answer 503, closing."""
+        try:
+            c.settimeout(5)
+            buf = b""
+            while b"\r\n\r\n" not in buf and len(buf) < 65536:
+                chunk = c.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            head, _, rest = buf.partition(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                k, _, v = line.partition(b":")
+                if k.strip().lower() == b"content-length":
+                    length = int(v.strip() or 0)
+            left = length - len(rest)
+            while left > 0:
+                chunk = c.recv(min(left, 65536))
+                if not chunk:
+                    return
+                left -= len(chunk)
+            c.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+                      + f"Content-Length: {len(_5XX_BODY)}\r\nConnection: close\r\n\r\n".encode() + _5XX_BODY)
+        except (OSError, ValueError):
+            pass
+        finally:
+            _close(c)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.set_mode("stopped")
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        s.close()
+    except OSError:
+        pass
+
+
+def corrupt_files(root: Path, n: int, rng: random.Random) -> int:
+    """Flip one byte in the middle of up to ``n`` chunk files under ``root``; returns
+    how many were corrupted."""
+    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    done = 0
+    for p in rng.sample(files, min(n, len(files))):
+        try:
+            size = p.stat().st_size
+            if size < 2:
+                continue
+            fd = os.open(p, os.O_RDWR)
+            try:
+                off = size // 2 + rng.randrange(0, max(1, size // 4))
+                b = os.pread(fd, 1, off)
+                if b:
+                    os.pwrite(fd, bytes([b[0] ^ 0xFF]), off)
+                    done += 1
+            finally:
+                os.close(fd)
+        except OSError:
+            continue  # evicted or replaced meanwhile
+    return done
+
+
+def fill_disk(path: Path, limit: int = 1 << 30) -> int:
+    """Write zeros to ``path`` until the filesystem is full (ENOSPC) or ``limit``
+    bytes; returns bytes written."""
+    written = 0
+    block = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        while written < limit:
+            try:
+                written += f.write(block)
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+                # Fill the last partial block too.
+                for size in (65536, 4096, 512):
+                    while True:
+                        try:
+                            written += f.write(b"\0" * size)
+                        except OSError:
+                            break
+                break
+    return written

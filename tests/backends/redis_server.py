@@ -120,16 +120,20 @@ class RedisServer:
 
 
 class RedisCluster3:
-    """Three cluster-enabled masters on loopback, slots split evenly, no replicas."""
+    """Three cluster-enabled masters on loopback, slots split evenly; with
+    ``replica=True`` a fourth node replicates the first master (for failover)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, replica: bool = False, node_timeout_ms: int = 2000) -> None:
         self.nodes: list[RedisServer] = []
+        self.replica: RedisServer | None = None
+        self._args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                      "--cluster-node-timeout", str(node_timeout_ms), "--repl-diskless-sync-delay", "0")
         try:
             for _ in range(3):
-                self.nodes.append(RedisServer(
-                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-                ))
+                self.nodes.append(RedisServer(*self._args))
             self._form()
+            if replica:
+                self._add_replica()
         except BaseException:
             self.stop()
             raise
@@ -141,14 +145,35 @@ class RedisCluster3:
             c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
         for n in self.nodes[1:]:
             clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", n.port)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # bounded: 20 s
-            infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
-            texts = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
-            if all("cluster_state:ok" in t and "cluster_known_nodes:3" in t for t in texts):
+        self._wait_ok(self.nodes, known=3)
+
+    def _wait_ok(self, nodes: list[RedisServer], known: int, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # bounded
+            texts = [n.client().execute_command("CLUSTER", "INFO").decode() for n in nodes]
+            if all("cluster_state:ok" in t and f"cluster_known_nodes:{known}" in t for t in texts):
                 return
             time.sleep(0.1)
-        raise RuntimeError("the three-node cluster did not reach cluster_state:ok within 20 s")
+        raise RuntimeError(f"the cluster did not reach cluster_state:ok with {known} nodes within {timeout:.0f} s")
+
+    def _add_replica(self) -> None:
+        self.replica = RedisServer(*self._args)
+        master_id = self.nodes[0].client().execute_command("CLUSTER", "MYID").decode()
+        self.nodes[0].client().execute_command("CLUSTER", "MEET", "127.0.0.1", self.replica.port)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # bounded: the replica must know the master first
+            try:
+                self.replica.client().execute_command("CLUSTER", "REPLICATE", master_id)
+                break
+            except redis.exceptions.ResponseError:
+                time.sleep(0.1)
+        while time.monotonic() < deadline:
+            if self.replica.client().info("replication").get("master_link_status") == "up":
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("the replica did not sync with its master within 20 s")
+        self._wait_ok([*self.nodes, self.replica], known=4)
 
     @property
     def seeds(self) -> list[str]:
@@ -161,7 +186,7 @@ class RedisCluster3:
         return [len(n.client().keys(prefix + "*")) for n in self.nodes]
 
     def stop(self) -> None:
-        for n in self.nodes:
+        for n in [*self.nodes, *([self.replica] if self.replica else [])]:
             n.stop()
 
 

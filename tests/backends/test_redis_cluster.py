@@ -1,7 +1,8 @@
 """The redis tier on a real three-master Redis Cluster (cluster-enabled redis-server
 processes on loopback): keys spread over all masters, a batch is one round trip per
 node, a slot moved mid-run (``ASK`` while it migrates, ``MOVED`` after) still hits,
-and a master killed and restarted is a bounded miss, then recovers."""
+a master killed and restarted is a bounded miss, then recovers, and a master that dies
+with a replica fails over: misses meanwhile, then every chunk hits on the new master."""
 
 from __future__ import annotations
 
@@ -127,3 +128,47 @@ def test_master_killed_and_restarted(redis_cluster: RedisCluster3) -> None:
         assert b.stats().extra["server_down"] is False
     finally:
         b.close()
+
+
+def test_failover_to_a_replica() -> None:
+    cluster = RedisCluster3(replica=True, node_timeout_ms=1000)
+    assert cluster.replica is not None
+    seeds = [*cluster.seeds, cluster.replica.node]
+    b = create_redis_backend({"cluster": seeds, "prefix": "fo:", **FAST}, make_context())
+    try:
+        items = _items(24)
+        keys = [k for k, _ in items]
+        assert b.put_many(items) == [True] * 24
+        assert cluster.nodes[0].client().execute_command("WAIT", 1, 2000) == 1  # replicated
+        on_first = cluster.keys_per_node("fo:")[0]
+        assert on_first > 0
+        cluster.nodes[0].kill()
+        t0 = time.monotonic()
+        assert b.contains(keys) == 0  # the dead master's slots fail the batch: a miss
+        assert time.monotonic() - t0 < 3.0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # bounded: the replica is elected master
+            role = cluster.replica.client().execute_command("ROLE")[0]
+            info = cluster.replica.client().execute_command("CLUSTER", "INFO").decode()
+            if role == b"master" and "cluster_state:ok" in info:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the replica was not promoted within 20 s")
+        hit = 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # bounded: cooldown, then the client learns the new map
+            time.sleep(FAST["down_cooldown_s"] + 0.05)
+            hit = b.contains(keys)
+            if hit == 24:
+                break
+        assert hit == 24  # the promoted replica serves what the dead master held
+        outs = [torch.empty(32, 32, dtype=torch.float16) for _ in keys]
+        assert b.get_many(keys, outs) == [True] * 24
+        assert all(torch.equal(o, d) for o, (_, d) in zip(outs, items))
+        fresh = _items(4)
+        assert b.put_many(fresh) == [True] * 4
+        assert b.stats().extra["server_down"] is False
+    finally:
+        b.close()
+        cluster.stop()

@@ -6,8 +6,9 @@ peer and S3 tiers, for the same chunks (default 64 x 4 MiB fp16).
 A ``mooncake_master`` and a segment owner (``mooncake_client``, the wheel's store
 service) run on 127.0.0.1, each in its own process; the client side is this process.
 
-- raw store: ``batch_put_from`` / ``batch_get_into`` of the chunks' bytes from and
-  into registered memory: the floor (no frames, no checks, no deadlines);
+- raw store: ``batch_put_from`` / ``batch_get_into`` and their ``_multi_buffers``
+  forms (one buffer per object) on the chunks' bytes, from and into registered
+  memory: no frames, no checks, no deadlines. The faster raw call is the baseline;
 - tier batch: ``MooncakeBackend.put_batch`` / ``get_batch`` on chunks that live in
   the engine's pool (registered), frames checksummed and verified;
 - tier per chunk: ``put`` / ``get`` one chunk per call, as the engine's write-behind
@@ -15,8 +16,10 @@ service) run on 127.0.0.1, each in its own process; the client side is this proc
 - peer and s3: the same chunks through ``PeerBackend`` (``lmcache-peer-serve`` child,
   ``push``) and ``S3Backend`` (moto child), one chunk per call.
 
-Rounds alternate between the paths so load from other processes hits all alike;
-keys are fresh each round and removed after it. Target: tier batch >= 0.7 x raw.
+A first round warms the store (segment pages, connections) and is not recorded; then
+rounds alternate between the paths (and which of raw and tier goes first) so load
+from other processes hits all alike; keys are fresh each round and removed after it.
+Target: tier batch >= 0.7 x raw.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-mooncake-"))
     master = LocalMaster(tmp)
-    owner = LocalSegmentOwner(master, size_mib=max(256, 3 * total // (1 << 20)))
+    owner = LocalSegmentOwner(master, size_mib=max(256, 5 * total // (1 << 20)))
     others = None if args.no_others else Others(tmp, total + (64 << 20))
     try:
         ctx = make_context(pool_bytes=2 * total + (16 << 20))
@@ -146,25 +149,50 @@ def main() -> None:
             check(raw.register_buffer(t.data_ptr(), size) == 0, "register_buffer")
         ns = KeyNamespace(model="bench")
         res: dict[str, list[float]] = {}
-
-        def record(name: str, value: float) -> None:
-            res.setdefault(name, []).append(value)
-
-        for r in range(rounds):
+        for r in range(rounds + 1):  # round 0 warms the segment's pages and the connections; not recorded
+            if r == 0:
+                def record(name: str, value: float) -> None:
+                    pass
+            else:
+                def record(name: str, value: float) -> None:
+                    res.setdefault(name, []).append(value)
             keys: list[ChunkKey] = [ns.key(os.urandom(16)) for _ in range(n)]
             names = [f"raw/{r}/{i}" for i in range(n)]
             src_ptrs, dst_ptrs, sizes = [t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts], [size] * n
-            record("put raw store (batch_put_from)", rate(total, lambda: check(
-                all(c == 0 for c in raw.batch_put_from(names, src_ptrs, sizes)), "raw put")))
-            record("put tier batch (put_batch)", rate(total, lambda: check(
-                all(tier.put_batch(list(zip(keys, srcs)))), "tier put_batch")))
-            record("get raw store (batch_get_into)", rate(total, lambda: check(
-                all(c == size for c in raw.batch_get_into(names, dst_ptrs, sizes)), "raw get")))
-            record("get tier batch (get_batch)", rate(total, lambda: check(
-                all(tier.get_batch(keys, dsts)), "tier get_batch")))
-            check(all(torch.equal(a, b) for a, b in zip(srcs, dsts)), "tier returned wrong bytes")
+
+            names2 = [f"raw2/{r}/{i}" for i in range(n)]
+
+            def raw_put() -> None:
+                record("put raw store (batch_put_from)", rate(total, lambda: check(
+                    all(c == 0 for c in raw.batch_put_from(names, src_ptrs, sizes)), "raw put")))
+                record("put raw store (..._multi_buffers)", rate(total, lambda: check(
+                    all(c == 0 for c in raw.batch_put_from_multi_buffers(
+                        names2, [[p] for p in src_ptrs], [[size]] * n)), "raw put multi")))
+
+            def tier_put() -> None:
+                record("put tier batch (put_batch)", rate(total, lambda: check(
+                    all(tier.put_batch(list(zip(keys, srcs)))), "tier put_batch")))
+
+            def raw_get() -> None:
+                record("get raw store (batch_get_into)", rate(total, lambda: check(
+                    all(c == size for c in raw.batch_get_into(names, dst_ptrs, sizes)), "raw get")))
+                record("get raw store (..._multi_buffers)", rate(total, lambda: check(
+                    all(c == size for c in raw.batch_get_into_multi_buffers(
+                        names2, [[p] for p in dst_ptrs], [[size]] * n)), "raw get multi")))
+
+            def tier_get() -> None:
+                for t in dsts:
+                    t.zero_()
+                record("get tier batch (get_batch)", rate(total, lambda: check(
+                    all(tier.get_batch(keys, dsts)), "tier get_batch")))
+                check(all(torch.equal(a, b) for a, b in zip(srcs, dsts)), "tier returned wrong bytes")
+
+            # alternate which path goes first, so neither always meets a cold or a busy store
+            for step in ((raw_put, tier_put), (raw_get, tier_get)):
+                for fn in (step if r % 2 else step[::-1]):
+                    fn()
             tier_keys = [tier._name(k) for k in keys]
-            raw.batch_remove(tier_keys + names, True)
+            raw.batch_remove(tier_keys + names + names2, True)
 
             keys = [ns.key(os.urandom(16)) for _ in range(n)]
             record("put tier per chunk (put)", rate(total, lambda: check(
@@ -195,17 +223,18 @@ def main() -> None:
     print(f"mooncake tier vs the store's raw batch calls: {n} chunks x {size / (1 << 20):.1f} MiB fp16, "
           f"median of {rounds} alternating rounds; master and segment owner on loopback (tcp), "
           f"{os.cpu_count()} CPUs shared")
-    print(f"{'path':<36}{'MB/s':>10}{'ratio vs raw':>15}")
+    print(f"{'path':<38}{'MB/s':>10}{'ratio vs raw':>15}")
+    bases = {}
     for op in ("put", "get"):
-        base = statistics.median(res[f"{op} raw store ({'batch_put_from' if op == 'put' else 'batch_get_into'})"])
+        # the baseline is the faster of the store's two raw batch calls
+        bases[op] = max(statistics.median(v) for k, v in res.items() if k.startswith(f"{op} raw store"))
         for name, vals in res.items():
             if name.startswith(op):
                 med = statistics.median(vals)
-                print(f"{name:<36}{med / 1e6:>10.1f}{med / base:>15.2f}")
+                print(f"{name:<38}{med / 1e6:>10.1f}{med / bases[op]:>15.2f}")
     for op, call in (("put", "put_batch"), ("get", "get_batch")):
-        base = statistics.median(res[f"{op} raw store ({'batch_put_from' if op == 'put' else 'batch_get_into'})"])
-        ratio = statistics.median(res[f"{op} tier batch ({call})"]) / base
-        print(f"target: {op} tier batch >= 0.70 x raw -> {'met' if ratio >= 0.7 else 'NOT met'} ({ratio:.2f})")
+        ratio = statistics.median(res[f"{op} tier batch ({call})"]) / bases[op]
+        print(f"target: {op} tier batch >= 0.70 x the faster raw call -> {'met' if ratio >= 0.7 else 'NOT met'} ({ratio:.2f})")
     print(f"zero-copy puts: {stats.extra['zero_copy_puts']}, copied puts: {stats.extra['copied_puts']}, "
           f"errors: {stats.errors}, skipped: {stats.skipped}")
 

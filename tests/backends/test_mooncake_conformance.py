@@ -49,3 +49,30 @@ class TestMooncakeConformance(BackendConformance):
 
 class TestMooncakeConformanceLz4(TestMooncakeConformance):
     codec = "lz4"
+
+
+def test_pool_chunks_are_put_in_place_and_staging_drains(mooncake_store: MooncakeMaster) -> None:
+    """A raw-codec chunk in the engine's (registered) pool is sent from where it lies;
+    an lz4 frame is staged. Gets land in staging and every slot comes back."""
+    import torch
+
+    from lmcache_core.testing import make_context, random_chunk, random_key
+
+    for codec, in_place in (("raw", True), ("lz4", False)):
+        ctx = make_context(codec=codec)
+        b = create_mooncake_backend(mooncake_store.options(key_prefix=f"zc-{codec}/", staging_size="8MiB"), ctx)
+        try:
+            buf = ctx.pool.allocate((4, 2, 64, 32), torch.float16)
+            assert buf is not None
+            buf.tensor.copy_(random_chunk())
+            keys = [random_key() for _ in range(3)]
+            assert b.put_batch([(k, buf.tensor) for k in keys]) == [True] * 3
+            outs = [torch.empty_like(buf.tensor) for _ in keys]
+            assert b.get_batch(keys, outs) == [True] * 3
+            assert all(torch.equal(o, buf.tensor) for o in outs)
+            s = b.stats().extra
+            assert (s["zero_copy_puts"], s["copied_puts"]) == ((3, 0) if in_place else (0, 3))
+            assert s["staging_used"] == 0 and s["quarantined_bytes"] == 0
+            buf.release()
+        finally:
+            b.close()

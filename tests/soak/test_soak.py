@@ -17,6 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import BOUND_S, FAULTS, launch  # noqa: E402
 
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
 DURATION_S = 60.0
 RSS_MARGIN_MIB = 96  # interpreter, boto3/botocore clients, thread stacks, disk index beyond the pool
 

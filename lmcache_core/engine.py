@@ -239,10 +239,12 @@ class CacheEngine:
         n = self.lookup_hashes(hashes, pin_id=pin_id)
         return self._chunk_tokens(len(tokens), n)
 
-    def lookup_hashes(self, hashes: Sequence[bytes], *, pin_id: str | None = None) -> int:
+    def lookup_hashes(self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True) -> int:
         """Number of leading chunks present; with ``pin_id`` the hits in pinning tiers
         are pinned until :meth:`unpin` (so they are not evicted before the load). A
-        repeated lookup under the same ``pin_id`` replaces the earlier pins."""
+        repeated lookup under the same ``pin_id`` replaces the earlier pins. With
+        ``record=False`` the lookup is not counted (a caller that probes several times
+        for one request counts once with :meth:`record_lookup`)."""
         if pin_id is not None:
             self.unpin(pin_id)
         keys = self.keys(hashes)
@@ -263,9 +265,14 @@ class CacheEngine:
                     break
             if not advanced:
                 break
-        self.counters.add(lookups=1, lookup_tokens=len(keys) * self.chunk_size, hit_tokens=pos * self.chunk_size)
-        m.LOOKUPS.labels("engine").inc()
+        if record:
+            self.record_lookup(len(keys), pos)
         return pos
+
+    def record_lookup(self, n_chunks: int, n_hit: int) -> None:
+        """Count one lookup of ``n_chunks`` chunks of which ``n_hit`` were hits."""
+        self.counters.add(lookups=1, lookup_tokens=n_chunks * self.chunk_size, hit_tokens=n_hit * self.chunk_size)
+        m.LOOKUPS.labels("engine").inc()
 
     def _pin(self, tier: StorageBackend, pin_id: str, keys: list[ChunkKey]) -> None:
         try:

@@ -121,9 +121,12 @@ class WorkerSide:
 
     def _lookup(self, hashes: list[bytes], pin_id: str | None) -> int:
         assert self.engine is not None
-        n = self.engine.lookup_hashes(hashes, pin_id=pin_id)
-        if n and self.plan is not None and self.plan.has_boundary:
+        if self.plan is None or not self.plan.has_boundary:
+            return self.engine.lookup_hashes(hashes, pin_id=pin_id)
+        n = self.engine.lookup_hashes(hashes, pin_id=pin_id, record=False)
+        if n:
             n = self._restorable(hashes, n, pin_id)
+        self.engine.record_lookup(len(hashes), n)
         return n
 
     def _restorable(self, hashes: list[bytes], n: int, pin_id: str | None) -> int:
@@ -133,7 +136,7 @@ class WorkerSide:
         assert self.engine is not None
         bpin = _boundary_pin(pin_id)
         for k in range(n, max(0, n - MAX_BOUNDARY_PROBES), -1):
-            if self.engine.lookup_hashes([boundary_hash(hashes[k - 1])], pin_id=bpin):
+            if self.engine.lookup_hashes([boundary_hash(hashes[k - 1])], pin_id=bpin, record=False):
                 return k
         if bpin is not None:
             self.engine.unpin(bpin)

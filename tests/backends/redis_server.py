@@ -123,14 +123,14 @@ class RedisCluster3:
     """Three cluster-enabled masters on loopback, slots split evenly; with
     ``replica=True`` a fourth node replicates the first master (for failover)."""
 
-    def __init__(self, *, replica: bool = False, node_timeout_ms: int = 2000) -> None:
+    def __init__(self, *, replica: bool = False, node_timeout_ms: int = 2000, ports: list[int] | None = None) -> None:
         self.nodes: list[RedisServer] = []
         self.replica: RedisServer | None = None
         self._args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                       "--cluster-node-timeout", str(node_timeout_ms), "--repl-diskless-sync-delay", "0")
         try:
-            for _ in range(3):
-                self.nodes.append(RedisServer(*self._args))
+            for port in ports or [0, 0, 0]:
+                self.nodes.append(RedisServer(*self._args, port=port or None))
             self._form()
             if replica:
                 self._add_replica()

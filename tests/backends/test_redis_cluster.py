@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import redis
 import torch
 from redis.exceptions import AskError
 
@@ -172,3 +173,41 @@ def test_failover_to_a_replica() -> None:
     finally:
         b.close()
         cluster.stop()
+
+
+def test_cluster_unreachable_at_startup_then_up() -> None:
+    from redis_server import free_port
+
+    ports = [free_port(55535) for _ in range(3)]
+    b = create_redis_backend({"cluster": [f"127.0.0.1:{p}" for p in ports], **FAST}, make_context())
+    cluster = None
+    try:
+        key, data = random_key(), random_chunk(shape=(8, 8))
+        assert b.stats().extra["server_down"] is True  # not fatal: a cache
+        assert b.contains([key]) == 0 and b.put(key, data) is False
+        cluster = RedisCluster3(ports=ports)
+        time.sleep(FAST["down_cooldown_s"] + 0.1)
+        assert b.put(key, data) and b.contains([key]) == 1
+        out = torch.empty_like(data)
+        assert b.get(key, out) and torch.equal(out, data)
+    finally:
+        b.close()
+        if cluster is not None:
+            cluster.stop()
+
+
+def test_cluster_wrong_password_is_one_clear_error(redis_cluster: RedisCluster3) -> None:
+    from lmcache_core.backend import BackendError
+
+    for n in redis_cluster.nodes:
+        n.client().config_set("requirepass", "cluster-pass-1")
+    try:
+        with pytest.raises(BackendError, match="refused the credentials") as err:
+            create_redis_backend({"cluster": redis_cluster.seeds, "password": "nope-2", **FAST}, make_context(key_path="backends[2]"))
+        assert "backends[2].password_file" in str(err.value) and "nope-2" not in str(err.value)
+        ok = create_redis_backend({"cluster": redis_cluster.seeds, "password": "cluster-pass-1", **FAST}, make_context())
+        assert ok.put(random_key(), random_chunk(shape=(8, 8)))
+        ok.close()
+    finally:
+        for n in redis_cluster.nodes:
+            redis.Redis(port=n.port, password="cluster-pass-1").config_set("requirepass", "")

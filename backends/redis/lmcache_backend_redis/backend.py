@@ -84,18 +84,30 @@ class RedisBackend(StorageBackend):
         self.cfg = cfg
         self.codec = codec
         self.codecs = dict(codecs)
-        self.client = client if client is not None else make_client(cfg, password)
         self.target = cfg.target()
-        # A single server's pool takes our zero-copy SETs; a cluster client routes itself.
-        self._single_pool = self.client.connection_pool if isinstance(self.client, redis.Redis) else None
         self.write_concurrency = cfg.write_concurrency
+        self._password = password
         self._ttl_ms = int(cfg.ttl_s * 1000) if cfg.ttl_s is not None else None
         self._gate = HealthGate(cfg.down_cooldown_s)
         self._lock = threading.Lock()
+        self._client_lock = threading.Lock()
         self._s = BackendStats(self.name)
         self._extra = {"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0}
         self._last_oom_log = -_OOM_LOG_EVERY_S
         self._closed = False
+        self.client: Client | None = client
+        if client is None:
+            try:
+                self.client = make_client(cfg, password)
+            except Exception as err:
+                # A cluster client maps the slots when it is built. No seed answering: the
+                # tier starts as down and builds the client on a later call. Any other
+                # failure (credentials) recurs on the first call (the startup PING), which
+                # reports it with the config keys to fix.
+                if classify(err) is Failure.UNAVAILABLE:
+                    self._failed("connect", err)
+        # A single server's pool takes our zero-copy SETs; a cluster client routes itself.
+        self._single_pool = self.client.connection_pool if isinstance(self.client, redis.Redis) else None
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.target!r}, prefix={self.cfg.prefix!r})"
@@ -140,9 +152,17 @@ class RedisBackend(StorageBackend):
             )
         raise BackendError(f"redis {op} on {self.target}: {describe(err)}{hint}") from None
 
+    def _conn(self) -> Client:
+        """The client, built now if the servers did not answer when the tier started."""
+        if self.client is None:
+            with self._client_lock:
+                if self.client is None:
+                    self.client = make_client(self.cfg, self._password)
+        return self.client
+
     def _pipeline(self) -> Any:
         self._add(pipelines=1)
-        return self.client.pipeline(transaction=False)
+        return self._conn().pipeline(transaction=False)
 
     # -- lookups --------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> int:
@@ -237,7 +257,7 @@ class RedisBackend(StorageBackend):
                     self._name(key), self.target, reason)
         if self.cfg.delete_corrupt:
             try:
-                self.client.delete(self._name(key))
+                self._conn().delete(self._name(key))
             except Exception as err:
                 log.warning("redis tier: could not delete corrupt value %s: %s", self._name(key), describe(err))
 
@@ -293,7 +313,7 @@ class RedisBackend(StorageBackend):
         if self._single_pool is not None:
             cmds = [set_command(name.encode(), h, p, self._ttl_ms) for name, h, p in values]
             return pipelined(self._single_pool, cmds)
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self._conn().pipeline(transaction=False)
         for name, h, p in values:
             pipe.set(name, _join(h, p), px=self._ttl_ms)
         return pipe.execute(raise_on_error=False)
@@ -329,7 +349,7 @@ class RedisBackend(StorageBackend):
         if not self._open():
             raise BackendError(f"redis remove {self._name(key)}: {self.target} is unavailable")
         try:
-            n = self.client.delete(self._name(key))
+            n = self._conn().delete(self._name(key))
         except Exception as err:
             self._failed("remove", err)
             raise BackendError(f"redis remove {self._name(key)}: {describe(err)}") from None
@@ -339,7 +359,7 @@ class RedisBackend(StorageBackend):
     # -- housekeeping ---------------------------------------------------------------
     def ping(self) -> None:
         """One PING (to every node of a cluster); raises redis-py's error as it comes."""
-        self.client.ping()
+        self._conn().ping()
 
     def stats(self) -> BackendStats:
         with self._lock:
@@ -357,6 +377,8 @@ class RedisBackend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        if self.client is None:
+            return
         try:
             self.client.close()
         except Exception as err:  # a dead socket: nothing left to release

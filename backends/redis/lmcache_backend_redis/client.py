@@ -116,6 +116,8 @@ class Failure(Enum):
 
 
 def classify(err: BaseException) -> Failure:
+    if isinstance(err, RedisClusterException) and err.__cause__ is not None:
+        return classify(err.__cause__)  # "cannot be connected": the reason is the cause
     if isinstance(err, (AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)):
         return Failure.DENIED
     if isinstance(err, ResponseError) and str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):

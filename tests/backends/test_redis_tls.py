@@ -1,13 +1,15 @@
 """TLS: a redis-server with only a TLS port on loopback, certificates made by the
 ``openssl`` CLI for the test. ``rediss://`` with the test CA stores and reads chunks; a
 client certificate is accepted by a server that requires one; without the CA (the
-system's CAs do not know it) the tier fails at startup with one TLS error."""
+system's CAs do not know it) the tier fails at startup with one TLS error; a
+three-master cluster over TLS (``tls: true``) serves chunks from every master."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +86,46 @@ def test_unknown_ca_is_one_clear_error(certs: Path) -> None:
         assert "backends[1].tls_ca_file" in str(err.value)
     finally:
         server.stop()
+
+
+def test_cluster_over_tls(certs: Path) -> None:
+    """Three TLS masters (``tls-cluster yes``): the cluster announces its TLS ports and
+    the tier (``tls: true``) spreads chunks over all of them."""
+    tls_ports = [free_port(55535) for _ in range(3)]
+    nodes: list[RedisServer] = []
+    try:
+        for tp in tls_ports:
+            nodes.append(RedisServer(
+                "--tls-port", str(tp), "--tls-cert-file", str(certs / "server.crt"),
+                "--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.crt"),
+                "--tls-auth-clients", "no", "--tls-cluster", "yes", "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+            ))
+        clients = [n.client() for n in nodes]
+        for i, c in enumerate(clients):
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * 16384 // 3, (i + 1) * 16384 // 3 - 1)
+        for tp in tls_ports[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", tp)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # bounded: the cluster forms over TLS
+            infos = [c.execute_command("CLUSTER", "INFO").decode() for c in clients]
+            if all("cluster_state:ok" in i and "cluster_known_nodes:3" in i for i in infos):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the TLS cluster did not form within 20 s")
+        section = {"cluster": [f"127.0.0.1:{tp}" for tp in tls_ports], "tls": True, "tls_ca_file": str(certs / "ca.crt"),
+                   "prefix": "tlsc:"}
+        b = create_redis_backend(section, make_context())
+        try:
+            items = [(random_key(), random_chunk(shape=(16, 16), seed=i)) for i in range(24)]
+            assert b.put_many(items) == [True] * 24
+            outs = [torch.empty(16, 16, dtype=torch.float16) for _ in items]
+            assert b.get_many([k for k, _ in items], outs) == [True] * 24
+            assert all(torch.equal(o, d) for o, (_, d) in zip(outs, items))
+            assert min(len(c.keys("tlsc:*")) for c in clients) > 0  # every master holds some
+        finally:
+            b.close()
+    finally:
+        for n in nodes:
+            n.stop()

@@ -3,10 +3,11 @@
 Contract (see :class:`lmcache_core.backend.StorageBackend`):
 
 * Batched calls are pipelines: ``contains`` sends one ``EXISTS`` per key, ``get_many``
-  one ``STRLEN`` + ``GETRANGE`` pair per key, ``put_many`` (after an ``EXISTS`` pipeline)
-  one ``SET`` per missing key (on a single server with the frame's header and payload
-  as separate buffers, see :mod:`.wire`). A pipeline is one round trip on a single server, and one
-  round trip per node on a cluster (redis-py groups the commands by slot owner).
+  one ``STRLEN`` + ``GETRANGE`` pair per key, ``put_many`` (after an ``EXISTS``
+  pipeline) one ``SET`` per missing key (on a single server with the frame's header
+  and payload as separate buffers, see :mod:`.wire`). A pipeline is one round trip on
+  a single server, and one round trip per node on a cluster (redis-py groups the
+  commands by slot owner). ``get`` and ``put`` are one-element batches.
 * Reads are bounded: ``GETRANGE`` asks for at most the largest frame the caller's
   buffer could need, so a huge or foreign value never costs more memory than the
   chunk; a value that fails its checksum, names another key or is not a frame is a miss.

@@ -239,16 +239,23 @@ def test_stalled_puts_cannot_push_the_node_past_its_inflight_budget(secret_file:
         node.stop()
 
 
-def test_read_only_tier_server_refuses_put_before_reading_the_body() -> None:
+def test_read_only_tier_server_steps_over_a_put_body_without_holding_it() -> None:
     section = {"listen": "127.0.0.1:0", "secret": SECRET, "max_size": "8MiB"}
     b = create_peer_backend(section, make_context())
     assert isinstance(b, PeerBackend) and b.server is not None
     try:
-        s = stalled_put(b.server.address, 200 * MiB, 0)
-        s.settimeout(3)
-        head = s.recv(p.HEADER_SIZE)
-        assert p.decode_header(head, 1 << 20).type == p.ERROR
-        assert b.server.inflight.peak == 0  # nothing was reserved, let alone allocated
+        k = random_key()
+        assert b.put(k, random_chunk(shape=(8, 64), seed=9))
+        s = stalled_put(b.server.address, 32 * MiB, 32 * MiB)  # the whole body, sent
+        conn = Connection(s, "reader")
+        header, body = conn.recv(time.monotonic() + 5, 1 << 20)
+        assert header.type == p.ERROR and b"read-only" in bytes(body)
+        assert b.server.inflight.peak == 0  # nothing was reserved, let alone allocated whole
+        # The connection stays in step: the next request on it is answered.
+        conn.send(p.LOOKUP, 2, [p.encode_keys([k])], time.monotonic() + 5)
+        header, body = conn.recv(time.monotonic() + 5, 1 << 20)
+        assert header.type == p.LOOKUP_OK and p.parse_body(header.type, body) == p.Count(1)
+        conn.close()
     finally:
         b.close()
 

@@ -118,6 +118,15 @@ class Connection:
             self._recv_exact(body, deadline)
         return body
 
+    def discard(self, n: int, deadline: float) -> None:
+        """Read and drop ``n`` bytes through a small scratch buffer (a body the server
+        refuses but must step over to keep the connection in step)."""
+        scratch = memoryview(bytearray(min(n, 64 * 1024)))
+        while n > 0:
+            step = min(n, scratch.nbytes)
+            self._recv_exact(scratch[:step], deadline)
+            n -= step
+
     def close(self) -> None:
         if self.closed:
             return

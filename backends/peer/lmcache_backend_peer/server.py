@@ -202,7 +202,10 @@ class PeerServer:
             while not self._stop.is_set():
                 header = conn.recv_header(time.monotonic() + self.idle_timeout, self.max_frame_size)
                 self._count("requests")
-                if not self._admit_body(conn, header):
+                admitted = self._admit_body(conn, header)
+                if admitted is None:
+                    continue
+                if not admitted:
                     return
                 try:
                     body = conn.recv_body(header, time.monotonic() + self.timeout)
@@ -235,15 +238,19 @@ class PeerServer:
         except PeerError:
             pass
 
-    def _admit_body(self, conn: Connection, header: Any) -> bool:
+    def _admit_body(self, conn: Connection, header: Any) -> bool | None:
         """Whether the body announced by ``header`` may be read: within the limit for
         its type, and reserved against the in-flight budget (waiting at most
         ``timeout``). On False the client got an ERROR; the connection must close
-        (the unread body would otherwise be taken for the next message)."""
+        (the unread body would otherwise be taken for the next message). None: the
+        request was answered already (a PUT to a read-only server)."""
         name = TYPE_NAMES.get(header.type, str(header.type))
         if header.type == PUT and not self.writable:
-            self._refuse(conn, "this peer is read-only", header.request_id)
-            return False
+            # Stepped over through a 64 KiB scratch buffer, never held: the client
+            # gets its ERROR and keeps a usable connection, as for any refusal.
+            conn.discard(header.body_len, time.monotonic() + self.timeout)
+            conn.send(ERROR, header.request_id, [b"this peer is read-only"], time.monotonic() + self.timeout)
+            return None
         limit = self.max_frame_size if header.type == PUT else KEYS_BODY_LIMIT
         if header.body_len > limit:
             self._count("protocol_errors")

@@ -196,11 +196,14 @@ class DiskBackend(StorageBackend):
         (chunk files plus frames live processes are writing) and evict down to
         ``max_size``. Corrects whatever a process that died mid-write left."""
         assert self._budget is not None and self._root_fd is not None
-        with self._budget.locked() as budget:
-            listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
-            budget.set(listing.chunk_bytes + listing.reserved_bytes)
-            self._evict_locked(budget, 0)
-            self._x["dir_bytes"] = budget.last
+        try:
+            with self._budget.locked() as budget:
+                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
+                budget.set(listing.chunk_bytes + listing.reserved_bytes)
+                self._evict_locked(budget, 0)
+                self._x["dir_bytes"] = budget.last
+        except TimeoutError as err:  # the count stays as the other processes keep it
+            log.warning("disk tier: start-up recount skipped: %s", err)
 
     @contextmanager
     def _shard(self, key: ChunkKey, *, create: bool = False) -> Iterator[int]:
@@ -414,14 +417,18 @@ class DiskBackend(StorageBackend):
             os.fsync(dfd)
 
     def _unlink_temp(self, dfd: int, temp: str, size: int) -> None:
+        """Drop a failed write's temp file and its reservation. Without the lock (a
+        hung process holds it) the file still goes; its bytes stay counted until the
+        next start-up recount (the directory stays under budget, never over)."""
         assert self._budget is not None
-        with self._budget.locked() as budget:
-            try:
-                os.unlink(temp, dir_fd=dfd)
-            except FileNotFoundError:
-                pass
-            budget.add(-size)
-            self._x["dir_bytes"] = budget.last
+        try:
+            with self._budget.locked() as budget:
+                _unlink_quiet(temp, dfd)
+                budget.add(-size)
+                self._x["dir_bytes"] = budget.last
+        except TimeoutError as err:
+            log.warning("disk tier: %s", err)
+            _unlink_quiet(temp, dfd)
 
     def _frame(self, key: ChunkKey, data: torch.Tensor) -> "_PendingFrame":
         raw = tensor_bytes(data)
@@ -538,11 +545,15 @@ class DiskBackend(StorageBackend):
         """:meth:`_unlink_chunk` with the freed bytes taken off the shared count."""
         if self._budget is None:
             return self._unlink_chunk(key, ino)
-        with self._budget.locked() as budget:
-            freed = self._unlink_chunk(key, ino)
-            if freed:
-                budget.add(-freed)
-            self._x["dir_bytes"] = budget.last
+        try:
+            with self._budget.locked() as budget:
+                freed = self._unlink_chunk(key, ino)
+                if freed:
+                    budget.add(-freed)
+                self._x["dir_bytes"] = budget.last
+        except TimeoutError as err:  # left for a later eviction or start-up scan
+            log.warning("disk tier: not removed now: %s", err)
+            return 0
         return freed
 
     def stats(self) -> BackendStats:
@@ -602,6 +613,13 @@ class DiskBackend(StorageBackend):
             self._s.misses += 1
             self._s.errors += 1
             self._x["corrupt_removed"] += 1
+
+def _unlink_quiet(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
 
 class _PendingFrame:
     """A frame about to be written: metadata plus payload. Its header (which holds

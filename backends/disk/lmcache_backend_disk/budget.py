@@ -26,17 +26,21 @@ import fcntl
 import os
 import struct
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 _U64 = struct.Struct("<Q")
+LOCK_TIMEOUT_S = 10.0  # a process stopped while holding the lock must not hang the others
 
 
 class DirBudget:
     """The shared count, with a lock that excludes other threads and processes."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, timeout: float = LOCK_TIMEOUT_S) -> None:
+        self.path = path
+        self.timeout = timeout
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one descriptor
         self._held = False
@@ -44,14 +48,36 @@ class DirBudget:
 
     @contextmanager
     def locked(self) -> Iterator["DirBudget"]:
-        with self._thread_lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        """Hold the lock (both against this process's other threads and against
+        other processes); :class:`TimeoutError` after :attr:`timeout` seconds."""
+        deadline = time.monotonic() + self.timeout
+        if not self._thread_lock.acquire(timeout=self.timeout):
+            raise TimeoutError(f"{self.path}: another thread held the disk tier's budget lock for {self.timeout:.0f} s")
+        try:
+            self._flock(deadline)
             self._held = True
             try:
                 yield self
             finally:
                 self._held = False
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
+    def _flock(self, deadline: float) -> None:
+        pause = 0.0005
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{self.path}: another process held the disk tier's budget lock for {self.timeout:.0f} s "
+                        "(stopped or hung?)"
+                    ) from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
 
     def value(self) -> int:
         assert self._held, "read the count only under locked()"

@@ -21,7 +21,6 @@ copying this module's layout: :func:`frame_meta`, :func:`frame_header`,
 from __future__ import annotations
 
 import json
-import math
 import re
 import struct
 from collections.abc import Mapping

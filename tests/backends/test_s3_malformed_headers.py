@@ -6,6 +6,7 @@ removed from the bucket."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -41,5 +42,39 @@ def test_malformed_header_object_is_a_removed_miss(s3_server: MotoS3, s3_bucket:
         assert b.stats().extra["corrupt"] == 1
         listed = client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
         assert [o["Key"] for o in listed] == []  # the corrupt object was removed
+    finally:
+        b.close()
+
+
+def test_decompression_bomb_object_is_refused_before_decompression(s3_server: MotoS3, s3_bucket: str) -> None:
+    """Finding 4 through the s3 tier: an 8 MiB lz4 object whose header declares
+    1.9 GiB (within lz4's 255x, valid checksum) is a miss in < 1 s with < 64 MiB
+    allocated at peak during the get (tracemalloc: Python, lz4 and numpy buffers),
+    the 8 MiB download included. Before the fix lz4 allocated the declared size."""
+    import json as _json
+    import time
+    import tracemalloc
+
+    from lmcache_core.serde import Lz4Codec, frame_header, frame_meta, payload_checksum
+
+    b = create_s3_backend(s3_server.options(s3_bucket), make_context())
+    try:
+        key = random_key()
+        out = torch.empty(4096, 1024, dtype=torch.float16)  # an 8 MiB chunk: the object is not too large
+        payload = os.urandom(8 << 20)
+        meta = frame_meta(key, torch.empty(0, dtype=torch.float16), Lz4Codec.name, 1900 << 20)
+        meta["shape"] = _json.dumps([950 << 20])
+        bomb = frame_header(meta, payload_checksum(meta, payload), len(payload)) + payload
+        s3_server.client().put_object(Bucket=s3_bucket, Key=b.cfg.object_name(key.to_str()), Body=bomb)
+        tracemalloc.start()
+        try:
+            t0 = time.perf_counter()
+            assert b.get(key, out) is False
+            elapsed = time.perf_counter() - t0
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        print(_json.dumps({"s": elapsed, "peak_mib": peak / 2**20}))
+        assert elapsed < 1.0 and peak < 64 << 20, (elapsed, peak)
     finally:
         b.close()

@@ -39,6 +39,12 @@ SECRET = "hardening-test-secret-0123456789abcdef"
 FLOOD_SOCKETS = 300
 WINDOW_S = 2.0
 MiB = 1 << 20
+VICTIM, MALLORY = "t-victim", "t-mallory"
+VICTIM_SECRET, MALLORY_SECRET = "victim-secret-9f8e7d6c5b4a3210", "mallory-secret-0a1b2c3d4e5f6789"
+# One node for most tests (each start costs an interpreter with torch): the exposure
+# limits under test, a 64 MiB in-flight budget, a shared secret and two tenants.
+NODE_OPTIONS = ["--max-size", "64MiB", "--max-frame-size", "64MiB", "--max-inflight", "64MiB", "--timeout-ms", "2000",
+                "--max-unauthenticated", "32", "--max-unauthenticated-per-address", "4", "--handshake-timeout-ms", "500"]
 
 
 @pytest.fixture
@@ -46,6 +52,16 @@ def secret_file(tmp_path: Path) -> Path:
     f = tmp_path / "peer.secret"
     f.write_text(SECRET + "\n")
     return f
+
+
+@pytest.fixture(scope="module")
+def shared_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerNode]:
+    d = tmp_path_factory.mktemp("node")
+    (d / "peer.secret").write_text(SECRET + "\n")
+    (d / "tenants").write_text(f"# name secret\n{VICTIM} {VICTIM_SECRET}\n{MALLORY} {MALLORY_SECRET}\n")
+    node = PeerNode([*NODE_OPTIONS, "--tenants-file", str(d / "tenants")], d / "peer.secret")
+    yield node
+    node.stop()
 
 
 def port_of(node: PeerNode) -> tuple[str, int]:
@@ -123,11 +139,8 @@ def pooled_lookups(backend: PeerBackend, keys: list, seconds: float) -> tuple[in
 
 
 @pytest.fixture
-def guarded_node(secret_file: Path) -> Iterator[PeerNode]:
-    node = PeerNode(["--max-size", "64MiB", "--max-unauthenticated", "32", "--max-unauthenticated-per-address", "4",
-                     "--handshake-timeout-ms", "500"], secret_file)
-    yield node
-    node.stop()
+def guarded_node(shared_node: PeerNode) -> PeerNode:
+    return shared_node
 
 
 def stored_keys(node: PeerNode, n: int = 4) -> list:
@@ -200,10 +213,9 @@ def stalled_put(address: tuple[str, int], body_len: int, sent: int) -> socket.so
     return sock
 
 
-def test_stalled_puts_cannot_push_the_node_past_its_inflight_budget(secret_file: Path) -> None:
+def test_stalled_puts_cannot_push_the_node_past_its_inflight_budget(shared_node: PeerNode) -> None:
     budget, body, n = 64 * MiB, 60 * MiB, 6
-    node = PeerNode(["--max-size", "64MiB", "--max-frame-size", "64MiB", "--max-inflight", "64MiB",
-                     "--timeout-ms", "2000"], secret_file)
+    node = shared_node
     socks: list[socket.socket] = []
     try:
         keys = stored_keys(node)
@@ -236,7 +248,6 @@ def test_stalled_puts_cannot_push_the_node_past_its_inflight_budget(secret_file:
     finally:
         for s in socks:
             s.close()
-        node.stop()
 
 
 def test_read_only_tier_server_steps_over_a_put_body_without_holding_it() -> None:
@@ -261,18 +272,12 @@ def test_read_only_tier_server_steps_over_a_put_body_without_holding_it() -> Non
 
 
 # -- finding 8: tenants on a shared node -------------------------------------------------------
-VICTIM, MALLORY = "t-victim", "t-mallory"
-VICTIM_SECRET, MALLORY_SECRET = "victim-secret-9f8e7d6c5b4a3210", "mallory-secret-0a1b2c3d4e5f6789"
 N_FORGED = 16
 
 
 @pytest.fixture
-def tenant_node(tmp_path: Path, secret_file: Path) -> Iterator[PeerNode]:
-    tf = tmp_path / "tenants"
-    tf.write_text(f"# name secret\n{VICTIM} {VICTIM_SECRET}\n{MALLORY} {MALLORY_SECRET}\n")
-    node = PeerNode(["--max-size", "64MiB", "--tenants-file", str(tf)], secret_file)
-    yield node
-    node.stop()
+def tenant_node(shared_node: PeerNode) -> PeerNode:
+    return shared_node
 
 
 def tier(node: PeerNode, secret: str, tenant: str | None = None) -> PeerBackend:
@@ -357,3 +362,31 @@ def test_instances_of_one_tenant_serve_each_other_and_nobody_else() -> None:
     finally:
         for x in (a, b, c):
             x.close()
+
+
+def test_node_with_only_a_tenants_file_has_no_shared_secret_and_rejects_a_bad_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmcache_backend_peer import cli
+    from lmcache_backend_peer.auth import AuthError
+
+    tf = tmp_path / "tenants"
+    tf.write_text(f"{VICTIM} {VICTIM_SECRET}\n")
+    node = PeerNode(["--max-size", "8MiB", "--tenants-file", str(tf)])
+    try:
+        victim = PeerClient(port_of(node), VICTIM_SECRET.encode(), timeout=2.0, tenant=VICTIM)
+        assert victim.lookup([random_key()]) == 0
+        victim.close()
+        # Nobody holds a shared secret: even the tenant's secret without the name is refused.
+        untenanted = PeerClient(port_of(node), VICTIM_SECRET.encode(), timeout=2.0)
+        with pytest.raises(AuthError):
+            untenanted.lookup([random_key()])
+        untenanted.close()
+    finally:
+        node.stop()
+    tf.write_text(f"{VICTIM} short\n")
+    monkeypatch.delenv("LMCACHE_PEER_SECRET", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--listen", "127.0.0.1:0", "--tenants-file", str(tf)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--tenants-file: {tf}:1: tenant 't-victim'" in err and "at least 16" in err, err

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 Region = tuple[int, int]  # (base address, bytes)
 DEADLINE_BYTES_PER_S = 256 << 20  # a call's deadline grows by 1 s per 256 MiB it moves
-PIPELINE_BYTES = 32 << 20  # batches move in store calls of about this many bytes, two in flight
+PIPELINE_BYTES = 32 << 20  # batches move in store calls of about this many bytes, one at a time
 T = TypeVar("T")
 
 
@@ -261,7 +261,7 @@ class MooncakeBackend(StorageBackend):
 
     def get_batch(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Fill each ``outs[i]`` with chunk ``keys[i]``; per-key hit flags. The chunks go
-        in ``batch_get_into`` calls of about :data:`PIPELINE_BYTES`, two in flight, so
+        in ``batch_get_into`` calls of about :data:`PIPELINE_BYTES`, one at a time;
         verifying one group overlaps the transfer of the next."""
         if len(keys) != len(outs):
             raise ValueError(f"get_batch: {len(keys)} keys but {len(outs)} output tensors")
@@ -270,36 +270,45 @@ class MooncakeBackend(StorageBackend):
         if client is None:
             self._count(misses=len(keys))
             return hits
-        todo: list[tuple[int, MemoryBuffer, int]] = []
-        for i, (k, out) in enumerate(zip(keys, outs)):
-            cap = max_frame_len(k, out)
-            slot = self._staging.allocate(cap)
-            if slot is None:
-                self._count(misses=1)
-                continue
-            todo.append((i, slot, cap))
-        groups = _groups(todo, lambda t: t[2])
+        caps = [max_frame_len(k, out) for k, out in zip(keys, outs)]
+        groups = _groups(list(range(len(keys))), lambda i: caps[i])
+        Launched = tuple[Pending[list[int]] | None, list[tuple[int, MemoryBuffer]]]
 
-        def launch(group: list[tuple[int, MemoryBuffer, int]]) -> Pending[list[int]] | None:
-            names = [self._name(keys[i]) for i, _, _ in group]
-            ptrs = [s.tensor.data_ptr() for _, s, _ in group]
-            caps = [cap for _, _, cap in group]
-            slots = [s for _, s, _ in group]
-            return self._start(
-                "get", lambda: client.get_into(names, ptrs, caps),
-                on_late=lambda: self._staging.quarantine(slots), nbytes=sum(caps),
+        def launch(group: list[int]) -> Launched:
+            """Staging for one group is taken only now, so the memory a batch cycles
+            through stays about two groups (warm in cache) however large the batch."""
+            taken: list[tuple[int, MemoryBuffer]] = []
+            for i in group:
+                slot = self._staging.allocate(caps[i])
+                if slot is None:
+                    self._count(misses=1)
+                else:
+                    taken.append((i, slot))
+            if not taken:
+                return None, taken
+            names = [self._name(keys[i]) for i, _ in taken]
+            ptrs = [s.tensor.data_ptr() for _, s in taken]
+            sizes = [caps[i] for i, _ in taken]
+            slots = [s for _, s in taken]
+            pending = self._start(
+                "get", lambda: client.get_into(names, ptrs, sizes),
+                on_late=lambda: self._staging.quarantine(slots), nbytes=sum(sizes),
             )
+            return pending, taken
 
-        pending = launch(groups[0]) if groups else None
-        for j, group in enumerate(groups):
-            following = launch(groups[j + 1]) if j + 1 < len(groups) else None
-            result, state = self._finish("get", pending)
-            pending = following
-            if result is None or len(result) != len(group):
-                self._count(misses=len(group))
-                self._unanswered([s for _, s, _ in group], result, state)
+        current = launch(groups[0]) if groups else (None, [])
+        for j in range(len(groups)):
+            pending, taken = current
+            result, state = self._finish("get", pending) if taken else (None, "never")
+            # the next group's transfer runs while this group is verified and copied
+            current = launch(groups[j + 1]) if j + 1 < len(groups) else (None, [])
+            if not taken:
                 continue
-            for (i, slot, _), code in zip(group, result):
+            if result is None or len(result) != len(taken):
+                self._count(misses=len(taken))
+                self._unanswered([s for _, s in taken], result, state)
+                continue
+            for (i, slot), code in zip(taken, result):
                 if code > 0:
                     hits[i] = self._decode(keys[i], slot, code, outs[i])
                     slot.release()
@@ -390,11 +399,11 @@ class MooncakeBackend(StorageBackend):
         current = prepare(groups[0]) if groups else []
         pending = launch(current)
         for j in range(len(groups)):
+            # the next group is framed (checksummed) while this one transfers
             following = prepare(groups[j + 1]) if j + 1 < len(groups) else []
-            next_pending = launch(following)
             if current:
                 self._take_puts(items, current, *self._finish("put", pending), done)
-            current, pending = following, next_pending
+            current, pending = following, launch(following)
         return done
 
     def _take_puts(

@@ -22,6 +22,7 @@ from .keys import ChunkKey
 if TYPE_CHECKING:
     from .config import CoreConfig
     from .memory import MemoryBuffer, MemoryPool
+    from .plugins import PluginManager
     from .serde import Codec
 
 
@@ -75,6 +76,9 @@ class BackendContext:
     pool: "MemoryPool"
     codec: "Codec"
     codecs: Mapping[str, "Codec"]
+    #: the engine's plugin manager (eviction policies and other registries);
+    #: ``None`` means the process-wide one
+    plugins: "PluginManager | None" = None
 
 
 class StorageBackend(abc.ABC):

@@ -1,9 +1,9 @@
 """The plugins that ship inside the core, registered through the same hooks as
-third-party ones: the CPU tier and the ``raw``/``lz4`` codecs."""
+third-party ones: the CPU tier, the ``raw``/``lz4`` codecs and the eviction policies."""
 
 from __future__ import annotations
 
-from .hookspecs import RegisterBackend, RegisterCodec, hookimpl
+from .hookspecs import RegisterBackend, RegisterCodec, RegisterEvictionPolicy, hookimpl
 from .serde import Lz4Codec, RawCodec
 
 
@@ -11,10 +11,18 @@ from .serde import Lz4Codec, RawCodec
 def register_backends(register: RegisterBackend) -> None:
     from .local_cpu import create_local_cpu
 
-    register("local_cpu", create_local_cpu, description="CPU memory tier (LRU, byte budget)")
+    register("local_cpu", create_local_cpu, description="CPU memory tier (byte budget, eviction policy per config)")
 
 
 @hookimpl
 def register_codecs(register: RegisterCodec) -> None:
     register(RawCodec(), description="no compression")
     register(Lz4Codec(), description="LZ4 block compression")
+
+
+@hookimpl
+def register_eviction_policies(register: RegisterEvictionPolicy) -> None:
+    from .eviction import BUILTIN_POLICIES
+
+    for name, (factory, description) in BUILTIN_POLICIES.items():
+        register(name, factory, description=description)

@@ -190,6 +190,7 @@ class CacheEngine:
                     pool=self.pool,
                     codec=self.codec,
                     codecs=self.codecs,
+                    plugins=self.plugins,
                 )
                 self.tiers.append(self.plugins.create_backend(section, ctx))
         except BaseException:

@@ -20,6 +20,7 @@ from typing import Protocol
 import pluggy
 
 from .backend import BackendFactory
+from .eviction import PolicyFactory
 from .serde import Codec
 
 PROJECT = "lmcache_core"
@@ -35,6 +36,10 @@ class RegisterCodec(Protocol):
     def __call__(self, codec: Codec, *, description: str = "") -> None: ...
 
 
+class RegisterEvictionPolicy(Protocol):
+    def __call__(self, name: str, factory: PolicyFactory, *, description: str = "") -> None: ...
+
+
 class Spec:
     @hookspec
     def register_backends(self, register: RegisterBackend) -> None:
@@ -43,3 +48,9 @@ class Spec:
     @hookspec
     def register_codecs(self, register: RegisterCodec) -> None:
         """Call ``register(codec)`` once per serde codec this plugin adds."""
+
+    @hookspec
+    def register_eviction_policies(self, register: RegisterEvictionPolicy) -> None:
+        """Call ``register(name, factory)`` once per eviction policy this plugin adds;
+        ``factory(capacity_bytes)`` returns an :class:`~lmcache_core.eviction.EvictionPolicy`.
+        Tiers select it with ``eviction: <name>``."""

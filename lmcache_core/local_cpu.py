@@ -1,22 +1,28 @@
-"""The CPU tier (``local_cpu``): chunks live in the engine's memory pool, LRU eviction
-within a byte budget, and a chunk pinned by an in-flight load is never evicted."""
+"""The CPU tier (``local_cpu``): chunks live in the engine's memory pool, evicted within
+a byte budget in the order of the tier's eviction policy (``eviction:``, see
+:mod:`lmcache_core.eviction`), and a chunk pinned by an in-flight load is never
+evicted whatever the policy says."""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageBackend, prefix_count
 from .config import ByteSize, StrictModel, validate_section
+from .eviction import EvictionPolicy, LruPolicy
 from .keys import ChunkKey
 from .memory import MemoryBuffer, MemoryPool
 
 
+DEFAULT_EVICTION = "tinylfu"
+
+
 class LocalCpuConfig(StrictModel):
     max_size: ByteSize = 1 << 30
+    eviction: str = DEFAULT_EVICTION
 
 
 class _Entry:
@@ -31,14 +37,17 @@ class LocalCpuBackend(StorageBackend):
     name = "local_cpu"
     capabilities = frozenset({ZERO_COPY, PINNING})
 
-    def __init__(self, pool: MemoryPool, max_size: int) -> None:
+    def __init__(self, pool: MemoryPool, max_size: int, policy: EvictionPolicy | None = None) -> None:
         self.pool = pool
         self.max_size = min(max_size, pool.capacity)
         self._lock = threading.RLock()
-        self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
+        self.policy = policy if policy is not None else LruPolicy(self.max_size)
+        self._entries: dict[ChunkKey, _Entry] = {}
         self._bytes = 0
         self._pinned = 0  # entries with pins > 0: stats() is read every engine step, keep it O(1)
         self._s = BackendStats(self.name, bytes_capacity=self.max_size)
+        self._s.extra["eviction"] = self.policy.name
+        self._s.extra["rejected"] = 0  # puts the policy's admission filter declined
 
     # -- contract -------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> int:
@@ -48,7 +57,7 @@ class LocalCpuBackend(StorageBackend):
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         with self._lock:
             if key in self._entries:
-                self._entries.move_to_end(key)
+                self.policy.hit(key)
                 return True
         buf = self.allocate(tuple(data.shape), data.dtype)
         if buf is None:
@@ -80,6 +89,7 @@ class LocalCpuBackend(StorageBackend):
             entry = self._entries.pop(key, None)
             if entry is None:
                 return False
+            self.policy.remove(key)
             self._bytes -= entry.buf.size
             if entry.pins:
                 self._pinned -= 1
@@ -97,6 +107,8 @@ class LocalCpuBackend(StorageBackend):
     def close(self) -> None:
         with self._lock:
             entries = list(self._entries.values())
+            for key in self._entries:
+                self.policy.remove(key)
             self._entries.clear()
             self._bytes = 0
             self._pinned = 0
@@ -109,8 +121,9 @@ class LocalCpuBackend(StorageBackend):
             entry = self._entries.get(key)
             if entry is None:
                 self._s.misses += 1
+                self.policy.miss(key)
                 return None
-            self._entries.move_to_end(key)
+            self.policy.hit(key)
             self._s.hits += 1
             self._s.get_bytes += entry.buf.nbytes
             return entry.buf.retain()
@@ -120,23 +133,29 @@ class LocalCpuBackend(StorageBackend):
             return self.put(key, buf.tensor)
         with self._lock:
             if key in self._entries:
-                self._entries.move_to_end(key)
+                self.policy.hit(key)
                 return True
             if buf.size > self.max_size:
                 self._s.skipped += 1
                 return False
-            self._evict_locked(self._bytes + buf.size - self.max_size)
+            need = self._bytes + buf.size - self.max_size
+            if need > 0 and not self.policy.admit(key, buf.size):
+                self._s.skipped += 1
+                self._s.extra["rejected"] += 1
+                return False
+            self._evict_locked(need)
             if self._bytes + buf.size > self.max_size:
                 self._s.skipped += 1
                 return False
             self._entries[key] = _Entry(buf.retain())
+            self.policy.insert(key, buf.size)
             self._bytes += buf.size
             self._s.puts += 1
             self._s.put_bytes += buf.nbytes
         return True
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> MemoryBuffer | None:
-        """A pool buffer, evicting unpinned LRU chunks when the pool is full."""
+        """A pool buffer, evicting unpinned chunks (policy order) when the pool is full."""
         buf = self.pool.allocate(shape, dtype)
         while buf is None:
             if not self.evict_for(1):
@@ -149,21 +168,31 @@ class LocalCpuBackend(StorageBackend):
             return self._evict_locked(nbytes)
 
     def _evict_locked(self, nbytes: int) -> int:
+        """Evict in policy order until ``nbytes`` are freed; pinned victims go back to
+        the policy. At most one offer per resident chunk, so a pinned tier stops."""
         freed = 0
         if nbytes <= 0:
             return 0
-        victims = []
-        for key, entry in self._entries.items():
+        kept: list[ChunkKey] = []
+        for _ in range(len(self._entries)):
             if freed >= nbytes:
                 break
-            if entry.pins == 0:
-                victims.append(key)
-                freed += entry.buf.size
-        for key in victims:
-            entry = self._entries.pop(key)
+            key = self.policy.pop_victim()
+            if key is None:
+                break
+            entry = self._entries.get(key)  # type: ignore[arg-type]
+            if entry is None:  # the policy offered a key the tier does not hold
+                continue
+            if entry.pins:
+                kept.append(key)  # type: ignore[arg-type]
+                continue
+            del self._entries[key]  # type: ignore[arg-type]
             self._bytes -= entry.buf.size
             self._s.evictions += 1
+            freed += entry.buf.size
             entry.buf.release()
+        for key in kept:
+            self.policy.keep(key, self._entries[key].buf.size)
         return freed
 
     # -- pinning --------------------------------------------------------------------
@@ -186,4 +215,9 @@ class LocalCpuBackend(StorageBackend):
 
 def create_local_cpu(section: Mapping[str, Any], ctx: BackendContext) -> LocalCpuBackend:
     cfg = validate_section(LocalCpuConfig, section, ctx.key_path, ctx.source)
-    return LocalCpuBackend(ctx.pool, cfg.max_size)
+    from .plugins import get_plugin_manager
+
+    plugins = ctx.plugins or get_plugin_manager()
+    max_size = min(cfg.max_size, ctx.pool.capacity)
+    policy = plugins.create_eviction_policy(cfg.eviction, max_size, key_path=f"{ctx.key_path}.eviction", source=ctx.source)
+    return LocalCpuBackend(ctx.pool, cfg.max_size, policy)

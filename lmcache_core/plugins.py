@@ -23,6 +23,7 @@ import pluggy
 
 from .backend import BackendContext, BackendFactory, StorageBackend
 from .config import ENV_BLOCK_PLUGINS, BackendSection, ConfigError
+from .eviction import EvictionPolicy, PolicyFactory
 from .hookspecs import PROJECT, Spec
 from .serde import Codec
 
@@ -52,6 +53,14 @@ class Origin:
 class BackendInfo:
     name: str
     factory: BackendFactory
+    origin: Origin
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    name: str
+    factory: PolicyFactory
     origin: Origin
     description: str = ""
 
@@ -93,6 +102,7 @@ class PluginManager:
         self._entry_points_loaded = False
         self._backends: dict[str, BackendInfo] | None = None
         self._codecs: dict[str, CodecInfo] | None = None
+        self._policies: dict[str, PolicyInfo] | None = None
         self.load_errors: list[str] = []
         env = os.environ if env is None else env
         self.blocked = {n.strip() for n in env.get(ENV_BLOCK_PLUGINS, "").split(",") if n.strip()}
@@ -110,7 +120,7 @@ class PluginManager:
         with self._lock:
             self._register_checked(plugin, name)
             self._origins[name] = origin or Origin(name, "(registered in code)", "")
-            self._backends = self._codecs = None
+            self._backends = self._codecs = self._policies = None
 
     def _register_checked(self, plugin: object, name: str) -> None:
         try:
@@ -128,7 +138,7 @@ class PluginManager:
         with self._lock:
             self._pm.unregister(name=name)
             self._origins.pop(name, None)
-            self._backends = self._codecs = None
+            self._backends = self._codecs = self._policies = None
 
     @contextmanager
     def registered(self, plugin: object, *, name: str) -> Iterator[None]:
@@ -163,7 +173,7 @@ class PluginManager:
     # -- registries -------------------------------------------------------------------
     def _collect(self) -> None:
         with self._lock:
-            if self._backends is not None and self._codecs is not None:
+            if self._backends is not None and self._codecs is not None and self._policies is not None:
                 return
             self._ensure_entry_points()
             backends: dict[str, BackendInfo] = {}
@@ -190,7 +200,20 @@ class PluginManager:
                     codecs[codec.name] = CodecInfo(codec, _o, description)
 
                 self._call_impl(impl, reg_codec)
-            self._backends, self._codecs = backends, codecs
+            policies: dict[str, PolicyInfo] = {}
+            for impl in reversed(self._pm.hook.register_eviction_policies.get_hookimpls()):
+                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
+
+                def reg_policy(name: str, factory: PolicyFactory, *, description: str = "", _o: Origin = origin) -> None:
+                    if not isinstance(name, str) or not name.isidentifier():
+                        raise ValueError(f"plugin {_o.plugin}: eviction policy name {name!r} must be an identifier")
+                    if name in policies:
+                        prev = policies[name].origin
+                        log.warning("eviction policy %r from %s overrides the one from %s", name, _o.distribution, prev.distribution)
+                    policies[name] = PolicyInfo(name, factory, _o, description)
+
+                self._call_impl(impl, reg_policy)
+            self._backends, self._codecs, self._policies = backends, codecs, policies
 
     def _call_impl(self, impl: pluggy.HookImpl, register: Any) -> None:
         try:
@@ -211,6 +234,29 @@ class PluginManager:
         self._collect()
         assert self._codecs is not None
         return dict(self._codecs)
+
+    def eviction_policies(self) -> dict[str, PolicyInfo]:
+        self._collect()
+        assert self._policies is not None
+        return dict(self._policies)
+
+    def create_eviction_policy(self, name: str, capacity: int, *, key_path: str, source: str) -> EvictionPolicy:
+        """A new policy instance for a tier of ``capacity`` bytes; an unknown name is a
+        :class:`ConfigError` naming ``key_path`` and the installed policies."""
+        policies = self.eviction_policies()
+        info = policies.get(name)
+        if info is None:
+            raise ConfigError(
+                f"{key_path}: unknown eviction policy {name!r} (from {source}); "
+                f"installed policies: {', '.join(sorted(policies))}"
+            )
+        policy = info.factory(capacity)
+        if not isinstance(policy, EvictionPolicy):
+            raise TypeError(
+                f"eviction policy factory for {name!r} from {info.origin.distribution} returned "
+                f"{type(policy).__name__}, not an EvictionPolicy"
+            )
+        return policy
 
     def codec_map(self) -> dict[str, Codec]:
         return {name: info.codec for name, info in self.codecs().items()}

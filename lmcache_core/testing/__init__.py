@@ -8,8 +8,12 @@ Subclass :class:`BackendConformance` in your own test suite and implement
     class TestMyTier(BackendConformance):
         def make_backend(self, ctx, tmp_path):
             return MyTier(...)
+
+Eviction policies have their own suite, :class:`EvictionPolicyConformance`
+(implement ``make_policy(capacity)``).
 """
 
 from .conformance import BackendConformance, make_context, random_chunk, random_key
+from .policies import EvictionPolicyConformance
 
-__all__ = ["BackendConformance", "make_context", "random_chunk", "random_key"]
+__all__ = ["BackendConformance", "EvictionPolicyConformance", "make_context", "random_chunk", "random_key"]

@@ -1,0 +1,147 @@
+"""Eviction policies side by side on the benchmark suite's workloads, engine level.
+
+    python bench/bench_eviction.py [--quick] [--policies lru,s3fifo,tinylfu]
+
+Replays the suite's request streams (``bench/suite/run.py``: round-robin doc QA,
+multi-round chat) against a real :class:`~lmcache_core.engine.CacheEngine` with one
+CPU tier, exactly as the connector drives it (lookup, load the hit prefix, store
+the rest), with tiny chunk tensors so a whole sweep takes seconds. Hit rates are
+token counts, as vLLM's ``num_cached_tokens`` would report them (a hit prefix stops
+one token short of the prompt). The full vLLM sweep (``bench/suite/run.py
+--sweep-only``) measures the same thing with TTFT; this one checks the bars fast:
+
+- doc QA at 50% of the working set: warm hit rate of the scan-resistant policy
+  >= 40% (an optimal policy serves about half);
+- chat: never fewer hit tokens than LRU, at any size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "suite"))
+
+from lmcache_core.config import CoreConfig  # noqa: E402
+from lmcache_core.engine import CacheEngine  # noqa: E402
+from lmcache_core.keys import KeyNamespace  # noqa: E402
+
+CHUNK = 256
+CHUNK_SHAPE = (64,)  # float32: 256 bytes per chunk; only counts matter here
+CHUNK_BYTES = 64 * 4
+FRACTIONS = (0.25, 0.5, 1.0, 2.0)
+
+
+def workloads(quick: bool) -> dict[str, list[tuple[list[int], bool]]]:
+    """The suite's sweep doc QA and chat request streams: (tokens, warm)."""
+    from run import chat, docqa  # bench/suite/run.py
+
+    vocab = 4096
+    if quick:
+        docs = docqa([1024, 1365, 1707, 2048], queries=2, vocab=vocab)
+        conv = chat(users=3, rounds=4, vocab=vocab, system_tokens=256, turn_tokens=64, answer_tokens=96)
+    else:
+        docs = docqa([2048, 3277, 4506, 5734, 6963, 8192], queries=2, vocab=vocab)
+        conv = chat(users=4, rounds=6, vocab=vocab, system_tokens=512, turn_tokens=96, answer_tokens=160)
+    return {w.name: [(r.tokens, r.warm) for r in w.requests] for w in (docs, conv)}
+
+
+def replay(requests: list[tuple[list[int], bool]], max_size: int, policy: str) -> dict[str, Any]:
+    """Drive one engine like the connector does; token-level hit counts."""
+    cfg = CoreConfig(chunk_size=CHUNK, backends=[{"name": "local_cpu", "max_size": max_size, "eviction": policy}], staging_size=1 << 20)
+    prompt = cached = warm_prompt = warm_cached = 0
+    with CacheEngine(cfg, namespace=KeyNamespace(model="bench-eviction")) as eng:
+        for tokens, warm in requests:
+            hashes = eng.hashes(tokens)
+            n = eng.lookup_hashes(hashes)
+            loaded = 0
+            for h in hashes[:n]:
+                buf = eng.retrieve_buffer(h, CHUNK_SHAPE, torch.float32)
+                if buf is None:
+                    break
+                buf.release()
+                loaded += 1
+            hit = min(loaded * CHUNK, len(tokens) - 1)
+            rest = hashes[loaded:]
+            eng.store_hashes(rest, [torch.zeros(CHUNK_SHAPE) for _ in rest])
+            prompt += len(tokens)
+            cached += hit
+            if warm:
+                warm_prompt += len(tokens)
+                warm_cached += hit
+        tier = eng.stats()["tiers"][0]
+        used = tier["bytes_used"]
+    return {
+        "hit_rate": cached / prompt,
+        "warm_hit_rate": warm_cached / warm_prompt if warm_prompt else 0.0,
+        "hit_tokens": cached,
+        "bytes_used": used,
+        "evictions": tier["evictions"],
+    }
+
+
+def sweep(quick: bool, policies: list[str]) -> list[dict[str, Any]]:
+    points = []
+    for name, reqs in workloads(quick).items():
+        ws = replay(reqs, 64 << 20, "lru")["bytes_used"]  # what an unlimited tier holds
+        for f in FRACTIONS:
+            size = max(int(ws * f), CHUNK_BYTES)
+            for p in policies:
+                r = replay(reqs, size, p)
+                points.append({"workload": name, "fraction": f, "policy": p, "working_set_bytes": ws, **r})
+    return points
+
+
+def check_bars(points: list[dict[str, Any]], policy: str) -> list[str]:
+    """The issue's bars, as lines ``PASS``/``FAIL`` with the figures."""
+    out = []
+    by = {(p["workload"], p["fraction"], p["policy"]): p for p in points}
+    d = by.get(("docqa", 0.5, policy))
+    if d is not None:
+        ok = d["warm_hit_rate"] >= 0.40
+        out.append(f"{'PASS' if ok else 'FAIL'} doc QA at 50%: {policy} serves {d['warm_hit_rate'] * 100:.1f}% of warm tokens (bar >= 40%)")
+    for f in FRACTIONS:
+        a, b = by.get(("chat", f, policy)), by.get(("chat", f, "lru"))
+        if a is None or b is None:
+            continue
+        ok = a["hit_tokens"] >= b["hit_tokens"]
+        ratio = a["hit_tokens"] / b["hit_tokens"] if b["hit_tokens"] else float("inf")
+        out.append(
+            f"{'PASS' if ok else 'FAIL'} chat at {f * 100:.0f}%: {policy} {a['hit_tokens']} hit tokens vs lru {b['hit_tokens']} "
+            f"({ratio:.2f}x)"
+        )
+    return out
+
+
+def table(points: list[dict[str, Any]]) -> str:
+    lines = ["| workload | tier / working set | policy | hit rate (all) | warm hit rate | hit tokens | evictions |", "|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(
+            f"| {p['workload']} | {p['fraction'] * 100:.0f}% | {p['policy']} | {p['hit_rate'] * 100:.1f}% | "
+            f"{p['warm_hit_rate'] * 100:.1f}% | {p['hit_tokens']} | {p['evictions']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the suite's --quick workloads")
+    ap.add_argument("--policies", default="lru,s3fifo,tinylfu")
+    ap.add_argument("--bar-policy", default="tinylfu", help="the policy the bars are checked for")
+    args = ap.parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    points = sweep(args.quick, policies)
+    print(table(points))
+    print()
+    bars = check_bars(points, args.bar_policy)
+    print("\n".join(bars))
+    return 0 if all(b.startswith("PASS") for b in bars) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

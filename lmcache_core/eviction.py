@@ -1,0 +1,331 @@
+"""Eviction policies: which resident chunk a byte-budgeted tier drops next.
+
+A policy only orders keys; the tier owns the data, the byte budget and the pins. It
+is a reusable component: any tier with an in-memory index (the CPU tier today, the
+disk tier's index later) drives one through the same calls:
+
+- ``insert(key, size)`` after storing a new key, ``hit(key)`` on a read that found
+  it, ``remove(key)`` when the tier drops it for another reason (``remove()``,
+  corruption, close);
+- when the tier needs room: ``admit(key, size)`` first (an admission filter may say
+  "keep what you have, do not store this one"), then ``pop_victim()`` until enough
+  bytes are free. ``pop_victim`` detaches the key from the policy; the tier then
+  evicts it, or, if it is pinned (an in-flight load), hands it back with
+  ``keep(key, size)``: pins win over every policy. A tier asks for at most as many
+  victims as it holds keys per eviction, so a fully pinned tier stops.
+
+Policies here (selected per tier with ``eviction:`` in YAML; plugins add more through
+the ``register_eviction_policies`` hook):
+
+- ``lru``: least recently used first. Flushed by a scan or a cyclic access pattern
+  larger than the tier (each item is evicted just before it comes back).
+- ``s3fifo``: S3-FIFO (Yang et al., "FIFO queues are all you need for cache
+  eviction", SOSP 2023): a small FIFO for newcomers, a main FIFO with reinsertion for
+  items seen again, a ghost list of recently evicted newcomers that go straight to
+  main when they return. Resists one-off scans; a round-robin cycle larger than the
+  tier still misses every time, like LRU (the main FIFO is cycled through).
+- ``tinylfu``: W-TinyLFU (Einziger, Friedman, Manes, "TinyLFU: A highly efficient
+  cache admission policy", ACM Transactions on Storage 2017): a 1% LRU window for
+  newcomers, an SLRU main area (probation + 80% protected), and an admission duel
+  (frequency of the window's evictee against the main area's victim) on access
+  counts that are halved every ``10 x`` resident-keys accesses. A cycle larger than
+  the tier keeps the part that fits from its second pass on; a scan never displaces
+  a hot set.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from typing import Callable, ClassVar, Hashable
+
+Key = Hashable
+
+
+class EvictionPolicy(abc.ABC):
+    """The order in which a tier evicts (see the module docstring for the calls).
+
+    Not thread-safe: the tier calls it under the lock that guards its index."""
+
+    name: ClassVar[str] = "unnamed"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, int(capacity))
+
+    @abc.abstractmethod
+    def insert(self, key: Key, size: int) -> None:
+        """``key`` (``size`` bytes) was stored; it is not resident yet."""
+
+    @abc.abstractmethod
+    def hit(self, key: Key) -> None:
+        """A read found resident ``key``."""
+
+    @abc.abstractmethod
+    def remove(self, key: Key) -> None:
+        """Resident ``key`` left the tier other than through :meth:`pop_victim`."""
+
+    @abc.abstractmethod
+    def pop_victim(self) -> Key | None:
+        """Detach and return the next key to evict; ``None`` when none is resident."""
+
+    @abc.abstractmethod
+    def keep(self, key: Key, size: int) -> None:
+        """A key from :meth:`pop_victim` could not be evicted (pinned): resident again."""
+
+    def admit(self, key: Key, size: int) -> bool:
+        """The tier is full: store ``key`` (evicting others) or not. Default: yes."""
+        return True
+
+    def miss(self, key: Key) -> None:
+        """A read did not find ``key`` (frequency-based policies count it)."""
+
+    def __len__(self) -> int:  # resident keys the policy tracks
+        return 0
+
+
+PolicyFactory = Callable[[int], EvictionPolicy]
+
+
+class LruPolicy(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Key, int] = OrderedDict()
+
+    def insert(self, key: Key, size: int) -> None:
+        self._order[key] = size
+        self._order.move_to_end(key)
+
+    def hit(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def pop_victim(self) -> Key | None:
+        if not self._order:
+            return None
+        return self._order.popitem(last=False)[0]
+
+    def keep(self, key: Key, size: int) -> None:
+        self._order[key] = size
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class S3FifoPolicy(EvictionPolicy):
+    """S3-FIFO with byte sizes: small queue 10% of the capacity, frequencies capped
+    at 3, a ghost list holding as many keys as the tier holds."""
+
+    name = "s3fifo"
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        # OrderedDicts as FIFOs: first item = oldest (the tail the paper evicts from)
+        self._small: OrderedDict[Key, int] = OrderedDict()
+        self._main: OrderedDict[Key, int] = OrderedDict()
+        self._ghost: OrderedDict[Key, None] = OrderedDict()
+        self._size: dict[Key, int] = {}
+        self._freq: dict[Key, int] = {}
+        self._small_bytes = 0
+
+    def insert(self, key: Key, size: int) -> None:
+        self._size[key] = size
+        self._freq[key] = 0
+        if self._ghost.pop(key, "absent") is None:
+            self._main[key] = size
+        else:
+            self._small[key] = size
+            self._small_bytes += size
+
+    def hit(self, key: Key) -> None:
+        if key in self._freq:
+            self._freq[key] = min(self._freq[key] + 1, self.MAX_FREQ)
+
+    def remove(self, key: Key) -> None:
+        if self._small.pop(key, None) is not None:
+            self._small_bytes -= self._size[key]
+        self._main.pop(key, None)
+        self._size.pop(key, None)
+        self._freq.pop(key, None)
+
+    def _detach(self, key: Key) -> Key:
+        self._size.pop(key, None)
+        self._freq.pop(key, None)
+        return key
+
+    def pop_victim(self) -> Key | None:
+        # Each pass either evicts or lowers a frequency / moves a key from small to
+        # main (at most once per key), so the loop ends.
+        for _ in range(4 * (len(self._size) + 1)):
+            if not self._size:
+                return None
+            if self._small and (self._small_bytes > self.SMALL_FRACTION * self.capacity or not self._main):
+                key, size = self._small.popitem(last=False)
+                self._small_bytes -= size
+                if self._freq[key] > 0:  # seen again while in small: promote to main
+                    self._freq[key] = 0
+                    self._main[key] = size
+                    continue
+                self._ghost[key] = None
+                while len(self._ghost) > max(16, len(self._size)):
+                    self._ghost.popitem(last=False)
+                return self._detach(key)
+            key, size = self._main.popitem(last=False)
+            if self._freq[key] > 0:  # reinsertion: a second chance per access
+                self._freq[key] -= 1
+                self._main[key] = size
+                continue
+            return self._detach(key)
+        # unreachable in practice; evict the oldest main key rather than loop
+        if self._main:
+            return self._detach(self._main.popitem(last=False)[0])
+        return None
+
+    def keep(self, key: Key, size: int) -> None:
+        self._size[key] = size
+        self._freq[key] = 1
+        self._main[key] = size
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+
+class TinyLfuPolicy(EvictionPolicy):
+    """W-TinyLFU with byte sizes. Access counts are kept exactly per key (a chunk is
+    kilobytes to megabytes, so a counter per recently seen key is negligible where
+    the paper uses a sketch), with the paper's reset: every ``10 x`` resident keys
+    (at least 1000) recorded accesses, every count is halved and zeros dropped,
+    which also bounds the table."""
+
+    name = "tinylfu"
+    WINDOW_FRACTION = 0.01
+    PROTECTED_FRACTION = 0.8
+    MAX_COUNT = 15
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._window: OrderedDict[Key, int] = OrderedDict()  # first = least recent
+        self._probation: OrderedDict[Key, int] = OrderedDict()
+        self._protected: OrderedDict[Key, int] = OrderedDict()
+        self._bytes = {"window": 0, "probation": 0, "protected": 0}
+        self._where: dict[Key, str] = {}
+        self._count: dict[Key, int] = {}
+        self._samples = 0
+        self.window_budget = self.WINDOW_FRACTION * self.capacity
+        self.main_budget = self.capacity - self.window_budget
+
+    # -- frequency -------------------------------------------------------------------
+    def _record(self, key: Key) -> None:
+        self._count[key] = min(self._count.get(key, 0) + 1, self.MAX_COUNT)
+        self._samples += 1
+        if self._samples >= max(1000, 10 * len(self._where)):
+            self._samples = 0
+            self._count = {k: c // 2 for k, c in self._count.items() if c > 1}
+
+    def frequency(self, key: Key) -> int:
+        return self._count.get(key, 0)
+
+    # -- segments --------------------------------------------------------------------
+    def _seg(self, name: str) -> OrderedDict[Key, int]:
+        return {"window": self._window, "probation": self._probation, "protected": self._protected}[name]
+
+    def _add(self, name: str, key: Key, size: int) -> None:
+        self._seg(name)[key] = size
+        self._bytes[name] += size
+        self._where[key] = name
+
+    def _take(self, key: Key) -> int:
+        name = self._where.pop(key)
+        size = self._seg(name).pop(key)
+        self._bytes[name] -= size
+        return size
+
+    def _main_bytes(self) -> int:
+        return self._bytes["probation"] + self._bytes["protected"]
+
+    def insert(self, key: Key, size: int) -> None:
+        self._record(key)
+        if key in self._where:
+            self._take(key)
+        self._add("window", key, size)
+        # while the tier is not full, window overflow simply moves to probation
+        while self._bytes["window"] > self.window_budget and len(self._window) > 1:
+            old, osize = next(iter(self._window.items()))
+            if self._main_bytes() + osize > self.main_budget:
+                break
+            self._take(old)
+            self._add("probation", old, osize)
+
+    def hit(self, key: Key) -> None:
+        self._record(key)
+        where = self._where.get(key)
+        if where is None:
+            return
+        if where == "window":
+            self._window.move_to_end(key)
+        elif where == "protected":
+            self._protected.move_to_end(key)
+        else:
+            size = self._take(key)
+            self._add("protected", key, size)
+            limit = self.PROTECTED_FRACTION * self.main_budget
+            while self._bytes["protected"] > limit and len(self._protected) > 1:
+                old = next(iter(self._protected))
+                osize = self._take(old)
+                self._add("probation", old, osize)
+
+    def miss(self, key: Key) -> None:
+        self._record(key)
+
+    def remove(self, key: Key) -> None:
+        if key in self._where:
+            self._take(key)
+
+    def _main_victim(self) -> Key | None:
+        for seg in (self._probation, self._protected):
+            if seg:
+                return next(iter(seg))
+        return None
+
+    def pop_victim(self) -> Key | None:
+        if self._window and self._bytes["window"] > self.window_budget:
+            cand = next(iter(self._window))
+            victim = self._main_victim()
+            if victim is None:
+                self._take(cand)
+                return cand
+            if self.frequency(cand) > self.frequency(victim):
+                # the newcomer earned its place: it enters probation, the victim leaves
+                size = self._take(cand)
+                self._add("probation", cand, size)
+                self._take(victim)
+                return victim
+            self._take(cand)
+            return cand
+        victim = self._main_victim()
+        if victim is None and self._window:
+            victim = next(iter(self._window))
+        if victim is None:
+            return None
+        self._take(victim)
+        return victim
+
+    def keep(self, key: Key, size: int) -> None:
+        if key not in self._where:
+            self._add("probation", key, size)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+BUILTIN_POLICIES: dict[str, tuple[PolicyFactory, str]] = {
+    "lru": (LruPolicy, "least recently used first"),
+    "s3fifo": (S3FifoPolicy, "S3-FIFO, Yang et al., SOSP 2023: scan-resistant FIFO queues"),
+    "tinylfu": (TinyLfuPolicy, "W-TinyLFU, Einziger et al., ACM ToS 2017: frequency admission, loop- and scan-resistant"),
+}

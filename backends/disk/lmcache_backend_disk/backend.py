@@ -62,7 +62,7 @@ from .fileio import probe_o_direct, read_into_hasher, read_whole, write_atomic, 
 from .frames import read_frame_header
 from .index import LruIndex
 from .layout import FANOUT, MARKER_TEXT, USAGE, Layout, open_dir, shard_name, temp_name
-from .scan import scan
+from .scan import ScanResult, scan
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +125,13 @@ class DiskBackend(StorageBackend):
             self._x["o_direct_fallback"] = reason
         self._x["o_direct"] = self._o_direct
         if self._root_fd is not None:
-            res = scan(self._root_fd, str(self.root), verify=cfg.verify_on_start, pool=self._pool)
-            self._index.load(res.entries)
+            res = self._startup_scan()
             self._x.update(
                 startup_stale_temps=res.stale_temps,
                 startup_bad_removed=res.bad_removed,
                 startup_foreign_kept=res.foreign_kept,
                 startup_shards_refused=res.shards_refused,
             )
-            if self._budget is not None:
-                self._recount_and_trim()
         self._x["startup_s"] = round(time.perf_counter() - t0, 4)
 
     # -- set-up -------------------------------------------------------------------------
@@ -191,6 +188,30 @@ class DiskBackend(StorageBackend):
             self._x["unavailable"] = self._x["unavailable"] or reason
             log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
 
+    def _startup_scan(self) -> ScanResult:
+        """Rebuild the index and, under the budget lock, the shared count. Without
+        ``verify_on_start`` the scan is a plain listing: it runs under the lock and
+        is the count (one pass). With it, the slow verified scan runs unlocked (other
+        processes go on writing) and a listing under the lock recounts."""
+        assert self._root_fd is not None
+        verify = self.cfg.verify_on_start
+        if self._budget is not None and not verify:
+            try:
+                with self._budget.locked() as budget:
+                    res = scan(self._root_fd, str(self.root), verify=False, pool=self._pool)
+                    self._index.load(res.entries)
+                    budget.set(res.chunk_bytes + res.reserved_bytes)
+                    self._evict_locked(budget, 0)
+                    self._x["dir_bytes"] = budget.last
+                return res
+            except TimeoutError as err:  # the count stays as the other processes keep it
+                log.warning("disk tier: start-up recount skipped: %s", err)
+        res = scan(self._root_fd, str(self.root), verify=verify, pool=self._pool)
+        self._index.load(res.entries)
+        if self._budget is not None and verify:
+            self._recount_and_trim()
+        return res
+
     def _recount_and_trim(self) -> None:
         """Under the budget lock: set the shared count to what the directory holds
         (chunk files plus frames live processes are writing) and evict down to
@@ -198,7 +219,7 @@ class DiskBackend(StorageBackend):
         assert self._budget is not None and self._root_fd is not None
         try:
             with self._budget.locked() as budget:
-                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
+                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=self._pool)
                 budget.set(listing.chunk_bytes + listing.reserved_bytes)
                 self._evict_locked(budget, 0)
                 self._x["dir_bytes"] = budget.last
@@ -613,6 +634,7 @@ class DiskBackend(StorageBackend):
             self._s.misses += 1
             self._s.errors += 1
             self._x["corrupt_removed"] += 1
+
 
 def _unlink_quiet(name: str, dir_fd: int) -> None:
     try:

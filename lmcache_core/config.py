@@ -133,6 +133,14 @@ class CoreConfig(StrictModel):
         256 * 2**20,
         description="pool memory beyond the CPU tier for chunks in flight (saves, write-behind to slower tiers, loads)",
     )
+    load_policy: Literal["always", "faster_than_recompute"] = Field(
+        "always",
+        description="always: load every hit; faster_than_recompute: load a hit prefix only when its measured "
+        "load time beats the measured recompute time (the rest is recomputed, counted as bypassed)",
+    )
+    load_margin: float = Field(
+        0.2, ge=0.0, lt=1.0, description="faster_than_recompute: a load must be this fraction faster than recomputing"
+    )
 
 
 @dataclass

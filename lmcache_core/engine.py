@@ -21,6 +21,7 @@ import torch
 from . import metrics as m
 from .backend import PINNING, ZERO_COPY, BackendContext, StorageBackend
 from .config import ConfigError, CoreConfig, LoadedConfig, load_config, parse_size
+from .loadcost import TierReadModel
 from .local_cpu import LocalCpuConfig
 from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
 from .memory import MemoryBuffer, MemoryPool, available_memory
@@ -198,6 +199,8 @@ class CacheEngine:
                 t.close()
             raise
         self._writers = [_TierWriter(t, cfg.write_queue_size, self.counters) for t in self.tiers[1:]]
+        # read latency/throughput per tier, measured on every successful read (load policies)
+        self.read_models = [TierReadModel() for _ in self.tiers]
         self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey]]]] = {}
         self._pin_lock = threading.Lock()
         self._closed = False
@@ -246,13 +249,21 @@ class CacheEngine:
         repeated lookup under the same ``pin_id`` replaces the earlier pins. With
         ``record=False`` the lookup is not counted (a caller that probes several times
         for one request counts once with :meth:`record_lookup`)."""
+        return sum(n for _, n in self.lookup_runs(hashes, pin_id=pin_id, record=record))
+
+    def lookup_runs(
+        self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True
+    ) -> list[tuple[int, int]]:
+        """:meth:`lookup_hashes` that also says where the hits are: ``(tier index,
+        chunks)`` runs in prefix order, so a caller can predict the load time."""
+        runs: list[tuple[int, int]] = []
         if pin_id is not None:
             self.unpin(pin_id)
         keys = self.keys(hashes)
         pos = 0
         while pos < len(keys):
             advanced = False
-            for tier in self.tiers:
+            for level, tier in enumerate(self.tiers):
                 try:
                     n = tier.contains(keys[pos:])
                 except Exception as err:
@@ -262,13 +273,19 @@ class CacheEngine:
                     if pin_id is not None and PINNING in tier.capabilities:
                         self._pin(tier, pin_id, keys[pos : pos + n])
                     pos += n
+                    runs.append((level, n))
                     advanced = True
                     break
             if not advanced:
                 break
         if record:
             self.record_lookup(len(keys), pos)
-        return pos
+        return runs
+
+    def predict_read_seconds(self, level: int, nbytes: int) -> float | None:
+        """Predicted seconds to read one chunk of ``nbytes`` from tier ``level`` (from
+        its measured reads), or ``None`` before it has served one."""
+        return self.read_models[level].predict(nbytes)
 
     def record_lookup(self, n_chunks: int, n_hit: int) -> None:
         """Count one lookup of ``n_chunks`` chunks of which ``n_hit`` were hits."""
@@ -425,6 +442,7 @@ class CacheEngine:
         start = 0
         if tier0 is not None and ZERO_COPY in tier0.capabilities:
             start = 1
+            t0 = time.perf_counter()
             try:
                 buf = tier0.get_buffer(key)
             except Exception as err:
@@ -432,6 +450,7 @@ class CacheEngine:
                 buf = None
             if buf is not None:
                 if buf.tensor.dtype == dtype and tuple(buf.tensor.shape) == shape:
+                    self.read_models[0].record(buf.nbytes, time.perf_counter() - t0)
                     m.TIER_BYTES.labels(tier0.name, "get").inc(buf.nbytes)
                     self.counters.add(retrieved_chunks=1)
                     return buf
@@ -475,8 +494,10 @@ class CacheEngine:
             except Exception as err:
                 self._tier_error(tier, "get", err)
                 ok = False
-            m.TIER_LATENCY.labels(tier.name, "get").observe(time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            m.TIER_LATENCY.labels(tier.name, "get").observe(dt)
             if ok:
+                self.read_models[level].record(out.nbytes, dt)
                 m.TIER_BYTES.labels(tier.name, "get").inc(out.nbytes)
                 if level > 0:
                     self._promote(key, buf if buf is not None else out, level)

@@ -25,6 +25,9 @@ LOOKUP_HIT_TOKENS = Counter(PREFIX + "lookup_hit_tokens", "Tokens found by looku
 LOOKUP_TOKENS = Counter(PREFIX + "lookup_tokens", "Tokens asked for by lookups", registry=REGISTRY)
 STORED_TOKENS = Counter(PREFIX + "stored_tokens", "Tokens stored", registry=REGISTRY)
 LOADED_TOKENS = Counter(PREFIX + "loaded_tokens", "Tokens loaded into the engine", registry=REGISTRY)
+BYPASSED_TOKENS = Counter(
+    PREFIX + "bypassed_tokens", "Cached tokens recomputed because loading them was predicted slower (load_policy)", registry=REGISTRY
+)
 LOAD_ERRORS = Counter(PREFIX + "load_errors", "Chunks that failed to load (recomputed)", registry=REGISTRY)
 TIER_BYTES = Counter(PREFIX + "tier_bytes", "Bytes moved per tier", ["tier", "op"], registry=REGISTRY)
 TIER_ERRORS = Counter(PREFIX + "tier_errors", "Backend failures turned into misses", ["tier", "op"], registry=REGISTRY)

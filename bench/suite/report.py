@@ -155,13 +155,17 @@ def workload_tables(runs: list[dict[str, Any]], workload: str) -> str:
 
 def sweep_table(points: list[dict[str, Any]]) -> str:
     rows = []
-    for p in sorted(points, key=lambda p: (p["disk"], p["fraction"])):
+    key = lambda p: (p.get("workload", "docqa"), p["disk"], p["fraction"], p.get("policy", ""))  # noqa: E731
+    for p in sorted(points, key=key):
         rows.append(
             [
+                p.get("workload", "docqa"),
                 "local_cpu + disk" if p["disk"] else "local_cpu only",
                 f"{p['fraction'] * 100:.0f}%",
+                p.get("policy", "lru"),
                 fmt_bytes(p["cpu_bytes"]),
                 f"{p['hit_rate'] * 100:.1f}%",
+                f"{p.get('warm_hit_rate', float('nan')) * 100:.1f}%",
                 _ms(p["ttft_mean_s"]),
                 _ms(p["warm_ttft_mean_s"]),
                 str(sum(t.get("evictions", 0) for t in p["tiers"] if t["name"] == "local_cpu")),
@@ -169,9 +173,30 @@ def sweep_table(points: list[dict[str, Any]]) -> str:
             ]
         )
     return md_table(
-        ["tiers", "CPU tier / working set", "CPU tier size", "hit rate", "TTFT mean ms", "warm mean ms", "CPU evictions", "bytes read (per tier)"],
+        ["workload", "tiers", "CPU tier / working set", "eviction", "CPU tier size", "hit rate", "warm hit rate", "TTFT mean ms", "warm mean ms", "CPU evictions", "bytes read (per tier)"],
         rows,
     )
+
+
+def policy_bars(points: list[dict[str, Any]], policy: str, baseline: str = "lru") -> list[str]:
+    """Issue #16's bars on the CPU-only sweep, as PASS/FAIL lines with the figures:
+    ``policy`` serves >= 40% of the warm doc-QA tokens at 50% of the working set, and
+    never fewer chat tokens than ``baseline`` at any size."""
+    by = {(p.get("workload", "docqa"), p["fraction"], p.get("policy")): p for p in points if not p["disk"]}
+    out = []
+    d = by.get(("docqa", 0.5, policy))
+    if d is not None:
+        ok = d["warm_hit_rate"] >= 0.40
+        base = by.get(("docqa", 0.5, baseline))
+        vs = f"; {baseline} {base['warm_hit_rate'] * 100:.1f}%" if base else ""
+        out.append(f"{'PASS' if ok else 'FAIL'} doc QA at 50% of the working set: {policy} serves {d['warm_hit_rate'] * 100:.1f}% of warm tokens (bar >= 40%{vs})")
+    for f in sorted({p["fraction"] for p in points}):
+        a, b = by.get(("chat", f, policy)), by.get(("chat", f, baseline))
+        if a is None or b is None:
+            continue
+        ok = a["hit_rate"] >= b["hit_rate"]
+        out.append(f"{'PASS' if ok else 'FAIL'} chat at {f * 100:.0f}%: {policy} serves {a['hit_rate'] * 100:.1f}% of tokens, {baseline} {b['hit_rate'] * 100:.1f}% (bar: not fewer)")
+    return out
 
 
 def _groups(run: dict[str, Any]) -> list[tuple[float, float]]:
@@ -218,10 +243,11 @@ def plot_sweep(points: list[dict[str, Any]], path: Path, unlimited_hit_rate: flo
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for disk, label in ((False, "local_cpu only"), (True, "local_cpu + disk")):
-        pts = sorted((p for p in points if p["disk"] == disk), key=lambda p: p["fraction"])
-        if not pts:
-            continue
+    doc = [p for p in points if p.get("workload", "docqa") == "docqa"]
+    series = sorted({(p["disk"], p.get("policy", "")) for p in doc})
+    for disk, policy in series:
+        pts = sorted((p for p in doc if p["disk"] == disk and p.get("policy", "") == policy), key=lambda p: p["fraction"])
+        label = ("local_cpu + disk" if disk else "local_cpu only") + (f", {policy}" if policy else "")
         xs = [p["fraction"] * 100 for p in pts]
         a1.plot(xs, [p["hit_rate"] * 100 for p in pts], marker="o", label=label)
         a2.plot(xs, [p["warm_ttft_mean_s"] * 1000 for p in pts], marker="o", label=label)

@@ -30,8 +30,12 @@ the connector. TTFT = wall time of ``LLM.generate`` with ``max_tokens=1``. Betwe
 requests (outside the timed region) the suite waits for lmcache-core's background
 writes to slower tiers, so each request sees a tier that has caught up.
 
-Then a cache-size sweep: the doc QA workload with the CPU tier at 25/50/100/200% of
-the working set's KV bytes, with and without a disk tier behind it.
+Then a cache-size sweep: the doc QA and chat workloads with the CPU tier at
+25/50/100/200% of each working set's KV bytes, for each eviction policy in
+``--sweep-policies`` side by side (CPU tier only), and doc QA with a disk tier behind
+a CPU tier of the default policy. The benchmark prints issue #16's bars (PASS/FAIL with
+the percentages): at 50% the scan-resistant policy serves >= 40% of the warm doc-QA
+tokens, and never fewer chat tokens than LRU. ``--sweep-only`` runs just the sweep.
 
 Outputs in ``--out``: ``results.md`` (tables + machine), ``results.json`` (raw
 per-request numbers), ``ttft_vs_context.png``, ``hit_rate_vs_cache_size.png``.
@@ -484,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="runs per system and workload, order rotated; medians per request (default 1)")
     ap.add_argument("--systems", default=",".join(s.name for s in SYSTEMS), help="comma-separated subset of systems")
     ap.add_argument("--no-sweep", action="store_true", help="skip the cache-size sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="only the cache-size sweep (no system comparison)")
+    ap.add_argument("--sweep-policies", default="lru,s3fifo,tinylfu", help="eviction policies compared in the sweep")
     ap.add_argument("--model-dir", type=Path, default=None, help="where to build the model (default ~/.cache/lmcache-core/<tag>)")
     args = ap.parse_args(argv)
 
@@ -508,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(model_dir, max_len, kv_cache_bytes=1 << 30)
     kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # float32
     machine = machine_info()
-    command = "python bench/suite/run.py" + (" --quick" if args.quick else "") + f" --out {out}" + (f" --repeats {args.repeats}" if args.repeats else "")
+    command = "python bench/suite/run.py" + (" --quick" if args.quick else "") + (" --sweep-only" if args.sweep_only else "") + (f" --sweep-policies {args.sweep_policies}" if args.sweep_only else "") + f" --out {out}" + (f" --repeats {args.repeats}" if args.repeats else "")
 
     root = Path(tempfile.mkdtemp(prefix="lmc-bench-"))
     services = Services(root)
@@ -517,48 +523,62 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warming up (one engine, not timed); small CPU tier = {report.fmt_bytes(services.small_cpu)}", flush=True)
     run_workload(setup, SYSTEMS[0], Workload("warmup", "", [Request(list(range(3, 1000)), False, 0)]), services, _NullBar())
     n_main = repeats * len(systems) * sum(len(w.requests) for w in workloads)
-    do_sweep = not args.no_sweep and any(s.name == "lmc-cpu" for s in systems)
-    n_sweep = 2 * len(fractions) * len(sweep_wl.requests) if do_sweep else 0
+    do_sweep = not args.no_sweep and (args.sweep_only or any(s.name == "lmc-cpu" for s in systems))
+    policies = [p.strip() for p in args.sweep_policies.split(",") if p.strip()]
+    sweep_wls = [sweep_wl, workloads[1]]  # round-robin doc QA, multi-round chat
+    if args.sweep_only:
+        n_main = 0
+    n_sweep = (
+        len(fractions) * (len(policies) * sum(len(w.requests) for w in sweep_wls) + len(sweep_wl.requests)) if do_sweep else 0
+    )
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {}
     sweep_points: list[dict[str, Any]] = []
     unlimited_hit = None
     try:
         with tqdm(total=n_main + n_sweep, desc="requests", unit="req", file=sys.stdout, dynamic_ncols=True) as bar:
-            for rep in range(repeats):
+            for rep in range(0 if args.sweep_only else repeats):
                 order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
                 for w in workloads:
                     for s in order:
                         bar.set_postfix_str(f"{s.name} / {w.name} (repeat {rep + 1}/{repeats})")
                         raw.setdefault((s.name, w.name), []).append(run_workload(setup, s, w, services, bar))
-            runs = [_median_run(raw[(s.name, w.name)]) for w in workloads for s in systems]
+            runs = [_median_run(raw[(s.name, w.name)]) for w in workloads for s in systems if (s.name, w.name) in raw]
             if do_sweep:
-                # working set: what an unlimited CPU tier holds after the sweep workload
                 cpu_sys = next(s for s in SYSTEMS if s.name == "lmc-cpu")
-                bar.set_postfix_str("sweep: measuring the working set")
-                ref = run_workload(setup, cpu_sys, sweep_wl, services, _NullBar())
-                ws = ref["bytes_used"]["local_cpu"]
-                unlimited_hit = report.summarize(ref)["hit_rate"]
-                for disk in (False, True):
-                    for f in fractions:
-                        size = max(int(ws * f), 1 << 20)
-                        tiers = [{"name": "local_cpu", "max_size": size}]
-                        if disk:
-                            tiers.append({"name": "disk", "path": services.tmpdir("sweep-disk-")})
-                        bar.set_postfix_str(f"sweep: CPU tier {f * 100:.0f}%{' + disk' if disk else ''}")
-                        r = run_workload(setup, cpu_sys, sweep_wl, services, bar, tiers=tiers)
-                        s = report.summarize(r)
-                        sweep_points.append(
-                            {
-                                "disk": disk,
-                                "fraction": f,
-                                "cpu_bytes": size,
-                                "working_set_bytes": ws,
-                                "hit_rate": s["hit_rate"],
-                                "ttft_mean_s": s["mean"],
-                                "warm_ttft_mean_s": s["warm_mean"],
-                                "tiers": r["tiers"],
-                            }
-                        )
+                from lmcache_core.local_cpu import DEFAULT_EVICTION
+
+                for wl in sweep_wls:
+                    # working set: what an unlimited CPU tier holds after the workload
+                    bar.set_postfix_str(f"sweep: measuring the working set of {wl.name}")
+                    ref = run_workload(setup, cpu_sys, wl, services, _NullBar())
+                    ws = ref["bytes_used"]["local_cpu"]
+                    if wl is sweep_wl:
+                        unlimited_hit = report.summarize(ref)["hit_rate"]
+                    combos = [(False, p) for p in policies] + ([(True, DEFAULT_EVICTION)] if wl is sweep_wl else [])
+                    for disk, policy in combos:
+                        for f in fractions:
+                            size = max(int(ws * f), 1 << 20)
+                            tiers = [{"name": "local_cpu", "max_size": size, "eviction": policy}]
+                            if disk:
+                                tiers.append({"name": "disk", "path": services.tmpdir("sweep-disk-")})
+                            bar.set_postfix_str(f"sweep: {wl.name}, CPU tier {f * 100:.0f}% {policy}{' + disk' if disk else ''}")
+                            r = run_workload(setup, cpu_sys, wl, services, bar, tiers=tiers)
+                            s = report.summarize(r)
+                            sweep_points.append(
+                                {
+                                    "workload": wl.name,
+                                    "policy": policy,
+                                    "disk": disk,
+                                    "fraction": f,
+                                    "cpu_bytes": size,
+                                    "working_set_bytes": ws,
+                                    "hit_rate": s["hit_rate"],
+                                    "warm_hit_rate": s["warm_hit_rate"],
+                                    "ttft_mean_s": s["mean"],
+                                    "warm_ttft_mean_s": s["warm_mean"],
+                                    "tiers": r["tiers"],
+                                }
+                            )
     finally:
         services.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -566,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t_start
     machine["load_average_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     titles = {w.name: w.title for w in workloads}
-    report.plot_ttft_vs_context(runs, out / "ttft_vs_context.png", titles)
+    if runs:
+        report.plot_ttft_vs_context(runs, out / "ttft_vs_context.png", titles)
     if sweep_points:
         report.plot_sweep(sweep_points, out / "hit_rate_vs_cache_size.png", unlimited_hit)
     md = render(runs, workloads, sweep_points, sweep_wl, machine, command, repeats, elapsed, spec, setup, services.small_cpu)
@@ -640,21 +661,26 @@ def render(
         f"prefix cache is at its best here), lmcache-core chunk size {CHUNK}. lmc-cpu: CPU tier 2 GiB; "
         f"lmc-disk/s3/peer/redis/mooncake: CPU tier {report.fmt_bytes(small_cpu)} (largest prompt + 2 chunks) in front of the slower tier."
     )
-    for w in workloads:
+    for w in workloads if runs else []:
         lens = [len(r.tokens) for r in w.requests]
         parts += ["", f"## {w.title}", "", f"{len(w.requests)} requests, prompts {min(lens)}-{max(lens)} tokens.", ""]
         parts.append(report.workload_tables(runs, w.name))
     if sweep:
-        ws = sweep[0]["working_set_bytes"]
+        ws = {p.get("workload", "docqa"): p["working_set_bytes"] for p in sweep}
         parts += [
             "",
-            "## Cache-size sweep (doc QA)",
+            "## Cache-size sweep (doc QA, chat; eviction policies side by side)",
             "",
-            (f"{len(sweep_wl.requests)} requests; working set {report.fmt_bytes(ws)} of KV "
+            (f"doc QA: {len(sweep_wl.requests)} requests, working set {report.fmt_bytes(ws.get('docqa', 0))} of KV; "
+            f"chat: working set {report.fmt_bytes(ws.get('chat', 0))} "
             "(what an unlimited CPU tier holds after the workload). Round-robin access: an LRU "
             "CPU tier smaller than the working set evicts each document before it comes back."),
             "",
             report.sweep_table(sweep),
+            "",
+            "Bars (issue #16):",
+            "",
+            *[f"- {line}" for line in report.policy_bars(sweep, "tinylfu")],
         ]
     parts += [
         "",

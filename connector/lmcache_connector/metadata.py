@@ -38,6 +38,9 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
     unpins: list[str] = field(default_factory=list)
+    # what this step computes, for the worker's recompute-cost model (load_policy)
+    step_tokens: int = 0
+    step_pairs: float = 0.0
 
     def chunk_start(self, t: ChunkTransfer, i: int) -> int:
         return (t.first_chunk + i) * self.chunk_size

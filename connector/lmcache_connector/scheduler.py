@@ -15,6 +15,7 @@ from lmcache_core import metrics as m
 from lmcache_core.keys import chain_seed, chunk_hashes
 
 from .groups import GroupPlan, boundary_hash
+from .load_policy import step_pairs
 from .lookup_ipc import LookupClient
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import ConnectorSettings, RequestOptions, parse_request_options
@@ -213,6 +214,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata(chunk_size=self.cs)
+        self._step_work(so, meta)
         if self.hybrid:
             self._build_hybrid(so, meta)
             return meta
@@ -237,6 +239,18 @@ class SchedulerSide:
             self._plan_save(st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0), meta)
         meta.unpins, self._unpins = self._unpins, []
         return meta
+
+    @staticmethod
+    def _step_work(so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
+        """Tokens and attention pairs this step computes (the worker times the step)."""
+        try:
+            sched = [(new.num_computed_tokens, so.num_scheduled_tokens.get(new.req_id, 0)) for new in so.scheduled_new_reqs]
+            cached = so.scheduled_cached_reqs
+            sched += [(c, so.num_scheduled_tokens.get(rid, 0)) for rid, c in zip(cached.req_ids, cached.num_computed_tokens)]
+            meta.step_tokens = int(sum(n for _, n in sched))
+            meta.step_pairs = step_pairs(sched)
+        except (AttributeError, TypeError) as err:  # a cost model input, never worth failing a step
+            log.debug("step work not available: %s", err)
 
     def _build_hybrid(self, so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
         """Loads are asynchronous (issued the step after allocation, whether or not

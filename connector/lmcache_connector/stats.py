@@ -23,6 +23,7 @@ COUNTERS = {
     "loaded_tokens": ("loaded_tokens", "Tokens loaded into vLLM's KV cache"),
     "saved_tokens": ("saved_tokens", "Tokens saved from vLLM's KV cache"),
     "load_errors": ("load_errors", "Request loads that failed and were recomputed"),
+    "bypassed_tokens": ("bypassed_tokens", "Cached tokens recomputed because loading them was predicted slower"),
     "load_seconds": ("load_seconds", "Time spent loading KV into vLLM"),
     "save_seconds": ("save_seconds", "Time spent saving KV from vLLM"),
 }

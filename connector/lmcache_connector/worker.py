@@ -24,6 +24,7 @@ from lmcache_core.keys import KeyNamespace
 from .grouped_layout import GroupedLayout
 from .groups import GroupPlan, boundary_hash
 from .layout import BlockLayout, TokenLayout, make_layout, transfer_path
+from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
 from .lookup_ipc import LookupServer
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import ConnectorSettings
@@ -89,6 +90,13 @@ class WorkerSide:
         self.skipped_saves = 0
         self.load_seconds = 0.0
         self.save_seconds = 0.0
+        # load_policy: the engine's compute time per step, timed here (see load_policy.py)
+        self.load_policy = self.cfg.load_policy
+        self.prefill = PrefillModel()
+        self.bypassed_tokens = 0
+        self.bypassed_lookups = 0
+        self._chunk_bytes = 0
+        self._fwd_start: float | None = None
         self._reported: dict[str, float] = {}
         _active.add(self)
 
@@ -108,6 +116,9 @@ class WorkerSide:
             rank=self.rank,
         )
         self.engine = CacheEngine(self.settings.loaded, namespace=ns)
+        shape = self.layout.chunk_shape(self.cfg.chunk_size)
+        elem = torch.empty((), dtype=torch.uint8 if isinstance(self.layout, GroupedLayout) else self.layout.dtype).element_size()
+        self._chunk_bytes = int(torch.Size(shape).numel()) * elem
         log.info(
             "lmcache-core: %s layout, chunk %d tokens, tiers %s, transfer path %s%s",
             self.layout.kind,
@@ -121,13 +132,44 @@ class WorkerSide:
 
     def _lookup(self, hashes: list[bytes], pin_id: str | None) -> int:
         assert self.engine is not None
-        if self.plan is None or not self.plan.has_boundary:
+        boundary = self.plan is not None and self.plan.has_boundary
+        if not boundary and (self.load_policy == ALWAYS or pin_id is None):
             return self.engine.lookup_hashes(hashes, pin_id=pin_id)
-        n = self.engine.lookup_hashes(hashes, pin_id=pin_id, record=False)
-        if n:
-            n = self._restorable(hashes, n, pin_id)
+        runs = self.engine.lookup_runs(hashes, pin_id=pin_id, record=False)
+        n = sum(c for _, c in runs)
+        k = self._worth_loading(hashes, runs, pin_id) if pin_id is not None and self.load_policy != ALWAYS else n
+        if boundary and k:
+            k = n = self._restorable(hashes, k, pin_id)
         self.engine.record_lookup(len(hashes), n)
-        return n
+        return k
+
+    def _worth_loading(self, hashes: list[bytes], runs: list[tuple[int, int]], pin_id: str) -> int:
+        """``faster_than_recompute``: the hit prefix worth loading; the chunks past it
+        are unpinned and counted as bypassed."""
+        assert self.engine is not None
+        per_chunk: list[float] = []
+        for level, count in runs:
+            age = self.engine.read_models[level].fit.age()
+            fresh = age is not None and age <= REPROBE_S
+            s = self.engine.predict_read_seconds(level, self._chunk_bytes) if fresh else None
+            per_chunk += [s or 0.0] * count  # never read (or not lately): load once to measure
+        n = len(per_chunk)
+        k = best_prefix(per_chunk, self.cfg.chunk_size, self.prefill, self.cfg.load_margin)
+        if k < n:
+            if k:
+                self.engine.lookup_hashes(hashes[:k], pin_id=pin_id, record=False)  # re-pin only what loads
+            else:
+                self.engine.unpin(pin_id)
+            tokens = (n - k) * self.cfg.chunk_size
+            with self._lock:
+                self.bypassed_tokens += tokens
+                self.bypassed_lookups += 1
+            m.BYPASSED_TOKENS.inc(tokens)
+            log.debug(
+                "lookup %s: loading %d of %d hit chunks (predicted load %.1f ms, recompute %.1f ms)",
+                pin_id, k, n, 1000 * sum(per_chunk), 1000 * (self.prefill.recompute_seconds(n * self.cfg.chunk_size) or 0.0),
+            )
+        return k
 
     def _restorable(self, hashes: list[bytes], n: int, pin_id: str | None) -> int:
         """The longest prefix of ``n`` present chunks that also has its boundary object
@@ -161,6 +203,7 @@ class WorkerSide:
         for rid in meta.unpins:
             self.engine.unpin(rid)
             self.engine.unpin(_boundary_pin(rid) or "")
+        self._fwd_start = time.perf_counter()  # the forward pass starts now (timed for load_policy)
 
     def _load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         assert self.engine is not None and self.layout is not None
@@ -254,6 +297,9 @@ class WorkerSide:
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
             return
+        if self._fwd_start is not None and meta.step_tokens > 0:
+            self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start)
+        self._fwd_start = None
         for t in meta.saves:
             try:
                 if t.group_block_ids is not None:
@@ -329,6 +375,7 @@ class WorkerSide:
             "loaded_tokens": self.loaded_tokens,
             "saved_tokens": self.saved_tokens,
             "load_errors": self.failed_loads,
+            "bypassed_tokens": self.bypassed_tokens,
             "load_seconds": self.load_seconds,
             "save_seconds": self.save_seconds,
         }
@@ -360,6 +407,9 @@ class WorkerSide:
             "saved_tokens": self.saved_tokens,
             "failed_loads": self.failed_loads,
             "skipped_saves": self.skipped_saves,
+            "bypassed_tokens": self.bypassed_tokens,
+            "bypassed_lookups": self.bypassed_lookups,
+            "load_policy": self.load_policy,
         }
         if self.engine is not None:
             out["engine"] = self.engine.stats()

@@ -1,6 +1,7 @@
 """Backends registered through the real plugin path for the length of one test:
 ``tamper`` serves altered KV (negative control), ``flaky`` fails loads (fault
-injection: corrupt frames or exceptions)."""
+injection: corrupt frames or exceptions), ``slowget`` sleeps in every get (a tier
+slower than recomputing, for load_policy)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,45 @@ class FlakyPlugin:
             return FlakyBackend(ctx, cfg.mode)
 
         register("flaky", create)
+
+
+class _SlowGetConfig(StrictModel):
+    get_delay_ms: float = 300.0
+
+
+class SlowGetBackend(_DictBackend):
+    """A far-away tier: stores instantly, every ``get`` takes ``get_delay_ms``."""
+
+    name = "slowget"
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        with self.lock:
+            self.data[key] = data.clone()
+            self.s.puts += 1
+        return True
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        import time
+
+        time.sleep(self.delay_s)
+        with self.lock:
+            data = self.data.get(key)
+            self.s.hits += data is not None
+        if data is None or data.shape != out.shape or data.dtype != out.dtype:
+            return False
+        out.copy_(data)
+        return True
+
+
+class SlowGetPlugin:
+    @hookimpl
+    def register_backends(self, register: Any) -> None:
+        def create(section: Mapping[str, Any], ctx: BackendContext) -> SlowGetBackend:
+            cfg = validate_section(_SlowGetConfig, section, ctx.key_path, ctx.source)
+            return SlowGetBackend(cfg.get_delay_ms / 1000)
+
+        register("slowget", create)

@@ -381,16 +381,20 @@ class DiskBackend(StorageBackend):
         the others'. False when even that cannot make room."""
         count = budget.value()
         listed = False
-        while count + size > self.max_size:
+        while count is None or count + size > self.max_size:
             with self._lock:
-                victims = self._index.pop_lru(count + size - self.max_size)
+                victims = self._index.pop_lru(count + size - self.max_size) if count is not None else []
             if not victims:
                 if listed or self._root_fd is None:
                     return False
+                # Learn the other processes' chunks, and recount: the listing is exact
+                # under the lock (this also repairs a damaged usage file).
                 listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
                 with self._lock:
                     self._index = LruIndex()
                     self._index.load(listing.entries)
+                budget.set(listing.chunk_bytes + listing.reserved_bytes)
+                count = budget.last
                 listed = True
                 continue
             for key, _ in victims:
@@ -399,6 +403,8 @@ class DiskBackend(StorageBackend):
                     count = budget.add(-freed)
                     with self._lock:
                         self._s.evictions += 1
+                    if count is None:
+                        break
         self._x["dir_bytes"] = count
         return True
 

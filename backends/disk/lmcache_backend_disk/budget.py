@@ -2,8 +2,9 @@
 
 Each process used to enforce ``max_size`` over the chunks it knew about, so N
 processes sharing a directory could grow it to about N times the budget. Now the
-directory's byte count lives in ``<path>/LMCACHE_DISK_TIER.usage`` (8 bytes, little
-endian) and every change to the directory's chunk and temp files happens while
+directory's byte count lives in ``<path>/LMCACHE_DISK_TIER.usage`` (the count and
+its bitwise complement, 8 bytes each, little endian, so a damaged file is noticed and
+recounted rather than trusted) and every change to the directory's chunk and temp files happens while
 holding an exclusive ``flock`` on that file, together with the matching change of
 the count:
 
@@ -31,7 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-_U64 = struct.Struct("<Q")
+_PAIR = struct.Struct("<QQ")
+_MASK = (1 << 64) - 1
 LOCK_TIMEOUT_S = 10.0  # a process stopped while holding the lock must not hang the others
 
 
@@ -79,19 +81,33 @@ class DirBudget:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.01)
 
-    def value(self) -> int:
+    def value(self) -> int | None:
+        """The count; 0 for a new (empty) file, None when the file is damaged (the
+        caller recounts the directory and :meth:`set` s it)."""
         assert self._held, "read the count only under locked()"
-        raw = os.pread(self._fd, 8, 0)
-        self.last = _U64.unpack(raw)[0] if len(raw) == 8 else 0
-        return self.last
+        raw = os.pread(self._fd, _PAIR.size, 0)
+        if not raw:
+            self.last = 0
+            return 0
+        if len(raw) != _PAIR.size:
+            return None
+        count, check = _PAIR.unpack(raw)
+        if count ^ check != _MASK:
+            return None
+        self.last = count
+        return count
 
     def set(self, nbytes: int) -> None:
         assert self._held, "change the count only under locked()"
         self.last = max(0, nbytes)
-        os.pwrite(self._fd, _U64.pack(self.last), 0)
+        os.pwrite(self._fd, _PAIR.pack(self.last, self.last ^ _MASK), 0)
 
-    def add(self, delta: int) -> int:
-        self.set(self.value() + delta)
+    def add(self, delta: int) -> int | None:
+        """Add ``delta``; None (nothing written) when the count is damaged."""
+        count = self.value()
+        if count is None:
+            return None
+        self.set(count + delta)
         return self.last
 
     def close(self) -> None:

@@ -106,25 +106,45 @@ class GroupPlan:
         )
 
 
+def _kind(spec: Any) -> str | None:
+    """The storage kind of a vLLM KV-cache spec, or None for kinds whose blocks do
+    not simply hold the tokens they cover (middle-gap eviction, sinks, ...)."""
+    import vllm.v1.kv_cache_interface as kvi
+
+    odd = tuple(getattr(kvi, n) for n in ("RSWASpec", "SinkFullAttentionSpec", "HiddenStateCacheSpec") if hasattr(kvi, n))
+    if isinstance(spec, odd):
+        return None
+    if isinstance(spec, kvi.SlidingWindowSpec):
+        return WINDOW
+    if isinstance(spec, kvi.MambaSpec):
+        return STATE
+    if isinstance(spec, kvi.FullAttentionSpec):
+        # Also sliding-window or chunked-local layers that vLLM folded into a full
+        # group (hybrid manager off): their blocks keep every token.
+        return FULL
+    return None
+
+
 def describe_groups(kv_cache_config: Any, default_block_size: int) -> GroupPlan:
     """The connector's view of ``KVCacheConfig.kv_cache_groups`` (one full group of
-    block size ``default_block_size`` when vLLM gives no config)."""
+    block size ``default_block_size`` when vLLM gives no config). A single group of a
+    kind not listed here keeps the dense path (whole blocks, as before hybrid
+    support); several groups with such a kind are refused."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups:
         return GroupPlan((GroupInfo(0, FULL, default_block_size, ()),))
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         names = tuple(g.layer_names)
-        if isinstance(spec, SlidingWindowSpec):
+        kind = _kind(spec)
+        if kind is None and len(groups) == 1:
+            kind = FULL
+        if kind == WINDOW:
             out.append(GroupInfo(i, WINDOW, spec.block_size, names, window=int(spec.sliding_window)))
-        elif isinstance(spec, MambaSpec):
+        elif kind == STATE:
             out.append(GroupInfo(i, STATE, spec.block_size, names, state_mode=str(spec.mamba_cache_mode)))
-        elif isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None and not getattr(
-            spec, "attention_chunk_size", None
-        ):
+        elif kind == FULL:
             out.append(GroupInfo(i, FULL, spec.block_size, names))
         else:
             raise UnsupportedGroupError(

@@ -73,6 +73,7 @@ class _Req:
     load: ChunkTransfer | None = None
     load_start: int = 0
     load_end: int = 0
+    load_failed: bool = False  # never offered a hit again: vLLM recomputes it
 
 
 class SchedulerSide:
@@ -164,7 +165,7 @@ class SchedulerSide:
     # -- vLLM scheduler hooks ---------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state_for(request)
-        if st.opts.skip_load or request.prompt_token_ids is None or not (self.can_load or st.save):
+        if st.opts.skip_load or st.load_failed or request.prompt_token_ids is None or not (self.can_load or st.save):
             return 0, False
         hashes = self._lookup_hashes(st)
         # A producer looks up too (without pinning), so it never re-saves what is cached.
@@ -354,6 +355,15 @@ class SchedulerSide:
             first_chunk=len(st.hashes),
         )
         st.hashes.extend(more)
+
+    def loads_failed(self, req_ids: Sequence[str]) -> None:
+        """Workers reported these asynchronous loads as failed: vLLM resets the request
+        and asks again; it must then recompute, not retry the same objects."""
+        for rid in req_ids:
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.load_failed = True
+                log.warning("request %s: loading its cached KV failed; recomputing it", rid)
 
     def request_finished(self, request: "Request", block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
         """Saves complete within the step that computed them: blocks are never held."""

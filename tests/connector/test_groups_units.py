@@ -62,6 +62,16 @@ def test_describe_groups_rejects_unknown_kinds_clearly():
     spec = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, attention_chunk_size=64)
     with pytest.raises(UnsupportedGroupError, match="ChunkedLocalAttentionSpec.*supported are full attention"):
         describe_groups(_config(spec, _attn()), default_block_size=BS)
+    # Alone it keeps the dense path of 0.1.0 (whole blocks): no model that ran stops.
+    assert describe_groups(_config(spec), default_block_size=BS).groups[0].kind == FULL
+
+
+def test_sliding_layers_folded_into_a_full_group_are_full():
+    """Hybrid manager off: vLLM turns sliding layers into a full group that keeps every
+    token (FullAttentionSpec with sliding_window set): stored like full attention."""
+    folded = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, sliding_window=40)
+    plan = describe_groups(_config(folded), default_block_size=BS)
+    assert [g.kind for g in plan.groups] == [FULL] and not plan.hybrid
 
 
 def test_effective_chunk_size_follows_block_size():

@@ -1,0 +1,230 @@
+"""Warm TTFT vs prompt length on a slow tier: ``load_policy: always`` vs
+``faster_than_recompute`` vs recomputing (issue #16), on real vLLM (CPU).
+
+    python bench/bench_load_policy.py [--delay-ms 40] [--lengths 256,512,...] [--reps 2]
+
+The tier is a plugin tier with injected latency: an in-memory store whose every get
+sleeps ``--delay-ms`` (a remote store far away; chunks are 256 tokens). For each
+prompt length, each mode's engine first sees the prompt cold (computes and stores
+it), then again warm (timed): ``always`` loads every chunk from the slow tier,
+``faster_than_recompute`` loads only when its measured read time beats its measured
+compute time, ``recompute`` is vLLM without the connector. Loading costs about
+``delay x chunks``; recomputing grows faster than linearly with the prompt
+(attention), so short prompts are faster recomputed and long ones faster loaded.
+The benchmark prints the crossover and, per length, whether the policy followed the
+faster side (its TTFT within 15% + 20 ms of the better of the two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+from lmcache_core.backend import BackendContext, BackendStats, StorageBackend, prefix_count  # noqa: E402
+from lmcache_core.config import StrictModel, validate_section  # noqa: E402
+from lmcache_core.hookspecs import hookimpl  # noqa: E402
+from lmcache_core.keys import ChunkKey  # noqa: E402
+
+CHUNK = 256
+
+
+class _DelayedConfig(StrictModel):
+    get_delay_ms: float = 40.0
+
+
+class DelayedTier(StorageBackend):
+    """In-memory chunks behind an injected read latency."""
+
+    name = "delayed"
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.data: dict[ChunkKey, torch.Tensor] = {}
+        self.lock = threading.Lock()
+        self.s = BackendStats(self.name)
+
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        with self.lock:
+            return prefix_count(keys, self.data)
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        with self.lock:
+            self.data[key] = data.clone()
+        return True
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        time.sleep(self.delay_s)
+        with self.lock:
+            d = self.data.get(key)
+        if d is None or d.shape != out.shape or d.dtype != out.dtype:
+            return False
+        out.copy_(d)
+        return True
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self.lock:
+            return self.data.pop(key, None) is not None
+
+    def stats(self) -> BackendStats:
+        return self.s
+
+
+class DelayedPlugin:
+    @hookimpl
+    def register_backends(self, register: Any) -> None:
+        def create(section: Mapping[str, Any], ctx: BackendContext) -> DelayedTier:
+            return DelayedTier(validate_section(_DelayedConfig, section, ctx.key_path, ctx.source).get_delay_ms / 1000)
+
+        register("delayed", create)
+
+
+def make_llm(model: Path, max_len: int, mode: str, delay_ms: float) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = dict(
+        model=str(model), dtype="float32", enforce_eager=True, max_model_len=max_len + 256,
+        max_num_batched_tokens=max_len + 256, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, seed=0,
+    )
+    if mode != "recompute":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheCoreConnector", kv_connector_module_path="lmcache_connector", kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "chunk_size": CHUNK, "load_policy": mode,
+                "backends": [{"name": "delayed", "get_delay_ms": delay_ms}],
+            },
+        )
+    return LLM(**kw)
+
+
+def run_mode(model: Path, mode: str, lengths: list[int], reps: int, delay_ms: float, vocab: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from lmcache_connector.tiny_model import random_prompt
+
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    llm = make_llm(model, max(lengths), mode, delay_ms)
+
+    def ttft(p: list[int]) -> float:
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    try:
+        w = None
+        if mode != "recompute":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            w = get_kv_transfer_group()._worker
+        # warm-up: distinct prompts over the whole range (the policy times these steps)
+        for i, n in enumerate(sorted(set(lengths))[::-1] + [300, 900]):
+            ttft(random_prompt(n, 70_000 + i, vocab))
+        if w is not None:  # the slow tier read once, as live traffic would (measures it)
+            p = random_prompt(2 * CHUNK + 10, 71_000, vocab)
+            ttft(p)
+            ttft(p)
+        rows = []
+        for n in lengths:
+            times, loaded, bypassed = [], 0, 0
+            for r in range(reps):
+                p = random_prompt(n, 80_000 + 100 * n + r, vocab)
+                if w is None:
+                    times.append(ttft(p))
+                    continue
+                ttft(p)  # cold: computes and stores
+                l0, b0 = w.loaded_tokens, w.bypassed_tokens
+                times.append(ttft(p))
+                loaded += w.loaded_tokens - l0
+                bypassed += w.bypassed_tokens - b0
+            rows.append({"tokens": n, "ttft_s": statistics.median(times), "loaded_tokens": loaded, "bypassed_tokens": bypassed})
+        extra = {}
+        if w is not None:
+            coef = w.prefill.fit.coefficients()
+            extra = {
+                "tier_read": w.engine.read_models[0].describe(),
+                "prefill_fit": None if coef is None else [float(c) for c in coef],
+            }
+        return {"mode": mode, "rows": rows, **extra}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def report(results: dict[str, dict[str, Any]], delay_ms: float) -> tuple[str, bool]:
+    by = {m: {r["tokens"]: r for r in res["rows"]} for m, res in results.items()}
+    lengths = sorted(by["recompute"])
+    lines = [
+        f"Warm TTFT (ms, median) vs prompt length; slow tier: {delay_ms:g} ms per 256-token chunk read.",
+        "",
+        "| prompt tokens | recompute | always | faster_than_recompute | policy loaded / bypassed tokens | faster side | policy followed it |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ok_all, crossover = True, None
+    for n in lengths:
+        rc, al, fr = by["recompute"][n]["ttft_s"], by["always"][n]["ttft_s"], by["faster_than_recompute"][n]
+        side = "load" if al < rc else "recompute"
+        if side == "load" and crossover is None:
+            crossover = n
+        ok = fr["ttft_s"] <= 1.15 * min(al, rc) + 0.020
+        ok_all &= ok
+        lines.append(
+            f"| {n} | {rc * 1000:.0f} | {al * 1000:.0f} | {fr['ttft_s'] * 1000:.0f} | {fr['loaded_tokens']} / {fr['bypassed_tokens']} | "
+            f"{side} | {'PASS' if ok else 'FAIL'} ({fr['ttft_s'] / min(al, rc):.2f}x the faster) |"
+        )
+    lines += ["", f"crossover: loading beats recomputing from {crossover} tokens" if crossover else "crossover: none in range"]
+    fr = results["faster_than_recompute"]
+    lines.append(f"policy's models: tier read {fr.get('tier_read')}, prefill fit [a, b/token, c/pair] {fr.get('prefill_fit')}")
+    lines.append(f"{'PASS' if ok_all else 'FAIL'}: faster_than_recompute followed the faster side at every length")
+    return "\n".join(lines), ok_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--delay-ms", type=float, default=40.0)
+    ap.add_argument("--lengths", default="256,512,1024,2048,3072,4096,6144")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
+    args = ap.parse_args(argv)
+    from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model
+
+    from lmcache_core.plugins import get_plugin_manager
+
+    spec = TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
+    model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / spec.tag(), spec)
+    lengths = [int(x) + 10 for x in args.lengths.split(",")]  # +10: a partial chunk vLLM computes
+    results = {}
+    t0 = time.perf_counter()
+    with get_plugin_manager().registered(DelayedPlugin(), name="bench-delayed"):
+        for mode in ("recompute", "always", "faster_than_recompute"):
+            print(f"running {mode} ...", flush=True)
+            results[mode] = run_mode(model, mode, lengths, args.reps, args.delay_ms, spec.vocab_size)
+    md, ok = report(results, args.delay_ms)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    md += f"\n\nModel {spec.tag()} float32, vLLM {__import__('vllm').__version__} CPU, {os.cpu_count()} CPUs, load average at end {load}, {time.perf_counter() - t0:.0f} s."
+    print(md)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        (args.out / "results.md").write_text(md + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,7 +47,7 @@ from lmcache_core.serde import (
 
 from .client import Client, Failure, classify, describe, make_client
 from .config import RedisConfig
-from .health import HealthGate
+from lmcache_core.health import HealthGate
 from .wire import pipelined, set_command
 
 log = logging.getLogger(__name__)

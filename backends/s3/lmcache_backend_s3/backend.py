@@ -36,7 +36,7 @@ from lmcache_core.serde import DTYPE_NAMES, MAX_HEADER_BYTES, Codec, FrameError,
 from .client import Failure, classify, describe, make_client, status_of
 from .config import S3Config
 from .deadline import DeadlineExceeded, Watchdog, run_bounded
-from .health import HealthGate
+from lmcache_core.health import HealthGate
 from .presence import PresenceCache
 from .transfer import ObjectTooLarge, multipart_put, ranged_get
 

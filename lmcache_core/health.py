@@ -1,9 +1,10 @@
-"""A circuit breaker for the server (or cluster): once it is down, calls are misses at once.
+"""A circuit breaker for remote tiers: once a store is down, calls are misses at once.
 
-Without it every lookup against a dead server would pay the connect timeout times the
-retry count, on every engine step. After a failure that means "unavailable" (refused,
-timed out, loading, cluster down) the gate stays closed for ``cooldown_s``; then one
-call probes and its outcome opens or closes the gate again.
+Without it every lookup against a dead endpoint would pay the connect timeout times
+the retry count, on every engine step. After a failure that means "unavailable"
+(refused, timed out, 5xx after retries, cluster down) the gate stays closed for
+``cooldown_s``; then one call probes and its outcome opens or closes the gate again.
+Backends (ours and third parties') share this one implementation.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class HealthGate:
         self.trips = 0
 
     def allow(self) -> bool:
-        """True if a call may go to the server now (it is up, or this call is the probe)."""
+        """True if a call may go out now (the store is up, or this call is the probe)."""
         with self._lock:
             if self._down_until == 0.0:
                 return True
@@ -30,8 +31,14 @@ class HealthGate:
             self._probing = True
             return True
 
+    def blocked(self) -> bool:
+        """True while the store is known down (no call would be allowed now)."""
+        with self._lock:
+            return self._down_until != 0.0 and (time.monotonic() < self._down_until or self._probing)
+
     def failed(self) -> bool:
-        """Close the gate; True if it was open (the first failure of an outage)."""
+        """Close the gate; True if it was open (the first failure of an outage, worth
+        one log line)."""
         with self._lock:
             first = self._down_until == 0.0
             if first:
@@ -41,7 +48,7 @@ class HealthGate:
             return first
 
     def succeeded(self) -> bool:
-        """Open the gate; True if it was closed (the server just came back)."""
+        """Open the gate; True if it was closed (the store just came back)."""
         with self._lock:
             was_down = self._down_until != 0.0
             self._down_until = 0.0

@@ -27,8 +27,12 @@ from lmcache_core.testing import make_context, random_chunk, random_key  # noqa:
 
 TIMEOUT_MS = 800
 FAST = {"timeout_ms": TIMEOUT_MS, "down_cooldown_ms": 1000, "setup_timeout_ms": 5000, "staging_size": "16MiB"}
-# One call: its deadline plus thread hand-off, with slack for 2 busy CPUs.
-BOUND_S = TIMEOUT_MS / 1000 + 0.7
+# One call: its deadline plus thread hand-off, with slack for 2 CPUs shared with other
+# test runs (single wake-ups were seen to take 100-300 ms there). The native client
+# itself takes 4+ s on a dead or hung master, so the bound still tells them apart.
+BOUND_S = TIMEOUT_MS / 1000 + 1.2
+# A call the health gate answers without touching the client.
+INSTANT_S = 0.5
 
 
 def make(store: MooncakeMaster, **options: Any) -> MooncakeBackend:
@@ -68,8 +72,13 @@ def test_master_killed_mid_run_then_restarted(fresh_store: tuple[MooncakeMaster,
         s = b.stats()
         assert s.extra["master_down"] is True and s.extra["master_trips"] == 1
         # Gate closed: calls are misses without touching the client.
+        client = b._client
+        assert client is not None
+        reached: list[int] = []
+        real_get_into = client.get_into
+        client.get_into = lambda *a: (reached.append(1), real_get_into(*a))[1]  # type: ignore[method-assign]
         (hit, took) = timed(b.get, key, out)
-        assert hit is False and took < 0.05
+        assert hit is False and took < INSTANT_S and reached == []
 
         # A hung master (its port accepts, nothing answers): the client would wait on
         # its own RPC timeouts; every call of the tier still returns by its deadline.
@@ -123,7 +132,7 @@ def test_master_absent_at_startup(tmp_path: Path) -> None:
     try:
         key, data = random_key(), random_chunk()
         (ok, took) = timed(b.put, key, data)
-        assert ok is False and took < 0.05 and b.stats().skipped == 1
+        assert ok is False and took < INSTANT_S and b.stats().skipped == 1
         master.start()
         owner = SegmentOwner(master, size_mib=32)
         try:

@@ -11,6 +11,7 @@ ports. Every wait is bounded.
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -56,6 +57,14 @@ def _wait(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, l
     raise RuntimeError(f"{what} not ready within {START_TIMEOUT_S}s: {log.read_text(errors='replace')[-2000:]}")
 
 
+def _LOGGING_ENV() -> dict[str, str]:
+    """The environment for the binaries: readiness is read from their INFO log lines,
+    so a GLOG_minloglevel meant to quiet the client in this process must not reach them."""
+    env = dict(os.environ)
+    env["GLOG_minloglevel"] = "0"
+    return env
+
+
 def _kill(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is not None and proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
@@ -68,12 +77,18 @@ class LocalMaster:
     def __init__(self, workdir: Path, *, client_ttl_s: int = 3) -> None:
         self.bin = wheel_dir()
         self.workdir = workdir
-        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.client_ttl_s = client_ttl_s
-        self.master = f"127.0.0.1:{self.rpc_port}"
-        self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        for attempt in range(3):  # a free port can be taken by another process before the master binds it
+            self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+            self.master = f"127.0.0.1:{self.rpc_port}"
+            self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                if attempt == 2:
+                    raise
 
     def start(self) -> None:
         log = self.workdir / "master.log"
@@ -85,9 +100,18 @@ class LocalMaster:
             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
             f"--client_ttl={self.client_ttl_s}", "--rpc_thread_num=2", "--enable_metric_reporting=false",
         ]
-        self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.workdir)
+        with log.open("ab") as f:
+            offset = f.tell()
+        self.proc = subprocess.Popen(
+            args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.workdir, env=_LOGGING_ENV()
+        )
 
         def ready() -> bool:
+            # our own master said so (another process may have taken a port we picked) ...
+            text = log.read_bytes()[offset:]
+            if b"HTTP metadata server started" not in text or b"Master admin server started" not in text:
+                return False
+            # ... and both ports answer
             with socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2):
                 pass
             try:
@@ -130,7 +154,9 @@ class LocalSegmentOwner:
         ]
         with log.open("ab") as f:
             start = f.tell()
-        self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.master.workdir)
+        self.proc = subprocess.Popen(
+            args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.master.workdir, env=_LOGGING_ENV()
+        )
         _wait(lambda: b"Starting real client service" in log.read_bytes()[start:], self.proc, "mooncake_client", log)
 
     def kill(self) -> None:

@@ -323,7 +323,7 @@ class MooncakeBackend(StorageBackend):
         return hits
 
     def _decode(self, key: ChunkKey, slot: MemoryBuffer, n: int, out: torch.Tensor) -> bool:
-        frame = memoryview(slot.tensor.numpy()).cast("B")[:n]
+        frame = slot.tensor.numpy().data.cast("B")[:n]
         tensor, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
         if tensor is None:
             self._count(misses=1)

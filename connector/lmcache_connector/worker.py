@@ -97,6 +97,7 @@ class WorkerSide:
         self.bypassed_lookups = 0
         self._chunk_bytes = 0
         self._fwd_start: float | None = None
+        self._step_load_s = 0.0
         self._reported: dict[str, float] = {}
         _active.add(self)
 
@@ -185,9 +186,18 @@ class WorkerSide:
         return 0
 
     # -- loads --------------------------------------------------------------------------
+    def step_started(self) -> None:
+        """vLLM bound this step's metadata: its forward pass runs from now until
+        ``wait_for_save`` (minus synchronous loads), timed for load_policy. vLLM calls
+        ``start_load_kv`` before the forward only when a step has synchronous loads,
+        otherwise after it, so the binding is the only reliable start."""
+        self._fwd_start = time.perf_counter()
+        self._step_load_s = 0.0
+
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
             return
+        t_start = time.perf_counter()
         for t in meta.loads:
             try:
                 if t.group_block_ids is not None:
@@ -203,7 +213,8 @@ class WorkerSide:
         for rid in meta.unpins:
             self.engine.unpin(rid)
             self.engine.unpin(_boundary_pin(rid) or "")
-        self._fwd_start = time.perf_counter()  # the forward pass starts now (timed for load_policy)
+        if self._fwd_start is not None:  # loads are not compute: keep them out of the step's time
+            self._step_load_s += time.perf_counter() - t_start
 
     def _load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         assert self.engine is not None and self.layout is not None
@@ -298,7 +309,7 @@ class WorkerSide:
         if self.engine is None:
             return
         if self._fwd_start is not None and meta.step_tokens > 0:
-            self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start)
+            self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start - self._step_load_s)
         self._fwd_start = None
         for t in meta.saves:
             try:

@@ -38,7 +38,7 @@ def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    """Print installed backends and codecs with their origin."""
+    """Print installed backends, codecs and eviction policies with their origin."""
     pm = PluginManager()
     out = sys.stdout
     rows = [("KIND", "NAME", "DISTRIBUTION", "VERSION", "DESCRIPTION")]
@@ -46,6 +46,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         rows.append(("backend", name, b.origin.distribution, b.origin.version, b.description))
     for name, c in sorted(pm.codecs().items()):
         rows.append(("codec", name, c.origin.distribution, c.origin.version, c.description))
+    for name, e in sorted(pm.eviction_policies().items()):
+        rows.append(("eviction", name, e.origin.distribution, e.origin.version, e.description))
     _table(rows, out)
     if pm.blocked:
         out.write(f"\nblocked by LMCACHE_CORE_BLOCK_PLUGINS: {', '.join(sorted(pm.blocked))}\n")
@@ -99,7 +101,7 @@ def _unavailable(reason: str) -> Command:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmcache-core", description="lmcache-core: KV-cache layer for vLLM")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("plugins", help="list backends and codecs and where they come from")
+    p = sub.add_parser("plugins", help="list backends, codecs and eviction policies and where they come from")
     p.set_defaults(func=cmd_plugins)
     p = sub.add_parser("config", help="show the effective configuration and the source of each key")
     p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")

@@ -133,3 +133,9 @@ def test_engine_sweep_bars_quick() -> None:
     assert "PASS doc QA at 50%" in proc.stdout
     lru_line = next(line for line in proc.stdout.splitlines() if line.startswith("| docqa | 50% | lru |"))
     assert "| 0.0% |" in lru_line  # the negative control: LRU serves nothing there
+
+
+def test_cli_lists_eviction_policies() -> None:
+    proc = subprocess.run([sys.executable, "-m", "lmcache_core.cli", "plugins"], capture_output=True, text=True, timeout=60)
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert {r[1] for r in rows if r and r[0] == "eviction"} >= {"lru", "s3fifo", "tinylfu"}

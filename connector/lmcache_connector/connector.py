@@ -158,15 +158,10 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, LMCacheConnectorMetadata)
         self._worker.wait_for_save(meta)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is None:
-            return None, None
-        done, _ = self._worker.take_finished_loads()
-        return None, done or None
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Asynchronous loads (multi-group models) completed this step; a failed one is
-        recomputed by vLLM as a whole request."""
+        recomputed by vLLM as a whole request. (``get_finished`` is left to the base
+        class: it cannot say "failed", and vLLM 0.32 reads this method.)"""
         if self._worker is None:
             return KVConnectorTransferResults()
         done, failed = self._worker.take_finished_loads()

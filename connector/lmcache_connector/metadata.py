@@ -29,7 +29,7 @@ class ChunkTransfer:
     # and the boundary objects to load (one, after the last chunk) or save.
     group_block_ids: tuple[list[int], ...] | None = None
     boundaries: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, end token)
-    async_load: bool = False  # report completion through get_finished / failed_recving
+    async_load: bool = False  # report completion through get_transfer_results (failed_recving)
 
 
 @dataclass

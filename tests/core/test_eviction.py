@@ -139,3 +139,24 @@ def test_cli_lists_eviction_policies() -> None:
     proc = subprocess.run([sys.executable, "-m", "lmcache_core.cli", "plugins"], capture_output=True, text=True, timeout=60)
     rows = [line.split() for line in proc.stdout.splitlines()]
     assert {r[1] for r in rows if r and r[0] == "eviction"} >= {"lru", "s3fifo", "tinylfu"}
+
+
+def test_suite_prints_the_bars_from_sweep_points() -> None:
+    """bench/suite/report.policy_bars: PASS/FAIL lines with the percentages, and a
+    FAIL when the policy misses a bar (the check can fail)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("suite_report", ROOT / "bench" / "suite" / "report.py")
+    assert spec is not None and spec.loader is not None
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+
+    def pt(workload: str, policy: str, f: float, hit: float, warm: float) -> dict[str, Any]:
+        return {"workload": workload, "policy": policy, "disk": False, "fraction": f, "hit_rate": hit, "warm_hit_rate": warm}
+
+    good = [pt("docqa", "lru", 0.5, 0.0, 0.0), pt("docqa", "tinylfu", 0.5, 0.2, 0.41), pt("chat", "lru", 0.5, 0.4, 0.4), pt("chat", "tinylfu", 0.5, 0.45, 0.45)]
+    lines = rep.policy_bars(good, "tinylfu")
+    assert lines[0].startswith("PASS doc QA at 50%") and "41.0% of warm tokens" in lines[0] and "lru 0.0%" in lines[0]
+    assert lines[1].startswith("PASS chat at 50%")
+    bad = [pt("docqa", "tinylfu", 0.5, 0.1, 0.2), pt("chat", "lru", 0.25, 0.4, 0.4), pt("chat", "tinylfu", 0.25, 0.3, 0.3)]
+    assert [line[:4] for line in rep.policy_bars(bad, "tinylfu")] == ["FAIL", "FAIL"]

@@ -146,3 +146,32 @@ def test_peer_tier_across_processes(tiny_model):
     finally:
         proc_a.stdin.close()
         proc_a.wait(timeout=120)
+
+
+def test_two_engines_share_one_cache_node(tiny_model, tmp_path):
+    """Several engines on one node share KV through a node-local ``lmcache-core serve``
+    node: engine A (its own process) pushes what it computes to the node and keeps
+    nothing itself; a fresh engine B hits all of it through the node, token-identical.
+    An engine with the wrong secret gets nothing (the control)."""
+    pytest.importorskip("lmcache_backend_peer")
+    sys.path.insert(0, str(ROOT / "tests" / "backends"))
+    from peer_node import PeerNode
+
+    secret = tmp_path / "secret"
+    secret.write_text("node-secret-0123456789abcdef")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("wrong-secret-0123456789abcdef")
+    node = PeerNode(["--max-size", "128MiB"], secret_file=secret)
+    try:
+        def cfg(secret_file: Path) -> dict[str, Any]:
+            peer = {"name": "peer", "peers": [node.address], "secret_file": str(secret_file), "push": True, "max_size": 0}
+            return {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, peer]}
+
+        a = _run(tiny_model, cfg(secret))
+        assert a["flushed"] and a["cached"] == [0, 0]
+        bad = _run(tiny_model, cfg(wrong))
+        assert bad["cached"] == [0, 0]
+        b = _run(tiny_model, cfg(secret))
+        _check(a, b, "peer")
+    finally:
+        node.stop()

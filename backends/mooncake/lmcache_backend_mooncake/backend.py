@@ -36,7 +36,9 @@ from . import codes
 from .client import SetupFailed, StoreClient
 from .config import MooncakeConfig
 from .frames import frame_parts, max_frame_len
-from .guard import Deadline, HealthGate, Pending, StoreUnavailable
+from lmcache_core.health import HealthGate
+
+from .guard import Deadline, Pending, StoreUnavailable
 from .staging import Staging
 
 log = logging.getLogger(__name__)

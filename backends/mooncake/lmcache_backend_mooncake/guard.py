@@ -18,6 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Generic, TypeVar
 
+from lmcache_core.health import HealthGate
+
 T = TypeVar("T")
 
 
@@ -27,50 +29,6 @@ class StoreUnavailable(Exception):
     def __init__(self, message: str, *, overrun: bool = False) -> None:
         super().__init__(message)
         self.overrun = overrun
-
-
-class HealthGate:
-    """A circuit breaker: after a failure, ``allow()`` is False for ``cooldown_s``;
-    then it lets one probe through, whose outcome closes or reopens the gate."""
-
-    def __init__(self, cooldown_s: float) -> None:
-        self.cooldown_s = cooldown_s
-        self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._probing = False
-        self.trips = 0
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self._down_until == 0.0:
-                return True
-            if self._probing or time.monotonic() < self._down_until:
-                return False
-            self._probing = True
-            return True
-
-    def failed(self) -> bool:
-        """Close the gate; True if it was open (a new outage, worth one log line)."""
-        with self._lock:
-            new = self._down_until == 0.0
-            if new:
-                self.trips += 1
-            self._down_until = time.monotonic() + self.cooldown_s
-            self._probing = False
-            return new
-
-    def succeeded(self) -> bool:
-        """Open the gate; True if it was closed (a recovery)."""
-        with self._lock:
-            was_down = self._down_until != 0.0
-            self._down_until = 0.0
-            self._probing = False
-            return was_down
-
-    @property
-    def down(self) -> bool:
-        with self._lock:
-            return self._down_until != 0.0
 
 
 class Deadline:

@@ -22,12 +22,12 @@ a chunk can be present without one.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from lmcache_core.keys import HASH_BYTES
-import hashlib
 
 FULL, WINDOW, STATE = "full", "window", "state"
 _BOUNDARY_KEY = b"lmcache-core/boundary/v1"

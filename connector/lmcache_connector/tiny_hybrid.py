@@ -18,7 +18,7 @@ prompt instead of collapsing onto one token; tests compare outputs token by toke
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,6 @@ class HybridSpec:
     dtype: str = "float32"
     std: float = 0.05
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 FAMILIES: dict[str, HybridSpec] = {

@@ -242,12 +242,18 @@ class SchedulerSide:
         return meta
 
     @staticmethod
-    def _step_work(so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
+    def _scheduled(so: "SchedulerOutput") -> list[tuple[str, int, int]]:
+        """(request id, tokens computed before this step, tokens scheduled in it) for
+        every request the step runs, new and cached."""
+        out = [(new.req_id, new.num_computed_tokens, so.num_scheduled_tokens.get(new.req_id, 0)) for new in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        out += [(rid, c, so.num_scheduled_tokens.get(rid, 0)) for rid, c in zip(cached.req_ids, cached.num_computed_tokens)]
+        return out
+
+    def _step_work(self, so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
         """Tokens and attention pairs this step computes (the worker times the step)."""
         try:
-            sched = [(new.num_computed_tokens, so.num_scheduled_tokens.get(new.req_id, 0)) for new in so.scheduled_new_reqs]
-            cached = so.scheduled_cached_reqs
-            sched += [(c, so.num_scheduled_tokens.get(rid, 0)) for rid, c in zip(cached.req_ids, cached.num_computed_tokens)]
+            sched = [(done, n) for _, done, n in self._scheduled(so)]
             meta.step_tokens = int(sum(n for _, n in sched))
             meta.step_pairs = step_pairs(sched)
         except (AttributeError, TypeError) as err:  # a cost model input, never worth failing a step
@@ -260,10 +266,7 @@ class SchedulerSide:
             self._emit_load(st, meta)
         self._async_loads = []
         block_state = getattr(so, "kv_connector_block_state", None)
-        scheduled = [(new.req_id, new.num_computed_tokens) for new in so.scheduled_new_reqs]
-        cached = so.scheduled_cached_reqs
-        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
-        for rid, done in scheduled:
+        for rid, done, n in self._scheduled(so):
             st = self._reqs.get(rid)
             if st is None or not st.save:
                 continue
@@ -272,16 +275,12 @@ class SchedulerSide:
                 log.warning("request %s: vLLM gave no block tables this step; not saving it", rid)
                 st.save = False
                 continue
-            self._plan_save_hybrid(st, done + so.num_scheduled_tokens.get(rid, 0), tables, meta)
+            self._plan_save_hybrid(st, done + n, tables, meta)
         meta.unpins, self._unpins = self._unpins, []
 
     def _plan_save_hybrid(self, st: _Req, computed: int, tables: Sequence[Sequence[int]], meta: LMCacheConnectorMetadata) -> None:
         assert self.plan is not None
-        limit = computed if self.cfg.save_decode_cache else min(computed, st.prompt_len)
-        n_full = limit // self.cs
-        if n_full > len(st.hashes):
-            self._extend_hashes(st, n_full)
-            n_full = min(n_full, len(st.hashes))
+        _, n_full = self._savable(st, computed)
         chunks = list(range(st.saved_full, n_full))
         boundaries: list[tuple[bytes, int]] = []
         if self.plan.has_state:
@@ -316,11 +315,7 @@ class SchedulerSide:
     def _plan_save(self, st: _Req, computed: int, meta: LMCacheConnectorMetadata) -> None:
         if not st.save:
             return
-        limit = computed if self.cfg.save_decode_cache else min(computed, st.prompt_len)
-        n_full = limit // self.cs
-        if n_full > len(st.hashes):
-            self._extend_hashes(st, n_full)
-            n_full = min(n_full, len(st.hashes))
+        limit, n_full = self._savable(st, computed)
         transfers: list[tuple[int, bytes, int]] = []  # (chunk, hash, end)
         for c in range(st.saved_full, n_full):
             transfers.append((c, st.hashes[c], (c + 1) * self.cs))
@@ -339,6 +334,16 @@ class SchedulerSide:
             ChunkTransfer(st.req_id, [h for _, h, _ in transfers], first, [e for _, _, e in transfers], list(st.block_ids))
         )
         st.saved_full = max(st.saved_full, n_full)
+
+    def _savable(self, st: _Req, computed: int) -> tuple[int, int]:
+        """(tokens that may be saved, full chunks among them whose hashes are known),
+        hashing decode-phase chunks as they complete."""
+        limit = computed if self.cfg.save_decode_cache else min(computed, st.prompt_len)
+        n_full = limit // self.cs
+        if n_full > len(st.hashes):
+            self._extend_hashes(st, n_full)
+            n_full = min(n_full, len(st.hashes))
+        return limit, n_full
 
     def _extend_hashes(self, st: _Req, n_full: int) -> None:
         """Hash decode-phase chunks (tokens beyond the prompt) as they complete."""

@@ -65,6 +65,20 @@ class BackendStats:
     skipped: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def add(self, **counts: int) -> None:
+        """Add to counters: the standard fields by name, anything else in ``extra``.
+        Not locked: call it under the tier's own lock."""
+        for k, v in counts.items():
+            if k != "name" and k != "extra" and k in self.__dataclass_fields__:
+                setattr(self, k, getattr(self, k) + v)
+            else:
+                self.extra[k] = self.extra.get(k, 0) + v
+
+    def snapshot(self) -> "BackendStats":
+        """A copy whose ``extra`` is its own (what ``stats()`` returns while the tier
+        keeps counting). Not locked: call it under the tier's own lock."""
+        return BackendStats(**{**self.__dict__, "extra": dict(self.extra)})
+
 
 @dataclass
 class BackendContext:

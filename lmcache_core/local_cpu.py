@@ -98,7 +98,7 @@ class LocalCpuBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s = self._s.snapshot()
             s.chunks = len(self._entries)
             s.bytes_used = self._bytes
             s.extra["pinned"] = self._pinned

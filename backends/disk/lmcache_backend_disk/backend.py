@@ -585,7 +585,8 @@ class DiskBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._x)})
+            s = self._s.snapshot()
+            s.extra = dict(self._x)
             s.chunks = len(self._index)
             s.bytes_used = self._index.bytes
         return s

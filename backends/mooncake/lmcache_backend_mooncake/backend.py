@@ -92,10 +92,12 @@ class MooncakeBackend(StorageBackend):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._reconnector: threading.Thread | None = None
-        self._s = BackendStats(self.name)
-        self._extra = dict(
-            no_space=0, corrupt=0, transfer_errors=0, overruns=0, zero_copy_puts=0, copied_puts=0,
-            setup_failures=0,
+        self._s = BackendStats(
+            self.name,
+            extra=dict(
+                no_space=0, corrupt=0, transfer_errors=0, overruns=0, zero_copy_puts=0, copied_puts=0,
+                setup_failures=0,
+            ),
         )
 
     def __repr__(self) -> str:
@@ -153,11 +155,7 @@ class MooncakeBackend(StorageBackend):
     # -- bookkeeping ----------------------------------------------------------------
     def _count(self, **counts: int) -> None:
         with self._lock:
-            for k, v in counts.items():
-                if k in self._extra:
-                    self._extra[k] += v
-                else:
-                    setattr(self._s, k, getattr(self._s, k) + v)
+            self._s.add(**counts)
 
     def _name(self, key: ChunkKey) -> str:
         return self.cfg.key_prefix + key.to_str()
@@ -450,8 +448,7 @@ class MooncakeBackend(StorageBackend):
     # -- housekeeping ---------------------------------------------------------------
     def stats(self) -> BackendStats:
         with self._lock:
-            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
-            s.extra.update(self._extra)
+            s = self._s.snapshot()
             connected = self._client is not None
         s.extra.update(
             master=self.cfg.master,

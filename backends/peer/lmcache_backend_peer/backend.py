@@ -214,7 +214,7 @@ class PeerBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s = self._s.snapshot()
         s.chunks = len(self.store)
         s.bytes_used = self.store.bytes_used
         s.evictions = self.store.evictions

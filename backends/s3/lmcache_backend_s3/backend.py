@@ -303,7 +303,7 @@ class S3Backend(StorageBackend):
     # -- housekeeping ---------------------------------------------------------------
     def stats(self) -> BackendStats:
         with self._lock:
-            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s = self._s.snapshot()
             s.extra.update(
                 requests=self._requests,
                 corrupt=self._corrupt,

@@ -75,7 +75,7 @@ class DictBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = BackendStats(**{**self._s.__dict__, "extra": dict(self._s.extra)})
+            s = self._s.snapshot()
             s.chunks = len(self._frames)
             s.bytes_used = sum(len(f) for f in self._frames.values())
         return s

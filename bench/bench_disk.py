@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from lmcache_backend_disk import DiskBackend, DiskConfig
-from lmcache_backend_disk.layout import MARKER, MARKER_TEXT, Layout
+from lmcache_backend_disk.directory import MARKER, MARKER_TEXT, TierDirectory
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.serde import Lz4Codec, RawCodec, encode
 
@@ -134,7 +134,7 @@ def make_files(root: Path, n: int) -> None:
     """``n`` tiny valid chunk files, written directly in the tier's layout."""
     root.mkdir(parents=True)
     (root / MARKER).write_text(MARKER_TEXT)
-    layout = Layout(root)
+    layout = TierDirectory(root)
     ns = KeyNamespace(model="startup")
     t = torch.arange(16, dtype=torch.float32)
     for i in range(n):

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from . import metrics as m
+from . import metrics
 from .backend import PINNING, ZERO_COPY, BackendContext, StorageBackend
 from .config import ConfigError, CoreConfig, LoadedConfig, load_config, parse_size
 from .loadcost import TierReadModel
@@ -36,7 +36,7 @@ class _TierWriter:
     """Background write-through for one slower tier, with as many writer threads as
     the tier declares in ``write_concurrency`` (remote tiers overlap round trips)."""
 
-    def __init__(self, tier: StorageBackend, maxsize: int, counters: m.EngineCounters) -> None:
+    def __init__(self, tier: StorageBackend, maxsize: int, counters: metrics.EngineCounters) -> None:
         self.tier = tier
         self.counters = counters
         self.q: queue.Queue[tuple[ChunkKey, MemoryBuffer] | None] = queue.Queue(maxsize=maxsize)
@@ -61,7 +61,7 @@ class _TierWriter:
             buf.release()
             self._done()
             self.counters.add(dropped_writes=1)
-            m.TIER_DROPPED.labels(self.tier.name).inc()
+            metrics.TIER_DROPPED.labels(self.tier.name).inc()
             return False
 
     def _done(self) -> None:
@@ -82,15 +82,15 @@ class _TierWriter:
             try:
                 ok = self.tier.put(key, buf.tensor)
                 if ok:
-                    m.TIER_BYTES.labels(self.tier.name, "put").inc(buf.nbytes)
+                    metrics.TIER_BYTES.labels(self.tier.name, "put").inc(buf.nbytes)
                 else:
-                    m.TIER_DROPPED.labels(self.tier.name).inc()
+                    metrics.TIER_DROPPED.labels(self.tier.name).inc()
             except Exception as err:
                 log.warning("tier %s: background put failed: %s", self.tier.name, err)
                 self.counters.error(self.tier.name)
-                m.TIER_ERRORS.labels(self.tier.name, "put").inc()
+                metrics.TIER_ERRORS.labels(self.tier.name, "put").inc()
             finally:
-                m.TIER_LATENCY.labels(self.tier.name, "put").observe(time.perf_counter() - t0)
+                metrics.TIER_LATENCY.labels(self.tier.name, "put").observe(time.perf_counter() - t0)
                 buf.release()
                 self._done()
 
@@ -180,7 +180,7 @@ class CacheEngine:
         self.codecs = self.plugins.codec_map()
         self.codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
         self.pool = _make_pool(loaded)
-        self.counters = m.EngineCounters()
+        self.counters = metrics.EngineCounters()
         self.tiers: list[StorageBackend] = []
         try:
             for i, section in enumerate(cfg.backends):
@@ -290,7 +290,7 @@ class CacheEngine:
     def record_lookup(self, n_chunks: int, n_hit: int) -> None:
         """Count one lookup of ``n_chunks`` chunks of which ``n_hit`` were hits."""
         self.counters.add(lookups=1, lookup_tokens=n_chunks * self.chunk_size, hit_tokens=n_hit * self.chunk_size)
-        m.LOOKUPS.labels("engine").inc()
+        metrics.LOOKUPS.labels("engine").inc()
 
     def _pin(self, tier: StorageBackend, pin_id: str, keys: list[ChunkKey]) -> None:
         try:
@@ -370,7 +370,7 @@ class CacheEngine:
                     buf.release()
         toks = n_tokens if n_tokens is not None and stored == len(hashes) else stored * self.chunk_size
         self.counters.add(stored_chunks=stored, stored_tokens=toks)
-        m.STORED_TOKENS.inc(toks)
+        metrics.STORED_TOKENS.inc(toks)
         return stored
 
     def _put_tier0(self, tier0: StorageBackend, key: ChunkKey, data: ChunkData) -> int:
@@ -384,10 +384,10 @@ class CacheEngine:
         except Exception as err:
             self._tier_error(tier0, "put", err)
             ok = False
-        m.TIER_LATENCY.labels(tier0.name, "put").observe(time.perf_counter() - t0)
+        metrics.TIER_LATENCY.labels(tier0.name, "put").observe(time.perf_counter() - t0)
         if not ok:
             return 0
-        m.TIER_BYTES.labels(tier0.name, "put").inc((data.tensor if isinstance(data, MemoryBuffer) else data).nbytes)
+        metrics.TIER_BYTES.labels(tier0.name, "put").inc((data.tensor if isinstance(data, MemoryBuffer) else data).nbytes)
         return 1
 
     def _write_behind(self, key: ChunkKey, data: ChunkData, upto: int | None = None) -> None:
@@ -451,7 +451,7 @@ class CacheEngine:
             if buf is not None:
                 if buf.tensor.dtype == dtype and tuple(buf.tensor.shape) == shape:
                     self.read_models[0].record(buf.nbytes, time.perf_counter() - t0)
-                    m.TIER_BYTES.labels(tier0.name, "get").inc(buf.nbytes)
+                    metrics.TIER_BYTES.labels(tier0.name, "get").inc(buf.nbytes)
                     self.counters.add(retrieved_chunks=1)
                     return buf
                 buf.release()
@@ -495,10 +495,10 @@ class CacheEngine:
                 self._tier_error(tier, "get", err)
                 ok = False
             dt = time.perf_counter() - t0
-            m.TIER_LATENCY.labels(tier.name, "get").observe(dt)
+            metrics.TIER_LATENCY.labels(tier.name, "get").observe(dt)
             if ok:
                 self.read_models[level].record(out.nbytes, dt)
-                m.TIER_BYTES.labels(tier.name, "get").inc(out.nbytes)
+                metrics.TIER_BYTES.labels(tier.name, "get").inc(out.nbytes)
                 if level > 0:
                     self._promote(key, buf if buf is not None else out, level)
                 return True
@@ -513,7 +513,7 @@ class CacheEngine:
     def _tier_error(self, tier: StorageBackend, op: str, err: BaseException) -> None:
         log.warning("tier %s: %s failed, treated as a miss: %s: %s", tier.name, op, type(err).__name__, err)
         self.counters.error(tier.name)
-        m.TIER_ERRORS.labels(tier.name, op).inc()
+        metrics.TIER_ERRORS.labels(tier.name, op).inc()
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until background writes are done; False on timeout."""

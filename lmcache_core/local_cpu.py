@@ -45,9 +45,9 @@ class LocalCpuBackend(StorageBackend):
         self._entries: dict[ChunkKey, _Entry] = {}
         self._bytes = 0
         self._pinned = 0  # entries with pins > 0: stats() is read every engine step, keep it O(1)
-        self._s = BackendStats(self.name, bytes_capacity=self.max_size)
-        self._s.extra["eviction"] = self.policy.name
-        self._s.extra["rejected"] = 0  # puts the policy's admission filter declined
+        self._stats = BackendStats(self.name, bytes_capacity=self.max_size)
+        self._stats.extra["eviction"] = self.policy.name
+        self._stats.extra["rejected"] = 0  # puts the policy's admission filter declined
 
     # -- contract -------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> int:
@@ -62,7 +62,7 @@ class LocalCpuBackend(StorageBackend):
         buf = self.allocate(tuple(data.shape), data.dtype)
         if buf is None:
             with self._lock:
-                self._s.skipped += 1
+                self._stats.skipped += 1
             return False
         try:
             buf.tensor.copy_(data)
@@ -77,7 +77,7 @@ class LocalCpuBackend(StorageBackend):
         try:
             if buf.tensor.dtype != out.dtype or buf.tensor.shape != out.shape:
                 with self._lock:
-                    self._s.errors += 1
+                    self._stats.errors += 1
                 return False
             out.copy_(buf.tensor)
             return True
@@ -98,7 +98,7 @@ class LocalCpuBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = self._s.snapshot()
+            s = self._stats.snapshot()
             s.chunks = len(self._entries)
             s.bytes_used = self._bytes
             s.extra["pinned"] = self._pinned
@@ -120,12 +120,12 @@ class LocalCpuBackend(StorageBackend):
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                self._s.misses += 1
+                self._stats.misses += 1
                 self.policy.miss(key)
                 return None
             self.policy.hit(key)
-            self._s.hits += 1
-            self._s.get_bytes += entry.buf.nbytes
+            self._stats.hits += 1
+            self._stats.get_bytes += entry.buf.nbytes
             return entry.buf.retain()
 
     def put_buffer(self, key: ChunkKey, buf: MemoryBuffer) -> bool:
@@ -136,22 +136,22 @@ class LocalCpuBackend(StorageBackend):
                 self.policy.hit(key)
                 return True
             if buf.size > self.max_size:
-                self._s.skipped += 1
+                self._stats.skipped += 1
                 return False
             need = self._bytes + buf.size - self.max_size
             if need > 0 and not self.policy.admit(key, buf.size):
-                self._s.skipped += 1
-                self._s.extra["rejected"] += 1
+                self._stats.skipped += 1
+                self._stats.extra["rejected"] += 1
                 return False
             self._evict_locked(need)
             if self._bytes + buf.size > self.max_size:
-                self._s.skipped += 1
+                self._stats.skipped += 1
                 return False
             self._entries[key] = _Entry(buf.retain())
             self.policy.insert(key, buf.size)
             self._bytes += buf.size
-            self._s.puts += 1
-            self._s.put_bytes += buf.nbytes
+            self._stats.puts += 1
+            self._stats.put_bytes += buf.nbytes
         return True
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> MemoryBuffer | None:
@@ -188,7 +188,7 @@ class LocalCpuBackend(StorageBackend):
                 continue
             del self._entries[key]  # type: ignore[arg-type]
             self._bytes -= entry.buf.size
-            self._s.evictions += 1
+            self._stats.evictions += 1
             freed += entry.buf.size
             entry.buf.release()
         for key in kept:

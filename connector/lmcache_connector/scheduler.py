@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from lmcache_core import metrics as m
+from lmcache_core import metrics
 from lmcache_core.keys import chain_seed, chunk_hashes
 
 from .groups import GroupPlan, boundary_hash
@@ -170,14 +170,14 @@ class SchedulerSide:
         hashes = self._lookup_hashes(st)
         # A producer looks up too (without pinning), so it never re-saves what is cached.
         n = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else 0
-        m.LOOKUPS.labels("scheduler").inc()
-        m.LOOKUP_TOKENS.inc(st.prompt_len)
+        metrics.LOOKUPS.labels("scheduler").inc()
+        metrics.LOOKUP_TOKENS.inc(st.prompt_len)
         full = st.prompt_len // self.cs
         st.saved_full = max(st.saved_full, min(n, full))
         if n > full:
             st.partial_saved = True
         hit = self._chunk_end(st, n - 1) if n else 0
-        m.LOOKUP_HIT_TOKENS.inc(hit)
+        metrics.LOOKUP_HIT_TOKENS.inc(hit)
         if not self.can_load:
             return 0, False
         # vLLM must compute at least the last prompt token to produce logits.

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from lmcache_core import metrics as m
+from lmcache_core import metrics
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 
 from .grouped_layout import GroupedLayout
 from .groups import GroupPlan, boundary_hash
-from .layout import BlockLayout, TokenLayout, make_layout, transfer_path
+from .kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
 from .lookup_ipc import LookupServer
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
@@ -165,7 +165,7 @@ class WorkerSide:
             with self._lock:
                 self.bypassed_tokens += tokens
                 self.bypassed_lookups += 1
-            m.BYPASSED_TOKENS.inc(tokens)
+            metrics.BYPASSED_TOKENS.inc(tokens)
             log.debug(
                 "lookup %s: loading %d of %d hit chunks (predicted load %.1f ms, recompute %.1f ms)",
                 pin_id, k, n, 1000 * sum(per_chunk), 1000 * (self.prefill.recompute_seconds(n * self.cfg.chunk_size) or 0.0),
@@ -235,8 +235,8 @@ class WorkerSide:
         with self._lock:
             self.loaded_tokens += loaded
             self.load_seconds += dt
-        m.LOADED_TOKENS.inc(loaded)
-        m.TIER_LATENCY.labels("connector", "load_request").observe(dt)
+        metrics.LOADED_TOKENS.inc(loaded)
+        metrics.TIER_LATENCY.labels("connector", "load_request").observe(dt)
 
     def _load_grouped(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         """All chunks and the boundary, or nothing: a recurrent state resumes exactly at
@@ -270,8 +270,8 @@ class WorkerSide:
             self.load_seconds += dt
             if t.async_load:
                 self._recv_done.add(t.req_id)
-        m.LOADED_TOKENS.inc(loaded)
-        m.TIER_LATENCY.labels("connector", "load_request").observe(dt)
+        metrics.LOADED_TOKENS.inc(loaded)
+        metrics.TIER_LATENCY.labels("connector", "load_request").observe(dt)
 
     def _fail(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> None:
         """Report the blocks of chunks ``from_chunk..`` so vLLM recomputes them (the
@@ -281,7 +281,7 @@ class WorkerSide:
                 self._recv_failed.add(t.req_id)
                 self._recv_done.add(t.req_id)
                 self.failed_loads += 1
-            m.LOAD_ERRORS.inc(len(t.hashes) - from_chunk)
+            metrics.LOAD_ERRORS.inc(len(t.hashes) - from_chunk)
             return
         lo = max(meta.chunk_start(t, from_chunk), t.write_from)
         hi = t.chunk_ends[-1]
@@ -289,7 +289,7 @@ class WorkerSide:
         with self._lock:
             self._errors.update(blocks)
             self.failed_loads += 1
-        m.LOAD_ERRORS.inc(len(t.hashes) - from_chunk)
+        metrics.LOAD_ERRORS.inc(len(t.hashes) - from_chunk)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

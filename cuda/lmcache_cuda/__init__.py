@@ -8,12 +8,12 @@
 - ``TransferStream``: the same on a side CUDA stream, with events.
 - ``backend_name()`` / ``available()`` / ``backend_reason()``: which path runs, and why.
 
-Importing this package compiles nothing; see lmcache_cuda.backend for when and how
+Importing this package compiles nothing; see lmcache_cuda.dispatch for when and how
 the kernels are built.
 """
 
-from lmcache_cuda.backend import available, backend_name, backend_reason, load_kernels
-from lmcache_cuda.layout import PagedLayout
+from lmcache_cuda.dispatch import available, backend_name, backend_reason, load_kernels
+from lmcache_cuda.paged_layout import PagedLayout
 from lmcache_cuda.ops import gather_blocks, gather_tokens, scatter_blocks, scatter_tokens
 from lmcache_cuda.transfer import TransferEvent, TransferStream
 

@@ -1,7 +1,7 @@
 """``python -m lmcache_cuda``: resolve the backend now (JIT-compiling the kernels if
 needed, e.g. ahead of starting vLLM) and print which one is in use and why."""
 
-from lmcache_cuda.backend import status
+from lmcache_cuda.dispatch import status
 
 
 def main() -> int:

@@ -22,8 +22,8 @@ from typing import Sequence
 
 import torch
 
-from lmcache_cuda.backend import load_kernels
-from lmcache_cuda.layout import PagedLayout, check_index
+from lmcache_cuda.dispatch import load_kernels
+from lmcache_cuda.paged_layout import PagedLayout, check_index
 
 _TABLE_CACHE_SIZE = 64
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from lmcache_cuda import reference
-from lmcache_cuda.backend import available
+from lmcache_cuda.dispatch import available
 
 
 def implementation(kv_caches: Sequence[torch.Tensor]) -> ModuleType:

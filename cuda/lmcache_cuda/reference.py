@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from lmcache_cuda.layout import PagedLayout, check_index, int_view
+from lmcache_cuda.paged_layout import PagedLayout, check_index, int_view
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from lmcache_cuda.layout import int_view
+from lmcache_cuda.paged_layout import int_view
 
 DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,

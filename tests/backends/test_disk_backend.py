@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_backend_disk import DiskBackend, create_disk_backend
-from lmcache_backend_disk.layout import MARKER
+from lmcache_backend_disk.directory import MARKER
 from lmcache_core.config import ConfigError
 from lmcache_core.serde import encode
 from lmcache_core.testing import make_context, random_chunk, random_key
@@ -34,7 +34,7 @@ def frame_size(key, data) -> int:
 
 
 def chunk_file(b: DiskBackend, key) -> Path:
-    return b.layout.chunk_path(key)
+    return b.directory.chunk_path(key)
 
 
 def hit(b: DiskBackend, key, data: torch.Tensor) -> bool:
@@ -162,10 +162,10 @@ def test_leftover_temp_and_truncated_files_are_never_loaded_and_cleaned(tmp_path
     chunk_file(b, trunc_k).write_bytes(frame[: len(frame) // 2])
     # a temp file a killed writer left behind: a complete frame, but never renamed
     tmp_k = random_key()
-    leftover = b.layout.shard(tmp_k) / f".tmp-{_dead_pid()}-0123456789abcdef"
+    leftover = b.directory.shard(tmp_k) / f".tmp-{_dead_pid()}-0123456789abcdef"
     leftover.write_bytes(encode(tmp_k, good, make_context().codec))
     # a temp file of a writer that is still running must survive
-    live = b.layout.shard(tmp_k) / f".tmp-{os.getppid()}-fedcba9876543210"
+    live = b.directory.shard(tmp_k) / f".tmp-{os.getppid()}-fedcba9876543210"
     live.write_bytes(b"in progress")
 
     b2 = open_disk(tmp_path / "t")
@@ -273,7 +273,7 @@ def test_bad_chunk_files_are_removed_and_foreign_files_kept_at_startup(tmp_path:
     k, d = random_key(), random_chunk(SHAPE)
     b.put(k, d)
     b.close()
-    shard = b.layout.shard(k)
+    shard = b.directory.shard(k)
     stranger = shard / "notes.txt"
     stranger.write_text("hello")
     copied = chunk_file(b, random_key())

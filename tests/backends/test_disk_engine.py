@@ -71,7 +71,7 @@ def test_corrupt_disk_chunk_is_recomputed_not_loaded(tmp_path: Path) -> None:
     e1.store(tokens, chunks)
     assert e1.flush(timeout=60)
     key = e1.keys(e1.hashes(tokens))[1]
-    path = e1.tiers[1].layout.chunk_path(key)
+    path = e1.tiers[1].directory.chunk_path(key)
     raw = bytearray(path.read_bytes())
     raw[-10] ^= 0xFF
     path.write_bytes(bytes(raw))

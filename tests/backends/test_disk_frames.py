@@ -33,7 +33,7 @@ def test_file_bytes_equal_serde_encode(tmp_path: Path, codec: str, o_direct: boo
     data = random_chunk(shape, dtype=dtype) if dtype != torch.uint8 else torch.randint(0, 256, shape, dtype=dtype)
     key = random_key()
     assert b.put(key, data)
-    on_disk = b.layout.chunk_path(key).read_bytes()
+    on_disk = b.directory.chunk_path(key).read_bytes()
     assert on_disk == encode(key, data, ctx.codec)
     assert torch.equal(decode(on_disk, ctx.codecs, expect_key=key).view(torch.uint8), data.view(torch.uint8))
     out = torch.full_like(data, 7) if data.numel() else torch.empty_like(data)
@@ -89,7 +89,7 @@ def test_format_1_file_is_a_miss_and_removed(tmp_path: Path) -> None:
     b = create_disk_backend({"path": str(tmp_path / "t")}, make_context())
     key, data = random_key(), random_chunk((4, 16))
     assert b.put(key, data)
-    p = b.layout.chunk_path(key)
+    p = b.directory.chunk_path(key)
     p.write_bytes(p.read_bytes().replace(b'"format":"lmcache-core/2"', b'"format":"lmcache-core/1"'))
     assert b.get(key, torch.empty_like(data)) is False and not p.exists()
     b.close()
@@ -110,7 +110,7 @@ def test_truncated_large_payload_is_a_miss(tmp_path: Path) -> None:
     b = create_disk_backend({"path": str(tmp_path / "t"), "verify_on_start": False}, make_context())
     key, data = random_key(), torch.randint(0, 256, (6 << 20,), dtype=torch.uint8)
     assert b.put(key, data)
-    p = b.layout.chunk_path(key)
+    p = b.directory.chunk_path(key)
     frame = p.read_bytes()
     bad = bytearray(frame)
     bad[len(frame) // 2] ^= 1
@@ -163,7 +163,7 @@ def test_header_byte_faking_a_foreign_codec_is_removed(tmp_path: Path) -> None:
     b = _open(tmp_path / "t")
     key, data = random_key(), random_chunk((2, 64))
     assert b.put(key, data)
-    p = b.layout.chunk_path(key)
+    p = b.directory.chunk_path(key)
     raw = p.read_bytes()
     i = raw.index(b'"codec":"raw"') + len(b'"codec":"')
     p.write_bytes(raw[:i] + b"s" + raw[i + 1 :])  # "raw" -> "saw"
@@ -175,7 +175,7 @@ def test_header_byte_faking_another_shape_is_removed(tmp_path: Path) -> None:
     b = _open(tmp_path / "t")
     key, data = random_key(), random_chunk((2, 64))
     assert b.put(key, data)
-    p = b.layout.chunk_path(key)
+    p = b.directory.chunk_path(key)
     raw = p.read_bytes()
     p.write_bytes(raw.replace(b'"shape":"[2, 64]"', b'"shape":"[4, 32]"', 1))
     assert b.get(key, torch.empty(4, 32, dtype=torch.float16)) is False
@@ -190,7 +190,7 @@ def test_intact_frame_with_a_codec_not_installed_here_is_kept(tmp_path: Path) ->
     assert writer.put(key, data)
     reader = _open(tmp_path / "t", {"raw": RawCodec()})
     assert reader.get(key, torch.empty_like(data)) is False
-    assert reader.layout.chunk_path(key).exists() and reader.stats().extra["corrupt_removed"] == 0
+    assert reader.directory.chunk_path(key).exists() and reader.stats().extra["corrupt_removed"] == 0
     out = torch.full_like(data, 1.0)
     assert writer.get(key, out) and torch.equal(out, data)
 
@@ -221,7 +221,7 @@ def test_read_and_hash_paths_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert b.put(key, data)
     out = torch.empty_like(data)
     assert b.get(key, out) and torch.equal(out, data)
-    p = b.layout.chunk_path(key)
+    p = b.directory.chunk_path(key)
     for pos in (len(p.read_bytes()) - 100, len(p.read_bytes()) - (6 << 20)):  # after and before the split
         bad = bytearray(p.read_bytes())
         bad[pos] ^= 0x10

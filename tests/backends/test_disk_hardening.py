@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from lmcache_backend_disk import DiskBackend, create_disk_backend
-from lmcache_backend_disk.layout import FANOUT, USAGE
+from lmcache_backend_disk.directory import FANOUT, USAGE
 from lmcache_core.serde import encode
 from lmcache_core.testing import make_context, random_chunk, random_key
 
@@ -62,7 +62,7 @@ def test_malformed_header_file_never_fails_start_and_is_removed(tmp_path: Path, 
     good_k, good = random_key(), random_chunk(SHAPE, seed=1)
     bad_k, bad = random_key(), random_chunk(SHAPE, seed=2)
     assert b.put(good_k, good) and b.put(bad_k, bad)
-    bad_file = b.layout.chunk_path(bad_k)
+    bad_file = b.directory.chunk_path(bad_k)
     b.close()
     bad_file.write_bytes(_malformed(encode(bad_k, bad, make_context().codec), offsets))
     b2 = open_disk(tmp_path / "t")  # verify_on_start: the start must not fail
@@ -88,7 +88,7 @@ def test_symlinked_shard_is_never_entered(tmp_path: Path) -> None:
     b = open_disk(root)
     key, data = random_key(), random_chunk(SHAPE, seed=3)
     assert b.put(key, data)  # negative control: with a real shard the key is stored
-    shard = b.layout.shard(key)
+    shard = b.directory.shard(key)
     b.close()
     # Someone replaces the shard with a link to a directory outside the cache that
     # holds files looking exactly like the tier's: a stale temp of a dead process, a
@@ -96,7 +96,7 @@ def test_symlinked_shard_is_never_entered(tmp_path: Path) -> None:
     outside = tmp_path / "precious"
     outside.mkdir()
     (outside / f".tmp-{_dead_pid()}-0123456789abcdef").write_bytes(b"keep me 1")
-    (outside / b.layout.chunk_path(random_key()).name).write_bytes(b"keep me 2")
+    (outside / b.directory.chunk_path(random_key()).name).write_bytes(b"keep me 2")
     (outside / "notes.txt").write_bytes(b"keep me 3")
     shutil.rmtree(shard)
     shard.symlink_to(outside, target_is_directory=True)
@@ -130,9 +130,9 @@ def test_links_under_chunk_and_temp_names_are_neither_followed_nor_deleted(tmp_p
     outside.mkdir()
     target = outside / "frame"
     target.write_bytes(encode(key, data, make_context().codec))  # a valid frame for key
-    link = b.layout.chunk_path(key)
+    link = b.directory.chunk_path(key)
     link.symlink_to(target)
-    temp_link = b.layout.shard(key) / f".tmp-{_dead_pid()}-00000000000000aa-10"
+    temp_link = b.directory.shard(key) / f".tmp-{_dead_pid()}-00000000000000aa-10"
     temp_link.symlink_to(target)
     assert b.contains([key]) == 0
     assert b.get(key, torch.empty_like(data)) is False  # not followed

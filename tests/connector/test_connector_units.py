@@ -12,7 +12,7 @@ import zmq
 pytest.importorskip("vllm")
 
 from lmcache_core.config import ConfigError, CoreConfig, LoadedConfig  # noqa: E402
-from lmcache_connector.layout import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
+from lmcache_connector.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
 from lmcache_connector.lookup_ipc import LookupClient, LookupServer  # noqa: E402
 from lmcache_connector.options import ConnectorSettings, load_settings, parse_request_options  # noqa: E402
 from lmcache_connector.scheduler import SchedulerSide  # noqa: E402

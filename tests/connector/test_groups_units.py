@@ -28,7 +28,7 @@ from lmcache_connector.groups import (  # noqa: E402
     describe_groups,
     effective_chunk_size,
 )
-from lmcache_connector.layout import LayoutError  # noqa: E402
+from lmcache_connector.kv_adapters import LayoutError  # noqa: E402
 
 BS = 16
 HEADS, HEAD = 2, 8

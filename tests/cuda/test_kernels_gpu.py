@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmcache_cuda import PagedLayout, TransferStream, kernels, ops, reference
-from lmcache_cuda.backend import load_kernels
+from lmcache_cuda.dispatch import load_kernels
 from lmcache_cuda.testing import DTYPES, bits_equal, expected_gather, ragged_slots, random_paged_kv
 
 pytestmark = [

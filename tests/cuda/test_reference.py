@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmcache_cuda import PagedLayout, reference
-from lmcache_cuda.layout import int_view
+from lmcache_cuda.paged_layout import int_view
 from lmcache_cuda.testing import (
     DTYPES,
     bits_equal,

@@ -61,7 +61,7 @@ from .config import DiskConfig
 from .fileio import probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts
 from .frames import read_frame_header
 from .index import LruIndex
-from .layout import FANOUT, MARKER_TEXT, USAGE, Layout, open_dir, shard_name, temp_name
+from .directory import FANOUT, MARKER_TEXT, USAGE, TierDirectory, open_dir, shard_name, temp_name
 from .scan import ScanResult, scan
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class DiskBackend(StorageBackend):
         t0 = time.perf_counter()
         self.cfg = cfg
         self.root = Path(cfg.path).expanduser()
-        self.layout = Layout(self.root)
+        self.directory = TierDirectory(self.root)
         self.max_size = cfg.max_size
         self._codec = codec
         self._codecs = dict(codecs)
@@ -103,8 +103,8 @@ class DiskBackend(StorageBackend):
         self._budget: DirBudget | None = None
         self._refused_shards: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="lmcache-disk-io")
-        self._s = BackendStats(self.name, bytes_capacity=self.max_size)
-        self._x: dict[str, Any] = {
+        self._stats = BackendStats(self.name, bytes_capacity=self.max_size)
+        self._extra: dict[str, Any] = {
             "path": str(self.root),
             "corrupt_removed": 0,
             "disk_full": 0,
@@ -117,22 +117,22 @@ class DiskBackend(StorageBackend):
         self._prepare_root(key_path, source)
         self._open_root()
         self._o_direct = False
-        if cfg.o_direct and self._x["unavailable"] is None:
+        if cfg.o_direct and self._extra["unavailable"] is None:
             reason = probe_o_direct(self.root)
             self._o_direct = reason is None
             if reason:
                 log.warning("disk tier %s: o_direct requested, using buffered I/O: %s", self.root, reason)
-            self._x["o_direct_fallback"] = reason
-        self._x["o_direct"] = self._o_direct
+            self._extra["o_direct_fallback"] = reason
+        self._extra["o_direct"] = self._o_direct
         if self._root_fd is not None:
             res = self._startup_scan()
-            self._x.update(
+            self._extra.update(
                 startup_stale_temps=res.stale_temps,
                 startup_bad_removed=res.bad_removed,
                 startup_foreign_kept=res.foreign_kept,
                 startup_shards_refused=res.shards_refused,
             )
-        self._x["startup_s"] = round(time.perf_counter() - t0, 4)
+        self._extra["startup_s"] = round(time.perf_counter() - t0, 4)
 
     # -- set-up -------------------------------------------------------------------------
     def _prepare_root(self, key_path: str, source: str) -> None:
@@ -144,20 +144,20 @@ class DiskBackend(StorageBackend):
         where = f"{key_path}.path"
         if root.exists() and not root.is_dir():
             raise ConfigError(f"{where}: {root} exists and is not a directory (from {source})")
-        if root.is_dir() and not self.layout.marker.exists():
+        if root.is_dir() and not self.directory.marker.exists():
             try:
                 extra = [p.name for p in root.iterdir()][:3]
             except OSError as err:
                 raise ConfigError(f"{where}: cannot list {root}: {err.strerror} (from {source})") from None
             if extra:
                 raise ConfigError(
-                    f"{where}: {root} is not empty and is not a disk tier (no {self.layout.marker.name} "
+                    f"{where}: {root} is not empty and is not a disk tier (no {self.directory.marker.name} "
                     f"file; found e.g. {extra}); use an empty or new directory (from {source})"
                 )
         try:
             root.mkdir(parents=True, exist_ok=True)
             try:
-                fd = os.open(self.layout.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(self.directory.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
                 with os.fdopen(fd, "w") as f:
                     f.write(MARKER_TEXT)
             except FileExistsError:
@@ -169,7 +169,7 @@ class DiskBackend(StorageBackend):
                     pass
         except OSError as err:
             reason = f"cannot write {root}: {err.strerror or err}"
-            self._x["unavailable"] = reason
+            self._extra["unavailable"] = reason
             log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
 
     def _open_root(self) -> None:
@@ -179,13 +179,13 @@ class DiskBackend(StorageBackend):
         try:
             self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         except OSError as err:
-            self._x["unavailable"] = self._x["unavailable"] or f"cannot open {self.root}: {err.strerror or err}"
+            self._extra["unavailable"] = self._extra["unavailable"] or f"cannot open {self.root}: {err.strerror or err}"
             return
         try:
             self._budget = DirBudget(self.root / USAGE)
         except OSError as err:
             reason = f"cannot open {self.root / USAGE}: {err.strerror or err}"
-            self._x["unavailable"] = self._x["unavailable"] or reason
+            self._extra["unavailable"] = self._extra["unavailable"] or reason
             log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
 
     def _startup_scan(self) -> ScanResult:
@@ -202,7 +202,7 @@ class DiskBackend(StorageBackend):
                     self._index.load(res.entries)
                     budget.set(res.chunk_bytes + res.reserved_bytes)
                     self._evict_locked(budget, 0)
-                    self._x["dir_bytes"] = budget.last
+                    self._extra["dir_bytes"] = budget.last
                 return res
             except TimeoutError as err:  # the count stays as the other processes keep it
                 log.warning("disk tier: start-up recount skipped: %s", err)
@@ -222,7 +222,7 @@ class DiskBackend(StorageBackend):
                 listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=self._pool)
                 budget.set(listing.chunk_bytes + listing.reserved_bytes)
                 self._evict_locked(budget, 0)
-                self._x["dir_bytes"] = budget.last
+                self._extra["dir_bytes"] = budget.last
         except TimeoutError as err:  # the count stays as the other processes keep it
             log.warning("disk tier: start-up recount skipped: %s", err)
 
@@ -261,7 +261,7 @@ class DiskBackend(StorageBackend):
 
     def _refuse_shard(self, name: str, err: OSError) -> None:
         with self._lock:
-            self._x["links_refused"] += 1
+            self._extra["links_refused"] += 1
             first = name not in self._refused_shards
             self._refused_shards.add(name)
         if first:
@@ -298,7 +298,7 @@ class DiskBackend(StorageBackend):
                 return self._put_in(key, data, dfd)
         except _ShardRefused:
             with self._lock:
-                self._s.skipped += 1
+                self._stats.skipped += 1
             return False
         except OSError as err:
             return self._put_failed(err)
@@ -312,15 +312,15 @@ class DiskBackend(StorageBackend):
         if st is not None:
             if not stat.S_ISREG(st.st_mode):  # a link or other thing under a chunk name: not ours
                 with self._lock:
-                    self._x["links_refused"] += 1
-                    self._s.skipped += 1
+                    self._extra["links_refused"] += 1
+                    self._stats.skipped += 1
                 return False
             with self._lock:
                 if not self._index.touch(key):
                     self._index.add(key, st.st_size)
             return True
         if self._budget is None:
-            raise OSError(errno.EROFS, self._x["unavailable"] or "the tier directory is not writable")
+            raise OSError(errno.EROFS, self._extra["unavailable"] or "the tier directory is not writable")
         frame = self._frame(key, data)
         size = frame.size
         with self._lock:
@@ -328,7 +328,7 @@ class DiskBackend(StorageBackend):
         temp = self._reserve(dfd, size) if size <= self.max_size else None
         if temp is None:
             with self._lock:
-                self._s.skipped += 1
+                self._stats.skipped += 1
             return False
         try:
             self._write(dfd, temp, frame)
@@ -338,19 +338,19 @@ class DiskBackend(StorageBackend):
             return self._put_failed(err)
         with self._lock:
             self._index.add(key, size)
-            self._s.puts += 1
-            self._s.put_bytes += data.nbytes
+            self._stats.puts += 1
+            self._stats.put_bytes += data.nbytes
             self._last_put_error = None
         return True
 
     def _put_failed(self, err: OSError) -> bool:
         with self._lock:
             if err.errno in _FULL_ERRNOS:
-                self._s.skipped += 1
-                self._x["disk_full"] += 1
+                self._stats.skipped += 1
+                self._extra["disk_full"] += 1
             else:
-                self._s.errors += 1
-                self._x["write_errors"] += 1
+                self._stats.errors += 1
+                self._extra["write_errors"] += 1
         why = f"{type(err).__name__}: {err.strerror or err}"
         if why != self._last_put_error:  # one line per kind of failure, not per chunk
             self._last_put_error = why
@@ -371,7 +371,7 @@ class DiskBackend(StorageBackend):
                          0o644, dir_fd=dfd)
             os.close(fd)
             budget.add(size)
-            self._x["dir_bytes"] = budget.last
+            self._extra["dir_bytes"] = budget.last
         return temp
 
     def _evict_locked(self, budget: DirBudget, size: int) -> bool:
@@ -402,10 +402,10 @@ class DiskBackend(StorageBackend):
                 if freed:
                     count = budget.add(-freed)
                     with self._lock:
-                        self._s.evictions += 1
+                        self._stats.evictions += 1
                     if count is None:
                         break
-        self._x["dir_bytes"] = count
+        self._extra["dir_bytes"] = count
         return True
 
     def _unlink_chunk(self, key: ChunkKey, ino: int | None = None) -> int:
@@ -439,7 +439,7 @@ class DiskBackend(StorageBackend):
             os.rename(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             if replaced:
                 budget.add(-replaced)
-            self._x["dir_bytes"] = budget.last
+            self._extra["dir_bytes"] = budget.last
         if self.cfg.fsync:
             os.fsync(dfd)
 
@@ -452,7 +452,7 @@ class DiskBackend(StorageBackend):
             with self._budget.locked() as budget:
                 _unlink_quiet(temp, dfd)
                 budget.add(-size)
-                self._x["dir_bytes"] = budget.last
+                self._extra["dir_bytes"] = budget.last
         except TimeoutError as err:
             log.warning("disk tier: %s", err)
             _unlink_quiet(temp, dfd)
@@ -488,7 +488,7 @@ class DiskBackend(StorageBackend):
             return self._miss(key)
 
     def _get_in(self, key: ChunkKey, out: torch.Tensor, dfd: int) -> bool:
-        path = self.layout.chunk_path(key)  # for messages; every operation is relative to dfd
+        path = self.directory.chunk_path(key)  # for messages; every operation is relative to dfd
         name = key.to_str()
         try:
             fd = os.open(name, _O_RDONLY, dir_fd=dfd)
@@ -497,7 +497,7 @@ class DiskBackend(StorageBackend):
         except OSError as err:
             if err.errno == errno.ELOOP:  # a symbolic link under a chunk name: never followed, never deleted
                 with self._lock:
-                    self._x["links_refused"] += 1
+                    self._extra["links_refused"] += 1
                 return self._miss(key)
             return self._read_error(path, err)
         try:
@@ -521,7 +521,7 @@ class DiskBackend(StorageBackend):
                     log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
                 else:
                     with self._lock:
-                        self._x["shape_mismatch"] += 1
+                        self._extra["shape_mismatch"] += 1
                 return self._miss(key, keep=True)
             direct = (
                 info.codec == "raw"
@@ -559,8 +559,8 @@ class DiskBackend(StorageBackend):
         with self._lock:
             if not self._index.touch(key):
                 self._index.add(key, st.st_size)
-            self._s.hits += 1
-            self._s.get_bytes += out.nbytes
+            self._stats.hits += 1
+            self._stats.get_bytes += out.nbytes
         return True
 
     def remove(self, key: ChunkKey) -> bool:
@@ -577,7 +577,7 @@ class DiskBackend(StorageBackend):
                 freed = self._unlink_chunk(key, ino)
                 if freed:
                     budget.add(-freed)
-                self._x["dir_bytes"] = budget.last
+                self._extra["dir_bytes"] = budget.last
         except TimeoutError as err:  # left for a later eviction or start-up scan
             log.warning("disk tier: not removed now: %s", err)
             return 0
@@ -585,8 +585,8 @@ class DiskBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = self._s.snapshot()
-            s.extra = dict(self._x)
+            s = self._stats.snapshot()
+            s.extra = dict(self._extra)
             s.chunks = len(self._index)
             s.bytes_used = self._index.bytes
         return s
@@ -606,15 +606,15 @@ class DiskBackend(StorageBackend):
     def _read_error(self, path: Path, err: OSError) -> bool:
         log.warning("disk tier: cannot read %s: %s", path, err)
         with self._lock:
-            self._s.errors += 1
-            self._s.misses += 1
+            self._stats.errors += 1
+            self._stats.misses += 1
         return False
 
     def _miss(self, key: ChunkKey, *, keep: bool = False) -> bool:
         with self._lock:
             if not keep:
                 self._index.discard(key)
-            self._s.misses += 1
+            self._stats.misses += 1
         return False
 
     def _read_verified(self, fd: int, offset: int, dst: memoryview, meta: dict[str, str], key: ChunkKey, path: Path, ino: int) -> bool:
@@ -638,9 +638,9 @@ class DiskBackend(StorageBackend):
         self._unlink_counted(key, ino)
         with self._lock:
             self._index.discard(key)
-            self._s.misses += 1
-            self._s.errors += 1
-            self._x["corrupt_removed"] += 1
+            self._stats.misses += 1
+            self._stats.errors += 1
+            self._extra["corrupt_removed"] += 1
 
 
 def _unlink_quiet(name: str, dir_fd: int) -> None:

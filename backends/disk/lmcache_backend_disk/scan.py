@@ -26,7 +26,7 @@ from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import FrameError
 
 from .frames import check_frame_file
-from .layout import FANOUT, TMP_PREFIX, open_dir, parse_chunk_name, pid_alive, temp_owner_pid, temp_reserved_bytes
+from .directory import FANOUT, TMP_PREFIX, open_dir, parse_chunk_name, pid_alive, temp_owner_pid, temp_reserved_bytes
 
 log = logging.getLogger(__name__)
 

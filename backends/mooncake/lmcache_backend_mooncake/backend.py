@@ -92,7 +92,7 @@ class MooncakeBackend(StorageBackend):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._reconnector: threading.Thread | None = None
-        self._s = BackendStats(
+        self._stats = BackendStats(
             self.name,
             extra=dict(
                 no_space=0, corrupt=0, transfer_errors=0, overruns=0, zero_copy_puts=0, copied_puts=0,
@@ -155,7 +155,7 @@ class MooncakeBackend(StorageBackend):
     # -- bookkeeping ----------------------------------------------------------------
     def _count(self, **counts: int) -> None:
         with self._lock:
-            self._s.add(**counts)
+            self._stats.add(**counts)
 
     def _name(self, key: ChunkKey) -> str:
         return self.cfg.key_prefix + key.to_str()
@@ -448,7 +448,7 @@ class MooncakeBackend(StorageBackend):
     # -- housekeeping ---------------------------------------------------------------
     def stats(self) -> BackendStats:
         with self._lock:
-            s = self._s.snapshot()
+            s = self._stats.snapshot()
             connected = self._client is not None
         s.extra.update(
             master=self.cfg.master,

@@ -71,7 +71,7 @@ class PeerBackend(StorageBackend):
         self._peers = [_Peer(c) for c in clients]
         self._routes: OrderedDict[ChunkKey, _Peer] = OrderedDict()
         self._lock = threading.Lock()
-        self._s = BackendStats(self.name, bytes_capacity=store.max_size)
+        self._stats = BackendStats(self.name, bytes_capacity=store.max_size)
         self._closed = False
 
     # -- peers ----------------------------------------------------------------------
@@ -86,7 +86,7 @@ class PeerBackend(StorageBackend):
             result = fn(*args)
         except PeerError as err:
             with self._lock:
-                self._s.errors += 1
+                self._stats.errors += 1
             if not isinstance(err, PeerRequestError):
                 peer.down_until = time.monotonic() + self.retry_after
             log.info("peer %s: %s failed, treated as a miss: %s", peer.client.name, op, err)
@@ -135,10 +135,10 @@ class PeerBackend(StorageBackend):
                     stored = True
         with self._lock:
             if stored:
-                self._s.puts += 1
-                self._s.put_bytes += data.nbytes
+                self._stats.puts += 1
+                self._stats.put_bytes += data.nbytes
             else:
-                self._s.skipped += 1
+                self._stats.skipped += 1
         return stored
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
@@ -163,7 +163,7 @@ class PeerBackend(StorageBackend):
             if hit[0]:
                 return True
         with self._lock:
-            self._s.misses += 1
+            self._stats.misses += 1
         return False
 
     def get_many(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> int:
@@ -195,10 +195,10 @@ class PeerBackend(StorageBackend):
         _, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
         with self._lock:
             if reason is None:
-                self._s.hits += 1
-                self._s.get_bytes += out.nbytes
+                self._stats.hits += 1
+                self._stats.get_bytes += out.nbytes
                 return True
-            self._s.errors += 1
+            self._stats.errors += 1
         log.info("peer tier: chunk %s from %s rejected: %s", key, where, reason)
         return False
 
@@ -214,7 +214,7 @@ class PeerBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = self._s.snapshot()
+            s = self._stats.snapshot()
         s.chunks = len(self.store)
         s.bytes_used = self.store.bytes_used
         s.evictions = self.store.evictions

@@ -92,7 +92,7 @@ class RedisBackend(StorageBackend):
         self._gate = HealthGate(cfg.down_cooldown_s)
         self._lock = threading.Lock()
         self._client_lock = threading.Lock()
-        self._s = BackendStats(self.name, extra={"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0})
+        self._stats = BackendStats(self.name, extra={"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0})
         self._last_oom_log = -_OOM_LOG_EVERY_S
         self._closed = False
         self.client: Client | None = client
@@ -115,7 +115,7 @@ class RedisBackend(StorageBackend):
     # -- bookkeeping ----------------------------------------------------------------
     def _add(self, **counts: int) -> None:
         with self._lock:
-            self._s.add(**counts)
+            self._stats.add(**counts)
 
     def _name(self, key: ChunkKey) -> str:
         return self.cfg.prefix + key.to_str()
@@ -359,7 +359,7 @@ class RedisBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = self._s.snapshot()
+            s = self._stats.snapshot()
         s.extra.update(
             server_down=self._gate.down,
             server_trips=self._gate.trips,

@@ -63,7 +63,7 @@ class S3Backend(StorageBackend):
         self._gate = HealthGate(cfg.down_cooldown_s)
         self._present = PresenceCache(cfg.presence_cache_size, cfg.presence_ttl_s)
         self._lock = threading.Lock()
-        self._s = BackendStats(self.name)
+        self._stats = BackendStats(self.name)
         self._requests = 0
         self._corrupt = 0
         self._overruns = 0
@@ -82,7 +82,7 @@ class S3Backend(StorageBackend):
     def _add(self, **counts: int) -> None:
         with self._lock:
             for k, v in counts.items():
-                setattr(self._s, k, getattr(self._s, k) + v)
+                setattr(self._stats, k, getattr(self._stats, k) + v)
 
     def _object(self, key: ChunkKey) -> str:
         return self.cfg.object_name(key.to_str())
@@ -303,7 +303,7 @@ class S3Backend(StorageBackend):
     # -- housekeeping ---------------------------------------------------------------
     def stats(self) -> BackendStats:
         with self._lock:
-            s = self._s.snapshot()
+            s = self._stats.snapshot()
             s.extra.update(
                 requests=self._requests,
                 corrupt=self._corrupt,

@@ -35,7 +35,7 @@ class DictBackend(StorageBackend):
         self._max = max_entries
         self._frames: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self._lock = threading.Lock()
-        self._s = BackendStats(self.name)
+        self._stats = BackendStats(self.name)
 
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
@@ -50,9 +50,9 @@ class DictBackend(StorageBackend):
             self._frames[key] = frame
             while len(self._frames) > self._max:
                 self._frames.popitem(last=False)
-                self._s.evictions += 1
-            self._s.puts += 1
-            self._s.put_bytes += len(frame)
+                self._stats.evictions += 1
+            self._stats.puts += 1
+            self._stats.put_bytes += len(frame)
         return True
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
@@ -61,12 +61,12 @@ class DictBackend(StorageBackend):
         tensor, reason = try_decode(frame, self._codecs, expect_key=key, out=out)
         with self._lock:
             if tensor is None:
-                self._s.misses += 1
+                self._stats.misses += 1
                 if reason != "missing":
-                    self._s.errors += 1
+                    self._stats.errors += 1
                 return False
-            self._s.hits += 1
-            self._s.get_bytes += out.nbytes
+            self._stats.hits += 1
+            self._stats.get_bytes += out.nbytes
         return True
 
     def remove(self, key: ChunkKey) -> bool:
@@ -75,7 +75,7 @@ class DictBackend(StorageBackend):
 
     def stats(self) -> BackendStats:
         with self._lock:
-            s = self._s.snapshot()
+            s = self._stats.snapshot()
             s.chunks = len(self._frames)
             s.bytes_used = sum(len(f) for f in self._frames.values())
         return s

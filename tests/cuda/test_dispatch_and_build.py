@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lmcache_cuda
-from lmcache_cuda import backend, ops, reference
+from lmcache_cuda import dispatch, ops, reference
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
@@ -20,9 +20,9 @@ CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 def fresh_backend(monkeypatch):
     for name in ("LMCACHE_CUDA_BACKEND", "LMCACHE_CUDA_JIT"):
         monkeypatch.delenv(name, raising=False)
-    backend._reset_for_tests()
+    dispatch._reset_for_tests()
     yield monkeypatch
-    backend._reset_for_tests()
+    dispatch._reset_for_tests()
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only torch path")
@@ -60,7 +60,7 @@ def test_cpu_tensors_always_use_reference(fresh_backend):
 
 
 def test_import_compiles_nothing():
-    code = "import lmcache_cuda, lmcache_cuda.backend as b; assert b._status is None"
+    code = "import lmcache_cuda, lmcache_cuda.dispatch as b; assert b._status is None"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -94,4 +94,4 @@ def test_bad_build_flag():
 
 def test_sources_ship_in_the_package():
     for name in ("ops.cpp", "paged_copy.cu", "paged_copy.cuh"):
-        assert (backend.CSRC / name).is_file()
+        assert (dispatch.CSRC / name).is_file()

@@ -12,7 +12,7 @@
 The marker keeps the tier from ever deleting files in a directory it does not own:
 a non-empty directory without it is refused. Inside the directory the tier never
 follows a symbolic link: shard directories are opened with ``O_NOFOLLOW`` and every
-file operation is relative to that descriptor (:meth:`Layout.open_shard`), and the
+file operation is relative to that descriptor (:meth:`TierDirectory.open_shard`), and the
 only files it deletes are ones whose names it gives (chunk and temp names).
 """
 
@@ -34,7 +34,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEX
 
 
 @dataclass(frozen=True)
-class Layout:
+class TierDirectory:
     root: Path
 
     def shard(self, key: ChunkKey) -> Path:

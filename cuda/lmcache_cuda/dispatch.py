@@ -32,14 +32,14 @@ TORCH = "torch"
 
 
 @dataclass(frozen=True)
-class BackendStatus:
+class DispatchStatus:
     name: str  # "cuda-kernels" or "torch"
     reason: str
     module: ModuleType | None = None
 
 
 _lock = threading.Lock()
-_status: BackendStatus | None = None
+_status: DispatchStatus | None = None
 
 
 def _env(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -66,25 +66,25 @@ def _mode() -> str:
     return _env("LMCACHE_CUDA_BACKEND", "auto", ("auto", "cuda", "torch"))
 
 
-def _resolve() -> BackendStatus:
+def _resolve() -> DispatchStatus:
     if _mode() == "torch":
-        return BackendStatus(TORCH, "LMCACHE_CUDA_BACKEND=torch")
+        return DispatchStatus(TORCH, "LMCACHE_CUDA_BACKEND=torch")
     if torch.version.cuda is None:
-        return BackendStatus(TORCH, f"torch {torch.__version__} is not a CUDA build")
+        return DispatchStatus(TORCH, f"torch {torch.__version__} is not a CUDA build")
     if not torch.cuda.is_available():
-        return BackendStatus(TORCH, "no CUDA device visible (torch.cuda.is_available() is False)")
+        return DispatchStatus(TORCH, "no CUDA device visible (torch.cuda.is_available() is False)")
     try:
         from lmcache_cuda import _C  # type: ignore[attr-defined]
 
-        return BackendStatus(KERNELS, f"prebuilt extension {_C.__file__}", _C)
+        return DispatchStatus(KERNELS, f"prebuilt extension {_C.__file__}", _C)
     except ImportError as exc:
         prebuilt = f"no usable prebuilt lmcache_cuda._C ({exc})"
     if _env("LMCACHE_CUDA_JIT", "1", ("0", "1")) == "0":
-        return BackendStatus(TORCH, f"{prebuilt}, and LMCACHE_CUDA_JIT=0")
+        return DispatchStatus(TORCH, f"{prebuilt}, and LMCACHE_CUDA_JIT=0")
     from torch.utils.cpp_extension import CUDA_HOME
 
     if CUDA_HOME is None:
-        return BackendStatus(
+        return DispatchStatus(
             TORCH, f"{prebuilt}, and no nvcc for the JIT build: set CUDA_HOME"
         )
     try:
@@ -92,15 +92,15 @@ def _resolve() -> BackendStatus:
     except Exception as exc:  # the reason is kept, reported and optionally raised
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         detail = " | ".join(lines[-5:])
-        return BackendStatus(
+        return DispatchStatus(
             TORCH,
             f"JIT build of {CSRC} failed ({type(exc).__name__}: {detail}); "
             "rerun with LMCACHE_CUDA_VERBOSE=1 for the compiler output",
         )
-    return BackendStatus(KERNELS, f"JIT-compiled from {CSRC} (CUDA_HOME={CUDA_HOME})", module)
+    return DispatchStatus(KERNELS, f"JIT-compiled from {CSRC} (CUDA_HOME={CUDA_HOME})", module)
 
 
-def status() -> BackendStatus:
+def status() -> DispatchStatus:
     """The resolved backend (resolving, and maybe compiling, on first call)."""
     global _status
     with _lock:

@@ -2,33 +2,31 @@
 
 Subcommands:
 
-- ``plugins``: every backend and codec, with the distribution and version it came
-  from, plus plugins that failed to load (exit status 1 if any did).
+- ``plugins``: every backend, codec, eviction policy and command, with the
+  distribution and version it came from, plus plugins that failed to load (exit
+  status 1 if any did).
 - ``config``: the effective configuration (file, env overrides) with the source of
   each top-level key, or the validation error.
-- ``demo``: added by ``lmcache_connector.demo`` when that distribution is
-  installed; ``serve`` (a standalone peer cache node) by ``lmcache_backend_peer.cli``. Its contract: a module-level ``add_parser(subparsers)`` that adds a
-  sub-parser and sets ``func`` (``args -> int`` exit status) with ``set_defaults``.
-  The module is imported on every invocation, so it must import vLLM lazily.
+- anything plugins add through the ``register_commands`` hook (for example ``demo``
+  from the vLLM connector's distribution, ``serve`` from the peer tier's). The core
+  knows them only by what they registered: the parser lists their names and help,
+  and a command's own arguments are added (and its module imported) only when that
+  command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import sys
-from typing import Callable, Sequence, TextIO
+from typing import Sequence, TextIO
 
 import yaml
 
 from .config import ConfigError, load_config
-from .plugins import PluginManager
+from .hookspecs import Command
+from .plugins import BUILTIN_COMMANDS, PluginManager
 
-Command = Callable[[argparse.Namespace], int]
-
-# Distributions that add subcommands: module name -> subcommand it provides.
-EXTENSIONS = {"lmcache_connector.demo": "demo", "lmcache_backend_peer.cli": "serve"}
+PROG = "lmcache-core"
 
 
 def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
@@ -37,9 +35,9 @@ def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
 
 
-def cmd_plugins(args: argparse.Namespace) -> int:
-    """Print installed backends, codecs and eviction policies with their origin."""
-    pm = PluginManager()
+def cmd_plugins(args: argparse.Namespace, pm: PluginManager | None = None) -> int:
+    """Print installed backends, codecs, eviction policies and commands with their origin."""
+    pm = pm or PluginManager()
     out = sys.stdout
     rows = [("KIND", "NAME", "DISTRIBUTION", "VERSION", "DESCRIPTION")]
     for name, b in sorted(pm.backends().items()):
@@ -48,6 +46,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         rows.append(("codec", name, c.origin.distribution, c.origin.version, c.description))
     for name, e in sorted(pm.eviction_policies().items()):
         rows.append(("eviction", name, e.origin.distribution, e.origin.version, e.description))
+    for name, c in sorted(pm.commands().items()):
+        rows.append(("command", name, c.origin.distribution, c.origin.version, c.help))
     _table(rows, out)
     if pm.blocked:
         out.write(f"\nblocked by LMCACHE_CORE_BLOCK_PLUGINS: {', '.join(sorted(pm.blocked))}\n")
@@ -73,52 +73,50 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_extensions(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """Let installed distributions add subcommands; a broken one becomes a
-    subcommand that reports why it is unavailable instead of breaking the CLI."""
-    for module, command in EXTENSIONS.items():
-        try:
-            if importlib.util.find_spec(module) is None:
-                continue
-        except ImportError:  # the distribution is not installed
-            continue
-        try:
-            importlib.import_module(module).add_parser(sub)
-        except Exception as err:  # noqa: BLE001 - reported when the command is used
-            reason = f"{module} failed to load: {type(err).__name__}: {err}"
-            p = sub.add_parser(command, help=f"(unavailable) {reason}")
-            p.set_defaults(func=_unavailable(reason))
-
-
-def _unavailable(reason: str) -> Command:
-    def run(args: argparse.Namespace) -> int:
-        sys.stderr.write(f"error: {reason}\n")
-        return 2
-
-    return run
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmcache-core", description="lmcache-core: KV-cache layer for vLLM")
+def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
+    """The top-level parser: built-in commands with their arguments, plugin commands
+    by name and help only (their arguments pass through to :func:`main`)."""
+    parser = argparse.ArgumentParser(prog=PROG, description="lmcache-core: KV-cache layer for vLLM")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("plugins", help="list backends, codecs and eviction policies and where they come from")
-    p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser("plugins", help="list backends, codecs, eviction policies and commands and where they come from")
+    p.set_defaults(func=lambda args: cmd_plugins(args, pm))
     p = sub.add_parser("config", help="show the effective configuration and the source of each key")
     p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
     p.add_argument("--show", action="store_true", help="print the effective config (the default action)")
     p.set_defaults(func=cmd_config)
-    _add_extensions(sub)
+    for name, info in sorted(pm.commands().items()):
+        sub.add_parser(name, help=info.help or f"(from {info.origin.distribution})", add_help=False)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, plugin_manager: PluginManager | None = None) -> int:
+    pm = plugin_manager or PluginManager()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = pm.commands()
+    parser = build_parser(pm)
+    if argv and not argv[0].startswith("-") and argv[0] not in commands and argv[0] not in BUILTIN_COMMANDS and pm.load_errors:
+        # Say why a command may be missing before argparse's "invalid choice".
+        sys.stderr.write("plugins that failed to load:\n" + "".join(f"  {msg}\n" for msg in pm.load_errors))
+    args, rest = parser.parse_known_args(argv)
+    info = commands.get(args.command) if args.command not in BUILTIN_COMMANDS else None
+    if info is not None:
+        cmd_parser = argparse.ArgumentParser(prog=f"{PROG} {info.name}", description=info.help or None)
+        try:
+            command = info.configure(cmd_parser)
+        except Exception as err:  # noqa: BLE001 - one broken plugin must not break the CLI
+            sys.stderr.write(
+                f"error: command {info.name!r} from {info.origin.distribution} {info.origin.version} "
+                f"failed to load: {type(err).__name__}: {err}\n"
+            )
+            return 2
+        return int(command(cmd_parser.parse_args(rest)))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     func: Command | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
-    return func(args)
+    return int(func(args))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,7 @@ from .serde import Lz4Codec, RawCodec
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    from .local_cpu import create_local_cpu
-
-    register("local_cpu", create_local_cpu, description="CPU memory tier (byte budget, eviction policy per config)")
+    register("local_cpu", "lmcache_core.local_cpu:create_local_cpu", description="CPU memory tier (byte budget, eviction policy per config)")
 
 
 @hookimpl

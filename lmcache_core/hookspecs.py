@@ -10,12 +10,18 @@ A plugin module looks like::
     def register_backends(register):
         register("mytier", create_mytier)   # create_mytier(section, ctx) -> StorageBackend
 
-and is listed in its distribution's entry points under ``lmcache_core.backends``.
+and is listed in its distribution's entry points under ``lmcache_core.backends``
+(the group carries every hook below, not only backends).
+
+Anything heavy a plugin provides (a backend factory, a command) may be registered as
+a dotted path ``"package.module:attribute"`` instead of the object: the core imports
+it on first use, so listing plugins or choosing one backend imports nothing else.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import argparse
+from typing import Callable, Protocol, Union
 
 import pluggy
 
@@ -28,8 +34,18 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
+#: What a command does once its arguments are parsed: returns the exit status.
+Command = Callable[[argparse.Namespace], int]
+#: Adds a command's arguments to the parser the core made for it, returns the command.
+CommandSetup = Callable[[argparse.ArgumentParser], Command]
+
+
 class RegisterBackend(Protocol):
-    def __call__(self, name: str, factory: BackendFactory, *, description: str = "") -> None: ...
+    def __call__(self, name: str, factory: Union[BackendFactory, str], *, description: str = "") -> None: ...
+
+
+class RegisterCommand(Protocol):
+    def __call__(self, name: str, setup: Union[CommandSetup, str], *, help: str = "") -> None: ...
 
 
 class RegisterCodec(Protocol):
@@ -44,6 +60,14 @@ class Spec:
     @hookspec
     def register_backends(self, register: RegisterBackend) -> None:
         """Call ``register(name, factory)`` once per storage backend this plugin adds."""
+
+    @hookspec
+    def register_commands(self, register: RegisterCommand) -> None:
+        """Call ``register(name, setup, help=...)`` once per ``lmcache-core`` subcommand
+        this plugin adds. ``setup(parser)`` adds the command's arguments to the
+        :class:`argparse.ArgumentParser` the core made for it and returns the command
+        (``args -> exit status``). It runs only when that command is invoked, so
+        ``setup`` (best given as a dotted path) may import heavy things."""
 
     @hookspec
     def register_codecs(self, register: RegisterCodec) -> None:

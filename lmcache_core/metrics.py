@@ -5,7 +5,7 @@ The metrics here live in the process that runs the cache engine, in their own
 registry :data:`REGISTRY` (serve it with
 ``prometheus_client.start_http_server(port, registry=REGISTRY)``). Under vLLM the
 connector also ships per-step counters to vLLM's front end, which exports them in
-its own ``/metrics`` (see ``lmcache_connector.stats``); a separate registry keeps the
+its own ``/metrics`` (see docs/connector.md); a separate registry keeps the
 two from colliding when they share a process. Every engine also keeps plain counters
 (:class:`EngineCounters`) for tests and the CLI.
 """

@@ -6,10 +6,16 @@ as third-party ones. Entry points in the group ``lmcache_core.backends`` load la
 each in its own ``try``: a broken plugin is reported with its distribution name and
 the others still load. ``LMCACHE_CORE_BLOCK_PLUGINS=name,name`` (entry-point or
 distribution names) keeps named plugins out.
+
+Plugins may register a backend factory or a command by dotted path
+(``"package.module:attribute"``): :func:`resolve_ref` imports it when the backend is
+created or the command runs, so loading the registry imports only the light plugin
+modules the entry points name.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
 import logging
 import os
@@ -17,14 +23,15 @@ import re
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Union
 
 import pluggy
 
 from .backend import BackendContext, BackendFactory, StorageBackend
 from .config import ENV_BLOCK_PLUGINS, BackendSection, ConfigError
 from .eviction import EvictionPolicy, PolicyFactory
-from .hookspecs import PROJECT, Spec
+from .hookspecs import PROJECT, Command, CommandSetup, Spec
+from .lazy import check_ref, resolve_ref
 from .serde import Codec
 
 log = logging.getLogger(__name__)
@@ -49,12 +56,40 @@ class Origin:
     version: str
 
 
+_COMMAND_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+#: Subcommands of ``lmcache-core`` itself; a plugin cannot take these names.
+BUILTIN_COMMANDS = frozenset({"plugins", "config"})
+
+
 @dataclass(frozen=True)
 class BackendInfo:
     name: str
-    factory: BackendFactory
+    factory: Union[BackendFactory, str]  # a callable, or a dotted path imported on first use
     origin: Origin
     description: str = ""
+
+    def load_factory(self) -> BackendFactory:
+        """The factory, importing it now when it was registered by dotted path."""
+        if isinstance(self.factory, str):
+            factory: BackendFactory = resolve_ref(self.factory)
+            return factory
+        return self.factory
+
+
+@dataclass(frozen=True)
+class CommandInfo:
+    name: str
+    setup: Union[CommandSetup, str]  # a callable, or a dotted path imported when the command runs
+    origin: Origin
+    help: str = ""
+
+    def configure(self, parser: argparse.ArgumentParser) -> Command:
+        """Let the plugin add its arguments to ``parser``; returns the command."""
+        setup: CommandSetup = resolve_ref(self.setup) if isinstance(self.setup, str) else self.setup
+        command = setup(parser)
+        if not callable(command):
+            raise TypeError(f"command {self.name!r} from {self.origin.distribution}: setup returned {command!r}, not a callable")
+        return command
 
 
 @dataclass(frozen=True)
@@ -103,6 +138,7 @@ class PluginManager:
         self._backends: dict[str, BackendInfo] | None = None
         self._codecs: dict[str, CodecInfo] | None = None
         self._policies: dict[str, PolicyInfo] | None = None
+        self._commands: dict[str, CommandInfo] | None = None
         self.load_errors: list[str] = []
         env = os.environ if env is None else env
         self.blocked = {n.strip() for n in env.get(ENV_BLOCK_PLUGINS, "").split(",") if n.strip()}
@@ -120,7 +156,7 @@ class PluginManager:
         with self._lock:
             self._register_checked(plugin, name)
             self._origins[name] = origin or Origin(name, "(registered in code)", "")
-            self._backends = self._codecs = self._policies = None
+            self._backends = self._codecs = self._policies = self._commands = None
 
     def _register_checked(self, plugin: object, name: str) -> None:
         try:
@@ -138,7 +174,7 @@ class PluginManager:
         with self._lock:
             self._pm.unregister(name=name)
             self._origins.pop(name, None)
-            self._backends = self._codecs = self._policies = None
+            self._backends = self._codecs = self._policies = self._commands = None
 
     @contextmanager
     def registered(self, plugin: object, *, name: str) -> Iterator[None]:
@@ -173,7 +209,7 @@ class PluginManager:
     # -- registries -------------------------------------------------------------------
     def _collect(self) -> None:
         with self._lock:
-            if self._backends is not None and self._codecs is not None and self._policies is not None:
+            if self._backends is not None and self._codecs is not None and self._policies is not None and self._commands is not None:
                 return
             self._ensure_entry_points()
             backends: dict[str, BackendInfo] = {}
@@ -184,9 +220,13 @@ class PluginManager:
             for impl in reversed(self._pm.hook.register_backends.get_hookimpls()):
                 origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
 
-                def reg_backend(name: str, factory: BackendFactory, *, description: str = "", _o: Origin = origin) -> None:
+                def reg_backend(name: str, factory: Union[BackendFactory, str], *, description: str = "", _o: Origin = origin) -> None:
                     if not isinstance(name, str) or not name.isidentifier():
                         raise ValueError(f"plugin {_o.plugin}: backend name {name!r} must be an identifier")
+                    if isinstance(factory, str):
+                        check_ref(factory)
+                    elif not callable(factory):
+                        raise ValueError(f"plugin {_o.plugin}: backend {name!r}: factory {factory!r} is neither callable nor a dotted path")
                     if name in backends:
                         prev = backends[name].origin
                         log.warning("backend %r from %s overrides the one from %s", name, _o.distribution, prev.distribution)
@@ -213,7 +253,26 @@ class PluginManager:
                     policies[name] = PolicyInfo(name, factory, _o, description)
 
                 self._call_impl(impl, reg_policy)
-            self._backends, self._codecs, self._policies = backends, codecs, policies
+            commands: dict[str, CommandInfo] = {}
+            for impl in reversed(self._pm.hook.register_commands.get_hookimpls()):
+                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
+
+                def reg_command(name: str, setup: Union[CommandSetup, str], *, help: str = "", _o: Origin = origin) -> None:
+                    if not isinstance(name, str) or not _COMMAND_NAME.match(name):
+                        raise ValueError(f"plugin {_o.plugin}: command name {name!r} must be lower-case letters, digits and '-'")
+                    if name in BUILTIN_COMMANDS:
+                        raise ValueError(f"plugin {_o.plugin}: command name {name!r} is taken by lmcache-core itself")
+                    if isinstance(setup, str):
+                        check_ref(setup)
+                    elif not callable(setup):
+                        raise ValueError(f"plugin {_o.plugin}: command {name!r}: setup {setup!r} is neither callable nor a dotted path")
+                    if name in commands:
+                        prev = commands[name].origin
+                        log.warning("command %r from %s overrides the one from %s", name, _o.distribution, prev.distribution)
+                    commands[name] = CommandInfo(name, setup, _o, help)
+
+                self._call_impl(impl, reg_command)
+            self._backends, self._codecs, self._policies, self._commands = backends, codecs, policies, commands
 
     def _call_impl(self, impl: pluggy.HookImpl, register: Any) -> None:
         try:
@@ -234,6 +293,12 @@ class PluginManager:
         self._collect()
         assert self._codecs is not None
         return dict(self._codecs)
+
+    def commands(self) -> dict[str, CommandInfo]:
+        """``lmcache-core`` subcommands added by plugins (the built-in ones excluded)."""
+        self._collect()
+        assert self._commands is not None
+        return dict(self._commands)
 
     def eviction_policies(self) -> dict[str, PolicyInfo]:
         self._collect()
@@ -282,7 +347,14 @@ class PluginManager:
                 f"{ctx.key_path}.name: unknown backend {section.name!r} (from {ctx.source}); "
                 f"installed backends: {', '.join(sorted(backends))}{hint}"
             )
-        backend = info.factory(section.options(), ctx)
+        try:
+            factory = info.load_factory()
+        except (ImportError, AttributeError) as err:
+            raise PluginError(
+                f"{ctx.key_path}.name: backend {section.name!r} from {info.origin.distribution} "
+                f"{info.origin.version} failed to load: {type(err).__name__}: {err}"
+            ) from err
+        backend = factory(section.options(), ctx)
         if not isinstance(backend, StorageBackend):
             raise TypeError(
                 f"backend factory for {section.name!r} from {info.origin.distribution} returned "

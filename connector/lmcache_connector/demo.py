@@ -17,22 +17,22 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .tiny_model import DEMO_SPEC, TinyModelSpec, build_tiny_model, random_prompt
 
 QUICK_SPEC = TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("demo", help="end-to-end demo on real vLLM: cold vs warm time to first token")
+def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """``lmcache-core demo`` (registered in :mod:`.plugin`): adds the demo's arguments."""
     p.add_argument("--docs", type=int, default=4, help="number of documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
     p.add_argument("--model-dir", type=Path, default=None, help="where to build the model (default ~/.cache/lmcache-core)")
     p.add_argument("--config", type=Path, default=None, help="lmcache-core YAML config (default: embedded CPU tier)")
     p.add_argument("--vllm-prefix-cache", action="store_true", help="also enable vLLM's own prefix cache")
     p.add_argument("--quick", action="store_true", help="smaller model and documents (about a minute)")
-    p.set_defaults(func=run)
+    return run
 
 
 def _fmt_bytes(n: float) -> str:
@@ -138,11 +138,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-core")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    parser = argparse.ArgumentParser(prog="python -m lmcache_connector.demo")
+    command = setup_command(parser)
+    return command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

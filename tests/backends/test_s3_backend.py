@@ -77,7 +77,7 @@ def backend(s3_server: MotoS3, s3_bucket: str) -> Iterator[S3Backend]:
 def test_plugin_is_found_through_its_entry_point() -> None:
     info = PluginManager().backends()["s3"]
     assert info.origin.distribution == "lmcache-backend-s3"
-    assert info.factory is create_s3_backend
+    assert info.load_factory() is create_s3_backend
 
 
 def test_engine_builds_the_s3_tier_from_config(s3_server: MotoS3, s3_bucket: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from lmcache_core import cli
+from lmcache_core.hookspecs import Command, RegisterCommand, hookimpl
+from lmcache_core.plugins import PluginManager
 
 from .helpers import BROKEN_PLUGIN_SRC, make_distribution
 
@@ -95,26 +98,77 @@ def test_no_subcommand_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "plugins" in out and "config" in out
 
 
-def test_extension_modules_add_subcommands(
+class _Commands:
+    """A plugin adding three commands through ``register_commands``: one as a
+    callable, one by dotted path into a module written for the test, one whose
+    dotted path names a module that fails to import."""
+
+    def __init__(self, good: str, bad: str) -> None:
+        self.good, self.bad = good, bad
+
+    @hookimpl
+    def register_commands(self, register: RegisterCommand) -> None:
+        def shout(p: argparse.ArgumentParser) -> Command:
+            p.add_argument("word")
+            return lambda args: print(args.word.upper()) or 0
+
+        register("shout", shout, help="say it loud")
+        register("hello", f"{self.good}:setup", help="greet someone")
+        register("broken", f"{self.bad}:setup", help="cannot load")
+
+
+def test_plugin_commands_arrive_through_the_hook(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """How ``lmcache-core demo`` arrives from lmcache_connector.demo: a module with
-    ``add_parser(subparsers)``. A module that fails to import becomes a subcommand
-    that says why; a module that is not installed adds nothing."""
+    """How ``lmcache-core demo`` and ``serve`` arrive: ``register_commands``. A command
+    registered by dotted path is imported only when it runs; a command whose module
+    fails to import says why and exits 2 while the others still work."""
     tag = uuid.uuid4().hex[:8]
-    good, bad = f"ext_good_{tag}", f"ext_bad_{tag}"
+    good, bad = f"cmd_good_{tag}", f"cmd_bad_{tag}"
     (tmp_path / f"{good}.py").write_text(
-        "def add_parser(sub):\n"
-        "    p = sub.add_parser('hello')\n"
+        "def setup(p):\n"
         "    p.add_argument('--name', default='world')\n"
-        "    p.set_defaults(func=lambda args: print('hello', args.name) or 0)\n"
+        "    return lambda args: print('hello', args.name) or 0\n"
     )
     (tmp_path / f"{bad}.py").write_text("import a_module_that_is_not_installed\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cli, "EXTENSIONS", {good: "hello", bad: "broken", f"not_installed_{tag}.demo": "absent"})
-    assert cli.main(["hello", "--name", "vllm"]) == 0
+    pm = PluginManager(load_entry_points=False)
+    pm.register(_Commands(good, bad), name="test-commands")
+    assert cli.main([], plugin_manager=pm) == 2
+    listing = capsys.readouterr().out
+    assert "say it loud" in listing and "greet someone" in listing
+    assert good not in sys.modules  # listing commands imports none of them
+    assert cli.main(["shout", "hey"], plugin_manager=pm) == 0
+    assert capsys.readouterr().out == "HEY\n"
+    assert cli.main(["hello", "--name", "vllm"], plugin_manager=pm) == 0
     assert capsys.readouterr().out == "hello vllm\n"
-    assert cli.main(["broken"]) == 2
+    assert cli.main(["broken"], plugin_manager=pm) == 2
     assert "a_module_that_is_not_installed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the command's own parser rejects what it does not know
+        cli.main(["hello", "--nme", "x"], plugin_manager=pm)
     with pytest.raises(SystemExit):
-        cli.main(["absent"])
+        cli.main(["absent"], plugin_manager=pm)
+
+
+@pytest.mark.parametrize("name", ["plugins", "Bad_Name", ""])
+def test_plugin_command_names_are_checked(name: str) -> None:
+    class Taker:
+        @hookimpl
+        def register_commands(self, register: RegisterCommand) -> None:
+            register(name, lambda p: lambda args: 0)
+
+    pm = PluginManager(load_entry_points=False)
+    pm.register(Taker(), name="taker")
+    assert pm.commands() == {}
+    assert len(pm.load_errors) == 1 and "'taker'" in pm.load_errors[0] and "command name" in pm.load_errors[0]
+
+
+def test_first_party_commands_come_from_their_distributions() -> None:
+    """``demo`` and ``serve`` are registered by the connector's and the peer tier's
+    distributions (entry points), not by the core."""
+    res = run("plugins")
+    assert res.returncode == 0, res.stderr
+    commands = {cols[1]: cols[2] for cols in map(str.split, res.stdout.splitlines()) if cols and cols[0] == "command"}
+    assert commands == {"demo": "lmcache-connector-vllm", "serve": "lmcache-backend-peer"}
+    demo_help = run("demo", "--help")
+    assert demo_help.returncode == 0 and "--quick" in demo_help.stdout

@@ -191,12 +191,12 @@ class TestExampleBackendConformance(BackendConformance):
     codec = "lz4"
 
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
-        factory = PluginManager().backends()["example_dict"].factory
+        factory = PluginManager().backends()["example_dict"].load_factory()
         return factory({"max_entries": 1000}, ctx)
 
 
 def test_example_backend_drops_oldest_past_max_entries() -> None:
-    factory = PluginManager().backends()["example_dict"].factory
+    factory = PluginManager().backends()["example_dict"].load_factory()
     b = factory({"max_entries": 2}, make_context(1 << 20))
     keys = [NS.key(bytes([i]) * 16) for i in range(3)]
     for k in keys:

@@ -1,4 +1,5 @@
-"""Entry point module (group ``lmcache_core.backends``, name ``disk``)."""
+"""Entry point ``disk`` in the group ``lmcache_core.backends``. It only registers:
+the factory is a dotted path, imported when a config selects the tier."""
 
 from __future__ import annotations
 
@@ -7,6 +8,4 @@ from lmcache_core.hookspecs import RegisterBackend, hookimpl
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    from .backend import create_disk_backend
-
-    register("disk", create_disk_backend, description="local disk tier (durable, shared by local processes, LRU)")
+    register("disk", "lmcache_backend_disk.backend:create_disk_backend", description="local disk tier (durable, shared by local processes, LRU)")

@@ -8,7 +8,25 @@ Configured as ``{name: mooncake, master: host:port, metadata: http://...}`` (see
 import the Mooncake client; the factory does.
 """
 
-from .config import MooncakeConfig
-from .plugin import create_mooncake_backend
+from typing import TYPE_CHECKING
 
-__all__ = ["MooncakeConfig", "create_mooncake_backend"]
+from lmcache_core.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .config import MooncakeConfig
+    from .factory import create_mooncake_backend
+
+__all__ = [
+    "MooncakeConfig",
+    "create_mooncake_backend",
+]
+
+# Public names import their modules on first use: the entry point imports this
+# package whenever plugins load, and must not pull in the tier's dependencies.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "MooncakeConfig": ".config",
+        "create_mooncake_backend": ".factory",
+    },
+)

@@ -1,24 +1,12 @@
-"""Entry point ``mooncake`` in the group ``lmcache_core.backends``.
-
-The Mooncake client (a large native extension) is imported only when a ``mooncake``
-tier is created, never when plugins are loaded.
-"""
+"""Entry point ``mooncake`` in the group ``lmcache_core.backends``. It only registers:
+the factory is a dotted path, imported when a config selects the tier (the
+Mooncake client, a large native extension, is imported then, never when plugins load)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from lmcache_core.backend import BackendContext, StorageBackend
 from lmcache_core.hookspecs import RegisterBackend, hookimpl
-
-
-def create_mooncake_backend(section: Mapping[str, Any], ctx: BackendContext) -> StorageBackend:
-    """Factory for ``{name: mooncake, master: host:port, metadata: ..., ...}``."""
-    from .factory import create_mooncake_backend as create
-
-    return create(section, ctx)
 
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    register("mooncake", create_mooncake_backend, description="Mooncake Store: a DRAM pool shared across nodes")
+    register("mooncake", "lmcache_backend_mooncake.factory:create_mooncake_backend", description="Mooncake Store: a DRAM pool shared across nodes")

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 from lmcache_core.config import parse_size
 
@@ -71,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_parser(subparsers: Any) -> None:
-    """``lmcache-core serve``: the same node as ``lmcache-peer-serve``."""
-    p = subparsers.add_parser("serve", help="run a standalone peer cache node (shared cache for several instances)")
+def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """``lmcache-core serve`` (registered in :mod:`.plugin`): the same node as
+    ``lmcache-peer-serve``, on the parser lmcache-core made for the command."""
     _add_arguments(p)
-    p.set_defaults(func=lambda args: _serve(args, p))
+    return lambda args: _serve(args, p)
 
 
 def _secret(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bytes:

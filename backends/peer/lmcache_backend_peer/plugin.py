@@ -1,19 +1,24 @@
-"""Entry point ``peer`` in the group ``lmcache_core.backends``."""
+"""Entry point ``peer`` in the group ``lmcache_core.backends``: the ``peer`` tier and
+the ``lmcache-core serve`` command, both by dotted path (imported on first use)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from lmcache_core.backend import BackendContext, StorageBackend
-from lmcache_core.hookspecs import RegisterBackend, hookimpl
-
-
-def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> StorageBackend:
-    from .factory import create_peer_backend as create
-
-    return create(section, ctx)
+from lmcache_core.hookspecs import RegisterBackend, RegisterCommand, hookimpl
 
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    register("peer", create_peer_backend, description="share chunks between instances over authenticated TCP")
+    register(
+        "peer",
+        "lmcache_backend_peer.factory:create_peer_backend",
+        description="share chunks between instances over authenticated TCP",
+    )
+
+
+@hookimpl
+def register_commands(register: RegisterCommand) -> None:
+    register(
+        "serve",
+        "lmcache_backend_peer.cli:setup_command",
+        help="run a standalone peer cache node (shared cache for several instances)",
+    )

@@ -7,8 +7,28 @@ operate a new service. Chunks are stored as serde frames (checksummed) under
 (see :class:`RedisConfig` and docs/backends/redis.md).
 """
 
-from .backend import RedisBackend
-from .config import RedisConfig
-from .plugin import create_redis_backend
+from typing import TYPE_CHECKING
 
-__all__ = ["RedisBackend", "RedisConfig", "create_redis_backend"]
+from lmcache_core.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .backend import RedisBackend
+    from .config import RedisConfig
+    from .factory import create_redis_backend
+
+__all__ = [
+    "RedisBackend",
+    "RedisConfig",
+    "create_redis_backend",
+]
+
+# Public names import their modules on first use: the entry point imports this
+# package whenever plugins load, and must not pull in the tier's dependencies.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "RedisBackend": ".backend",
+        "RedisConfig": ".config",
+        "create_redis_backend": ".factory",
+    },
+)

@@ -5,8 +5,28 @@ frames under ``{prefix}/{key}``; credentials come only from boto3's standard cha
 Configured as ``{name: s3, bucket: ..., ...}`` (see :class:`S3Config`).
 """
 
-from .backend import S3Backend
-from .config import S3Config
-from .plugin import create_s3_backend
+from typing import TYPE_CHECKING
 
-__all__ = ["S3Backend", "S3Config", "create_s3_backend"]
+from lmcache_core.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .backend import S3Backend
+    from .config import S3Config
+    from .factory import create_s3_backend
+
+__all__ = [
+    "S3Backend",
+    "S3Config",
+    "create_s3_backend",
+]
+
+# Public names import their modules on first use: the entry point imports this
+# package whenever plugins load, and must not pull in the tier's dependencies.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "S3Backend": ".backend",
+        "S3Config": ".config",
+        "create_s3_backend": ".factory",
+    },
+)

@@ -1,5 +1,7 @@
-"""The plugin module named by the entry point. It only registers; importing it
-does no work, so a broken dependency cannot slow down or break lmcache-core."""
+"""The plugin module named by the entry point. It only registers, naming the factory
+by dotted path: importing it does no work, and the backend module is imported only
+when a config selects ``example_dict``, so a broken dependency cannot slow down or
+break lmcache-core."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from lmcache_core.hookspecs import RegisterBackend, hookimpl
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    from .backend import create_dict_backend
-
-    register("example_dict", create_dict_backend, description="example: serialized frames in a dict")
+    register(
+        "example_dict",
+        "lmcache_backend_example.backend:create_dict_backend",
+        description="example: serialized frames in a dict",
+    )

@@ -1,0 +1,16 @@
+"""Entry point ``connector`` in the group ``lmcache_core.backends``: the
+``lmcache-core demo`` command, by dotted path (nothing of vLLM is imported until the
+demo runs)."""
+
+from __future__ import annotations
+
+from lmcache_core.hookspecs import RegisterCommand, hookimpl
+
+
+@hookimpl
+def register_commands(register: RegisterCommand) -> None:
+    register(
+        "demo",
+        "lmcache_connector.demo:setup_command",
+        help="end-to-end demo on real vLLM: cold vs warm time to first token",
+    )

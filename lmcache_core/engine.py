@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -30,6 +30,43 @@ from .plugins import PluginManager, get_plugin_manager
 log = logging.getLogger(__name__)
 
 ChunkData = torch.Tensor | MemoryBuffer
+
+
+#: keys in a tier's lookup window after it answered short of its window (see lookup_runs)
+LOOKUP_WINDOW = 16
+
+
+class KeyWindow(Sequence[ChunkKey]):
+    """``keys[start:stop]`` as a read-only sequence that copies nothing: what a tier's
+    ``contains`` gets from a lookup. Iterating it touches only the keys the tier
+    reads, so a tier that stops at its first miss costs its hits plus one."""
+
+    __slots__ = ("_keys", "_start", "_stop")
+
+    def __init__(self, keys: Sequence[ChunkKey], start: int, stop: int) -> None:
+        self._keys, self._start, self._stop = keys, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(self._stop - self._start)
+            if step == 1:
+                return KeyWindow(self._keys, self._start + lo, self._start + max(lo, hi))
+            return [self._keys[self._start + j] for j in range(lo, hi, step)]
+        n = self._stop - self._start
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("key window index out of range")
+        return self._keys[self._start + i]
+
+    def __iter__(self) -> Iterator[ChunkKey]:
+        return map(self._keys.__getitem__, range(self._start, self._stop))
+
+    def __repr__(self) -> str:
+        return f"KeyWindow({self._start}:{self._stop} of {len(self._keys)})"
 
 
 class _TierWriter:
@@ -255,20 +292,35 @@ class CacheEngine:
         self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True
     ) -> list[tuple[int, int]]:
         """:meth:`lookup_hashes` that also says where the hits are: ``(tier index,
-        chunks)`` runs in prefix order, so a caller can predict the load time."""
+        chunks)`` runs in prefix order, so a caller can predict the load time.
+
+        Linear in the number of keys whatever the tiers' interleaving: a tier is
+        handed a copy-free window of the keys (:class:`KeyWindow`) rather than a
+        slice of the rest, so a tier with an in-memory index touches only the keys
+        it holds plus one. A tier's first call gets all the remaining keys (one
+        round trip when a prompt lies in one tier); after a partial answer its
+        window restarts at :data:`LOOKUP_WINDOW` keys and grows fourfold while it
+        comes back full, so a tier that checks every key it is given (a batched
+        remote lookup) does work in proportion to its hits plus a constant per call.
+        """
         runs: list[tuple[int, int]] = []
         if pin_id is not None:
             self.unpin(pin_id)
         keys = self.keys(hashes)
+        total = len(keys)
+        windows: list[int | None] = [None] * len(self.tiers)  # None: all the remaining keys
         pos = 0
-        while pos < len(keys):
+        while pos < total:
             advanced = False
             for level, tier in enumerate(self.tiers):
+                w = windows[level]
+                stop = total if w is None else min(total, pos + w)
                 try:
-                    n = tier.contains(keys[pos:])
+                    n = min(tier.contains(KeyWindow(keys, pos, stop)), stop - pos)
                 except Exception as err:
                     self._tier_error(tier, "contains", err)
                     continue
+                windows[level] = LOOKUP_WINDOW if n < stop - pos else (None if w is None else w * 4)
                 if n > 0:
                     if pin_id is not None and PINNING in tier.capabilities:
                         self._pin(tier, pin_id, keys[pos : pos + n])
@@ -279,7 +331,7 @@ class CacheEngine:
             if not advanced:
                 break
         if record:
-            self.record_lookup(len(keys), pos)
+            self.record_lookup(total, pos)
         return runs
 
     def predict_read_seconds(self, level: int, nbytes: int) -> float | None:

@@ -39,7 +39,9 @@ SHAPE = (16, 64)
 
 
 def open_disk(path: Path, **opts: Any) -> DiskBackend:
-    return create_disk_backend({"path": str(path), "max_size": "64MiB", **opts}, make_context())
+    b = create_disk_backend({"path": str(path), "max_size": "64MiB", **opts}, make_context())
+    assert b.wait_for_scan(60)  # start-up indexes in the background (issue #23): check what it leaves
+    return b
 
 
 def _dead_pid() -> int:

@@ -73,7 +73,9 @@ def result(p: subprocess.Popen, timeout: float = 120) -> dict:
 
 
 def open_disk(root: Path) -> DiskBackend:
-    return create_disk_backend({"path": str(root), "max_size": "1GiB"}, make_context())
+    b = create_disk_backend({"path": str(root), "max_size": "1GiB"}, make_context())
+    assert b.wait_for_scan(60)  # start-up indexes in the background (issue #23)
+    return b
 
 
 def test_one_process_stores_the_other_hits(tmp_path: Path) -> None:

@@ -7,8 +7,14 @@ Contract details (beyond :class:`lmcache_core.backend.StorageBackend`):
   a reader in any process sees the whole frame or nothing; two writers of one key
   each rename a complete frame of that key, and the last rename wins.
 * The directory is the truth; the in-memory index (key -> size, LRU order) is a view
-  of it. ``contains`` and ``put`` check the filesystem, so files written or evicted by
-  another process are noticed; ``get`` opens the file whatever the index says.
+  of it. ``contains`` and ``put`` check the filesystem (one ``stat`` per key), so
+  files written or evicted by another process are noticed; ``get`` opens the file
+  whatever the index says and verifies every frame it reads (checksum, key).
+* Start-up does not grow with the cache: the constructor returns at once and a
+  background thread builds the index (:meth:`DiskBackend.wait_for_scan`). Chunks
+  are served during the scan (``contains`` and ``get`` never needed the index),
+  eviction during it takes the oldest chunks scanned so far, and the over-budget
+  trim and the budget recount run after it, in the same thread.
 * ``get`` refreshes the file's mtime; the start-up scan orders the index by mtime, so
   LRU order survives restarts.
 * ``max_size`` holds for the directory, whatever the number of processes sharing
@@ -25,6 +31,7 @@ Contract details (beyond :class:`lmcache_core.backend.StorageBackend`):
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import os
 import stat
@@ -62,13 +69,14 @@ from .fileio import probe_o_direct, read_into_hasher, read_whole, write_atomic, 
 from .frames import read_frame_header
 from .index import LruIndex
 from .directory import FANOUT, MARKER_TEXT, USAGE, TierDirectory, open_dir, shard_name, temp_name
-from .scan import ScanResult, scan
+from .scan import Pacer, ScanResult, scan, scan_shards
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 8 + MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _O_RDONLY = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+PROGRESS_LOG_S = 10.0  # the background scan logs its progress this often
 
 
 class _ShardRefused(Exception):
@@ -89,6 +97,7 @@ class DiskBackend(StorageBackend):
         source: str = "code",
     ) -> None:
         t0 = time.perf_counter()
+        self._opened_at = time.time() - 0.01  # this process's temps from here on are live (scan.py)
         self.cfg = cfg
         self.root = Path(cfg.path).expanduser()
         self.directory = TierDirectory(self.root)
@@ -124,14 +133,34 @@ class DiskBackend(StorageBackend):
                 log.warning("disk tier %s: o_direct requested, using buffered I/O: %s", self.root, reason)
             self._extra["o_direct_fallback"] = reason
         self._extra["o_direct"] = self._o_direct
-        if self._root_fd is not None:
-            res = self._startup_scan()
-            self._extra.update(
-                startup_stale_temps=res.stale_temps,
-                startup_bad_removed=res.bad_removed,
-                startup_foreign_kept=res.foreign_kept,
-                startup_shards_refused=res.shards_refused,
-            )
+        # The background start-up scan (see _background_scan). Until its index is
+        # complete, chunks it has listed wait in _found (key -> size) and in
+        # _found_heap (mtime order: the eviction victims meanwhile); keys dropped
+        # meanwhile are remembered so a listing that raced with the drop is ignored.
+        self._indexing = self._root_fd is not None
+        self._found: dict[ChunkKey, int] = {}
+        self._found_bytes = 0
+        self._found_heap: list[tuple[int, int, ChunkKey]] = []
+        self._dropped: set[ChunkKey] = set()
+        self._scan_stop = threading.Event()
+        self._scan_done = threading.Event()
+        self._extra.update(
+            startup_stale_temps=0,
+            startup_bad_removed=0,
+            startup_foreign_kept=0,
+            startup_shards_refused=0,
+            scan_state="indexing" if self._indexing else "skipped",
+            scan_shards_done=0,
+            scan_files=0,
+            scan_index_s=None,
+            scan_s=None,
+        )
+        self._scan_thread: threading.Thread | None = None
+        if self._indexing:
+            self._scan_thread = threading.Thread(target=self._background_scan, name="lmcache-disk-scan", daemon=True)
+            self._scan_thread.start()
+        else:
+            self._scan_done.set()
         self._extra["startup_s"] = round(time.perf_counter() - t0, 4)
 
     # -- set-up -------------------------------------------------------------------------
@@ -188,29 +217,145 @@ class DiskBackend(StorageBackend):
             self._extra["unavailable"] = self._extra["unavailable"] or reason
             log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
 
-    def _startup_scan(self) -> ScanResult:
-        """Rebuild the index and, under the budget lock, the shared count. Without
-        ``verify_on_start`` the scan is a plain listing: it runs under the lock and
-        is the count (one pass). With it, the slow verified scan runs unlocked (other
-        processes go on writing) and a listing under the lock recounts."""
+    # -- the background start-up scan ------------------------------------------------------
+    def _background_scan(self) -> None:
+        """Index the directory shard by shard (on a pool of its own, paced by
+        ``scan_rate``), serving meanwhile; then order the index by mtime, and recount
+        and trim the directory under the budget lock. Killing the process at any
+        point loses nothing: only the index is built, in memory."""
         assert self._root_fd is not None
+        t0 = time.perf_counter()
         verify = self.cfg.verify_on_start
-        if self._budget is not None and not verify:
-            try:
-                with self._budget.locked() as budget:
-                    res = scan(self._root_fd, str(self.root), verify=False, pool=self._pool)
-                    self._index.load(res.entries)
-                    budget.set(res.chunk_bytes + res.reserved_bytes)
-                    self._evict_locked(budget, 0)
-                    self._extra["dir_bytes"] = budget.last
-                return res
-            except TimeoutError as err:  # the count stays as the other processes keep it
-                log.warning("disk tier: start-up recount skipped: %s", err)
-        res = scan(self._root_fd, str(self.root), verify=verify, pool=self._pool)
-        self._index.load(res.entries)
-        if self._budget is not None and verify:
-            self._recount_and_trim()
-        return res
+        log.info("disk tier %s: indexing the directory in the background (verify_on_start=%s)", self.root, verify)
+        total = ScanResult()
+        seq = 0
+        next_log = time.monotonic() + PROGRESS_LOG_S
+        state = "failed"
+        try:
+            with ThreadPoolExecutor(max_workers=self.cfg.io_threads, thread_name_prefix="lmcache-disk-scan") as pool:
+                pace = Pacer(self.cfg.scan_rate, self._scan_stop).wait if self.cfg.scan_rate else None
+                parts = scan_shards(
+                    self._root_fd, str(self.root), verify=verify, pool=pool, stop=self._scan_stop, pace=pace,
+                    since=self._opened_at,
+                )
+                for part in parts:
+                    with self._lock:
+                        for key, size, mtime in part.entries:
+                            if key in self._dropped or key in self._index:
+                                continue
+                            self._found_bytes += size - self._found.get(key, 0)
+                            self._found[key] = size
+                            heapq.heappush(self._found_heap, (mtime, seq, key))
+                            seq += 1
+                        self._extra["scan_shards_done"] += 1
+                        self._extra["scan_files"] += len(part.entries)
+                    part.entries = []
+                    total.merge(part)
+                    if time.monotonic() >= next_log:
+                        next_log = time.monotonic() + PROGRESS_LOG_S
+                        log.info(
+                            "disk tier %s: background scan %d/256 shards, %d chunk files indexed",
+                            self.root, self._extra["scan_shards_done"], self._extra["scan_files"],
+                        )
+            if self._scan_stop.is_set():
+                state = "stopped"
+                return
+            self._merge_found()
+            with self._lock:
+                self._extra.update(
+                    scan_state="trimming",
+                    scan_index_s=round(time.perf_counter() - t0, 4),
+                    startup_stale_temps=total.stale_temps,
+                    startup_bad_removed=total.bad_removed,
+                    startup_foreign_kept=total.foreign_kept,
+                    startup_shards_refused=total.shards_refused,
+                )
+            if self._budget is not None:
+                self._recount_and_trim()
+            state = "stopped" if self._scan_stop.is_set() else "complete"
+            log.info(
+                "disk tier %s: index complete: %d chunk files in %.2f s (%d invalid removed, %d stale temps removed, "
+                "%d foreign files kept), %d evictions",
+                self.root, self._extra["scan_files"], time.perf_counter() - t0, total.bad_removed, total.stale_temps,
+                total.foreign_kept, self._stats.evictions,
+            )
+        except Exception:
+            log.exception("disk tier %s: background start-up scan failed; serving goes on from the files", self.root)
+        finally:
+            with self._lock:
+                self._indexing = False
+                self._found, self._found_heap, self._found_bytes = {}, [], 0
+                self._dropped.clear()
+                self._extra["scan_state"] = state
+                self._extra["scan_s"] = round(time.perf_counter() - t0, 4)
+            self._scan_done.set()
+
+    def _merge_found(self) -> None:
+        """Make the scanned chunks the least recently used part of the index, oldest
+        mtime first, below the chunks this process used during the scan."""
+        with self._lock:
+            order = self._found_heap
+            self._found_heap = []
+        order.sort()
+        with self._lock:
+            merged = LruIndex()
+            found, current = self._found, self._index
+            for _, _, key in order:
+                size = found.get(key)
+                if size is not None and key not in current:
+                    merged.add(key, size)
+            for key, size in current.items():
+                merged.add(key, size)
+            self._index = merged
+            self._found, self._found_bytes = {}, 0
+            self._dropped = set()
+            self._indexing = False
+
+    def _forget(self, key: ChunkKey) -> None:
+        """Drop ``key`` from the index (it is gone from the directory). Call under
+        ``self._lock``."""
+        self._index.discard(key)
+        if self._indexing:
+            self._found_bytes -= self._found.pop(key, 0)
+            self._dropped.add(key)
+
+    def _used(self, key: ChunkKey, size: int, *, fresh: bool = False) -> None:
+        """``key`` (``size`` bytes on disk) was just read or written: most recently
+        used. ``fresh``: a new file (its size may differ). Call under ``self._lock``."""
+        if fresh or not self._index.touch(key):
+            self._index.add(key, size)
+        if self._found:
+            self._found_bytes -= self._found.pop(key, 0)
+
+    def _pop_victims(self, nbytes: int) -> list[tuple[ChunkKey, int]]:
+        """Least recently used entries freeing ``nbytes``: during the scan the oldest
+        chunks scanned so far come first (older than any this process used since it
+        started). Call under ``self._lock``."""
+        out: list[tuple[ChunkKey, int]] = []
+        freed = 0
+        heap = self._found_heap
+        while freed < nbytes and heap:
+            _, _, key = heapq.heappop(heap)
+            size = self._found.pop(key, None)
+            if size is None:
+                continue
+            self._found_bytes -= size
+            if key in self._index:
+                continue
+            out.append((key, size))
+            freed += size
+        if freed < nbytes:
+            out.extend(self._index.pop_lru(nbytes - freed))
+        return out
+
+    def wait_for_scan(self, timeout: float | None = None) -> bool:
+        """Wait until the background start-up scan (index, recount, trim) is over;
+        False on timeout."""
+        return self._scan_done.wait(timeout)
+
+    @property
+    def index_complete(self) -> bool:
+        return not self._indexing
 
     def _recount_and_trim(self) -> None:
         """Under the budget lock: set the shared count to what the directory holds
@@ -219,7 +364,7 @@ class DiskBackend(StorageBackend):
         assert self._budget is not None and self._root_fd is not None
         try:
             with self._budget.locked() as budget:
-                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=self._pool)
+                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
                 budget.set(listing.chunk_bytes + listing.reserved_bytes)
                 self._evict_locked(budget, 0)
                 self._extra["dir_bytes"] = budget.last
@@ -273,20 +418,29 @@ class DiskBackend(StorageBackend):
 
     # -- contract -----------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> int:
+        """One ``stat`` per key (relative to the open directory, no path objects):
+        a few microseconds, and files other processes wrote or deleted are seen."""
+        rfd = self._root_fd
+        if rfd is None:
+            return 0
+        refused = self._refused_shards
         n = 0
         for key in keys:
+            shard = key.chunk_hash[:1].hex()
             try:
-                with self._shard(key) as dfd:
-                    st = os.stat(key.to_str(), dir_fd=dfd, follow_symlinks=False)
+                if refused and shard in refused:
+                    raise FileNotFoundError
+                st = os.stat(f"{shard}/{key.to_str()}", dir_fd=rfd, follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode):
-                    raise FileNotFoundError(key.to_str())
-            except (OSError, _ShardRefused):
+                    raise FileNotFoundError
+            except OSError:
                 with self._lock:
-                    self._index.discard(key)
+                    self._forget(key)
                 break
-            with self._lock:
-                if key not in self._index:
-                    self._index.add(key, st.st_size)
+            if key not in self._index and key not in self._found:  # unlocked reads of dicts: atomic
+                with self._lock:
+                    if key not in self._index and key not in self._found:
+                        self._index.add(key, st.st_size)
             n += 1
         return n
 
@@ -316,15 +470,14 @@ class DiskBackend(StorageBackend):
                     self._stats.skipped += 1
                 return False
             with self._lock:
-                if not self._index.touch(key):
-                    self._index.add(key, st.st_size)
+                self._used(key, st.st_size)
             return True
         if self._budget is None:
             raise OSError(errno.EROFS, self._extra["unavailable"] or "the tier directory is not writable")
         frame = self._frame(key, data)
         size = frame.size
         with self._lock:
-            self._index.discard(key)
+            self._forget(key)
         temp = self._reserve(dfd, size) if size <= self.max_size else None
         if temp is None:
             with self._lock:
@@ -337,7 +490,7 @@ class DiskBackend(StorageBackend):
             self._unlink_temp(dfd, temp, size)
             return self._put_failed(err)
         with self._lock:
-            self._index.add(key, size)
+            self._used(key, size, fresh=True)
             self._stats.puts += 1
             self._stats.put_bytes += data.nbytes
             self._last_put_error = None
@@ -382,8 +535,10 @@ class DiskBackend(StorageBackend):
         count = budget.value()
         listed = False
         while count is None or count + size > self.max_size:
+            if self._closed:
+                return False
             with self._lock:
-                victims = self._index.pop_lru(count + size - self.max_size) if count is not None else []
+                victims = self._pop_victims(count + size - self.max_size) if count is not None else []
             if not victims:
                 if listed or self._root_fd is None:
                     return False
@@ -393,6 +548,7 @@ class DiskBackend(StorageBackend):
                 with self._lock:
                     self._index = LruIndex()
                     self._index.load(listing.entries)
+                    self._found, self._found_heap, self._found_bytes = {}, [], 0  # all in the listing
                 budget.set(listing.chunk_bytes + listing.reserved_bytes)
                 count = budget.last
                 listed = True
@@ -557,15 +713,14 @@ class DiskBackend(StorageBackend):
         except OSError:
             pass  # a read-only directory keeps its old LRU order
         with self._lock:
-            if not self._index.touch(key):
-                self._index.add(key, st.st_size)
+            self._used(key, st.st_size)
             self._stats.hits += 1
             self._stats.get_bytes += out.nbytes
         return True
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:
-            self._index.discard(key)
+            self._forget(key)
         return self._unlink_counted(key) > 0
 
     def _unlink_counted(self, key: ChunkKey, ino: int | None = None) -> int:
@@ -587,14 +742,17 @@ class DiskBackend(StorageBackend):
         with self._lock:
             s = self._stats.snapshot()
             s.extra = dict(self._extra)
-            s.chunks = len(self._index)
-            s.bytes_used = self._index.bytes
+            s.chunks = len(self._index) + len(self._found)
+            s.bytes_used = self._index.bytes + self._found_bytes
         return s
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._scan_stop.set()
+        if self._scan_thread is not None:
+            self._scan_thread.join()  # it stops between files; it must end before the directory closes
         self._pool.shutdown(wait=True)
         if self._budget is not None:
             self._budget.close()
@@ -613,7 +771,7 @@ class DiskBackend(StorageBackend):
     def _miss(self, key: ChunkKey, *, keep: bool = False) -> bool:
         with self._lock:
             if not keep:
-                self._index.discard(key)
+                self._forget(key)
             self._stats.misses += 1
         return False
 
@@ -637,7 +795,7 @@ class DiskBackend(StorageBackend):
         log.warning("disk tier: %s is not a valid frame for its key (%s); removed", path, reason)
         self._unlink_counted(key, ino)
         with self._lock:
-            self._index.discard(key)
+            self._forget(key)
             self._stats.misses += 1
             self._stats.errors += 1
             self._extra["corrupt_removed"] += 1

@@ -16,7 +16,12 @@ class DiskConfig(StrictModel):
     )
     fsync: bool = Field(True, description="fsync each chunk file and its directory before it becomes visible")
     o_direct: bool = Field(False, description="bypass the page cache with O_DIRECT where the filesystem allows it")
-    io_threads: int = Field(4, ge=1, le=64, description="threads that scan and verify the directory at start-up")
+    io_threads: int = Field(
+        4, ge=1, le=64, description="threads that move payloads, and that scan the directory in the background at start-up"
+    )
     verify_on_start: bool = Field(
-        True, description="read each file's header at start-up; truncated or foreign files are removed"
+        True, description="the background start-up scan reads each file's header; truncated or foreign files are removed"
+    )
+    scan_rate: int = Field(
+        0, ge=0, description="files per second the background start-up scan handles at most (0: no limit)"
     )

@@ -61,5 +61,9 @@ class LruIndex:
             out.append((key, size))
         return out
 
+    def items(self) -> Iterable[tuple[ChunkKey, int]]:
+        """``(key, size)``, least recently used first."""
+        return self._sizes.items()
+
     def keys_lru_first(self) -> list[ChunkKey]:
         return list(self._sizes)

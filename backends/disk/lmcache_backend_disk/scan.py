@@ -18,9 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import FrameError
@@ -67,7 +69,42 @@ def _unlink(name: str, dir_fd: int, where: str, why: str) -> bool:
     return True
 
 
-def _scan_shard(root_fd: int, root: str, shard: str, verify: bool, clean: bool, now: float) -> ScanResult:
+class Pacer:
+    """At most ``rate`` calls of :meth:`wait` per second, shared by threads (0: no
+    limit). Paces the background start-up scan so it leaves the disk and the CPU
+    to serving."""
+
+    def __init__(self, rate: float, stop: threading.Event | None = None) -> None:
+        self.interval = 1.0 / rate if rate > 0 else 0.0
+        self.stop = stop
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        if not self.interval:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now - 1.0) + self.interval  # a burst of at most one second
+            delay = self._next - now
+        if delay > 0:
+            if self.stop is not None:
+                self.stop.wait(delay)
+            else:
+                time.sleep(delay)
+
+
+def _scan_shard(
+    root_fd: int,
+    root: str,
+    shard: str,
+    verify: bool,
+    clean: bool,
+    now: float,
+    stop: threading.Event | None = None,
+    pace: Callable[[], None] | None = None,
+    since: float | None = None,
+) -> ScanResult:
     res = ScanResult()
     where = os.path.join(root, shard)
     try:
@@ -84,6 +121,10 @@ def _scan_shard(root_fd: int, root: str, shard: str, verify: bool, clean: bool, 
     me = os.getpid()
     try:
         for entry in os.scandir(dfd):
+            if stop is not None and stop.is_set():
+                break
+            if pace is not None:
+                pace()
             name = entry.name
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -94,7 +135,10 @@ def _scan_shard(root_fd: int, root: str, shard: str, verify: bool, clean: bool, 
                 continue
             if name.startswith(TMP_PREFIX) and (pid := temp_owner_pid(name)) is not None:
                 young = now - st.st_mtime < STALE_TEMP_S
-                if young and (pid != me or not clean) and pid_alive(pid):
+                # this process's own temps are live when written since it opened the tier
+                # (older ones are a dead process's that had the same pid: containers reuse pids)
+                mine_live = since is not None and st.st_mtime >= since
+                if young and (pid != me or not clean or mine_live) and pid_alive(pid):
                     res.reserved_bytes += temp_reserved_bytes(name)
                     continue
                 if clean and _unlink(name, dfd, where, "unfinished write left by a process that is gone"):
@@ -117,13 +161,31 @@ def _scan_shard(root_fd: int, root: str, shard: str, verify: bool, clean: bool, 
     return res
 
 
-def scan(root_fd: int, root: str, *, verify: bool, clean: bool = True, pool: Executor | None) -> ScanResult:
-    """Scan every shard of the tier directory open as ``root_fd`` (on ``pool``'s
-    threads, if given); see the module docstring. With ``clean=False`` nothing is
-    removed (a listing for the budget count)."""
+def scan_shards(
+    root_fd: int,
+    root: str,
+    *,
+    verify: bool,
+    clean: bool = True,
+    pool: Executor | None,
+    stop: threading.Event | None = None,
+    pace: Callable[[], None] | None = None,
+    since: float | None = None,
+) -> Iterator[ScanResult]:
+    """Scan the shards of the tier directory open as ``root_fd`` (on ``pool``'s
+    threads, if given), yielding one result per shard in shard order; see the
+    module docstring. ``stop`` ends the scan early (between files); ``pace`` is
+    called before each file; temps of this process written since ``since`` (a
+    ``time.time()``) are live. With ``clean=False`` nothing is removed."""
     now = time.time()
+    work = lambda s: _scan_shard(root_fd, root, s, verify, clean, now, stop, pace, since)  # noqa: E731
+    return pool.map(work, FANOUT) if pool is not None else map(work, FANOUT)
+
+
+def scan(root_fd: int, root: str, *, verify: bool, clean: bool = True, pool: Executor | None) -> ScanResult:
+    """All of :func:`scan_shards` in one result (a listing for the budget count
+    with ``clean=False``)."""
     total = ScanResult()
-    work = lambda s: _scan_shard(root_fd, root, s, verify, clean, now)  # noqa: E731
-    for part in (pool.map(work, FANOUT) if pool is not None else map(work, FANOUT)):
+    for part in scan_shards(root_fd, root, verify=verify, clean=clean, pool=pool):
         total.merge(part)
     return total

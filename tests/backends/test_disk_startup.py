@@ -61,7 +61,7 @@ def test_damaged_and_foreign_files_never_served_during_the_background_scan(tmp_p
     fill(root, OURS, 200)
     fill(root, THEIRS, 100)  # another namespace's chunks (another model sharing the directory)
     probe = open_disk(root)
-    path_of = probe.layout.chunk_path
+    path_of = probe.directory.chunk_path
     probe.close()
     flipped = list(range(0, 20))
     truncated = list(range(20, 40))

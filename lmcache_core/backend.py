@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 # Optional capabilities a backend declares in ``capabilities`` (never probed).
-ZERO_COPY = "zero_copy"  # get_buffer()/put_buffer(): chunks live in the shared memory pool
+ZERO_COPY = "zero_copy"  # get_buffer()/put_buffer(): chunks live in the shared memory pool (declare pool_bytes when registering)
 PINNING = "pinning"  # pin()/unpin(): pinned chunks are never evicted
 PERSISTENT = "persistent"  # survives restarts
 SHARED = "shared"  # visible to other processes or machines

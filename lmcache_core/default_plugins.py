@@ -9,7 +9,12 @@ from .serde import Lz4Codec, RawCodec
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    register("local_cpu", "lmcache_core.local_cpu:create_local_cpu", description="CPU memory tier (byte budget, eviction policy per config)")
+    register(
+        "local_cpu",
+        "lmcache_core.local_cpu:create_local_cpu",
+        pool_bytes="lmcache_core.local_cpu:pool_bytes",
+        description="CPU memory tier (byte budget, eviction policy per config)",
+    )
 
 
 @hookimpl

@@ -20,9 +20,8 @@ import torch
 
 from . import metrics
 from .backend import PINNING, ZERO_COPY, BackendContext, StorageBackend
-from .config import ConfigError, CoreConfig, LoadedConfig, load_config, parse_size
+from .config import ConfigError, CoreConfig, LoadedConfig, load_config
 from .loadcost import TierReadModel
-from .local_cpu import LocalCpuConfig
 from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
@@ -158,27 +157,24 @@ class _TierWriter:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _pool_size(cfg: CoreConfig) -> int:
-    """The pool holds the CPU tier(s) plus ``staging_size`` of headroom for chunks in
-    flight (gathered for a save, queued for a slower tier, read from one for a
-    load), so a full CPU tier never starves the transfers to and from slower tiers.
-    Sizes that do not parse are reported by the tier's own validation."""
-    total = 0
-    for b in cfg.backends:
-        if b.name == "local_cpu":
-            try:
-                total += parse_size(b.options().get("max_size", LocalCpuConfig().max_size))
-            except ValueError:
-                pass
-    return total + cfg.staging_size
+def _pool_claims(cfg: CoreConfig, plugins: PluginManager) -> list[tuple[int, int]]:
+    """``(index in backends, bytes)`` for every configured tier that declares pool
+    memory (``pool_bytes`` at registration: tiers that keep their chunks in the pool,
+    like ``local_cpu`` or a third-party zero-copy tier)."""
+    claims = [(i, plugins.pool_bytes(b)) for i, b in enumerate(cfg.backends)]
+    return [(i, n) for i, n in claims if n > 0]
 
 
-def _make_pool(loaded: LoadedConfig) -> MemoryPool:
-    """The engine's pool, or a :class:`ConfigError` naming the keys that size it when
-    the machine cannot hold it (rather than an allocator error naming no key, or
-    the OOM killer later)."""
+def _make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:
+    """The pool holds what the tiers declare plus ``staging_size`` of headroom for
+    chunks in flight (gathered for a save, queued for a slower tier, read from one
+    for a load), so a full CPU tier never starves the transfers to and from slower
+    tiers. When the machine cannot hold it: a :class:`ConfigError` naming the
+    sections that size it (rather than an allocator error naming no key, or the OOM
+    killer later)."""
     cfg = loaded.config
-    size = max(_pool_size(cfg), 1 << 20)
+    claims = _pool_claims(cfg, plugins)
+    size = max(sum(n for _, n in claims) + cfg.staging_size, 1 << 20)
     avail = available_memory()
     if avail is None or size <= avail:
         try:
@@ -187,7 +183,7 @@ def _make_pool(loaded: LoadedConfig) -> MemoryPool:
             reason = f"allocating it failed: {err}"
     else:
         reason = f"only {avail / 2**30:.1f} GiB of memory is available on this machine"
-    keys = [f"backends[{i}].max_size" for i, b in enumerate(cfg.backends) if b.name == "local_cpu"]
+    keys = [f"backends[{i}] ({cfg.backends[i].name}: {n / 2**30:.1f} GiB)" for i, n in claims]
     raise ConfigError(
         f"{' + '.join(keys + ['staging_size'])}: the CPU memory pool would be {size / 2**30:.1f} GiB but {reason}; "
         f"lower them (backends from {loaded.source_of('backends')}, staging_size from {loaded.source_of('staging_size')})"
@@ -216,7 +212,7 @@ class CacheEngine:
         self.plugins = plugins or get_plugin_manager()
         self.codecs = self.plugins.codec_map()
         self.codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
-        self.pool = _make_pool(loaded)
+        self.pool = _make_pool(loaded, self.plugins)
         self.counters = metrics.EngineCounters()
         self.tiers: list[StorageBackend] = []
         try:
@@ -230,7 +226,14 @@ class CacheEngine:
                     codecs=self.codecs,
                     plugins=self.plugins,
                 )
-                self.tiers.append(self.plugins.create_backend(section, ctx))
+                tier = self.plugins.create_backend(section, ctx)
+                self.tiers.append(tier)
+                if ZERO_COPY in tier.capabilities and self.plugins.pool_bytes(section) == 0:
+                    log.warning(
+                        "%s (%s) keeps chunks in the memory pool but declares no pool_bytes when it "
+                        "registers: it shares the %d-byte staging headroom",
+                        ctx.key_path, section.name, cfg.staging_size,
+                    )
         except BaseException:
             for t in self.tiers:
                 t.close()

@@ -21,7 +21,7 @@ it on first use, so listing plugins or choosing one backend imports nothing else
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Protocol, Union
+from typing import Any, Callable, Mapping, Protocol, Union
 
 import pluggy
 
@@ -40,8 +40,20 @@ Command = Callable[[argparse.Namespace], int]
 CommandSetup = Callable[[argparse.ArgumentParser], Command]
 
 
+#: How many bytes of the engine's memory pool a tier keeps chunks in, given its config
+#: section (without ``name``), before the tier exists: the engine sizes the pool from it.
+PoolBytes = Callable[[Mapping[str, Any]], int]
+
+
 class RegisterBackend(Protocol):
-    def __call__(self, name: str, factory: Union[BackendFactory, str], *, description: str = "") -> None: ...
+    def __call__(
+        self,
+        name: str,
+        factory: Union[BackendFactory, str],
+        *,
+        description: str = "",
+        pool_bytes: Union[PoolBytes, str, None] = None,
+    ) -> None: ...
 
 
 class RegisterCommand(Protocol):
@@ -59,7 +71,14 @@ class RegisterEvictionPolicy(Protocol):
 class Spec:
     @hookspec
     def register_backends(self, register: RegisterBackend) -> None:
-        """Call ``register(name, factory)`` once per storage backend this plugin adds."""
+        """Call ``register(name, factory)`` once per storage backend this plugin adds.
+
+        ``factory(section, ctx)`` (or its dotted path) builds the tier. A tier that keeps
+        its chunks in the engine's memory pool (zero-copy, like ``local_cpu``) declares
+        how much with ``pool_bytes(section) -> int`` (or its dotted path); the engine
+        sizes the pool to the sum of the declarations of the configured tiers plus
+        ``staging_size``. Tiers that declare nothing get none of the pool beyond the
+        staging headroom every tier shares."""
 
     @hookspec
     def register_commands(self, register: RegisterCommand) -> None:

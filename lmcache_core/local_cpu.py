@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageBackend, prefix_count
-from .config import ByteSize, StrictModel, validate_section
+from .config import ByteSize, StrictModel, parse_size, validate_section
 from .eviction import EvictionPolicy, LruPolicy
 from .keys import ChunkKey
 from .memory import MemoryBuffer, MemoryPool
@@ -211,6 +211,12 @@ class LocalCpuBackend(StorageBackend):
                 if e is not None and e.pins > 0:
                     e.pins -= 1
                     self._pinned -= e.pins == 0
+
+
+def pool_bytes(section: Mapping[str, Any]) -> int:
+    """The pool memory a ``local_cpu`` tier declares (its ``max_size``), read before the
+    tier exists so the engine can size the pool; raises ValueError when it does not parse."""
+    return parse_size(section.get("max_size", LocalCpuConfig().max_size))
 
 
 def create_local_cpu(section: Mapping[str, Any], ctx: BackendContext) -> LocalCpuBackend:

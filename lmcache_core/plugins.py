@@ -30,7 +30,7 @@ import pluggy
 from .backend import BackendContext, BackendFactory, StorageBackend
 from .config import ENV_BLOCK_PLUGINS, BackendSection, ConfigError
 from .eviction import EvictionPolicy, PolicyFactory
-from .hookspecs import PROJECT, Command, CommandSetup, Spec
+from .hookspecs import PROJECT, Command, CommandSetup, PoolBytes, Spec
 from .lazy import check_ref, resolve_ref
 from .serde import Codec
 
@@ -67,6 +67,9 @@ class BackendInfo:
     factory: Union[BackendFactory, str]  # a callable, or a dotted path imported on first use
     origin: Origin
     description: str = ""
+    #: bytes of the engine's pool the tier keeps chunks in, from its section (a callable
+    #: or a dotted path); ``None``: it keeps none
+    pool_bytes: Union[PoolBytes, str, None] = None
 
     def load_factory(self) -> BackendFactory:
         """The factory, importing it now when it was registered by dotted path."""
@@ -220,17 +223,25 @@ class PluginManager:
             for impl in reversed(self._pm.hook.register_backends.get_hookimpls()):
                 origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
 
-                def reg_backend(name: str, factory: Union[BackendFactory, str], *, description: str = "", _o: Origin = origin) -> None:
+                def reg_backend(
+                    name: str,
+                    factory: Union[BackendFactory, str],
+                    *,
+                    description: str = "",
+                    pool_bytes: Union[PoolBytes, str, None] = None,
+                    _o: Origin = origin,
+                ) -> None:
                     if not isinstance(name, str) or not name.isidentifier():
                         raise ValueError(f"plugin {_o.plugin}: backend name {name!r} must be an identifier")
-                    if isinstance(factory, str):
-                        check_ref(factory)
-                    elif not callable(factory):
-                        raise ValueError(f"plugin {_o.plugin}: backend {name!r}: factory {factory!r} is neither callable nor a dotted path")
+                    for what, ref in (("factory", factory), ("pool_bytes", pool_bytes)):
+                        if isinstance(ref, str):
+                            check_ref(ref)
+                        elif not callable(ref) and not (what == "pool_bytes" and ref is None):
+                            raise ValueError(f"plugin {_o.plugin}: backend {name!r}: {what} {ref!r} is neither callable nor a dotted path")
                     if name in backends:
                         prev = backends[name].origin
                         log.warning("backend %r from %s overrides the one from %s", name, _o.distribution, prev.distribution)
-                    backends[name] = BackendInfo(name, factory, _o, description)
+                    backends[name] = BackendInfo(name, factory, _o, description, pool_bytes)
 
                 self._call_impl(impl, reg_backend)
             for impl in reversed(self._pm.hook.register_codecs.get_hookimpls()):
@@ -333,6 +344,19 @@ class PluginManager:
                 f"{key_path}: unknown codec {name!r} (from {source}); installed codecs: {', '.join(sorted(codecs))}"
             )
         return codecs[name].codec
+
+    def pool_bytes(self, section: BackendSection) -> int:
+        """The bytes of the engine's pool the tier ``section`` configures declares it
+        keeps chunks in (0: none, or an unknown backend). A section whose size does not
+        parse declares 0 here; the tier's factory then reports the error with its key."""
+        info = self.backends().get(section.name)
+        if info is None or info.pool_bytes is None:
+            return 0
+        declare: PoolBytes = resolve_ref(info.pool_bytes) if isinstance(info.pool_bytes, str) else info.pool_bytes
+        try:
+            return max(0, int(declare(section.options())))
+        except (ValueError, TypeError):
+            return 0
 
     def create_backend(self, section: BackendSection, ctx: BackendContext) -> StorageBackend:
         backends = self.backends()

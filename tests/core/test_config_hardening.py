@@ -155,7 +155,7 @@ def test_cpu_tier_larger_than_available_memory_names_key_and_file(tmp_path: Path
         CacheEngine(load_config(p, env={}), namespace=NS, plugins=PluginManager(load_entry_points=False))
     msg = str(err.value)
     assert time.perf_counter() - t0 < 1.0
-    assert "backends[0].max_size" in msg and "staging_size" in msg and str(p) in msg and "available" in msg, msg
+    assert "backends[0] (local_cpu: " in msg and "staging_size" in msg and str(p) in msg and "available" in msg, msg
     # Negative control: a pool that fits starts.
     small = write(tmp_path, "backends:\n  - name: local_cpu\n    max_size: 16MiB\nstaging_size: 1MiB\n", "small.yaml")
     with CacheEngine(load_config(small, env={}), namespace=NS, plugins=PluginManager(load_entry_points=False)) as eng:

@@ -12,6 +12,7 @@ recomputes. ``get`` must never fill ``out`` with data that does not belong to ``
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
@@ -31,6 +32,9 @@ ZERO_COPY = "zero_copy"  # get_buffer()/put_buffer(): chunks live in the shared 
 PINNING = "pinning"  # pin()/unpin(): pinned chunks are never evicted
 PERSISTENT = "persistent"  # survives restarts
 SHARED = "shared"  # visible to other processes or machines
+
+
+log = logging.getLogger(__name__)
 
 
 class BackendError(Exception):
@@ -103,6 +107,19 @@ class StorageBackend(abc.ABC):
     #: How many background writes the engine may run against this tier at once
     #: (declared, not probed). Remote tiers set it to overlap round trips.
     write_concurrency: int = 1
+    #: Set by the engine that owns the tier: called with each key the tier drops on
+    #: its own to make room (never for :meth:`remove`). Tiers that evict call
+    #: :meth:`evicted`; it may run under the tier's lock, so listeners must be quick.
+    on_evicted: Callable[[ChunkKey], None] | None = None
+
+    def evicted(self, key: ChunkKey) -> None:
+        """Report an eviction of ``key`` to the engine's listeners (never raises)."""
+        cb = self.on_evicted
+        if cb is not None:
+            try:
+                cb(key)
+            except Exception as err:  # a listener never breaks a tier
+                log.warning("tier %s: eviction listener failed: %s: %s", self.name, type(err).__name__, err)
 
     @abc.abstractmethod
     def contains(self, keys: Sequence[ChunkKey]) -> int:

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -68,13 +68,28 @@ class KeyWindow(Sequence[ChunkKey]):
         return f"KeyWindow({self._start}:{self._stop} of {len(self._keys)})"
 
 
+class TierEvent(NamedTuple):
+    """What a tier now holds or dropped: ``stored`` (a chunk reached the tier) or
+    ``evicted`` (the tier dropped it to make room). ``tier`` is the tier's name."""
+
+    kind: Literal["stored", "evicted"]
+    tier: str
+    key: ChunkKey
+
+
+TierListener = Callable[[TierEvent], None]
+
+
 class _TierWriter:
     """Background write-through for one slower tier, with as many writer threads as
     the tier declares in ``write_concurrency`` (remote tiers overlap round trips)."""
 
-    def __init__(self, tier: StorageBackend, maxsize: int, counters: metrics.EngineCounters) -> None:
+    def __init__(
+        self, tier: StorageBackend, maxsize: int, counters: metrics.EngineCounters, stored: Callable[[StorageBackend, ChunkKey], None]
+    ) -> None:
         self.tier = tier
         self.counters = counters
+        self.stored = stored
         self.q: queue.Queue[tuple[ChunkKey, MemoryBuffer] | None] = queue.Queue(maxsize=maxsize)
         self._pending = 0
         self._cv = threading.Condition()
@@ -119,6 +134,7 @@ class _TierWriter:
                 ok = self.tier.put(key, buf.tensor)
                 if ok:
                     metrics.TIER_BYTES.labels(self.tier.name, "put").inc(buf.nbytes)
+                    self.stored(self.tier, key)
                 else:
                     metrics.TIER_DROPPED.labels(self.tier.name).inc()
             except Exception as err:
@@ -238,12 +254,34 @@ class CacheEngine:
             for t in self.tiers:
                 t.close()
             raise
-        self._writers = [_TierWriter(t, cfg.write_queue_size, self.counters) for t in self.tiers[1:]]
+        self._listeners: list[TierListener] = []
+        self._writers = [_TierWriter(t, cfg.write_queue_size, self.counters, self._stored) for t in self.tiers[1:]]
         # read latency/throughput per tier, measured on every successful read (load policies)
         self.read_models = [TierReadModel() for _ in self.tiers]
         self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey]]]] = {}
         self._pin_lock = threading.Lock()
         self._closed = False
+
+    # -- listeners --------------------------------------------------------------------
+    def add_listener(self, listener: TierListener) -> None:
+        """Call ``listener`` with a :class:`TierEvent` whenever a chunk reaches a tier
+        (synchronous store, background write, promotion) or a tier evicts one. It runs
+        on the thread that did the work, possibly under a tier's lock: it must be quick
+        and must not call back into the engine. Exceptions are logged and ignored."""
+        self._listeners.append(listener)
+        for tier in self.tiers:
+            tier.on_evicted = lambda key, t=tier: self._emit(TierEvent("evicted", t.name, key))
+
+    def _stored(self, tier: StorageBackend, key: ChunkKey) -> None:
+        if self._listeners:
+            self._emit(TierEvent("stored", tier.name, key))
+
+    def _emit(self, event: TierEvent) -> None:
+        for fn in self._listeners:
+            try:
+                fn(event)
+            except Exception as err:
+                log.warning("tier listener failed on %s: %s: %s", event.kind, type(err).__name__, err)
 
     # -- keys -------------------------------------------------------------------------
     @property
@@ -442,6 +480,7 @@ class CacheEngine:
         metrics.TIER_LATENCY.labels(tier0.name, "put").observe(time.perf_counter() - t0)
         if not ok:
             return 0
+        self._stored(tier0, key)
         metrics.TIER_BYTES.labels(tier0.name, "put").inc((data.tensor if isinstance(data, MemoryBuffer) else data).nbytes)
         return 1
 

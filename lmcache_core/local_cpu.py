@@ -191,6 +191,7 @@ class LocalCpuBackend(StorageBackend):
             self._stats.evictions += 1
             freed += entry.buf.size
             entry.buf.release()
+            self.evicted(key)  # type: ignore[arg-type]
         for key in kept:
             self.policy.keep(key, self._entries[key].buf.size)
         return freed

@@ -26,6 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_core.config import ConfigError
 
+from .kv_events import EventTranslator, LMCacheCoreKVEvents, events_enabled
 from .groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size
 from .lookup_ipc import LookupClient, socket_path
 from .metadata import LMCacheConnectorMetadata
@@ -36,6 +37,7 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -101,6 +103,10 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("lmcache-core: save_unfull_chunk has no effect with several KV-cache groups (whole chunks only)")
         world = vllm_config.parallel_config.world_size
         engine_id = ktc.engine_id or "default"
+        kv_events = events_enabled(vllm_config)
+        if kv_events and plan.hybrid:
+            log.warning("lmcache-core: KV events are not produced for models with several KV-cache groups")
+            kv_events = False
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -112,6 +118,13 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 can_save=ktc.is_kv_producer,
                 lookup=client,
                 plan=plan,
+                events=EventTranslator(
+                    chunk_size=cfg.chunk_size,
+                    hash_block_size=getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size,
+                    writers=range(world),
+                )
+                if kv_events
+                else None,
             )
         else:
             rank = _rank()
@@ -124,6 +137,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 lookup_address=socket_path(engine_id, rank),
                 plan=plan,
                 pages=_page_sizes(kv_cache_config, plan),
+                kv_events=kv_events,
             )
 
     @property
@@ -176,6 +190,13 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         delta = self._worker.take_stats_delta()
         return LMCacheConnectorStats(data=delta) if delta else None
 
+    def get_kv_connector_kv_cache_events(self) -> LMCacheCoreKVEvents | None:
+        """This step's tier stores and evictions (translated on the scheduler)."""
+        if self._worker is None:
+            return None
+        raw = self._worker.take_tier_events()
+        return LMCacheCoreKVEvents(raw) if raw else None
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "LMCacheConnectorStats":
         return LMCacheConnectorStats(data=dict(data or {}))
@@ -210,8 +231,18 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        if self._sched is not None and connector_output.failed_recving:
+        if self._sched is None:
+            return
+        if connector_output.failed_recving:
             self._sched.loads_failed(sorted(connector_output.failed_recving))
+        if self._sched.events is not None and connector_output.kv_cache_events is not None:
+            self._sched.events.add(connector_output.kv_cache_events)
+
+    def take_events(self) -> "list[KVCacheEvent]":
+        """KV events for what lmcache-core's tiers stored and evicted (see kv_events.py)."""
+        if self._sched is None or self._sched.events is None:
+            return []
+        return self._sched.events.take()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None

@@ -15,6 +15,7 @@ from lmcache_core import metrics
 from lmcache_core.keys import chain_seed, chunk_hashes
 
 from .groups import GroupPlan, boundary_hash
+from .kv_events import EventTranslator
 from .load_policy import step_pairs
 from .lookup_ipc import LookupClient
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
@@ -86,8 +87,10 @@ class SchedulerSide:
         can_save: bool,
         lookup: LookupClient,
         plan: GroupPlan | None = None,
+        events: EventTranslator | None = None,
     ) -> None:
         self.cfg = settings.core
+        self.events = events  # KV events for routers: remembers the vLLM block hashes of saved chunks
         self.cs = self.cfg.chunk_size
         self.block_size = block_size
         # Several KV-cache groups: boundary objects, per-group block tables, and loads
@@ -330,6 +333,9 @@ class SchedulerSide:
             log.warning("request %s: %d blocks known, %d needed to save; skipping", st.req_id, len(st.block_ids), need_blocks)
             return
         first = transfers[0][0]
+        if self.events is not None and st.request is not None:
+            for c, h, end in transfers:
+                self.events.remember(st.request, c, h, end)
         meta.saves.append(
             ChunkTransfer(st.req_id, [h for _, h, _ in transfers], first, [e for _, _, e in transfers], list(st.block_ids))
         )

@@ -10,6 +10,7 @@ crash vLLM: a failed load marks its blocks for recompute, a failed save is skipp
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -22,6 +23,7 @@ from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 
 from .grouped_layout import GroupedLayout
+from .kv_events import RawEvent, TierEventBuffer
 from .groups import GroupPlan, boundary_hash
 from .kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
@@ -66,8 +68,10 @@ class WorkerSide:
         lookup_address: str | None,
         plan: GroupPlan | None = None,
         pages: tuple[dict[int, int], dict[int, int]] = ({}, {}),
+        kv_events: bool = False,
     ) -> None:
-        """``pages``: each KV-cache group's page size in vLLM's pool and its data bytes."""
+        """``pages``: each KV-cache group's page size in vLLM's pool and its data bytes;
+        ``kv_events``: report tier stores and evictions for vLLM's KV events."""
         self.settings = settings
         self.cfg = settings.core
         self.model_id = model_id
@@ -99,6 +103,8 @@ class WorkerSide:
         self._fwd_start: float | None = None
         self._step_load_s = 0.0
         self._reported: dict[str, float] = {}
+        self.kv_events = kv_events
+        self.tier_events: TierEventBuffer | None = None
         _active.add(self)
 
     # -- set-up -----------------------------------------------------------------------
@@ -117,6 +123,10 @@ class WorkerSide:
             rank=self.rank,
         )
         self.engine = CacheEngine(self.settings.loaded, namespace=ns)
+        if self.kv_events:
+            ranks = [dataclasses.replace(self.engine.namespace, rank=r).id for r in range(self.world_size)]
+            self.tier_events = TierEventBuffer(self.rank, ranks)
+            self.engine.add_listener(self.tier_events)
         shape = self.layout.chunk_shape(self.cfg.chunk_size)
         elem = torch.empty((), dtype=torch.uint8 if isinstance(self.layout, GroupedLayout) else self.layout.dtype).element_size()
         self._chunk_bytes = int(torch.Size(shape).numel()) * elem
@@ -290,6 +300,10 @@ class WorkerSide:
             self._errors.update(blocks)
             self.failed_loads += 1
         metrics.LOAD_ERRORS.inc(len(t.hashes) - from_chunk)
+
+    def take_tier_events(self) -> list[RawEvent]:
+        """Tier stores and evictions since the last call (KV events)."""
+        return self.tier_events.take() if self.tier_events is not None else []
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

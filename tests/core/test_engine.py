@@ -309,3 +309,39 @@ def test_write_behind_uses_the_declared_write_concurrency(declared: int, monkeyp
         assert tier.contains(eng.keys(eng.hashes(toks))) == 12
         # never more than declared; with 4 declared, puts do overlap (timing-robust bound)
         assert tier.max_active <= declared and (tier.max_active == 1 if declared == 1 else tier.max_active >= 2)
+
+
+def test_listeners_see_stores_per_tier_and_evictions() -> None:
+    """Every chunk that reaches a tier is reported once per tier, every chunk the CPU
+    tier drops for room is reported as evicted, and nothing else is."""
+    plugin = TierPlugin()
+    events: list[Any] = []
+    with engine([{"name": "local_cpu", "max_size": f"{3 * CHUNK_BYTES}B", "eviction": "lru"}, {"name": "dict_tier"}], plugin) as eng:
+        eng.add_listener(events.append)
+        a, b = prompt(31, 2), prompt(32, 2)
+        ka, kb = eng.keys(eng.hashes(a)), eng.keys(eng.hashes(b))
+        assert eng.store(a, chunks_for(a)) == 2
+        assert eng.flush(10)
+        assert sorted((e.kind, e.tier) for e in events) == [("stored", "dict_tier")] * 2 + [("stored", "local_cpu")] * 2
+        assert {e.key for e in events} == set(ka)
+        events.clear()
+        assert eng.store(a, chunks_for(a)) == 0  # already cached: no event
+        assert events == []
+        assert eng.store(b, chunks_for(b)) == 2  # 4 chunks in a 3-chunk tier: a[0] goes (LRU)
+        assert eng.flush(10)
+        evicted = [e for e in events if e.kind == "evicted"]
+        assert [(e.tier, e.key) for e in evicted] == [("local_cpu", ka[0])]
+        assert eng.lookup(a) == 2 * CS  # still in the slower tier
+        stored = sorted((e.tier, str(e.key)) for e in events if e.kind == "stored")
+        assert stored == sorted([("local_cpu", str(k)) for k in kb] + [("dict_tier", str(k)) for k in kb])
+
+
+def test_a_failing_listener_never_breaks_a_store() -> None:
+    def boom(event: Any) -> None:
+        raise RuntimeError("listener bug")
+
+    with engine([{"name": "local_cpu", "max_size": f"{1 * CHUNK_BYTES}B"}]) as eng:
+        eng.add_listener(boom)
+        a = prompt(41, 3)
+        assert eng.store(a, chunks_for(a)) == 3  # every store evicts the previous chunk
+        assert eng.tiers[0].stats().evictions == 2

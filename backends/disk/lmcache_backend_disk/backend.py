@@ -559,6 +559,7 @@ class DiskBackend(StorageBackend):
                     count = budget.add(-freed)
                     with self._lock:
                         self._stats.evictions += 1
+                    self.evicted(key)
                     if count is None:
                         break
         self._extra["dir_bytes"] = count

@@ -112,7 +112,7 @@ class _TierWriter:
             buf.release()
             self._done()
             self.counters.add(dropped_writes=1)
-            metrics.TIER_DROPPED.labels(self.tier.name).inc()
+            metrics.labeled(metrics.TIER_DROPPED, self.tier.name).inc()
             return False
 
     def _done(self) -> None:
@@ -133,16 +133,16 @@ class _TierWriter:
             try:
                 ok = self.tier.put(key, buf.tensor)
                 if ok:
-                    metrics.TIER_BYTES.labels(self.tier.name, "put").inc(buf.nbytes)
+                    metrics.labeled(metrics.TIER_BYTES, self.tier.name, "put").inc(buf.nbytes)
                     self.stored(self.tier, key)
                 else:
-                    metrics.TIER_DROPPED.labels(self.tier.name).inc()
+                    metrics.labeled(metrics.TIER_DROPPED, self.tier.name).inc()
             except Exception as err:
                 log.warning("tier %s: background put failed: %s", self.tier.name, err)
                 self.counters.error(self.tier.name)
-                metrics.TIER_ERRORS.labels(self.tier.name, "put").inc()
+                metrics.labeled(metrics.TIER_ERRORS, self.tier.name, "put").inc()
             finally:
-                metrics.TIER_LATENCY.labels(self.tier.name, "put").observe(time.perf_counter() - t0)
+                metrics.labeled(metrics.TIER_LATENCY, self.tier.name, "put").observe(time.perf_counter() - t0)
                 buf.release()
                 self._done()
 
@@ -383,7 +383,7 @@ class CacheEngine:
     def record_lookup(self, n_chunks: int, n_hit: int) -> None:
         """Count one lookup of ``n_chunks`` chunks of which ``n_hit`` were hits."""
         self.counters.add(lookups=1, lookup_tokens=n_chunks * self.chunk_size, hit_tokens=n_hit * self.chunk_size)
-        metrics.LOOKUPS.labels("engine").inc()
+        metrics.labeled(metrics.LOOKUPS, "engine").inc()
 
     def _pin(self, tier: StorageBackend, pin_id: str, keys: list[ChunkKey]) -> None:
         try:
@@ -477,11 +477,11 @@ class CacheEngine:
         except Exception as err:
             self._tier_error(tier0, "put", err)
             ok = False
-        metrics.TIER_LATENCY.labels(tier0.name, "put").observe(time.perf_counter() - t0)
+        metrics.labeled(metrics.TIER_LATENCY, tier0.name, "put").observe(time.perf_counter() - t0)
         if not ok:
             return 0
         self._stored(tier0, key)
-        metrics.TIER_BYTES.labels(tier0.name, "put").inc((data.tensor if isinstance(data, MemoryBuffer) else data).nbytes)
+        metrics.labeled(metrics.TIER_BYTES, tier0.name, "put").inc(data.nbytes)
         return 1
 
     def _write_behind(self, key: ChunkKey, data: ChunkData, upto: int | None = None) -> None:
@@ -543,13 +543,13 @@ class CacheEngine:
                 self._tier_error(tier0, "get", err)
                 buf = None
             if buf is not None:
-                if buf.tensor.dtype == dtype and tuple(buf.tensor.shape) == shape:
+                if buf.dtype == dtype and buf.shape == shape:
                     self.read_models[0].record(buf.nbytes, time.perf_counter() - t0)
-                    metrics.TIER_BYTES.labels(tier0.name, "get").inc(buf.nbytes)
+                    metrics.labeled(metrics.TIER_BYTES, tier0.name, "get").inc(buf.nbytes)
                     self.counters.add(retrieved_chunks=1)
                     return buf
                 buf.release()
-                self._tier_error(tier0, "get", ValueError(f"stored chunk has shape {list(buf.tensor.shape)}, expected {list(shape)}"))
+                self._tier_error(tier0, "get", ValueError(f"stored chunk has shape {list(buf.shape)}, expected {list(shape)}"))
         buf = self.allocate(shape, dtype)
         if buf is None:
             return None
@@ -574,9 +574,9 @@ class CacheEngine:
                     ok = False
                     if got is not None:
                         try:
-                            if got.tensor.dtype != out.dtype or got.tensor.shape != out.shape:
+                            if got.dtype != out.dtype or got.shape != tuple(out.shape):
                                 raise ValueError(
-                                    f"stored chunk is {got.tensor.dtype}{list(got.tensor.shape)}, "
+                                    f"stored chunk is {got.dtype}{list(got.shape)}, "
                                     f"expected {out.dtype}{list(out.shape)}"
                                 )
                             out.copy_(got.tensor)
@@ -589,10 +589,10 @@ class CacheEngine:
                 self._tier_error(tier, "get", err)
                 ok = False
             dt = time.perf_counter() - t0
-            metrics.TIER_LATENCY.labels(tier.name, "get").observe(dt)
+            metrics.labeled(metrics.TIER_LATENCY, tier.name, "get").observe(dt)
             if ok:
                 self.read_models[level].record(out.nbytes, dt)
-                metrics.TIER_BYTES.labels(tier.name, "get").inc(out.nbytes)
+                metrics.labeled(metrics.TIER_BYTES, tier.name, "get").inc(out.nbytes)
                 if level > 0:
                     self._promote(key, buf if buf is not None else out, level)
                 return True
@@ -607,7 +607,7 @@ class CacheEngine:
     def _tier_error(self, tier: StorageBackend, op: str, err: BaseException) -> None:
         log.warning("tier %s: %s failed, treated as a miss: %s: %s", tier.name, op, type(err).__name__, err)
         self.counters.error(tier.name)
-        metrics.TIER_ERRORS.labels(tier.name, op).inc()
+        metrics.labeled(metrics.TIER_ERRORS, tier.name, op).inc()
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until background writes are done; False on timeout."""

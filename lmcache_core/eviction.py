@@ -214,6 +214,7 @@ class TinyLfuPolicy(EvictionPolicy):
         self._probation: OrderedDict[Key, int] = OrderedDict()
         self._protected: OrderedDict[Key, int] = OrderedDict()
         self._bytes = {"window": 0, "probation": 0, "protected": 0}
+        self._segs = {"window": self._window, "probation": self._probation, "protected": self._protected}
         self._where: dict[Key, str] = {}
         self._count: dict[Key, int] = {}
         self._samples = 0
@@ -233,7 +234,7 @@ class TinyLfuPolicy(EvictionPolicy):
 
     # -- segments --------------------------------------------------------------------
     def _seg(self, name: str) -> OrderedDict[Key, int]:
-        return {"window": self._window, "probation": self._probation, "protected": self._protected}[name]
+        return self._segs[name]
 
     def _add(self, name: str, key: Key, size: int) -> None:
         self._seg(name)[key] = size

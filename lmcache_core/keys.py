@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import sys
 from array import array
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
@@ -30,8 +31,18 @@ _LEN = struct.Struct("<II")
 TokenIds = Sequence[int] | np.ndarray | array
 
 
+# The keyed hash's state right after its key block: copying it is the same hash as
+# keying a new one, without compressing the key block again for every chunk.
+_KEYED = hashlib.blake2b(digest_size=HASH_BYTES, key=_HASH_KEY)
+# array typecode of a 4-byte unsigned int (converting a Python list to it is several
+# times faster than numpy's conversion, and checks the range on the way)
+_U32 = next((c for c in ("I", "L") if array(c).itemsize == 4), None)
+
+
 def _h(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=HASH_BYTES, key=_HASH_KEY).digest()
+    h = _KEYED.copy()
+    h.update(data)
+    return h.digest()
 
 
 def chain_seed(tags: Mapping[str, str] | None = None) -> bytes:
@@ -49,6 +60,17 @@ def as_token_array(tokens: TokenIds) -> np.ndarray:
         arr = tokens
     elif isinstance(tokens, array):
         arr = np.frombuffer(tokens, dtype=np.dtype(tokens.typecode))
+    elif _U32 is not None and isinstance(tokens, (list, tuple)):
+        try:  # a list of ints (vLLM's prompt_token_ids): the fast path, range checked by array
+            u32 = array(_U32, tokens)
+        except OverflowError:
+            raise ValueError("token ids must be in [0, 2**32)") from None
+        except TypeError:
+            u32 = None  # not all ints: numpy says what is wrong below
+        if u32 is not None:
+            out = np.frombuffer(u32, dtype=np.uint32)
+            return out if sys.byteorder == "little" else out.astype("<u4")
+        arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
     else:
         arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
@@ -78,7 +100,7 @@ def chunk_hashes(
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
     arr = as_token_array(tokens)
-    buf = arr.tobytes()
+    buf = memoryview(arr).cast("B")  # a view, no copy: the hash reads slices of it
     n = arr.size
     prev = start if start is not None else (seed if seed is not None else chain_seed())
     out: list[bytes] = []
@@ -92,7 +114,8 @@ def chunk_hashes(
         if hi - lo < chunk_size and not include_partial:
             break
         extra = extras.get(i, b"") if extras else b""
-        h = hashlib.blake2b(prev, digest_size=HASH_BYTES, key=_HASH_KEY)
+        h = _KEYED.copy()
+        h.update(prev)
         h.update(_LEN.pack(hi - lo, len(extra)))
         h.update(buf[lo * 4 : lo * 4 + width] if hi - lo == chunk_size else buf[lo * 4 : hi * 4])
         if extra:
@@ -152,6 +175,11 @@ class ChunkKey:
     def __post_init__(self) -> None:
         if len(self.namespace) != HASH_BYTES or len(self.chunk_hash) != HASH_BYTES:
             raise ValueError("namespace and chunk_hash must be 16 bytes each")
+
+    def __hash__(self) -> int:
+        # The chunk hash alone (bytes cache their hash): keys are hashed many times per
+        # stored chunk (tier index, eviction policy); equality still checks both parts.
+        return hash(self.chunk_hash)
 
     def to_str(self) -> str:
         return f"v{KEY_FORMAT_VERSION}-{self.namespace.hex()}-{self.chunk_hash.hex()}"

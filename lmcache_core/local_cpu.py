@@ -25,14 +25,6 @@ class LocalCpuConfig(StrictModel):
     eviction: str = DEFAULT_EVICTION
 
 
-class _Entry:
-    __slots__ = ("buf", "pins")
-
-    def __init__(self, buf: MemoryBuffer) -> None:
-        self.buf = buf
-        self.pins = 0
-
-
 class LocalCpuBackend(StorageBackend):
     name = "local_cpu"
     capabilities = frozenset({ZERO_COPY, PINNING})
@@ -42,9 +34,11 @@ class LocalCpuBackend(StorageBackend):
         self.max_size = min(max_size, pool.capacity)
         self._lock = threading.RLock()
         self.policy = policy if policy is not None else LruPolicy(self.max_size)
-        self._entries: dict[ChunkKey, _Entry] = {}
+        # key -> the pool buffer holding the chunk (one reference held by the tier);
+        # pins apart, for the few keys that have them (a small per-entry footprint)
+        self._entries: dict[ChunkKey, MemoryBuffer] = {}
+        self._pins: dict[ChunkKey, int] = {}
         self._bytes = 0
-        self._pinned = 0  # entries with pins > 0: stats() is read every engine step, keep it O(1)
         self._stats = BackendStats(self.name, bytes_capacity=self.max_size)
         self._stats.extra["eviction"] = self.policy.name
         self._stats.extra["rejected"] = 0  # puts the policy's admission filter declined
@@ -75,7 +69,7 @@ class LocalCpuBackend(StorageBackend):
         if buf is None:
             return False
         try:
-            if buf.tensor.dtype != out.dtype or buf.tensor.shape != out.shape:
+            if buf.dtype != out.dtype or buf.shape != tuple(out.shape):
                 with self._lock:
                     self._stats.errors += 1
                 return False
@@ -86,14 +80,13 @@ class LocalCpuBackend(StorageBackend):
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
+            buf = self._entries.pop(key, None)
+            if buf is None:
                 return False
             self.policy.remove(key)
-            self._bytes -= entry.buf.size
-            if entry.pins:
-                self._pinned -= 1
-        entry.buf.release()
+            self._bytes -= buf.size
+            self._pins.pop(key, None)
+        buf.release()
         return True
 
     def stats(self) -> BackendStats:
@@ -101,7 +94,7 @@ class LocalCpuBackend(StorageBackend):
             s = self._stats.snapshot()
             s.chunks = len(self._entries)
             s.bytes_used = self._bytes
-            s.extra["pinned"] = self._pinned
+            s.extra["pinned"] = len(self._pins)
         return s
 
     def close(self) -> None:
@@ -110,23 +103,23 @@ class LocalCpuBackend(StorageBackend):
             for key in self._entries:
                 self.policy.remove(key)
             self._entries.clear()
+            self._pins.clear()
             self._bytes = 0
-            self._pinned = 0
-        for e in entries:
-            e.buf.release()
+        for buf in entries:
+            buf.release()
 
     # -- zero copy ------------------------------------------------------------------
     def get_buffer(self, key: ChunkKey) -> MemoryBuffer | None:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
+            buf = self._entries.get(key)
+            if buf is None:
                 self._stats.misses += 1
                 self.policy.miss(key)
                 return None
             self.policy.hit(key)
             self._stats.hits += 1
-            self._stats.get_bytes += entry.buf.nbytes
-            return entry.buf.retain()
+            self._stats.get_bytes += buf.nbytes
+            return buf.retain()
 
     def put_buffer(self, key: ChunkKey, buf: MemoryBuffer) -> bool:
         if buf.pool is not self.pool:
@@ -147,7 +140,7 @@ class LocalCpuBackend(StorageBackend):
             if self._bytes + buf.size > self.max_size:
                 self._stats.skipped += 1
                 return False
-            self._entries[key] = _Entry(buf.retain())
+            self._entries[key] = buf.retain()
             self.policy.insert(key, buf.size)
             self._bytes += buf.size
             self._stats.puts += 1
@@ -180,38 +173,40 @@ class LocalCpuBackend(StorageBackend):
             key = self.policy.pop_victim()
             if key is None:
                 break
-            entry = self._entries.get(key)  # type: ignore[arg-type]
-            if entry is None:  # the policy offered a key the tier does not hold
+            buf = self._entries.get(key)  # type: ignore[arg-type]
+            if buf is None:  # the policy offered a key the tier does not hold
                 continue
-            if entry.pins:
+            if key in self._pins:
                 kept.append(key)  # type: ignore[arg-type]
                 continue
             del self._entries[key]  # type: ignore[arg-type]
-            self._bytes -= entry.buf.size
+            self._bytes -= buf.size
             self._stats.evictions += 1
-            freed += entry.buf.size
-            entry.buf.release()
+            freed += buf.size
+            buf.release()
             self.evicted(key)  # type: ignore[arg-type]
         for key in kept:
-            self.policy.keep(key, self._entries[key].buf.size)
+            self.policy.keep(key, self._entries[key].size)
         return freed
 
     # -- pinning --------------------------------------------------------------------
     def pin(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:
+            pins = self._pins
             for k in keys:
-                e = self._entries.get(k)
-                if e is not None:
-                    self._pinned += e.pins == 0
-                    e.pins += 1
+                if k in self._entries:
+                    pins[k] = pins.get(k, 0) + 1
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:
+            pins = self._pins
             for k in keys:
-                e = self._entries.get(k)
-                if e is not None and e.pins > 0:
-                    e.pins -= 1
-                    self._pinned -= e.pins == 0
+                n = pins.get(k)
+                if n is not None:
+                    if n > 1:
+                        pins[k] = n - 1
+                    else:
+                        del pins[k]
 
 
 def pool_bytes(section: Mapping[str, Any]) -> int:

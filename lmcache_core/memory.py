@@ -59,17 +59,39 @@ def _round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+_ELEMENT_SIZES: dict[torch.dtype, int] = {}
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (cached: asking torch costs a tensor)."""
+    es = _ELEMENT_SIZES.get(dtype)
+    if es is None:
+        es = _ELEMENT_SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
+    return es
+
+
 class MemoryBuffer:
-    """A region of the pool viewed as ``tensor``. Starts with one reference."""
+    """A region of the pool holding a ``dtype`` array of ``shape``, seen as a tensor
+    through :attr:`tensor`. Starts with one reference.
 
-    __slots__ = ("pool", "offset", "size", "tensor", "_refs")
+    It keeps offsets, not a tensor: a torch view costs about a kilobyte, too much
+    per resident chunk when a CPU tier holds millions of small ones. Each access to
+    :attr:`tensor` makes a fresh view (about a microsecond); keep it in a local for
+    repeated use."""
 
-    def __init__(self, pool: "MemoryPool", offset: int, size: int, tensor: torch.Tensor) -> None:
+    __slots__ = ("pool", "offset", "size", "shape", "dtype", "_refs")
+
+    def __init__(self, pool: "MemoryPool", offset: int, size: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.pool = pool
         self.offset = offset
         self.size = size
-        self.tensor = tensor
+        self.shape = shape
+        self.dtype = dtype
         self._refs = 1
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.pool.view(self.offset, self.shape, self.dtype)
 
     @property
     def refcount(self) -> int:
@@ -77,7 +99,7 @@ class MemoryBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return math.prod(self.shape) * element_size(self.dtype)
 
     def retain(self) -> "MemoryBuffer":
         with self.pool._lock:
@@ -110,12 +132,38 @@ class MemoryPool:
         self._free_offsets: list[int] = [0]
         self._free_sizes: dict[int, int] = {0: self.capacity}
         self.used = 0
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # contiguous strides per shape
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The pool's bytes at ``offset`` (a multiple of :data:`ALIGN`) as a
+        contiguous ``dtype`` tensor of ``shape``."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            es = element_size(dtype)
+            typed = self._typed[dtype] = self._data[: self.capacity // es * es].view(dtype)
+        strides = self._strides.get(shape)
+        if strides is None:
+            acc, out = 1, []
+            for d in reversed(shape):
+                out.append(acc)
+                acc *= max(d, 1)
+            strides = tuple(reversed(out))
+            if len(self._strides) < 4096:
+                self._strides[shape] = strides
+        return typed.as_strided(shape, strides, offset // element_size(dtype))
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
         """A buffer of ``shape``/``dtype``, or ``None`` when no free region fits."""
-        if any(int(d) < 0 for d in shape):
-            raise ValueError(f"negative dimension in shape {tuple(shape)}")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        shp = self._shapes.get(shape if type(shape) is tuple else tuple(shape))  # type: ignore[arg-type]
+        if shp is None:
+            shp = tuple(int(d) for d in shape)
+            if any(d < 0 for d in shp):
+                raise ValueError(f"negative dimension in shape {shp}")
+            if len(self._shapes) < 4096:  # shapes repeat (one per layout); bounded all the same
+                self._shapes[shp] = shp
+        nbytes = math.prod(shp) * element_size(dtype)
         size = _round_up(max(nbytes, 1))
         with self._lock:
             for i, off in enumerate(self._free_offsets):
@@ -130,8 +178,7 @@ class MemoryPool:
                     break
             else:
                 return None
-        view = self._data[off : off + nbytes].view(dtype).view(tuple(shape))
-        return MemoryBuffer(self, off, size, view)
+        return MemoryBuffer(self, off, size, shp, dtype)
 
     def _free_locked(self, off: int, size: int) -> None:
         self.used -= size

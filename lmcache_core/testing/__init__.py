@@ -1,19 +1,74 @@
 """Test helpers for backend authors, shipped inside the package.
 
-Subclass :class:`BackendConformance` in your own test suite and implement
-``make_backend``; pytest then runs the whole contract against your backend::
+The backend suite is one mixin per clause of the contract (round trips, index,
+integrity, stats, concurrency, lifecycle, eviction, pinning, zero-copy), all built
+on :class:`BackendFixtures`. Subclass :class:`BackendConformance` for every clause,
+or the mixins you want, and supply the fixtures; pytest runs the rest::
 
+    import pytest
     from lmcache_core.testing import BackendConformance
 
     class TestMyTier(BackendConformance):
         def make_backend(self, ctx, tmp_path):
             return MyTier(...)
 
+        def make_bounded_backend(self, ctx, tmp_path, max_bytes):  # optional
+            return MyTier(..., max_size=max_bytes)
+
+        @pytest.fixture
+        def corrupt(self, backend):                # required for a tier storing frames
+            return lambda key: flip_a_byte_of(backend, key)
+
+        @pytest.fixture
+        def replace_with(self, backend):           # required for a tier storing frames
+            return lambda key, other: copy_frame(backend, src=other, dst=key)
+
 Eviction policies have their own suite, :class:`EvictionPolicyConformance`
 (implement ``make_policy(capacity)``).
 """
 
-from .conformance import BackendConformance, make_context, random_chunk, random_key
+from .conformance import (
+    BOUNDED_BYTES,
+    PRESSURE_CHUNK_BYTES,
+    BackendConformance,
+    BackendFixtures,
+    ConcurrencyTests,
+    Corrupt,
+    EvictionTests,
+    IndexTests,
+    IntegrityTests,
+    LifecycleTests,
+    PinningTests,
+    ReplaceWith,
+    RoundTripTests,
+    StatsTests,
+    ZeroCopyTests,
+    flip_byte,
+    make_context,
+    random_chunk,
+    random_key,
+)
 from .policies import EvictionPolicyConformance
 
-__all__ = ["BackendConformance", "EvictionPolicyConformance", "make_context", "random_chunk", "random_key"]
+__all__ = [
+    "BOUNDED_BYTES",
+    "PRESSURE_CHUNK_BYTES",
+    "BackendConformance",
+    "BackendFixtures",
+    "ConcurrencyTests",
+    "Corrupt",
+    "EvictionPolicyConformance",
+    "EvictionTests",
+    "IndexTests",
+    "IntegrityTests",
+    "LifecycleTests",
+    "PinningTests",
+    "ReplaceWith",
+    "RoundTripTests",
+    "StatsTests",
+    "ZeroCopyTests",
+    "flip_byte",
+    "make_context",
+    "random_chunk",
+    "random_key",
+]

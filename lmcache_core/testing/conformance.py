@@ -1,11 +1,22 @@
-"""The backend conformance suite (see the package docstring)."""
+"""The backend conformance suite, one mixin per clause of the contract (see the
+package docstring for how to use it).
+
+Every mixin derives from :class:`BackendFixtures`, which holds what a backend's test
+class supplies: ``make_backend`` (required), and optionally ``reopen_backend``
+(persistent tiers), ``make_bounded_backend`` (tiers with a byte budget of their own)
+and the fixtures ``corrupt`` and ``replace_with`` that reach into the tier's storage.
+A clause whose optional part is not supplied is skipped, with one exception: a tier
+that stores serde frames (``stores_frames = True``, the default) must supply
+``corrupt`` and ``replace_with``, or the integrity clauses fail, since a byte tier that
+cannot show a corrupt or foreign frame is a miss has not shown it is safe.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -15,6 +26,20 @@ from ..config import CoreConfig
 from ..keys import ChunkKey, KeyNamespace
 from ..memory import MemoryPool
 from ..serde import Lz4Codec, RawCodec
+
+#: ``corrupt(key)``: damage the stored frame of ``key`` in place (flip a payload byte).
+Corrupt = Callable[[ChunkKey], None]
+#: ``replace_with(key, other_key)``: store ``other_key``'s frame, byte for byte, where
+#: the tier keeps ``key``'s (as a shared store written by another model would).
+ReplaceWith = Callable[[ChunkKey, ChunkKey], None]
+
+#: the chunk the pressure clauses write: 8 KiB of float16
+PRESSURE_SHAPE = (16, 256)
+PRESSURE_CHUNK_BYTES = 16 * 256 * 2
+#: the byte budget ``make_bounded_backend`` is asked for: about 16 such chunks
+BOUNDED_BYTES = 16 * PRESSURE_CHUNK_BYTES
+#: chunks written against that budget (three times what fits)
+PRESSURE_CHUNKS = 48
 
 
 def make_context(pool_bytes: int = 64 << 20, *, codec: str = "raw", key_path: str = "backends[0]") -> BackendContext:
@@ -38,13 +63,27 @@ def random_chunk(shape: tuple[int, ...] = (4, 2, 64, 32), dtype: torch.dtype = t
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
 
 
-class BackendConformance:
-    """Contract tests every backend passes. Override :meth:`make_backend`; set
+def flip_byte(frame: bytes | bytearray, at: int = -1) -> bytes:
+    """``frame`` with one bit of the byte at ``at`` flipped (default: the last, in the
+    payload): what a ``corrupt`` fixture writes back."""
+    damaged = bytearray(frame)
+    damaged[at] ^= 0x01
+    return bytes(damaged)
+
+
+def _delta(before: BackendStats, after: BackendStats, field: str) -> int:
+    return int(getattr(after, field)) - int(getattr(before, field))
+
+
+class BackendFixtures:
+    """What a backend's test class supplies. Override :meth:`make_backend`; set
     ``persistent = True`` if a second instance over the same storage sees the data
-    (then :meth:`reopen_backend` must build that second instance)."""
+    (then :meth:`reopen_backend` must build that second instance); set
+    ``stores_frames = False`` for a tier that keeps tensors rather than serde frames."""
 
     persistent: bool = False
     codec: str = "raw"
+    stores_frames: bool = True
 
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
         raise NotImplementedError
@@ -52,22 +91,45 @@ class BackendConformance:
     def reopen_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
         return self.make_backend(ctx, tmp_path)
 
+    def make_bounded_backend(self, ctx: BackendContext, tmp_path: Path, max_bytes: int) -> Optional[StorageBackend]:
+        """A fresh tier that holds at most ``max_bytes`` (its own budget, evicting past
+        it); ``None`` (the default) for a tier whose capacity is a server's business."""
+        return None
+
     @pytest.fixture
     def ctx(self) -> BackendContext:
         return make_context(codec=self.codec)
 
     @pytest.fixture
-    def backend(self, ctx: BackendContext, tmp_path: Path) -> Any:
+    def backend(self, ctx: BackendContext, tmp_path: Path) -> Iterator[StorageBackend]:
         b = self.make_backend(ctx, tmp_path)
         yield b
         b.close()
 
-    def _roundtrip(self, backend: StorageBackend, data: torch.Tensor) -> None:
-        key = random_key()
-        assert backend.put(key, data)
-        out = torch.empty_like(data)
-        assert backend.get(key, out)
-        assert torch.equal(out.view(torch.uint8), data.view(torch.uint8))
+    @pytest.fixture
+    def corrupt(self, backend: StorageBackend) -> Optional[Corrupt]:
+        """Override: return ``corrupt(key)`` for ``backend``'s storage."""
+        return None
+
+    @pytest.fixture
+    def replace_with(self, backend: StorageBackend) -> Optional[ReplaceWith]:
+        """Override: return ``replace_with(key, other_key)`` for ``backend``'s storage."""
+        return None
+
+    def _storage_hook(self, hook: Any, name: str) -> Any:
+        if hook is not None:
+            return hook
+        if self.stores_frames:
+            pytest.fail(
+                f"{type(self).__name__}: supply the `{name}` fixture (it reaches the tier's storage) so the "
+                "suite can show that a damaged or foreign frame is a miss; a tier that keeps tensors, not "
+                "serde frames, sets stores_frames = False"
+            )
+        pytest.skip("the tier stores no frames")
+
+
+class RoundTripTests(BackendFixtures):
+    """put then get returns the same bytes; a miss, a wrong shape or dtype is False."""
 
     def test_is_backend(self, backend: StorageBackend) -> None:
         assert isinstance(backend, StorageBackend)
@@ -80,11 +142,32 @@ class BackendConformance:
             data = torch.randint(0, 256, (3, 1000), dtype=torch.uint8)
         else:
             data = random_chunk(dtype=dtype)
-        self._roundtrip(backend, data)
+        key = random_key()
+        assert backend.put(key, data)
+        out = torch.empty_like(data)
+        assert backend.get(key, out)
+        assert torch.equal(out.view(torch.uint8), data.view(torch.uint8))
 
     def test_miss(self, backend: StorageBackend) -> None:
         out = torch.zeros(4, 2, 64, 32, dtype=torch.float16)
         assert backend.get(random_key(), out) is False
+
+    def test_put_existing_key_is_idempotent(self, backend: StorageBackend) -> None:
+        key, data = random_key(), random_chunk(shape=(8, 8))
+        assert backend.put(key, data)
+        assert backend.put(key, data)
+        out = torch.empty_like(data)
+        assert backend.get(key, out) and torch.equal(out, data)
+
+    def test_get_with_wrong_shape_is_a_miss(self, backend: StorageBackend) -> None:
+        key, data = random_key(), random_chunk(shape=(8, 8))
+        backend.put(key, data)
+        assert backend.get(key, torch.empty(4, 8, dtype=torch.float16)) is False
+        assert backend.get(key, torch.empty(8, 8, dtype=torch.float32)) is False
+
+
+class IndexTests(BackendFixtures):
+    """contains is a prefix count, remove removes, namespaces never collide."""
 
     def test_contains_is_prefix_count(self, backend: StorageBackend) -> None:
         keys = [random_key() for _ in range(6)]
@@ -95,13 +178,6 @@ class BackendConformance:
         assert backend.contains([]) == 0
         assert backend.contains([random_key()] + keys) == 0
 
-    def test_put_existing_key_is_idempotent(self, backend: StorageBackend) -> None:
-        key, data = random_key(), random_chunk(shape=(8, 8))
-        assert backend.put(key, data)
-        assert backend.put(key, data)
-        out = torch.empty_like(data)
-        assert backend.get(key, out) and torch.equal(out, data)
-
     def test_remove(self, backend: StorageBackend) -> None:
         key = random_key()
         backend.put(key, random_chunk(shape=(8, 8)))
@@ -110,25 +186,85 @@ class BackendConformance:
         assert backend.get(key, torch.empty(8, 8, dtype=torch.float16)) is False
         assert backend.remove(key) is False
 
-    def test_get_with_wrong_shape_is_a_miss(self, backend: StorageBackend) -> None:
-        key, data = random_key(), random_chunk(shape=(8, 8))
-        backend.put(key, data)
-        assert backend.get(key, torch.empty(4, 8, dtype=torch.float16)) is False
-        assert backend.get(key, torch.empty(8, 8, dtype=torch.float32)) is False
-
     def test_keys_do_not_collide_across_namespaces(self, backend: StorageBackend) -> None:
         h = os.urandom(16)
         a, b = KeyNamespace(model="a").key(h), KeyNamespace(model="b").key(h)
         backend.put(a, random_chunk(shape=(4, 4)))
         assert backend.contains([b]) == 0
+        assert backend.get(b, torch.empty(4, 4, dtype=torch.float16)) is False
 
-    def test_stats(self, backend: StorageBackend) -> None:
-        backend.put(random_key(), random_chunk(shape=(16, 16)))
-        s = backend.stats()
-        assert isinstance(s, BackendStats)
-        assert s.name == backend.name
-        assert s.puts >= 1 or s.chunks >= 1
 
+class IntegrityTests(BackendFixtures):
+    """A damaged frame, or another key's valid frame in this key's place, is a miss
+    (counted as one), never another key's data: the tier decodes with ``expect_key``."""
+
+    def test_corrupt_frame_is_a_miss(self, backend: StorageBackend, corrupt: Optional[Corrupt]) -> None:
+        damage = self._storage_hook(corrupt, "corrupt")
+        key, data = random_key(), random_chunk(shape=(16, 64), seed=11)
+        assert backend.put(key, data)
+        out = torch.empty_like(data)
+        assert backend.get(key, out) and torch.equal(out, data)  # negative control: intact, it hits
+        damage(key)
+        before = backend.stats()
+        assert backend.get(key, torch.empty_like(data)) is False, "a corrupt frame was served"
+        after = backend.stats()
+        assert _delta(before, after, "hits") == 0
+        assert _delta(before, after, "misses") == 1, "a corrupt frame must count as one miss"
+
+    def test_foreign_frame_is_a_miss(self, backend: StorageBackend, replace_with: Optional[ReplaceWith]) -> None:
+        replace = self._storage_hook(replace_with, "replace_with")
+        # The same chunk hash under another namespace (another model sharing the store):
+        # only the key inside the frame tells them apart.
+        key = random_key("mine")
+        other = KeyNamespace(model="theirs").key(key.chunk_hash)
+        data, theirs = random_chunk(shape=(16, 64), seed=21), random_chunk(shape=(16, 64), seed=22)
+        assert backend.put(key, data) and backend.put(other, theirs)
+        replace(key, other)
+        out = torch.zeros_like(data)
+        before = backend.stats()
+        hit = backend.get(key, out)
+        assert not (hit and torch.equal(out, theirs)), (
+            "served another key's frame: decode with expect_key=key so a frame of another key is a miss"
+        )
+        assert hit is False
+        assert _delta(before, backend.stats(), "misses") == 1
+        out2 = torch.empty_like(theirs)
+        assert backend.get(other, out2) and torch.equal(out2, theirs)  # the frame itself is valid
+
+
+class StatsTests(BackendFixtures):
+    """``stats()`` counts what happened: puts and their bytes, hits and their bytes,
+    misses, chunks held (where the tier knows them)."""
+
+    def test_stats_count_what_happened(self, backend: StorageBackend) -> None:
+        items = [(random_key(), random_chunk(shape=(8, 64), seed=30 + i)) for i in range(3)]
+        nbytes = items[0][1].nbytes
+        before = backend.stats()
+        for k, d in items:
+            assert backend.put(k, d)
+        for k, d in items[:2]:
+            out = torch.empty_like(d)
+            assert backend.get(k, out) and torch.equal(out, d)
+        assert backend.get(random_key(), torch.empty(8, 64, dtype=torch.float16)) is False
+        after = backend.stats()
+        assert isinstance(after, BackendStats) and after.name == backend.name
+        counted = {f: _delta(before, after, f) for f in ("puts", "put_bytes", "hits", "get_bytes", "misses", "errors", "evictions")}
+        assert counted == {
+            "puts": 3,
+            "put_bytes": 3 * nbytes,  # the chunks' bytes, whatever the frame or codec
+            "hits": 2,
+            "get_bytes": 2 * nbytes,
+            "misses": 1,
+            "errors": 0,
+            "evictions": 0,
+        }
+        if before.chunks or after.chunks:  # 0 throughout: the tier does not count chunks
+            assert _delta(before, after, "chunks") == 3
+        if before.bytes_used or after.bytes_used:
+            assert _delta(before, after, "bytes_used") > 0
+
+
+class ConcurrencyTests(BackendFixtures):
     def test_concurrent_puts_and_gets(self, backend: StorageBackend) -> None:
         items = [(random_key(), random_chunk(shape=(4, 256), seed=i)) for i in range(32)]
         errors: list[BaseException] = []
@@ -150,6 +286,10 @@ class BackendConformance:
             t.join(timeout=60)
         assert not errors, errors
 
+
+class LifecycleTests(BackendFixtures):
+    """close is idempotent; a persistent tier's data survives a reopen."""
+
     def test_close_is_idempotent(self, ctx: BackendContext, tmp_path: Path) -> None:
         b = self.make_backend(ctx, tmp_path)
         b.close()
@@ -170,6 +310,69 @@ class BackendConformance:
         finally:
             b2.close()
 
+
+def _pressure(b: StorageBackend, start: int = 0) -> list[tuple[ChunkKey, torch.Tensor]]:
+    items = [(random_key(), random_chunk(PRESSURE_SHAPE, seed=1000 + start + i)) for i in range(PRESSURE_CHUNKS)]
+    for k, d in items:
+        b.put(k, d)
+    return items
+
+
+class EvictionTests(BackendFixtures):
+    """A tier with a byte budget of its own holds at most that budget under pressure,
+    serves what it holds intact, and its stats add up: puts - evictions = chunks held."""
+
+    def test_budget_holds_under_pressure(self, ctx: BackendContext, tmp_path: Path) -> None:
+        b = self.make_bounded_backend(ctx, tmp_path, BOUNDED_BYTES)
+        if b is None:
+            pytest.skip("no byte budget of its own (make_bounded_backend returns None)")
+        try:
+            items = _pressure(b)
+            s = b.stats()
+            held = [(k, d) for k, d in items if b.contains([k]) == 1]
+            assert 0 < len(held) <= BOUNDED_BYTES // PRESSURE_CHUNK_BYTES
+            assert s.evictions > 0, "three times the budget was written and nothing was evicted"
+            assert s.bytes_used <= BOUNDED_BYTES
+            assert s.puts - s.evictions == len(held), (s.puts, s.evictions, len(held))
+            assert s.chunks in (0, len(held))
+            out = torch.empty(PRESSURE_SHAPE, dtype=torch.float16)
+            for k, d in held:
+                assert b.get(k, out) and torch.equal(out, d)
+        finally:
+            b.close()
+
+
+class PinningTests(BackendFixtures):
+    """A tier with ``PINNING``: a pinned chunk survives eviction pressure that evicts
+    its unpinned twin (written at the same moment)."""
+
+    def test_pinned_chunks_survive_eviction_pressure(self, ctx: BackendContext, tmp_path: Path) -> None:
+        b = self.make_bounded_backend(ctx, tmp_path, BOUNDED_BYTES)
+        if b is None:
+            probe = self.make_backend(ctx, tmp_path)
+            pinning = PINNING in probe.capabilities
+            probe.close()
+            if pinning:
+                pytest.fail(f"{type(self).__name__}: a PINNING tier must supply make_bounded_backend to show pins hold")
+            pytest.skip("no pinning capability")
+        try:
+            if PINNING not in b.capabilities:
+                pytest.skip("no pinning capability")
+            pinned, twin = random_key(), random_key()
+            data = random_chunk(PRESSURE_SHAPE, seed=1)
+            assert b.put(pinned, data) and b.put(twin, random_chunk(PRESSURE_SHAPE, seed=2))
+            b.pin([pinned])
+            _pressure(b)
+            assert b.stats().evictions > 0
+            assert b.contains([twin]) == 0, "the unpinned twin survived: no real pressure was applied"
+            out = torch.empty_like(data)
+            assert b.contains([pinned]) == 1 and b.get(pinned, out) and torch.equal(out, data)
+            b.unpin([pinned])
+        finally:
+            b.close()
+
+
+class ZeroCopyTests(BackendFixtures):
     def test_zero_copy_capability(self, backend: StorageBackend, ctx: BackendContext) -> None:
         if ZERO_COPY not in backend.capabilities:
             pytest.skip("no zero-copy capability")
@@ -183,11 +386,16 @@ class BackendConformance:
         assert got is not None and torch.equal(got.tensor, data)
         got.release()
 
-    def test_pinning_capability(self, backend: StorageBackend) -> None:
-        if PINNING not in backend.capabilities:
-            pytest.skip("no pinning capability")
-        key = random_key()
-        backend.put(key, random_chunk(shape=(8, 8)))
-        backend.pin([key])
-        backend.unpin([key])
-        assert backend.contains([key]) == 1
+
+class BackendConformance(
+    RoundTripTests,
+    IndexTests,
+    IntegrityTests,
+    StatsTests,
+    ConcurrencyTests,
+    LifecycleTests,
+    EvictionTests,
+    PinningTests,
+    ZeroCopyTests,
+):
+    """Every clause. Subclass it and supply the fixtures (:class:`BackendFixtures`)."""

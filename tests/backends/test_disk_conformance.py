@@ -1,12 +1,16 @@
-"""The disk tier passes the shared backend conformance suite (persistent)."""
+"""The disk tier passes the shared backend conformance suite (persistent), with the
+storage fixtures reaching its chunk files."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lmcache_backend_disk import create_disk_backend
+import pytest
+
+from lmcache_backend_disk import DiskBackend, create_disk_backend
 from lmcache_core.backend import BackendContext, StorageBackend
-from lmcache_core.testing import BackendConformance
+from lmcache_core.keys import ChunkKey
+from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte
 
 
 class TestDiskConformance(BackendConformance):
@@ -15,9 +19,26 @@ class TestDiskConformance(BackendConformance):
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
         return create_disk_backend({"path": str(tmp_path / "tier"), "max_size": "256MiB"}, ctx)
 
+    def make_bounded_backend(self, ctx: BackendContext, tmp_path: Path, max_bytes: int) -> StorageBackend:
+        return create_disk_backend({"path": str(tmp_path / "bounded"), "max_size": max_bytes}, ctx)
 
-class TestDiskConformanceLz4ODirect(BackendConformance):
-    persistent = True
+    @pytest.fixture
+    def corrupt(self, backend: DiskBackend) -> Corrupt:
+        def corrupt(key: ChunkKey) -> None:
+            path = backend.directory.chunk_path(key)
+            path.write_bytes(flip_byte(path.read_bytes()))
+
+        return corrupt
+
+    @pytest.fixture
+    def replace_with(self, backend: DiskBackend) -> ReplaceWith:
+        def replace_with(key: ChunkKey, other: ChunkKey) -> None:
+            backend.directory.chunk_path(key).write_bytes(backend.directory.chunk_path(other).read_bytes())
+
+        return replace_with
+
+
+class TestDiskConformanceLz4ODirect(TestDiskConformance):
     codec = "lz4"
 
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:

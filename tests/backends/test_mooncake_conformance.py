@@ -20,7 +20,19 @@ from mooncake_server import MooncakeMaster, mooncake_store  # noqa: E402,F401 - 
 
 from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
 from lmcache_core.backend import BackendContext, StorageBackend  # noqa: E402
-from lmcache_core.testing import BackendConformance  # noqa: E402
+from lmcache_core.keys import ChunkKey  # noqa: E402
+from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def raw_store(mooncake_store: MooncakeMaster) -> Iterator[Any]:
+    """A second, plain Mooncake client: what the storage fixtures rewrite objects with."""
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", mooncake_store.metadata, 0, 16 << 20, "tcp", "", mooncake_store.master) == 0
+    yield s
+    s.close()
 
 
 class TestMooncakeConformance(BackendConformance):
@@ -32,6 +44,25 @@ class TestMooncakeConformance(BackendConformance):
 
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
         return create_mooncake_backend(self.store.options(key_prefix=f"conf/{tmp_path.name}/", staging_size="16MiB"), ctx)
+
+    def _rewrite(self, raw: Any, name: str, frame: bytes) -> None:
+        assert list(raw.batch_remove([name], True)) == [0]  # forced: a read a moment ago holds a lease
+        assert raw.put(name, frame) == 0
+
+    @pytest.fixture
+    def corrupt(self, backend: Any, raw_store: Any) -> Corrupt:
+        def corrupt(key: ChunkKey) -> None:
+            name = backend._name(key)
+            self._rewrite(raw_store, name, flip_byte(raw_store.get(name)))
+
+        return corrupt
+
+    @pytest.fixture
+    def replace_with(self, backend: Any, raw_store: Any) -> ReplaceWith:
+        def replace_with(key: ChunkKey, other: ChunkKey) -> None:
+            self._rewrite(raw_store, backend._name(key), raw_store.get(backend._name(other)))
+
+        return replace_with
 
     @pytest.fixture(scope="class")
     @classmethod

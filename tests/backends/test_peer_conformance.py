@@ -15,14 +15,46 @@ import pytest
 
 from lmcache_backend_peer import FrameStore, PeerServer, create_peer_backend
 from lmcache_core.backend import BackendContext, StorageBackend
-from lmcache_core.testing import BackendConformance
+from lmcache_core.keys import ChunkKey
+from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte
 
 SECRET = b"conformance-secret-0123456789"
+
+
+def _store_hooks(store: FrameStore) -> tuple[Corrupt, ReplaceWith]:
+    """``corrupt`` and ``replace_with`` over the frame store that holds the chunks."""
+
+    def rewrite(key: ChunkKey, frame: bytes) -> None:
+        assert store.remove(key)
+        assert store.put_frame(key, frame)
+
+    def corrupt(key: ChunkKey) -> None:
+        frame = store.get_frame(key)
+        assert frame is not None
+        rewrite(key, flip_byte(bytes(frame)))
+
+    def replace_with(key: ChunkKey, other: ChunkKey) -> None:
+        frame = store.get_frame(other)
+        assert frame is not None
+        rewrite(key, bytes(frame))
+
+    return corrupt, replace_with
 
 
 class TestPeerLocalStore(BackendConformance):
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
         return create_peer_backend({"listen": "127.0.0.1:0", "secret": SECRET.decode(), "max_size": "64MiB"}, ctx)
+
+    def make_bounded_backend(self, ctx: BackendContext, tmp_path: Path, max_bytes: int) -> StorageBackend:
+        return create_peer_backend({"listen": "127.0.0.1:0", "secret": SECRET.decode(), "max_size": max_bytes}, ctx)
+
+    @pytest.fixture
+    def corrupt(self, backend: StorageBackend) -> Corrupt:
+        return _store_hooks(backend.store)[0]  # type: ignore[attr-defined]
+
+    @pytest.fixture
+    def replace_with(self, backend: StorageBackend) -> ReplaceWith:
+        return _store_hooks(backend.store)[1]  # type: ignore[attr-defined]
 
 
 class TestPeerLocalStoreLz4(TestPeerLocalStore):
@@ -43,6 +75,14 @@ class TestPeerPushToNode(BackendConformance):
             {"peers": [f"{host}:{port}"], "secret": SECRET.decode(), "max_size": 0, "push": True, "timeout_ms": 5000},
             ctx,
         )
+
+    @pytest.fixture
+    def corrupt(self, backend: StorageBackend) -> Corrupt:
+        return _store_hooks(self._node.source)[0]  # type: ignore[arg-type]
+
+    @pytest.fixture
+    def replace_with(self, backend: StorageBackend) -> ReplaceWith:
+        return _store_hooks(self._node.source)[1]  # type: ignore[arg-type]
 
     def test_data_lives_on_the_node(self, backend: StorageBackend) -> None:
         from lmcache_core.testing import random_chunk, random_key

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,10 +15,31 @@ from redis_server import RedisCluster3, RedisServer, redis_cluster, redis_server
 
 from lmcache_backend_redis import create_redis_backend  # noqa: E402
 from lmcache_core.backend import BackendContext, StorageBackend  # noqa: E402
-from lmcache_core.testing import BackendConformance  # noqa: E402
+from lmcache_core.keys import ChunkKey  # noqa: E402
+from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte  # noqa: E402
 
 
-class TestRedisConformance(BackendConformance):
+class RedisStorageFixtures(BackendConformance):
+    """The storage fixtures rewrite the values through the tier's own client (a
+    cluster client routes each name to its node)."""
+
+    @pytest.fixture
+    def corrupt(self, backend: Any) -> Corrupt:
+        def corrupt(key: ChunkKey) -> None:
+            name = backend._name(key)
+            backend.client.set(name, flip_byte(backend.client.get(name)))
+
+        return corrupt
+
+    @pytest.fixture
+    def replace_with(self, backend: Any) -> ReplaceWith:
+        def replace_with(key: ChunkKey, other: ChunkKey) -> None:
+            backend.client.set(backend._name(key), backend.client.get(backend._name(other)))
+
+        return replace_with
+
+
+class TestRedisConformance(RedisStorageFixtures):
     persistent = True
 
     @pytest.fixture(autouse=True)
@@ -32,7 +54,7 @@ class TestRedisConformanceLz4(TestRedisConformance):
     codec = "lz4"
 
 
-class TestRedisClusterConformance(BackendConformance):
+class TestRedisClusterConformance(RedisStorageFixtures):
     persistent = True
 
     @pytest.fixture(autouse=True)

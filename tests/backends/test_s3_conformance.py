@@ -14,7 +14,8 @@ from s3_server import MotoS3, s3_bucket, s3_server  # noqa: E402,F401 - fixtures
 
 from lmcache_backend_s3 import create_s3_backend  # noqa: E402
 from lmcache_core.backend import BackendContext, StorageBackend  # noqa: E402
-from lmcache_core.testing import BackendConformance  # noqa: E402
+from lmcache_core.keys import ChunkKey  # noqa: E402
+from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte  # noqa: E402
 
 
 class TestS3Conformance(BackendConformance):
@@ -29,6 +30,24 @@ class TestS3Conformance(BackendConformance):
 
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
         return create_s3_backend(self._section(tmp_path), ctx)
+
+    # The storage fixtures rewrite the objects through the tier's own S3 client.
+    @pytest.fixture
+    def corrupt(self, backend: Any) -> Corrupt:
+        def corrupt(key: ChunkKey) -> None:
+            name = backend._object(key)
+            body = backend.client.get_object(Bucket=backend.bucket, Key=name)["Body"].read()
+            backend.client.put_object(Bucket=backend.bucket, Key=name, Body=flip_byte(body))
+
+        return corrupt
+
+    @pytest.fixture
+    def replace_with(self, backend: Any) -> ReplaceWith:
+        def replace_with(key: ChunkKey, other: ChunkKey) -> None:
+            body = backend.client.get_object(Bucket=backend.bucket, Key=backend._object(other))["Body"].read()
+            backend.client.put_object(Bucket=backend.bucket, Key=backend._object(key), Body=body)
+
+        return replace_with
 
 
 class TestS3ConformanceLz4(TestS3Conformance):

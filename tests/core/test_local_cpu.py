@@ -21,8 +21,13 @@ CHUNK_BYTES = 16 * 64 * 2
 
 
 class TestLocalCpuConformance(BackendConformance):
+    stores_frames = False  # tensors in the pool: no frame to damage or swap
+
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> LocalCpuBackend:
         return create_local_cpu({"max_size": "16MiB"}, ctx)
+
+    def make_bounded_backend(self, ctx: BackendContext, tmp_path: Path, max_bytes: int) -> LocalCpuBackend:
+        return create_local_cpu({"max_size": max_bytes, "eviction": "lru"}, ctx)
 
 
 def make_tier(n_chunks: int, pool_chunks: int | None = None) -> LocalCpuBackend:

@@ -3,6 +3,7 @@ example third-party distribution used through YAML and the conformance suite."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import uuid
 from pathlib import Path
@@ -15,7 +16,7 @@ from lmcache_core.backend import BackendContext, StorageBackend
 from lmcache_core.config import ConfigError, load_config
 from lmcache_core.hookspecs import hookimpl
 from lmcache_core.plugins import PluginError, PluginManager
-from lmcache_core.testing import BackendConformance, make_context
+from lmcache_core.testing import make_context
 
 from .helpers import BROKEN_PLUGIN_SRC, GOOD_PLUGIN_SRC, make_distribution
 
@@ -187,7 +188,20 @@ def test_example_backend_validates_its_section(tmp_path: Path) -> None:
         CacheEngine(load_config(cfg, env={}), namespace=NS, plugins=PluginManager())
 
 
-class TestExampleBackendConformance(BackendConformance):
+def _example_suite() -> type:
+    """The example distribution's own conformance class (its storage fixtures included),
+    loaded from its file: what a backend author ships, run here in CI."""
+    path = Path(__file__).resolve().parents[2] / "examples/lmcache-backend-example/tests/test_conformance.py"
+    spec = importlib.util.spec_from_file_location("lmcache_backend_example_conformance", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TestDictBackend
+
+
+class TestExampleBackendConformance(_example_suite()):  # type: ignore[misc]
+    """The example's suite, on a backend made through its entry point's factory."""
+
     codec = "lz4"
 
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:

@@ -52,7 +52,7 @@ class DictBackend(StorageBackend):
                 self._frames.popitem(last=False)
                 self._stats.evictions += 1
             self._stats.puts += 1
-            self._stats.put_bytes += len(frame)
+            self._stats.put_bytes += data.nbytes  # the chunk's bytes (BackendStats), not the frame's
         return True
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:

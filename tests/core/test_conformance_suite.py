@@ -1,0 +1,118 @@
+"""The conformance suite can fail: run in its own pytest process against backends
+that break one clause each, it fails exactly the clauses they break, and passes the
+honest backend they derive from (the negative control)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SUITE_SRC = '''
+import pytest
+import torch
+
+from lmcache_backend_example import DictBackend
+from lmcache_core.local_cpu import LocalCpuBackend
+from lmcache_core.serde import try_decode
+from lmcache_core.testing import BackendConformance, flip_byte
+
+
+class DictFixtures(BackendConformance):
+    backend_class = DictBackend
+
+    def make_backend(self, ctx, tmp_path):
+        return self.backend_class(ctx.codec, ctx.codecs, max_entries=1000)
+
+    def make_bounded_backend(self, ctx, tmp_path, max_bytes):
+        return self.backend_class(ctx.codec, ctx.codecs, max_entries=max_bytes // 16384)
+
+    @pytest.fixture
+    def corrupt(self, backend):
+        def corrupt(key):
+            backend._frames[key] = flip_byte(backend._frames[key])
+        return corrupt
+
+    @pytest.fixture
+    def replace_with(self, backend):
+        def replace_with(key, other):
+            backend._frames[key] = backend._frames[other]
+        return replace_with
+
+
+class IgnoresExpectKey(DictBackend):
+    """Checks the frame's checksum but not whose frame it is."""
+
+    def get(self, key, out):
+        with self._lock:
+            frame = self._frames.get(key)
+        tensor, _ = try_decode(frame, self._codecs, out=out)
+        with self._lock:
+            if tensor is None:
+                self._stats.misses += 1
+                return False
+            self._stats.hits += 1
+            self._stats.get_bytes += out.nbytes
+        return True
+
+
+class CountsNothing(DictBackend):
+    def get(self, key, out):
+        ok = super().get(key, out)
+        with self._lock:
+            self._stats.misses = self._stats.hits = 0
+        return ok
+
+
+class PinIsANoOp(LocalCpuBackend):
+    def pin(self, keys):
+        pass
+
+
+class TestHonest(DictFixtures):
+    pass
+
+
+class TestIgnoresExpectKey(DictFixtures):
+    backend_class = IgnoresExpectKey
+
+
+class TestCountsNothing(DictFixtures):
+    backend_class = CountsNothing
+
+
+class TestNoStorageFixtures(BackendConformance):
+    def make_backend(self, ctx, tmp_path):
+        return DictBackend(ctx.codec, ctx.codecs, max_entries=1000)
+
+
+class TestPinIsANoOp(BackendConformance):
+    stores_frames = False
+
+    def make_backend(self, ctx, tmp_path):
+        return PinIsANoOp(ctx.pool, 16 << 20)
+
+    def make_bounded_backend(self, ctx, tmp_path, max_bytes):
+        return PinIsANoOp(ctx.pool, max_bytes)
+'''
+
+
+def test_the_suite_fails_exactly_the_broken_clauses(tmp_path: Path) -> None:
+    (tmp_path / "test_broken_backends.py").write_text(SUITE_SRC)
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    failed: dict[str, set[str]] = {}
+    for cls, test in re.findall(r"^FAILED \S*::(\w+)::(\w+)", res.stdout, re.M):
+        failed.setdefault(cls, set()).add(test)
+    assert failed == {
+        "TestIgnoresExpectKey": {"test_foreign_frame_is_a_miss"},
+        "TestCountsNothing": {"test_stats_count_what_happened", "test_corrupt_frame_is_a_miss", "test_foreign_frame_is_a_miss"},
+        "TestNoStorageFixtures": {"test_corrupt_frame_is_a_miss", "test_foreign_frame_is_a_miss"},
+        "TestPinIsANoOp": {"test_pinned_chunks_survive_eviction_pressure"},
+    }, res.stdout[-4000:]
+    assert re.search(r"\d+ passed", res.stdout), res.stdout[-2000:]  # TestHonest and the rest ran
+    assert "served another key's frame" in res.stdout
+    assert "supply the `corrupt` fixture" in res.stdout

@@ -7,6 +7,8 @@ Subcommands:
   status 1 if any did).
 - ``config``: the effective configuration (file, env overrides) with the source of
   each top-level key, or the validation error.
+- ``quarantine``: tiers that running engines took out of service after the
+  correctness canary caught them serving wrong KV (``list``), and ``release``.
 - anything plugins add through the ``register_commands`` hook (for example ``demo``
   from the vLLM connector's distribution, ``serve`` from the peer tier's). The core
   knows them only by what they registered: the parser lists their names and help,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Sequence, TextIO
 
 import yaml
@@ -25,6 +28,7 @@ import yaml
 from .config import ConfigError, load_config
 from .hookspecs import Command
 from .plugins import BUILTIN_COMMANDS, PluginManager
+from .quarantine import default_dir, list_control_files
 
 PROG = "lmcache-core"
 
@@ -73,6 +77,44 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    """List quarantined tiers of running engines, or release them (the engines
+    notice within a second that their control file is gone)."""
+    where = args.dir
+    if where is None:
+        try:
+            where = load_config(args.file).config.quarantine_dir
+        except ConfigError as err:
+            sys.stderr.write(f"error: {err}\n")
+            return 2
+    d = default_dir() if where is None else where
+    files = list_control_files(d)
+    if args.action == "list":
+        if not files:
+            sys.stdout.write(f"no quarantined tiers (control files in {d})\n")
+            return 0
+        rows = [("TIER", "PID", "RUNNING", "SINCE", "WHY")]
+        for f in files:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.since))
+            rows.append((f.tier, str(f.pid), "yes" if f.alive else "no", since, f.reason))
+        _table(rows, sys.stdout)
+        return 0
+    if not args.tier and not args.all:
+        sys.stderr.write("error: name the tier to release, or --all\n")
+        return 2
+    chosen = [f for f in files if args.all or f.tier == args.tier]
+    if not chosen:
+        sys.stderr.write(f"error: no quarantine of tier {args.tier!r} in {d}\n")
+        return 1
+    for f in chosen:
+        try:
+            f.path.unlink()
+        except FileNotFoundError:
+            pass
+        sys.stdout.write(f"released tier {f.tier} of pid {f.pid}\n")
+    return 0
+
+
 def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     """The top-level parser: built-in commands with their arguments, plugin commands
     by name and help only (their arguments pass through to :func:`main`)."""
@@ -84,6 +126,13 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
     p.add_argument("--show", action="store_true", help="print the effective config (the default action)")
     p.set_defaults(func=cmd_config)
+    p = sub.add_parser("quarantine", help="list or release tiers the correctness canary quarantined")
+    p.add_argument("action", nargs="?", choices=["list", "release"], default="list")
+    p.add_argument("tier", nargs="?", help="release: the tier's name (as in backends:)")
+    p.add_argument("--all", action="store_true", help="release: every quarantined tier")
+    p.add_argument("--dir", help="control-file directory (default: quarantine_dir of the config, else the temp dir)")
+    p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
+    p.set_defaults(func=cmd_quarantine)
     for name, info in sorted(pm.commands().items()):
         sub.add_parser(name, help=info.help or f"(from {info.origin.distribution})", add_help=False)
     return parser

@@ -141,6 +141,22 @@ class CoreConfig(StrictModel):
     load_margin: float = Field(
         0.2, ge=0.0, lt=1.0, description="faster_than_recompute: a load must be this fraction faster than recomputing"
     )
+    verify_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="fraction of requests with a cache hit that recompute it instead and compare the stored chunks "
+        "with the fresh ones (correctness canary)",
+    )
+    verify_mismatch_limit: int = Field(
+        3, ge=1, description="mismatches of one tier within verify_window_s that quarantine it (no reads, no writes)"
+    )
+    verify_window_s: float = Field(3600.0, gt=0, description="window in seconds for verify_mismatch_limit")
+    quarantine_dir: str | None = Field(
+        None,
+        description="where quarantined tiers are announced as control files (delete one to release the tier); "
+        "default <tmpdir>/lmcache-core-quarantine",
+    )
 
 
 @dataclass

@@ -5,6 +5,8 @@ contiguous prefix present in any tier; retrieve reads each chunk from the fastes
 tier holding it and promotes it upward; store writes the first tier synchronously
 and slower tiers in the background (write-through, bounded queues: a slow tier drops
 writes rather than blocking the caller). Any backend exception is a miss.
+A tier caught serving wrong KV by the correctness canary (:meth:`CacheEngine.verify`)
+is quarantined (:mod:`lmcache_core.quarantine`): every read and write skips it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Sequence
 
 import torch
@@ -25,6 +29,7 @@ from .loadcost import TierReadModel
 from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
+from .quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +90,17 @@ class _TierWriter:
     the tier declares in ``write_concurrency`` (remote tiers overlap round trips)."""
 
     def __init__(
-        self, tier: StorageBackend, maxsize: int, counters: metrics.EngineCounters, stored: Callable[[StorageBackend, ChunkKey], None]
+        self,
+        tier: StorageBackend,
+        maxsize: int,
+        counters: metrics.EngineCounters,
+        stored: Callable[[StorageBackend, ChunkKey], None],
+        in_service: Callable[[], bool] = lambda: True,
     ) -> None:
         self.tier = tier
         self.counters = counters
         self.stored = stored
+        self.in_service = in_service
         self.q: queue.Queue[tuple[ChunkKey, MemoryBuffer] | None] = queue.Queue(maxsize=maxsize)
         self._pending = 0
         self._cv = threading.Condition()
@@ -131,6 +142,8 @@ class _TierWriter:
             key, buf = item
             t0 = time.perf_counter()
             try:
+                if not self.in_service():  # quarantined while the write was queued
+                    continue
                 ok = self.tier.put(key, buf.tensor)
                 if ok:
                     metrics.labeled(metrics.TIER_BYTES, self.tier.name, "put").inc(buf.nbytes)
@@ -171,6 +184,26 @@ class _TierWriter:
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+MAX_ORIGINS = 1 << 16  # promoted chunks whose origin tier is remembered (for the canary)
+
+Compare = Callable[[torch.Tensor, torch.Tensor], tuple[bool, str]]
+
+
+@dataclass(frozen=True)
+class TierVerdict:
+    """One tier's stored copy compared with the recomputation: ``blame`` is the tier
+    charged for a mismatch (the tier the copy was promoted from, if any)."""
+
+    tier: str
+    blame: str
+    equal: bool
+    detail: str
+
+
+def _quarantine_gauge(tier: str, quarantined: bool) -> None:
+    metrics.TIER_QUARANTINED.labels(tier).set(1 if quarantined else 0)
 
 
 def _pool_claims(cfg: CoreConfig, plugins: PluginManager) -> list[tuple[int, int]]:
@@ -255,7 +288,19 @@ class CacheEngine:
                 t.close()
             raise
         self._listeners: list[TierListener] = []
-        self._writers = [_TierWriter(t, cfg.write_queue_size, self.counters, self._stored) for t in self.tiers[1:]]
+        self.quarantine = Quarantine(
+            cfg.verify_mismatch_limit, cfg.verify_window_s, cfg.quarantine_dir, on_change=_quarantine_gauge
+        )
+        self._writers = [
+            _TierWriter(
+                t, cfg.write_queue_size, self.counters, self._stored, lambda t=t: not self.quarantine.is_quarantined(t.name)
+            )
+            for t in self.tiers[1:]
+        ]
+        # chunk -> name of the slower tier it was promoted from (a wrong promoted copy
+        # is that tier's fault); bounded, oldest forgotten first
+        self._origin: OrderedDict[ChunkKey, str] = OrderedDict()
+        self._origin_lock = threading.Lock()
         # read latency/throughput per tier, measured on every successful read (load policies)
         self.read_models = [TierReadModel() for _ in self.tiers]
         self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey]]]] = {}
@@ -356,6 +401,8 @@ class CacheEngine:
             for level, tier in enumerate(self.tiers):
                 w = windows[level]
                 stop = total if w is None else min(total, pos + w)
+                if self._out(tier):
+                    continue
                 try:
                     n = min(tier.contains(KeyWindow(keys, pos, stop)), stop - pos)
                 except Exception as err:
@@ -439,6 +486,11 @@ class CacheEngine:
             return 0
         stored = 0
         tier0 = self.tiers[0]
+        if self._out(tier0):
+            for key, data in zip(self.keys(hashes), chunks):
+                if self._writers:
+                    self._write_behind(key, data)
+            return 0
         for key, data in zip(self.keys(hashes), chunks):
             try:
                 if tier0.contains([key]):
@@ -496,7 +548,7 @@ class CacheEngine:
             buf.tensor.copy_(data)
         try:
             for i, w in enumerate(self._writers, start=1):
-                if upto is None or i < upto:
+                if (upto is None or i < upto) and not self._out(w.tier):
                     w.submit(key, buf)
         finally:
             buf.release()
@@ -534,7 +586,7 @@ class CacheEngine:
         shape = tuple(shape)
         tier0 = self.tiers[0] if self.tiers else None
         start = 0
-        if tier0 is not None and ZERO_COPY in tier0.capabilities:
+        if tier0 is not None and ZERO_COPY in tier0.capabilities and not self._out(tier0):
             start = 1
             t0 = time.perf_counter()
             try:
@@ -565,7 +617,7 @@ class CacheEngine:
         a zero-copy tier's own buffer is released right after the copy into ``out`` and
         never promoted (it may hold another shape, and its memory may be reused)."""
         for level, tier in enumerate(self.tiers):
-            if level < start:
+            if level < start or self._out(tier):
                 continue
             t0 = time.perf_counter()
             try:
@@ -599,9 +651,109 @@ class CacheEngine:
         return False
 
     def _promote(self, key: ChunkKey, data: ChunkData, level: int) -> None:
-        self._put_tier0(self.tiers[0], key, data)
+        with self._origin_lock:
+            self._origin[key] = self.tiers[level].name
+            self._origin.move_to_end(key)
+            while len(self._origin) > MAX_ORIGINS:
+                self._origin.popitem(last=False)
+        if not self._out(self.tiers[0]):
+            self._put_tier0(self.tiers[0], key, data)
         if level > 1:
             self._write_behind(key, data, upto=level)
+
+    # -- correctness canary -----------------------------------------------------------
+    def _out(self, tier: StorageBackend) -> bool:
+        """Whether ``tier`` is quarantined (no reads, no writes)."""
+        return self.quarantine.is_quarantined(tier.name)
+
+    def verify(self, chunk_hash: bytes, fresh: ChunkData, same: "Compare") -> list["TierVerdict"]:
+        """Compare the freshly computed chunk ``fresh`` with the object stored under
+        ``chunk_hash`` in every in-service tier that holds it (read straight from each
+        tier, no promotion). ``same(stored, fresh)`` returns ``(equal, detail)``.
+
+        A mismatch is charged to the tier that served the object -- for a copy that an
+        upper tier got by promotion, to the tier it was promoted from -- counted
+        (``lmcache_core:verify_mismatches_total{tier}``), logged with the key, and the
+        stored object is replaced by ``fresh``; ``verify_mismatch_limit`` mismatches
+        within ``verify_window_s`` quarantine the charged tier."""
+        key = ChunkKey(self._ns_id, chunk_hash)
+        fresh_t = fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh
+        verdicts: list[TierVerdict] = []
+        with self._origin_lock:
+            origin = self._origin.get(key)
+        levels = {t.name: i for i, t in enumerate(self.tiers)}
+        for level, tier in enumerate(self.tiers):
+            if self._out(tier):
+                continue
+            stored = self._read_copy(tier, key, fresh_t)
+            if stored is None:
+                continue
+            try:
+                equal, detail = same(stored.tensor, fresh_t)
+            finally:
+                stored.release()
+            blame = origin if origin is not None and levels.get(origin, -1) > level else tier.name
+            verdicts.append(TierVerdict(tier.name, blame, equal, detail))
+        charged: set[str] = set()
+        if verdicts:
+            metrics.VERIFIED_CHUNKS.inc()
+        for v in verdicts:
+            if v.equal:
+                continue
+            if v.blame not in charged:
+                charged.add(v.blame)
+                self.counters.mismatch(v.blame)
+                metrics.VERIFY_MISMATCHES.labels(v.blame).inc()
+                via = f" (promoted from tier {v.blame})" if v.blame != v.tier else ""
+                log.warning(
+                    "canary: chunk %s from tier %s%s differs from its recomputation (%s); replacing it",
+                    key, v.tier, via, v.detail,
+                )
+                self.quarantine.record_mismatch(v.blame, f"chunk {key}: {v.detail}")
+        for v in verdicts:
+            if not v.equal:
+                self._replace(self.tiers[levels[v.tier]], key, fresh)
+        if charged:
+            with self._origin_lock:
+                self._origin.pop(key, None)
+        self.counters.add(verified_chunks=1 if verdicts else 0)
+        return verdicts
+
+    def _read_copy(self, tier: StorageBackend, key: ChunkKey, like: torch.Tensor) -> MemoryBuffer | None:
+        """``key``'s object in ``tier`` as a pool buffer (caller releases), or None
+        when the tier does not hold it, fails, or it has another shape."""
+        try:
+            if not tier.contains([key]):
+                return None
+            if ZERO_COPY in tier.capabilities:
+                got = tier.get_buffer(key)
+                if got is not None and (got.tensor.dtype != like.dtype or got.tensor.shape != like.shape):
+                    got.release()
+                    return None
+                return got
+            buf = self.allocate(tuple(like.shape), like.dtype)
+            if buf is None:
+                return None
+            if tier.get(key, buf.tensor):
+                return buf
+            buf.release()
+        except Exception as err:
+            self._tier_error(tier, "get", err)
+        return None
+
+    def _replace(self, tier: StorageBackend, key: ChunkKey, fresh: ChunkData) -> None:
+        """Overwrite ``key`` in ``tier`` with ``fresh`` (just remove it if the tier is
+        now quarantined: nothing more is written there)."""
+        if self._out(tier):
+            return
+        try:
+            tier.remove(key)
+            if isinstance(fresh, MemoryBuffer) and ZERO_COPY in tier.capabilities:
+                tier.put_buffer(key, fresh)
+            else:
+                tier.put(key, fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh)
+        except Exception as err:
+            self._tier_error(tier, "put", err)
 
     # -- housekeeping -----------------------------------------------------------------
     def _tier_error(self, tier: StorageBackend, op: str, err: BaseException) -> None:
@@ -622,6 +774,7 @@ class CacheEngine:
             except Exception as err:
                 tiers.append({"name": t.name, "error": str(err)})
         out["tiers"] = tiers
+        out["quarantined"] = self.quarantine.quarantined()
         out["pool"] = {"capacity": self.pool.capacity, "used": self.pool.used}
         return out
 
@@ -629,6 +782,7 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
+        self.quarantine.close()
         for w in self._writers:
             w.stop()
         for t in self.tiers:

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "lmcache_core:"
 REGISTRY = CollectorRegistry()
@@ -33,6 +33,13 @@ LOAD_ERRORS = Counter(PREFIX + "load_errors", "Chunks that failed to load (recom
 TIER_BYTES = Counter(PREFIX + "tier_bytes", "Bytes moved per tier", ["tier", "op"], registry=REGISTRY)
 TIER_ERRORS = Counter(PREFIX + "tier_errors", "Backend failures turned into misses", ["tier", "op"], registry=REGISTRY)
 TIER_DROPPED = Counter(PREFIX + "tier_dropped_writes", "Background writes dropped (queue full or skipped)", ["tier"], registry=REGISTRY)
+VERIFIED_CHUNKS = Counter(PREFIX + "verified_chunks", "Cached chunks recomputed and compared with the cache (canary)", registry=REGISTRY)
+VERIFY_MISMATCHES = Counter(
+    PREFIX + "verify_mismatches", "Stored chunks that differed from their recomputation (canary)", ["tier"], registry=REGISTRY
+)
+TIER_QUARANTINED = Gauge(
+    PREFIX + "tier_quarantined", "1 while a tier is quarantined (no reads, no writes) after verification mismatches", ["tier"], registry=REGISTRY
+)
 TIER_LATENCY = Histogram(
     PREFIX + "tier_latency_seconds",
     "Latency of one backend call",
@@ -65,6 +72,8 @@ class EngineCounters:
     retrieved_tokens: int = 0
     load_errors: int = 0
     dropped_writes: int = 0
+    verified_chunks: int = 0
+    verify_mismatches: dict[str, int] = field(default_factory=dict)
     backend_errors: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -77,8 +86,13 @@ class EngineCounters:
         with self._lock:
             self.backend_errors[tier] = self.backend_errors.get(tier, 0) + 1
 
+    def mismatch(self, tier: str) -> None:
+        with self._lock:
+            self.verify_mismatches[tier] = self.verify_mismatches.get(tier, 0) + 1
+
     def snapshot(self) -> dict[str, object]:
         with self._lock:
             d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
             d["backend_errors"] = dict(self.backend_errors)
+            d["verify_mismatches"] = dict(self.verify_mismatches)
             return d

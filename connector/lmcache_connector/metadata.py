@@ -30,6 +30,7 @@ class ChunkTransfer:
     group_block_ids: tuple[list[int], ...] | None = None
     boundaries: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, end token)
     async_load: bool = False  # report completion through get_transfer_results (failed_recving)
+    verify_below: int = 0  # saves: chunks below this index are compared with the cache (canary), not stored
 
 
 @dataclass

@@ -6,7 +6,9 @@ overrides: ``config_file`` (a YAML path) and any core key (``chunk_size``,
 ``kv_connector_extra_config.<key>``.
 
 Per-request options come in ``kv_transfer_params`` (``SamplingParams.extra_args``):
-``lmcache.skip_save: true`` and ``lmcache.tag.<name>: <str>``. A malformed option
+``lmcache.skip_save: true``, ``lmcache.tag.<name>: <str>`` and ``lmcache.verify: true|false``
+(recompute this request's hit and compare it with the cache, or never; default: sampled
+with ``verify_fraction``, see :mod:`lmcache_connector.verify`). A malformed option
 never fails the request: the request is served without the cache (no load, no save)
 and a warning says why.
 """
@@ -24,6 +26,7 @@ log = get_logger(__name__)
 
 CONNECTOR_KEYS = {"config_file", "model_id"}
 SKIP_SAVE = "lmcache.skip_save"
+VERIFY = "lmcache.verify"
 TAG_PREFIX = "lmcache.tag."
 
 
@@ -62,6 +65,7 @@ class RequestOptions:
     skip_load: bool = False
     tags: dict[str, str] = field(default_factory=dict)
     problem: str | None = None
+    verify: bool | None = None  # None: sampled with verify_fraction
 
 
 def parse_request_options(params: Mapping[str, Any] | None, request_id: str = "?") -> RequestOptions:
@@ -72,6 +76,9 @@ def parse_request_options(params: Mapping[str, Any] | None, request_id: str = "?
     skip_save = params.get(SKIP_SAVE, False)
     if not isinstance(skip_save, bool):
         return _bad(request_id, f"{SKIP_SAVE} must be true or false, got {skip_save!r}")
+    verify = params.get(VERIFY)
+    if verify is not None and not isinstance(verify, bool):
+        return _bad(request_id, f"{VERIFY} must be true or false, got {verify!r}")
     tags: dict[str, str] = {}
     for key, value in params.items():
         if isinstance(key, str) and key.startswith(TAG_PREFIX):
@@ -79,9 +86,9 @@ def parse_request_options(params: Mapping[str, Any] | None, request_id: str = "?
             if not name or not isinstance(value, (str, int)) or isinstance(value, bool):
                 return _bad(request_id, f"{key} must be a non-empty tag name with a string value, got {value!r}")
             tags[name] = str(value)
-        elif isinstance(key, str) and key.startswith("lmcache.") and key != SKIP_SAVE:
-            return _bad(request_id, f"unknown option {key!r} (known: {SKIP_SAVE}, {TAG_PREFIX}<name>)")
-    return RequestOptions(skip_save=skip_save, tags=tags)
+        elif isinstance(key, str) and key.startswith("lmcache.") and key not in (SKIP_SAVE, VERIFY):
+            return _bad(request_id, f"unknown option {key!r} (known: {SKIP_SAVE}, {VERIFY}, {TAG_PREFIX}<name>)")
+    return RequestOptions(skip_save=skip_save, tags=tags, verify=verify)
 
 
 def _bad(request_id: str, why: str) -> RequestOptions:

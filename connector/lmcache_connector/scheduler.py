@@ -20,6 +20,7 @@ from .load_policy import step_pairs
 from .lookup_ipc import LookupClient
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import ConnectorSettings, RequestOptions, parse_request_options
+from .verify import sample
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -75,6 +76,8 @@ class _Req:
     load_start: int = 0
     load_end: int = 0
     load_failed: bool = False  # never offered a hit again: vLLM recomputes it
+    verify: bool | None = None  # canary: decided at the first hit
+    verify_below: int = 0  # chunks below this are recomputed and compared, not loaded
 
 
 class SchedulerSide:
@@ -103,6 +106,7 @@ class SchedulerSide:
         self.lookup_client = lookup
         self._reqs: dict[str, _Req] = {}
         self._unpins: list[str] = []
+        self._hit_requests = 0  # requests with a hit so far (canary sampling)
 
     # -- request state ------------------------------------------------------------------
     def _new_state(
@@ -176,11 +180,13 @@ class SchedulerSide:
         metrics.LOOKUPS.labels("scheduler").inc()
         metrics.LOOKUP_TOKENS.inc(st.prompt_len)
         full = st.prompt_len // self.cs
-        st.saved_full = max(st.saved_full, min(n, full))
         if n > full:
             st.partial_saved = True
         hit = self._chunk_end(st, n - 1) if n else 0
         metrics.LOOKUP_HIT_TOKENS.inc(hit)
+        if n and self.can_load and st.save and self._verify_hit(st, hashes[n - 1], min(n, full)):
+            return 0, False  # canary: vLLM recomputes the hit, the worker compares it when saving
+        st.saved_full = max(st.saved_full, min(n, full))
         if not self.can_load:
             return 0, False
         # vLLM must compute at least the last prompt token to produce logits.
@@ -190,6 +196,19 @@ class SchedulerSide:
             return 0, False
         st.load_start, st.load_end = num_computed_tokens, hit
         return ext, self.hybrid
+
+    def _verify_hit(self, st: _Req, last_hit: bytes, n_full: int) -> bool:
+        """Whether this request's hit of ``n_full`` full chunks is recomputed and
+        compared (decided once per request: ``lmcache.verify``, else sampled)."""
+        if st.verify is None:
+            self._hit_requests += 1
+            forced = st.opts.verify
+            st.verify = forced if forced is not None else sample(self.cfg.verify_fraction, last_hit, self._hit_requests)
+        if not st.verify or not n_full:
+            return False
+        st.verify_below = max(st.verify_below, n_full)
+        self._unpins.append(st.req_id)
+        return True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -306,6 +325,7 @@ class SchedulerSide:
                 list(tables[0]),
                 group_block_ids=tuple(list(t) for t in tables),
                 boundaries=boundaries,
+                verify_below=st.verify_below,
             )
         )
         st.saved_full = max(st.saved_full, n_full)
@@ -337,7 +357,10 @@ class SchedulerSide:
             for c, h, end in transfers:
                 self.events.remember(st.request, c, h, end)
         meta.saves.append(
-            ChunkTransfer(st.req_id, [h for _, h, _ in transfers], first, [e for _, _, e in transfers], list(st.block_ids))
+            ChunkTransfer(
+                st.req_id, [h for _, h, _ in transfers], first, [e for _, _, e in transfers], list(st.block_ids),
+                verify_below=st.verify_below,
+            )
         )
         st.saved_full = max(st.saved_full, n_full)
 

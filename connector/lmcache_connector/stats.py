@@ -24,6 +24,8 @@ COUNTERS = {
     "saved_tokens": ("saved_tokens", "Tokens saved from vLLM's KV cache"),
     "load_errors": ("load_errors", "Request loads that failed and were recomputed"),
     "bypassed_tokens": ("bypassed_tokens", "Cached tokens recomputed because loading them was predicted slower"),
+    "verified_chunks": ("verified_chunks", "Cached chunks recomputed and compared with the cache (canary)"),
+    "verify_inexact": ("verify_inexact", "Verified chunks equal to their recomputation only within the dtype tolerance"),
     "load_seconds": ("load_seconds", "Time spent loading KV into vLLM"),
     "save_seconds": ("save_seconds", "Time spent saving KV from vLLM"),
 }
@@ -33,6 +35,11 @@ TIER_COUNTERS = {
     "tier_get_bytes": ("tier_get_bytes", "Bytes read per tier"),
     "tier_errors": ("tier_errors", "Backend failures turned into misses, per tier"),
     "tier_evictions": ("tier_evictions", "Chunks evicted per tier"),
+    "verify_mismatches": ("verify_mismatches", "Stored chunks that differed from their recomputation, per tier (canary)"),
+}
+# per-tier gauges, shipped as deltas (+1 when quarantined, -1 when released)
+TIER_GAUGES = {
+    "tier_quarantined": ("tier_quarantined", "1 while a tier is quarantined after verification mismatches"),
 }
 
 
@@ -65,13 +72,23 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
             key: self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=[*labelnames, "tier"])
             for key, (name, doc) in TIER_COUNTERS.items()
         }
+        self._tier_gauges = {
+            key: self._gauge_cls(name=PREFIX + name, documentation=doc, labelnames=[*labelnames, "tier"])
+            for key, (name, doc) in TIER_GAUGES.items()
+        }
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
-            if not value or value < 0:
+            if not value:
+                continue
+            kind, _, tier = key.partition("/")
+            if kind in self._tier_gauges:
+                self._tier_gauges[kind].labels(*self.per_engine_labelvalues[engine_idx], tier).inc(value)
+                continue
+            if value < 0:
                 continue
             if key in self._counters:
                 self._counters[key][engine_idx].inc(value)

@@ -24,12 +24,13 @@ from lmcache_core.keys import KeyNamespace
 
 from .grouped_layout import GroupedLayout
 from .kv_events import RawEvent, TierEventBuffer
-from .groups import GroupPlan, boundary_hash
+from .groups import FULL, GroupPlan, boundary_hash
 from .kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
 from .lookup_ipc import LookupServer
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import ConnectorSettings
+from .verify import compare
 
 from .log import get_logger
 
@@ -105,6 +106,10 @@ class WorkerSide:
         self._reported: dict[str, float] = {}
         self.kv_events = kv_events
         self.tier_events: TierEventBuffer | None = None
+        # canary: chunks compared with the cache, and those equal only within tolerance
+        self.verified_chunks = 0
+        self.verify_inexact = 0
+        self._value_dtype: torch.dtype | None = None  # element type behind grouped (byte) chunks
         _active.add(self)
 
     # -- set-up -----------------------------------------------------------------------
@@ -112,6 +117,8 @@ class WorkerSide:
         if self.plan is not None and self.plan.hybrid:
             self.layout = GroupedLayout(kv_caches, self.plan, self._page_bytes, self._real_bytes)
             dtype = "+".join(sorted({_dtype_of(t) for t in kv_caches.values()}))
+            full = {t.dtype for g in self.plan.of_kind(FULL) for n in g.layer_names for t in [kv_caches[n]] if isinstance(t, torch.Tensor)}
+            self._value_dtype = full.pop() if len(full) == 1 else None
         else:
             self.layout = make_layout(self.cfg.layout, kv_caches, self.block_size)
             dtype = str(self.layout.dtype).removeprefix("torch.")
@@ -351,7 +358,7 @@ class WorkerSide:
                     break
                 try:
                     self.layout.save_chunk(t.block_ids, lo, hi, buf.tensor)
-                    if self.engine.store_hashes([h], [buf], n_tokens=hi - lo):
+                    if self._verify_or_store(h, buf, hi - lo, t.first_chunk + i < t.verify_below):
                         saved += hi - lo
                 finally:
                     buf.release()
@@ -368,7 +375,8 @@ class WorkerSide:
         try:
             for i, h in enumerate(t.hashes):
                 lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
-                if self._store_one(h, self.layout.chunk_shape(hi - lo), hi - lo, lambda out: self.layout.save_chunk(t.group_block_ids, lo, hi, out)):  # type: ignore[union-attr,arg-type]
+                verify = t.first_chunk + i < t.verify_below
+                if self._store_one(h, self.layout.chunk_shape(hi - lo), hi - lo, lambda out: self.layout.save_chunk(t.group_block_ids, lo, hi, out), verify):  # type: ignore[union-attr,arg-type]
                     saved += hi - lo
             for bh, end in t.boundaries:
                 self._store_one(bh, self.layout.boundary_shape(end), 0, lambda out: self.layout.save_boundary(t.group_block_ids, end, out))  # type: ignore[union-attr,arg-type]
@@ -377,9 +385,9 @@ class WorkerSide:
                 self.saved_tokens += saved
                 self.save_seconds += time.perf_counter() - t0
 
-    def _store_one(self, h: bytes, shape: tuple[int, ...], n_tokens: int, fill: Any) -> bool:
+    def _store_one(self, h: bytes, shape: tuple[int, ...], n_tokens: int, fill: Any, verify: bool = False) -> bool:
         """Allocate a pool buffer, let ``fill`` gather into it (False: nothing to
-        store), store it under ``h``."""
+        store), store it under ``h`` (or compare it with the cache: ``verify``)."""
         assert self.engine is not None
         buf = self.engine.allocate(shape, torch.uint8)
         if buf is None:  # pool exhausted by chunks in flight: a future miss
@@ -389,9 +397,23 @@ class WorkerSide:
         try:
             if fill(buf.tensor) is False:
                 return False
-            return bool(self.engine.store_hashes([h], [buf], n_tokens=n_tokens))
+            return self._verify_or_store(h, buf, n_tokens, verify)
         finally:
             buf.release()
+
+    def _verify_or_store(self, h: bytes, buf: Any, n_tokens: int, verify: bool) -> bool:
+        """Store a freshly gathered chunk; a chunk of a verified hit (canary) is
+        compared with every tier's copy instead, and stored only if none holds it."""
+        assert self.engine is not None
+        if verify:
+            vd = self._value_dtype
+            verdicts = self.engine.verify(h, buf, lambda stored, fresh: compare(stored, fresh, vd))
+            if verdicts:
+                with self._lock:
+                    self.verified_chunks += 1
+                    self.verify_inexact += sum(1 for v in verdicts if v.equal and v.detail != "bit-identical")
+                return False
+        return bool(self.engine.store_hashes([h], [buf], n_tokens=n_tokens))
 
     # -- metrics ------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
@@ -401,6 +423,8 @@ class WorkerSide:
             "saved_tokens": self.saved_tokens,
             "load_errors": self.failed_loads,
             "bypassed_tokens": self.bypassed_tokens,
+            "verified_chunks": self.verified_chunks,
+            "verify_inexact": self.verify_inexact,
             "load_seconds": self.load_seconds,
             "save_seconds": self.save_seconds,
         }
@@ -416,6 +440,8 @@ class WorkerSide:
                 out[f"tier_get_bytes/{tier.name}"] = s.get_bytes
                 out[f"tier_evictions/{tier.name}"] = s.evictions
                 out[f"tier_errors/{tier.name}"] = c["backend_errors"].get(tier.name, 0)
+                out[f"verify_mismatches/{tier.name}"] = c["verify_mismatches"].get(tier.name, 0)
+                out[f"tier_quarantined/{tier.name}"] = int(self.engine.quarantine.is_quarantined(tier.name))
         return out
 
     def take_stats_delta(self) -> dict[str, float]:
@@ -435,6 +461,8 @@ class WorkerSide:
             "bypassed_tokens": self.bypassed_tokens,
             "bypassed_lookups": self.bypassed_lookups,
             "load_policy": self.load_policy,
+            "verified_chunks": self.verified_chunks,
+            "verify_inexact": self.verify_inexact,
         }
         if self.engine is not None:
             out["engine"] = self.engine.stats()

@@ -16,6 +16,23 @@ vllm = pytest.importorskip("vllm")
 from lmcache_connector.tiny_model import TEST_SPEC, build_tiny_model, random_prompt  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_canary_sampling() -> Iterator[None]:
+    """These tests count hits exactly: the canary (``verify_fraction``, default 1%)
+    would recompute a sampled hit instead. Off by default here, also for engines in
+    child processes (inherited env); tests of the canary set it in their config."""
+    key = "LMCACHE_CORE_VERIFY_FRACTION"
+    old = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), TEST_SPEC)

@@ -1,7 +1,9 @@
 """Backends registered through the real plugin path for the length of one test:
 ``tamper`` serves altered KV (negative control), ``flaky`` fails loads (fault
 injection: corrupt frames or exceptions), ``slowget`` sleeps in every get (a tier
-slower than recomputing, for load_policy)."""
+slower than recomputing, for load_policy), ``liar`` answers with another key's chunk in
+a frame re-made for the key asked for (checksum and key valid: only the canary can
+catch it)."""
 
 from __future__ import annotations
 
@@ -147,3 +149,42 @@ class SlowGetPlugin:
             return SlowGetBackend(cfg.get_delay_ms / 1000)
 
         register("slowget", create)
+
+
+class LiarBackend(_DictBackend):
+    """Stores frames honestly; every ``get`` answers with the payload of another key
+    of the same size, re-framed under the requested key, so the frame's key and
+    checksum are right and the data is wrong (a namespace or index bug)."""
+
+    name = "liar"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.s.extra["lies"] = 0
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        frame = serde.encode(key, data, self.ctx.codec)
+        with self.lock:
+            self.data[key] = frame
+            self.s.puts += 1
+        return True
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        with self.lock:
+            own = self.data.get(key)
+            others = [f for k, f in self.data.items() if k != key and len(f) == len(own or b"")]
+        if own is None:
+            return False
+        if others:
+            wrong = serde.decode(others[0], dict(self.ctx.codecs))
+            own = serde.encode(key, wrong, self.ctx.codec)  # a valid frame for ``key``
+            self.s.extra["lies"] += 1
+        got, _ = serde.try_decode(own, dict(self.ctx.codecs), expect_key=key, out=out)
+        return got is not None
+
+
+class LiarPlugin:
+    @hookimpl
+    def register_backends(self, register: Any) -> None:
+        register("liar", lambda section, ctx: LiarBackend(ctx))

@@ -224,3 +224,22 @@ def test_hybrid_multiprocess_mp_executor(models, reference, name):
         warm = _generate(llm, case, prompts)
         assert [o.num_cached_tokens for o in warm] == [case.hit, case.hit]
         assert token_ids(warm) == ref
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_next"])
+def test_hybrid_canary_verifies_every_hit_without_mismatch(models, reference, name):
+    """``verify_fraction: 1.0``: every hit's full-attention chunk objects are recomputed
+    and compared with the stored ones; on honest tiers none differs (Gemma 3: fp32
+    sliding/full; Qwen3-Next: bf16, attention after gated delta-net layers)."""
+    case = CASES[name]
+    prompts = _prompts(case)[:2]
+    ref = reference(name, prompts)
+    with make_llm(models[name], extra={"verify_fraction": 1.0}, **case.llm) as llm:
+        assert token_ids(_generate(llm, case, prompts)) == ref
+        w = worker()
+        warm = _generate(llm, case, prompts)
+        assert [o.num_cached_tokens for o in warm] == [0, 0]  # recomputed, not loaded
+        assert token_ids(warm) == ref
+        assert w.verified_chunks == len(prompts) * (case.hit // w.cfg.chunk_size)
+        assert w.engine.stats()["verify_mismatches"] == {}
+        assert w.verify_inexact == 0

@@ -429,8 +429,16 @@ class CacheEngine:
 
     def record_lookup(self, n_chunks: int, n_hit: int) -> None:
         """Count one lookup of ``n_chunks`` chunks of which ``n_hit`` were hits."""
-        self.counters.add(lookups=1, lookup_tokens=n_chunks * self.chunk_size, hit_tokens=n_hit * self.chunk_size)
-        metrics.labeled(metrics.LOOKUPS, "engine").inc()
+        lookup_tokens, hit_tokens = n_chunks * self.chunk_size, n_hit * self.chunk_size
+        self.counters.add(lookups=1, lookup_tokens=lookup_tokens, hit_tokens=hit_tokens)
+        metrics.LOOKUPS.inc()
+        metrics.LOOKUP_TOKENS.inc(lookup_tokens)
+        metrics.HIT_TOKENS.inc(hit_tokens)
+
+    def record_load_errors(self, n_chunks: int) -> None:
+        """Count ``n_chunks`` chunks that were found but failed to load (recomputed)."""
+        self.counters.add(load_errors=n_chunks)
+        metrics.LOAD_ERRORS.inc(n_chunks)
 
     def _pin(self, tier: StorageBackend, pin_id: str, keys: list[ChunkKey]) -> None:
         try:
@@ -576,7 +584,7 @@ class CacheEngine:
             n += 1
         self.counters.add(retrieved_chunks=n)
         if n < min(len(hashes), len(outs)):
-            self.counters.add(load_errors=1)
+            self.record_load_errors(min(len(hashes), len(outs)) - n)
         return n
 
     def retrieve_buffer(self, chunk_hash: bytes, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:

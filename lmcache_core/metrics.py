@@ -21,15 +21,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 PREFIX = "lmcache_core:"
 REGISTRY = CollectorRegistry()
 
-LOOKUPS = Counter(PREFIX + "lookups", "Prefix lookups", ["role"], registry=REGISTRY)
-LOOKUP_HIT_TOKENS = Counter(PREFIX + "lookup_hit_tokens", "Tokens found by lookups", registry=REGISTRY)
-LOOKUP_TOKENS = Counter(PREFIX + "lookup_tokens", "Tokens asked for by lookups", registry=REGISTRY)
-STORED_TOKENS = Counter(PREFIX + "stored_tokens", "Tokens stored", registry=REGISTRY)
-LOADED_TOKENS = Counter(PREFIX + "loaded_tokens", "Tokens loaded into the engine", registry=REGISTRY)
-BYPASSED_TOKENS = Counter(
-    PREFIX + "bypassed_tokens", "Cached tokens recomputed because loading them was predicted slower (load_policy)", registry=REGISTRY
-)
-LOAD_ERRORS = Counter(PREFIX + "load_errors", "Chunks that failed to load (recomputed)", registry=REGISTRY)
+#: One name, one meaning: what each counter shared with the connector's stats (vLLM's
+#: ``/metrics``) counts. The connector takes its help texts from here, and the engine
+#: counts each in one place (:meth:`CacheEngine.record_lookup`,
+#: :meth:`CacheEngine.record_load_errors`), so both exports agree.
+MEANINGS = {
+    "lookups": "Prefix lookups answered by the cache engine (one per request lookup)",
+    "lookup_tokens": "Tokens of the chunks looked up",
+    "hit_tokens": "Tokens of the chunks found by lookups",
+    "loaded_tokens": "Tokens loaded from the cache into the serving engine's KV cache",
+    "load_errors": "Chunks that were found but failed to load, and were recomputed",
+    "bypassed_tokens": "Cached tokens recomputed because loading them was predicted slower (load_policy)",
+    "stored_tokens": "Tokens stored into the cache",
+}
+
+LOOKUPS = Counter(PREFIX + "lookups", MEANINGS["lookups"], registry=REGISTRY)
+LOOKUP_TOKENS = Counter(PREFIX + "lookup_tokens", MEANINGS["lookup_tokens"], registry=REGISTRY)
+HIT_TOKENS = Counter(PREFIX + "hit_tokens", MEANINGS["hit_tokens"], registry=REGISTRY)
+STORED_TOKENS = Counter(PREFIX + "stored_tokens", MEANINGS["stored_tokens"], registry=REGISTRY)
+LOADED_TOKENS = Counter(PREFIX + "loaded_tokens", MEANINGS["loaded_tokens"], registry=REGISTRY)
+BYPASSED_TOKENS = Counter(PREFIX + "bypassed_tokens", MEANINGS["bypassed_tokens"], registry=REGISTRY)
+LOAD_ERRORS = Counter(PREFIX + "load_errors", MEANINGS["load_errors"], registry=REGISTRY)
 TIER_BYTES = Counter(PREFIX + "tier_bytes", "Bytes moved per tier", ["tier", "op"], registry=REGISTRY)
 TIER_ERRORS = Counter(PREFIX + "tier_errors", "Backend failures turned into misses", ["tier", "op"], registry=REGISTRY)
 TIER_DROPPED = Counter(PREFIX + "tier_dropped_writes", "Background writes dropped (queue full or skipped)", ["tier"], registry=REGISTRY)
@@ -63,6 +75,8 @@ def labeled(metric: Any, *values: str) -> Any:
 
 @dataclass
 class EngineCounters:
+    """Plain counters of one engine; the shared names mean what :data:`MEANINGS` says."""
+
     lookups: int = 0
     lookup_tokens: int = 0
     hit_tokens: int = 0

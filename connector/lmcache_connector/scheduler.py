@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from lmcache_core import metrics
 from lmcache_core.keys import chain_seed, chunk_hashes
 
 from .groups import GroupPlan, boundary_hash
@@ -177,13 +176,10 @@ class SchedulerSide:
         hashes = self._lookup_hashes(st)
         # A producer looks up too (without pinning), so it never re-saves what is cached.
         n = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else 0
-        metrics.LOOKUPS.labels("scheduler").inc()
-        metrics.LOOKUP_TOKENS.inc(st.prompt_len)
         full = st.prompt_len // self.cs
         if n > full:
             st.partial_saved = True
         hit = self._chunk_end(st, n - 1) if n else 0
-        metrics.LOOKUP_HIT_TOKENS.inc(hit)
         if n and self.can_load and st.save and self._verify_hit(st, hashes[n - 1], min(n, full)):
             return 0, False  # canary: vLLM recomputes the hit, the worker compares it when saving
         st.saved_full = max(st.saved_full, min(n, full))

@@ -13,17 +13,13 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-PREFIX = "lmcache_core:"
+from lmcache_core.metrics import MEANINGS, PREFIX
 
-# stats key -> (metric name, help)
+# stats key -> (metric name, help); names the core also exports mean the same
+# (lmcache_core.metrics.MEANINGS)
 COUNTERS = {
-    "lookups": ("lookups", "Prefix lookups answered by the cache"),
-    "lookup_tokens": ("lookup_tokens", "Prompt tokens looked up"),
-    "hit_tokens": ("hit_tokens", "Prompt tokens found in the cache"),
-    "loaded_tokens": ("loaded_tokens", "Tokens loaded into vLLM's KV cache"),
+    **{key: (key, MEANINGS[key]) for key in ("lookups", "lookup_tokens", "hit_tokens", "loaded_tokens", "load_errors", "bypassed_tokens")},
     "saved_tokens": ("saved_tokens", "Tokens saved from vLLM's KV cache"),
-    "load_errors": ("load_errors", "Request loads that failed and were recomputed"),
-    "bypassed_tokens": ("bypassed_tokens", "Cached tokens recomputed because loading them was predicted slower"),
     "verified_chunks": ("verified_chunks", "Cached chunks recomputed and compared with the cache (canary)"),
     "verify_inexact": ("verify_inexact", "Verified chunks equal to their recomputation only within the dtype tolerance"),
     "load_seconds": ("load_seconds", "Time spent loading KV into vLLM"),

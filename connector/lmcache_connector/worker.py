@@ -298,7 +298,7 @@ class WorkerSide:
                 self._recv_failed.add(t.req_id)
                 self._recv_done.add(t.req_id)
                 self.failed_loads += 1
-            metrics.LOAD_ERRORS.inc(len(t.hashes) - from_chunk)
+            self._count_load_errors(len(t.hashes) - from_chunk)
             return
         lo = max(meta.chunk_start(t, from_chunk), t.write_from)
         hi = t.chunk_ends[-1]
@@ -306,7 +306,11 @@ class WorkerSide:
         with self._lock:
             self._errors.update(blocks)
             self.failed_loads += 1
-        metrics.LOAD_ERRORS.inc(len(t.hashes) - from_chunk)
+        self._count_load_errors(len(t.hashes) - from_chunk)
+
+    def _count_load_errors(self, n_chunks: int) -> None:
+        if self.engine is not None:
+            self.engine.record_load_errors(n_chunks)
 
     def take_tier_events(self) -> list[RawEvent]:
         """Tier stores and evictions since the last call (KV events)."""
@@ -421,7 +425,6 @@ class WorkerSide:
         out: dict[str, float] = {
             "loaded_tokens": self.loaded_tokens,
             "saved_tokens": self.saved_tokens,
-            "load_errors": self.failed_loads,
             "bypassed_tokens": self.bypassed_tokens,
             "verified_chunks": self.verified_chunks,
             "verify_inexact": self.verify_inexact,
@@ -430,7 +433,9 @@ class WorkerSide:
         }
         if self.engine is not None:
             c = self.engine.counters.snapshot()
-            out.update(lookups=c["lookups"], lookup_tokens=c["lookup_tokens"], hit_tokens=c["hit_tokens"])
+            out.update(
+                lookups=c["lookups"], lookup_tokens=c["lookup_tokens"], hit_tokens=c["hit_tokens"], load_errors=c["load_errors"]
+            )
             for tier in self.engine.tiers:
                 try:
                     s = tier.stats()

@@ -110,6 +110,8 @@ def test_failed_load_is_recomputed_and_serving_continues(tiny_model, reference):
             w = worker()
             assert w.stats()["failed_loads"] >= 2
             assert w.engine.tiers[0].stats().extra["corrupt_reads"] >= 2
+            # load_errors counts chunks (the engine's counter, shipped as is), failed_loads requests
+            assert w.counters()["load_errors"] == w.engine.counters.load_errors >= w.stats()["failed_loads"]
             assert token_ids(run(llm, later)) == ref[2:]
         with make_llm(tiny_model, extra={"backends": [{"name": "flaky", "mode": "raise"}]}) as llm:
             run(llm, prompts)

@@ -168,7 +168,6 @@ def run_all(model: Path, lengths: list[int], reps: int, delay_ms: float, vocab: 
         return {m: {"mode": m, "rows": rows[m], **(models if m == FASTER else {})} for m in rows}
     finally:
         llm.llm_engine.engine_core.shutdown()
-        del llm
         gc.collect()
 
 

@@ -60,7 +60,7 @@ def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
         return q.get(timeout=timeout).strip()
     except queue.Empty:
         proc.kill()
-        raise SystemExit("server child did not start")
+        raise SystemExit("server child did not start") from None
 
 
 def recv_exact(sock: socket.socket, buf: memoryview) -> None:
@@ -153,7 +153,7 @@ def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[floa
                 if client.get([k])[0] is None:
                     raise SystemExit("client get missed")
             res["peer client.get"].append(n * size / (time.perf_counter() - t0))
-        for k, c, o in zip(keys, chunks, outs):
+        for c, o in zip(chunks, outs):
             if not torch.equal(c, o):
                 raise SystemExit("peer returned wrong bytes")
         backend.close()

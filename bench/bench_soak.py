@@ -44,7 +44,7 @@ def table(r: dict) -> str:
         f"(+{rss['engine_growth']} MiB; pool budget {rss['engine_pool_budget']} MiB)",
         f"peer node RSS: peak {rss['node_peak']} MiB, +{rss['node_growth']} MiB over its start "
         f"(budget --max-size + --max-inflight = {rss['node_budget']} MiB)",
-        f"tier hits: " + ", ".join(f"{k} {v['hits']}" for k, v in r["tiers"].items()),
+        "tier hits: " + ", ".join(f"{k} {v['hits']}" for k, v in r["tiers"].items()),
     ]
     return "\n".join(lines)
 

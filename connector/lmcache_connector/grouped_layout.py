@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .groups import FULL, STATE, WINDOW, GroupInfo, GroupPlan
+from .groups import FULL, STATE, WINDOW, GroupPlan
 from .kv_adapters import LayoutError, isa_tag
 
 NULL_BLOCK = 0  # vLLM's null block (a placeholder in freed or skipped table slots)

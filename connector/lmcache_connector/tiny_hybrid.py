@@ -177,7 +177,7 @@ def build_hybrid_model(path: str | Path, family: str | HybridSpec) -> Path:
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, spec.std)
     model.save_pretrained(path, safe_serialization=True)

@@ -88,4 +88,4 @@ def test_public_names_still_import(package: str) -> None:
         assert getattr(mod, name) is not None
     assert sorted(dir(mod)) == sorted(mod.__all__)
     with pytest.raises(AttributeError):
-        mod.no_such_name
+        _ = mod.no_such_name

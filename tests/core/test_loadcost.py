@@ -5,12 +5,12 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import pytest
 import torch
 
-from lmcache_core.backend import BackendContext, BackendStats, StorageBackend, prefix_count
+from lmcache_core.backend import BackendStats, StorageBackend, prefix_count
 from lmcache_core.config import CoreConfig
 from lmcache_core.engine import CacheEngine
 from lmcache_core.hookspecs import hookimpl

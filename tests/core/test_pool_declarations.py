@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from pathlib import Path
 
 import pytest
 import torch

@@ -85,7 +85,7 @@ class RedisConfig(StrictModel):
         if parts.scheme != "unix" and not parts.hostname:
             raise ValueError("url has no host: write redis://host:6379/0")
         try:
-            parts.port
+            _ = parts.port  # urllib parses the port lazily: this raises for a bad one
         except ValueError:
             raise ValueError("url has an invalid port") from None
         db = parts.path.strip("/")

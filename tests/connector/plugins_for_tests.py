@@ -61,14 +61,12 @@ class _FlakyConfig(StrictModel):
     mode: str = "corrupt"
 
 
-class FlakyBackend(_DictBackend):
-    name = "flaky"
+class _FrameBackend(_DictBackend):
+    """Keeps each chunk as the frame the engine's codec makes of it."""
 
-    def __init__(self, ctx: BackendContext, mode: str) -> None:
+    def __init__(self, ctx: BackendContext) -> None:
         super().__init__()
         self.ctx = ctx
-        self.mode = mode
-        self.s.extra["corrupt_reads"] = 0
 
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         frame = serde.encode(key, data, self.ctx.codec)
@@ -76,6 +74,15 @@ class FlakyBackend(_DictBackend):
             self.data[key] = frame
             self.s.puts += 1
         return True
+
+
+class FlakyBackend(_FrameBackend):
+    name = "flaky"
+
+    def __init__(self, ctx: BackendContext, mode: str) -> None:
+        super().__init__(ctx)
+        self.mode = mode
+        self.s.extra["corrupt_reads"] = 0
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
         if self.mode == "raise":
@@ -151,7 +158,7 @@ class SlowGetPlugin:
         register("slowget", create)
 
 
-class LiarBackend(_DictBackend):
+class LiarBackend(_FrameBackend):
     """Stores frames honestly; every ``get`` answers with the payload of another key
     of the same size, re-framed under the requested key, so the frame's key and
     checksum are right and the data is wrong (a namespace or index bug)."""
@@ -159,16 +166,8 @@ class LiarBackend(_DictBackend):
     name = "liar"
 
     def __init__(self, ctx: BackendContext) -> None:
-        super().__init__()
-        self.ctx = ctx
+        super().__init__(ctx)
         self.s.extra["lies"] = 0
-
-    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        frame = serde.encode(key, data, self.ctx.codec)
-        with self.lock:
-            self.data[key] = frame
-            self.s.puts += 1
-        return True
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
         with self.lock:

@@ -80,10 +80,13 @@ def test_vllm_serve_exports_connector_metrics(tiny_model, tmp_path):
         first = _post(base + "/v1/completions", body)
         second = _post(base + "/v1/completions", body)
         assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        # the canary, forced for one request: recomputed and compared, not loaded
+        third = _post(base + "/v1/completions", {**body, "kv_transfer_params": {"lmcache.verify": True}})
+        assert third["choices"][0]["text"] == first["choices"][0]["text"]
         text = ""
         for _ in range(30):  # stats reach the front end with the next engine step
             text = _get(base + "/metrics")
-            if _metric(text, "lmcache_core:loaded_tokens_total") > 0:
+            if _metric(text, "lmcache_core:loaded_tokens_total") > 0 and _metric(text, "lmcache_core:verified_chunks_total") > 0:
                 break
             time.sleep(1)
         assert _metric(text, "lmcache_core:loaded_tokens_total") == 768
@@ -91,6 +94,8 @@ def test_vllm_serve_exports_connector_metrics(tiny_model, tmp_path):
         assert _metric(text, "lmcache_core:lookups_total") >= 2
         assert _metric(text, 'lmcache_core:tier_put_bytes_total') > 0
         assert 'tier="local_cpu"' in text
+        assert _metric(text, "lmcache_core:verified_chunks_total") == 3
+        assert _metric(text, "lmcache_core:verify_mismatches_total") == 0
     finally:
         proc.terminate()
         try:

@@ -33,6 +33,9 @@ MEANINGS = {
     "load_errors": "Chunks that were found but failed to load, and were recomputed",
     "bypassed_tokens": "Cached tokens recomputed because loading them was predicted slower (load_policy)",
     "stored_tokens": "Tokens stored into the cache",
+    "verified_chunks": "Cached chunks recomputed and compared with the cache (correctness canary)",
+    "verify_mismatches": "Stored chunks that differed from their recomputation, per tier charged (correctness canary)",
+    "tier_quarantined": "1 while a tier is quarantined (no reads, no writes) after verification mismatches",
 }
 
 LOOKUPS = Counter(PREFIX + "lookups", MEANINGS["lookups"], registry=REGISTRY)
@@ -45,13 +48,9 @@ LOAD_ERRORS = Counter(PREFIX + "load_errors", MEANINGS["load_errors"], registry=
 TIER_BYTES = Counter(PREFIX + "tier_bytes", "Bytes moved per tier", ["tier", "op"], registry=REGISTRY)
 TIER_ERRORS = Counter(PREFIX + "tier_errors", "Backend failures turned into misses", ["tier", "op"], registry=REGISTRY)
 TIER_DROPPED = Counter(PREFIX + "tier_dropped_writes", "Background writes dropped (queue full or skipped)", ["tier"], registry=REGISTRY)
-VERIFIED_CHUNKS = Counter(PREFIX + "verified_chunks", "Cached chunks recomputed and compared with the cache (canary)", registry=REGISTRY)
-VERIFY_MISMATCHES = Counter(
-    PREFIX + "verify_mismatches", "Stored chunks that differed from their recomputation (canary)", ["tier"], registry=REGISTRY
-)
-TIER_QUARANTINED = Gauge(
-    PREFIX + "tier_quarantined", "1 while a tier is quarantined (no reads, no writes) after verification mismatches", ["tier"], registry=REGISTRY
-)
+VERIFIED_CHUNKS = Counter(PREFIX + "verified_chunks", MEANINGS["verified_chunks"], registry=REGISTRY)
+VERIFY_MISMATCHES = Counter(PREFIX + "verify_mismatches", MEANINGS["verify_mismatches"], ["tier"], registry=REGISTRY)
+TIER_QUARANTINED = Gauge(PREFIX + "tier_quarantined", MEANINGS["tier_quarantined"], ["tier"], registry=REGISTRY)
 TIER_LATENCY = Histogram(
     PREFIX + "tier_latency_seconds",
     "Latency of one backend call",

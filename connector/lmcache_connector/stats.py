@@ -20,7 +20,7 @@ from lmcache_core.metrics import MEANINGS, PREFIX
 COUNTERS = {
     **{key: (key, MEANINGS[key]) for key in ("lookups", "lookup_tokens", "hit_tokens", "loaded_tokens", "load_errors", "bypassed_tokens")},
     "saved_tokens": ("saved_tokens", "Tokens saved from vLLM's KV cache"),
-    "verified_chunks": ("verified_chunks", "Cached chunks recomputed and compared with the cache (canary)"),
+    "verified_chunks": ("verified_chunks", MEANINGS["verified_chunks"]),
     "verify_inexact": ("verify_inexact", "Verified chunks equal to their recomputation only within the dtype tolerance"),
     "load_seconds": ("load_seconds", "Time spent loading KV into vLLM"),
     "save_seconds": ("save_seconds", "Time spent saving KV from vLLM"),
@@ -31,11 +31,11 @@ TIER_COUNTERS = {
     "tier_get_bytes": ("tier_get_bytes", "Bytes read per tier"),
     "tier_errors": ("tier_errors", "Backend failures turned into misses, per tier"),
     "tier_evictions": ("tier_evictions", "Chunks evicted per tier"),
-    "verify_mismatches": ("verify_mismatches", "Stored chunks that differed from their recomputation, per tier (canary)"),
+    "verify_mismatches": ("verify_mismatches", MEANINGS["verify_mismatches"]),
 }
 # per-tier gauges, shipped as deltas (+1 when quarantined, -1 when released)
 TIER_GAUGES = {
-    "tier_quarantined": ("tier_quarantined", "1 while a tier is quarantined after verification mismatches"),
+    "tier_quarantined": ("tier_quarantined", MEANINGS["tier_quarantined"]),
 }
 
 

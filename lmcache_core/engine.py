@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Sequence
 import torch
 
 from . import metrics
-from .backend import PINNING, ZERO_COPY, BackendContext, StorageBackend
+from .backend import PINNING, SHARED, ZERO_COPY, BackendContext, StorageBackend
 from .config import ConfigError, CoreConfig, LoadedConfig, load_config
 from .loadcost import TierReadModel
 from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
@@ -248,7 +248,12 @@ class CacheEngine:
         *,
         namespace: KeyNamespace,
         plugins: PluginManager | None = None,
+        shared_writes: bool = True,
     ) -> None:
+        """``shared_writes=False``: this engine reads but never writes the tiers that
+        declare ``SHARED`` (another engine writes the same keys there, e.g. rank 0
+        when the KV is replicated across tensor-parallel ranks); its own tiers
+        (the CPU tier) are still filled by stores and promotions."""
         loaded = config if isinstance(config, LoadedConfig) else (
             LoadedConfig(config) if config is not None else load_config()
         )
@@ -288,6 +293,7 @@ class CacheEngine:
                 t.close()
             raise
         self._listeners: list[TierListener] = []
+        self._writes = [shared_writes or SHARED not in t.capabilities for t in self.tiers]
         self.quarantine = Quarantine(
             cfg.verify_mismatch_limit, cfg.verify_window_s, cfg.quarantine_dir, on_change=_quarantine_gauge
         )
@@ -528,6 +534,8 @@ class CacheEngine:
 
     def _put_tier0(self, tier0: StorageBackend, key: ChunkKey, data: ChunkData) -> int:
         """Put one chunk into tier 0 (adopting a pool buffer where it can); 1 if stored."""
+        if not self._writes[0]:
+            return 0
         t0 = time.perf_counter()
         try:
             if isinstance(data, MemoryBuffer) and ZERO_COPY in tier0.capabilities:
@@ -556,7 +564,7 @@ class CacheEngine:
             buf.tensor.copy_(data)
         try:
             for i, w in enumerate(self._writers, start=1):
-                if (upto is None or i < upto) and not self._out(w.tier):
+                if (upto is None or i < upto) and self._writes[i] and not self._out(w.tier):
                     w.submit(key, buf)
         finally:
             buf.release()

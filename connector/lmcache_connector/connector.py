@@ -103,6 +103,8 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("lmcache-core: save_unfull_chunk has no effect with several KV-cache groups (whole chunks only)")
         world = vllm_config.parallel_config.world_size
         engine_id = ktc.engine_id or "default"
+        # MLA: the latent KV is the same on every tensor-parallel rank; stored once.
+        replicated = world > 1 and bool(getattr(vllm_config.model_config, "use_mla", False))
         kv_events = events_enabled(vllm_config)
         if kv_events and plan.hybrid:
             log.warning("lmcache-core: KV events are not produced for models with several KV-cache groups")
@@ -121,7 +123,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 events=EventTranslator(
                     chunk_size=cfg.chunk_size,
                     hash_block_size=getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size,
-                    writers=range(world),
+                    writers=[0] if replicated else range(world),
                 )
                 if kv_events
                 else None,
@@ -138,6 +140,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 plan=plan,
                 pages=_page_sizes(kv_cache_config, plan),
                 kv_events=kv_events,
+                replicated=replicated,
             )
 
     @property

@@ -59,8 +59,11 @@ class TierEventBuffer:
     ships them. Quick and bounded: it runs under tier locks."""
 
     def __init__(self, rank: int, namespaces: Iterable[bytes], maxlen: int = MAX_PENDING) -> None:
+        """``namespaces[r]``: rank ``r``'s key namespace (a single one when the KV is
+        replicated across ranks: its events are then this rank's)."""
         self.rank = rank
-        self._ns = {bytes(n): r for r, n in enumerate(namespaces)}
+        ns = [bytes(n) for n in namespaces]
+        self._ns = {n: r for r, n in enumerate(ns)} if len(ns) > 1 else {n: rank for n in ns}
         self._q: deque[RawEvent] = deque()
         self._maxlen = maxlen
         self._lock = threading.Lock()

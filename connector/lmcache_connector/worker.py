@@ -70,9 +70,12 @@ class WorkerSide:
         plan: GroupPlan | None = None,
         pages: tuple[dict[int, int], dict[int, int]] = ({}, {}),
         kv_events: bool = False,
+        replicated: bool = False,
     ) -> None:
         """``pages``: each KV-cache group's page size in vLLM's pool and its data bytes;
-        ``kv_events``: report tier stores and evictions for vLLM's KV events."""
+        ``kv_events``: report tier stores and evictions for vLLM's KV events;
+        ``replicated``: every rank holds the same KV (MLA under tensor parallelism):
+        keys carry no rank, and only rank 0 writes the shared tiers."""
         self.settings = settings
         self.cfg = settings.core
         self.model_id = model_id
@@ -105,6 +108,7 @@ class WorkerSide:
         self._step_load_s = 0.0
         self._reported: dict[str, float] = {}
         self.kv_events = kv_events
+        self.replicated = replicated
         self.tier_events: TierEventBuffer | None = None
         # canary: chunks compared with the cache, and those equal only within tolerance
         self.verified_chunks = 0
@@ -126,12 +130,12 @@ class WorkerSide:
             model=self.model_id,
             layout=f"{VLLM_TAG}/{self.layout.fingerprint()}",
             dtype=dtype,
-            world_size=self.world_size,
-            rank=self.rank,
+            world_size=1 if self.replicated else self.world_size,
+            rank=0 if self.replicated else self.rank,
         )
-        self.engine = CacheEngine(self.settings.loaded, namespace=ns)
+        self.engine = CacheEngine(self.settings.loaded, namespace=ns, shared_writes=not self.replicated or self.rank == 0)
         if self.kv_events:
-            ranks = [dataclasses.replace(self.engine.namespace, rank=r).id for r in range(self.world_size)]
+            ranks = [dataclasses.replace(self.engine.namespace, rank=r).id for r in range(ns.world_size)]
             self.tier_events = TierEventBuffer(self.rank, ranks)
             self.engine.add_listener(self.tier_events)
         shape = self.layout.chunk_shape(self.cfg.chunk_size)

@@ -1,6 +1,6 @@
 """One tensor-parallel-2 vLLM engine (``mp`` executor, one worker process per rank) in a
 fresh Python process: ``python -m tests.connector.tp_proc MODEL CONFIG_JSON|none
-PROMPTS_JSON``. Runs the prompts twice and prints ``RESULT {...}`` with the greedy tokens
+PROMPTS_JSON [LLM_KWARGS_JSON]``. Runs the prompts twice and prints ``RESULT {...}`` with the greedy tokens
 and cached-token counts of each pass."""
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main() -> int:
         distributed_executor_backend="mp",
         kv_cache_memory_bytes=64 << 20,
     )
+    if len(sys.argv) > 4:
+        kw.update(json.loads(sys.argv[4]))
     if config != "none":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheCoreConnector",

@@ -345,3 +345,46 @@ def test_a_failing_listener_never_breaks_a_store() -> None:
         a = prompt(41, 3)
         assert eng.store(a, chunks_for(a)) == 3  # every store evicts the previous chunk
         assert eng.tiers[0].stats().evictions == 2
+
+
+def test_an_engine_without_shared_writes_reads_shared_tiers_but_never_writes_them() -> None:
+    """Replicated KV (MLA under tensor parallelism): one rank writes the shared tiers,
+    the others only read them, and still fill their own CPU tier."""
+    from lmcache_core.backend import SHARED
+
+    class SharedDict(DictTier):
+        name = "shared_dict"
+        capabilities = frozenset({SHARED})
+
+    shared = SharedDict()
+
+    class Plugin:
+        @hookimpl
+        def register_backends(self, register: Any) -> None:
+            register("shared_dict", lambda section, ctx: shared)
+
+    def make(writes: bool) -> CacheEngine:
+        pm = PluginManager(load_entry_points=False)
+        pm.register(Plugin(), name="shared-tier")
+        loaded = load_config(env={}, overrides={"chunk_size": CS, "backends": [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "shared_dict"}]})
+        return CacheEngine(loaded, namespace=NS, plugins=pm, shared_writes=writes)
+
+    a = prompt(51, 2)
+    reader, writer = make(False), make(True)
+    try:
+        assert reader.store(a, chunks_for(a)) == 2  # its own CPU tier
+        assert reader.flush(10) and shared.puts == 0
+        assert writer.store(a, chunks_for(a)) == 2
+        assert writer.flush(10) and shared.puts == 2
+        fresh = make(False)
+        try:
+            outs = empty_outs(2)
+            assert fresh.retrieve(a, outs) == 2  # read from the shared tier, promoted locally
+            assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(a)))
+            assert fresh.flush(10) and shared.puts == 2
+            assert fresh.tiers[0].contains(fresh.keys(fresh.hashes(a))) == 2
+        finally:
+            fresh.close()
+    finally:
+        reader.close()
+        writer.close()

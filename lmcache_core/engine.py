@@ -728,7 +728,7 @@ class CacheEngine:
                 self.quarantine.record_mismatch(v.blame, f"chunk {key}: {v.detail}")
         for v in verdicts:
             if not v.equal:
-                self._replace(self.tiers[levels[v.tier]], key, fresh)
+                self._replace(levels[v.tier], key, fresh)
         if charged:
             with self._origin_lock:
                 self._origin.pop(key, None)
@@ -757,10 +757,11 @@ class CacheEngine:
             self._tier_error(tier, "get", err)
         return None
 
-    def _replace(self, tier: StorageBackend, key: ChunkKey, fresh: ChunkData) -> None:
-        """Overwrite ``key`` in ``tier`` with ``fresh`` (just remove it if the tier is
-        now quarantined: nothing more is written there)."""
-        if self._out(tier):
+    def _replace(self, level: int, key: ChunkKey, fresh: ChunkData) -> None:
+        """Overwrite ``key`` in tier ``level`` with ``fresh`` (not in a tier now
+        quarantined, nor in a shared tier this engine does not write)."""
+        tier = self.tiers[level]
+        if self._out(tier) or not self._writes[level]:
             return
         try:
             tier.remove(key)

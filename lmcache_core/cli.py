@@ -33,7 +33,7 @@ from .quarantine import default_dir, list_control_files
 PROG = "lmcache-core"
 
 
-def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
+def _table(rows: Sequence[tuple[str, ...]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
@@ -50,8 +50,8 @@ def cmd_plugins(args: argparse.Namespace, pm: PluginManager | None = None) -> in
         rows.append(("codec", name, c.origin.distribution, c.origin.version, c.description))
     for name, e in sorted(pm.eviction_policies().items()):
         rows.append(("eviction", name, e.origin.distribution, e.origin.version, e.description))
-    for name, c in sorted(pm.commands().items()):
-        rows.append(("command", name, c.origin.distribution, c.origin.version, c.help))
+    for name, cmd in sorted(pm.commands().items()):
+        rows.append(("command", name, cmd.origin.distribution, cmd.origin.version, cmd.help))
     _table(rows, out)
     if pm.blocked:
         out.write(f"\nblocked by LMCACHE_CORE_BLOCK_PLUGINS: {', '.join(sorted(pm.blocked))}\n")

@@ -12,13 +12,14 @@ is quarantined (:mod:`lmcache_core.quarantine`): every read and write skips it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Sequence
+from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Sequence, overload
 
 import torch
 
@@ -53,7 +54,13 @@ class KeyWindow(Sequence[ChunkKey]):
     def __len__(self) -> int:
         return self._stop - self._start
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+    @overload
+    def __getitem__(self, i: int) -> ChunkKey: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ChunkKey]: ...
+
+    def __getitem__(self, i: int | slice) -> ChunkKey | Sequence[ChunkKey]:
         if isinstance(i, slice):
             lo, hi, step = i.indices(self._stop - self._start)
             if step == 1:
@@ -299,7 +306,7 @@ class CacheEngine:
         )
         self._writers = [
             _TierWriter(
-                t, cfg.write_queue_size, self.counters, self._stored, lambda t=t: not self.quarantine.is_quarantined(t.name)
+                t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t)
             )
             for t in self.tiers[1:]
         ]
@@ -511,6 +518,7 @@ class CacheEngine:
                     continue  # already cached (another request stored it): no rewrite
             except Exception as err:
                 self._tier_error(tier0, "contains", err)
+            buf: MemoryBuffer | None
             if isinstance(data, MemoryBuffer):
                 buf, owned = data, False
             elif ZERO_COPY in tier0.capabilities:
@@ -554,6 +562,7 @@ class CacheEngine:
 
     def _write_behind(self, key: ChunkKey, data: ChunkData, upto: int | None = None) -> None:
         """Queue ``data`` for the slower tiers (all, or those above tier ``upto``)."""
+        buf: MemoryBuffer | None
         if isinstance(data, MemoryBuffer):
             buf = data.retain()
         else:
@@ -681,6 +690,9 @@ class CacheEngine:
     def _out(self, tier: StorageBackend) -> bool:
         """Whether ``tier`` is quarantined (no reads, no writes)."""
         return self.quarantine.is_quarantined(tier.name)
+
+    def _accepts_writes(self, tier: StorageBackend) -> bool:
+        return not self._out(tier)
 
     def verify(self, chunk_hash: bytes, fresh: ChunkData, same: "Compare") -> list["TierVerdict"]:
         """Compare the freshly computed chunk ``fresh`` with the object stored under

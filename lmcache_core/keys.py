@@ -100,7 +100,7 @@ def chunk_hashes(
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
     arr = as_token_array(tokens)
-    buf = memoryview(arr).cast("B")  # a view, no copy: the hash reads slices of it
+    buf = arr.data.cast("B")  # a view, no copy: the hash reads slices of it
     n = arr.size
     prev = start if start is not None else (seed if seed is not None else chain_seed())
     out: list[bytes] = []

@@ -173,18 +173,20 @@ class LocalCpuBackend(StorageBackend):
             key = self.policy.pop_victim()
             if key is None:
                 break
-            buf = self._entries.get(key)  # type: ignore[arg-type]
+            if not isinstance(key, ChunkKey):  # policies hold any hashable: this tier gives them chunk keys
+                continue
+            buf = self._entries.get(key)
             if buf is None:  # the policy offered a key the tier does not hold
                 continue
             if key in self._pins:
-                kept.append(key)  # type: ignore[arg-type]
+                kept.append(key)
                 continue
-            del self._entries[key]  # type: ignore[arg-type]
+            del self._entries[key]
             self._bytes -= buf.size
             self._stats.evictions += 1
             freed += buf.size
             buf.release()
-            self.evicted(key)  # type: ignore[arg-type]
+            self.evicted(key)
         for key in kept:
             self.policy.keep(key, self._entries[key].size)
         return freed

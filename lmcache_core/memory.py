@@ -156,7 +156,7 @@ class MemoryPool:
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
         """A buffer of ``shape``/``dtype``, or ``None`` when no free region fits."""
-        shp = self._shapes.get(shape if type(shape) is tuple else tuple(shape))  # type: ignore[arg-type]
+        shp = self._shapes.get(shape if type(shape) is tuple else tuple(shape))
         if shp is None:
             shp = tuple(int(d) for d in shape)
             if any(d < 0 for d in shp):

@@ -101,12 +101,14 @@ class Lz4Codec:
     def encode(self, raw: memoryview) -> bytes:
         import lz4.block
 
-        return lz4.block.compress(raw, store_size=False)
+        out: bytes = lz4.block.compress(raw, store_size=False)
+        return out
 
     def decode(self, payload: memoryview, raw_len: int) -> bytes:
         import lz4.block
 
-        return lz4.block.decompress(payload, uncompressed_size=raw_len)
+        out: bytes = lz4.block.decompress(payload, uncompressed_size=raw_len)
+        return out
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def frame_meta(key: ChunkKey, tensor: torch.Tensor, codec_name: str, raw_len: int) -> dict[str, str]:
@@ -239,7 +241,7 @@ def header_span(head: bytes | bytearray | memoryview) -> int:
     mv = memoryview(head).cast("B")
     if mv.nbytes < 8:
         raise FrameError("truncated: shorter than the length prefix")
-    (hlen,) = _U64.unpack_from(mv, 0)
+    hlen = int(_U64.unpack_from(mv, 0)[0])
     if hlen > MAX_HEADER_BYTES:
         raise FrameError(f"bad header length {hlen}")
     return 8 + hlen

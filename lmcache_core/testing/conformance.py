@@ -25,7 +25,7 @@ from ..backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageB
 from ..config import CoreConfig
 from ..keys import ChunkKey, KeyNamespace
 from ..memory import MemoryPool
-from ..serde import Lz4Codec, RawCodec
+from ..serde import Codec, Lz4Codec, RawCodec
 
 #: ``corrupt(key)``: damage the stored frame of ``key`` in place (flip a payload byte).
 Corrupt = Callable[[ChunkKey], None]
@@ -43,7 +43,7 @@ PRESSURE_CHUNKS = 48
 
 
 def make_context(pool_bytes: int = 64 << 20, *, codec: str = "raw", key_path: str = "backends[0]") -> BackendContext:
-    codecs = {"raw": RawCodec(), "lz4": Lz4Codec()}
+    codecs: dict[str, Codec] = {"raw": RawCodec(), "lz4": Lz4Codec()}
     return BackendContext(
         key_path=key_path,
         source="test",

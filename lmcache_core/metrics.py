@@ -103,7 +103,7 @@ class EngineCounters:
         with self._lock:
             self.verify_mismatches[tier] = self.verify_mismatches.get(tier, 0) + 1
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
             d["backend_errors"] = dict(self.backend_errors)

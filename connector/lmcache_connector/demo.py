@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=docs[d] + questions[d][q])], sp, use_tqdm=False)
         ttft = time.perf_counter() - t
-        results[(d, q)] = (ttft, out[0].num_cached_tokens, worker.stats()["loaded_tokens"] - before)
+        results[(d, q)] = (ttft, out[0].num_cached_tokens or 0, worker.stats()["loaded_tokens"] - before)
 
     rows = []
     for d in range(n_docs):

@@ -280,8 +280,8 @@ class SchedulerSide:
     def _build_hybrid(self, so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
         """Loads are asynchronous (issued the step after allocation, whether or not
         the request runs); saves read every group's current block table from vLLM."""
-        for st in self._async_loads:
-            self._emit_load(st, meta)
+        for pending in self._async_loads:
+            self._emit_load(pending, meta)
         self._async_loads = []
         block_state = getattr(so, "kv_connector_block_state", None)
         for rid, done, n in self._scheduled(so):

@@ -14,7 +14,7 @@ import dataclasses
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -152,7 +152,7 @@ class WorkerSide:
         if self.lookup_address:
             self.server = LookupServer(self.lookup_address, self._lookup)
 
-    def _lookup(self, hashes: list[bytes], pin_id: str | None) -> int:
+    def _lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
         assert self.engine is not None
         boundary = self.plan is not None and self.plan.has_boundary
         if not boundary and (self.load_policy == ALWAYS or pin_id is None):

@@ -87,7 +87,7 @@ def expected_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor) 
     for layer, kv in enumerate(kv_caches):
         k = int_view(kv).cpu()
         # Memory order of one block: sort its dims by stride, largest first.
-        order = sorted(range(1, 4), key=lambda i: -k.stride(i))
+        order = sorted(range(1, 4), key=lambda i: k.stride()[i], reverse=True)
         for n, b in enumerate(block_ids.tolist()):
             if 0 <= b < num_blocks:
                 out[layer, n] = k[b].permute([i - 1 for i in order]).reshape(-1)

@@ -21,8 +21,8 @@ class PresenceCache:
         self._lock = threading.Lock()
         self._seen: OrderedDict[ChunkKey, float] = OrderedDict()
 
-    def __contains__(self, key: ChunkKey) -> bool:
-        if self.max_entries == 0:
+    def __contains__(self, key: object) -> bool:
+        if self.max_entries == 0 or not isinstance(key, ChunkKey):
             return False
         with self._lock:
             t = self._seen.get(key)

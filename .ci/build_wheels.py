@@ -1,0 +1,54 @@
+"""Build a wheel of every distribution in the repository (``pip wheel --no-deps``)
+into a fresh directory and check what each one ships: its packages with their
+``py.typed``, its entry points. ``package = skip`` in tox never builds them, so a
+broken build configuration would otherwise only show at release time.
+
+    python .ci/build_wheels.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def distributions() -> list[Path]:
+    return sorted(p.parent for p in ROOT.glob("**/pyproject.toml") if not {".venv", ".tox"} & set(p.parts))
+
+
+def main(out: Path) -> int:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    failures = []
+    for dist in distributions():
+        meta = tomllib.loads((dist / "pyproject.toml").read_text())
+        name = meta["project"]["name"]
+        before = set(out.iterdir())
+        res = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(dist)],
+            capture_output=True, text=True,
+        )
+        built = sorted(set(out.iterdir()) - before)
+        if res.returncode != 0 or len(built) != 1:
+            failures.append(f"{name}: pip wheel failed:\n{res.stdout}{res.stderr}")
+            continue
+        files = zipfile.ZipFile(built[0]).namelist()
+        typed = [f for f in files if f.endswith("/py.typed")]
+        if not typed:
+            failures.append(f"{name}: {built[0].name} ships no py.typed")
+        if meta["project"].get("entry-points") and not any(f.endswith("entry_points.txt") for f in files):
+            failures.append(f"{name}: {built[0].name} lost its entry points")
+        print(f"{built[0].name}: {len(files)} files, {', '.join(typed)}")
+    for msg in failures:
+        print(f"error: {msg}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(Path(sys.argv[1])))

@@ -27,11 +27,26 @@ from typing import Any
 SPEC_KW = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
 
 
+def ttft(llm: Any, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
+    """Time to first token of each prompt, one request at a time, and its cached tokens."""
+    import time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    times, cached = [], []
+    for p in prompts:
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+        cached.append(out[0].num_cached_tokens)
+    return times, cached
+
+
 def child(model: str, system: str, store: str, prompts: list[list[int]]) -> None:
     """One vLLM process: TTFT of each prompt, as a JSON line."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import time
-
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -54,14 +69,8 @@ def child(model: str, system: str, store: str, prompts: list[list[int]]) -> None
             },
         )
     llm = LLM(**kw)
-    sp = SamplingParams(max_tokens=1, temperature=0)
-    llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], sp, use_tqdm=False)  # warm-up, no reuse
-    times, cached = [], []
-    for p in prompts:
-        t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-        cached.append(out[0].num_cached_tokens)
+    llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up, no reuse
+    times, cached = ttft(llm, prompts)
     if system == "lmcache-disk":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 

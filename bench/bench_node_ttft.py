@@ -47,16 +47,12 @@ def child(model: str, config: dict[str, Any] | None, prompts: list[list[int]], p
             kv_connector_extra_config=config,
         ),
     )
-    sp = SamplingParams(max_tokens=1, temperature=0)
-    llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], sp, use_tqdm=False)  # warm-up, no reuse
+    from bench_disk_ttft import ttft
+
+    llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up, no reuse
     out: list[dict[str, Any]] = []
     for _ in range(passes):
-        times, cached = [], []
-        for p in prompts:
-            t = time.perf_counter()
-            o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
-            times.append(time.perf_counter() - t)
-            cached.append(o[0].num_cached_tokens)
+        times, cached = ttft(llm, prompts)
         out.append({"times": times, "cached": cached})
     get_kv_transfer_group()._worker.engine.flush(120)
     print("RESULT " + json.dumps(out), flush=True)

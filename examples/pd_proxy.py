@@ -88,6 +88,8 @@ class Proxy(BaseHTTPRequestHandler):
         except ValueError:
             n = -1
         if n < 0 or n > self.max_body:
+            if n > 0:
+                self.rfile.read(min(n, 1 << 20))  # bounded drain: the client then reads our answer
             self._reply(413 if n > 0 else 400, {"error": f"a JSON body of at most {self.max_body} bytes is required"})
             return
         raw = self.rfile.read(n)

@@ -10,20 +10,18 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-def main() -> int:
-    model, config, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-    llm_kw = json.loads(sys.argv[sys.argv.index("--llm") + 1]) if "--llm" in sys.argv else {}
-    one_by_one = llm_kw.pop("one_by_one", False)
-    from vllm import LLM, SamplingParams
+def engine(model: str, config: dict, role: str = "kv_both", **llm_kw: object) -> "Any":
+    """The test engines' ``LLM``: in-process, CPU-sized, prefix caching off, the
+    connector with ``config`` as its extra config and ``role`` as its kv_role."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm.inputs import TokensPrompt
 
-    args = dict(
+    args: dict = dict(
         model=model,
         enforce_eager=True,
         kv_cache_memory_bytes=64 << 20,
@@ -33,15 +31,26 @@ def main() -> int:
         seed=0,
     )
     args.update(llm_kw)
-    llm = LLM(
+    return LLM(
         **args,
         kv_transfer_config=KVTransferConfig(
             kv_connector="LMCacheCoreConnector",
-            kv_role="kv_both",
+            kv_role=role,
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=config,
         ),
     )
+
+
+def main() -> int:
+    model, config, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    llm_kw = json.loads(sys.argv[sys.argv.index("--llm") + 1]) if "--llm" in sys.argv else {}
+    one_by_one = llm_kw.pop("one_by_one", False)
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+
+    llm = engine(model, config, **llm_kw)
     sp = SamplingParams(max_tokens=8, temperature=0)
     batches = [[p] for p in prompts] if one_by_one else [prompts]
     outs = [

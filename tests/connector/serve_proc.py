@@ -19,26 +19,13 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 def main() -> int:
     model, role, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
-        model=model,
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 << 20,
-        max_model_len=4096,
-        max_num_batched_tokens=512,
-        enable_prefix_caching=False,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role=role,
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=config,
-        ),
-    )
+    from tests.connector.engine_proc import engine
+
+    llm = engine(model, config, role)
     worker = get_kv_transfer_group()._worker
 
     class Handler(BaseHTTPRequestHandler):

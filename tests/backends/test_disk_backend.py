@@ -114,6 +114,20 @@ def test_byte_budget_evicts_lru(tmp_path: Path) -> None:
     assert on_disk == s.bytes_used
 
 
+def test_evictions_are_reported_to_the_engine_listener(tmp_path: Path) -> None:
+    """Each chunk dropped for room is reported once (KV events), in LRU order; a
+    remove() is not an eviction."""
+    fsize = frame_size(random_key(), random_chunk(SHAPE, seed=0))
+    b = open_disk(tmp_path / "t", max_size=fsize * 3)
+    seen: list = []
+    b.on_evicted = seen.append
+    keys = [random_key() for _ in range(6)]
+    for i, k in enumerate(keys):
+        assert b.put(k, random_chunk(SHAPE, seed=i))
+    assert seen == keys[:3]
+    assert b.remove(keys[5]) and seen == keys[:3]
+
+
 def test_chunk_larger_than_budget_is_skipped(tmp_path: Path) -> None:
     b = open_disk(tmp_path / "t", max_size=4096)
     assert b.put(random_key(), random_chunk(SHAPE)) is False

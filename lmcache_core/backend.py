@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -51,6 +51,20 @@ def prefix_count(keys: Sequence[ChunkKey], present: Container[ChunkKey]) -> int:
             break
         n += 1
     return n
+
+
+B = TypeVar("B", bound="StorageBackend")
+
+
+def checked_at_start(backend: B, check: Callable[[], None]) -> B:
+    """``backend`` once ``check()`` passed (a factory's start-up check: credentials, a
+    reachable server); if it raises, the backend is closed and the error goes on."""
+    try:
+        check()
+    except BaseException:
+        backend.close()
+        raise
+    return backend
 
 
 @dataclass

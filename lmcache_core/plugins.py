@@ -113,6 +113,15 @@ class CodecInfo:
 _CORE_DIST = "lmcache-core"
 
 
+def _put(table: dict[str, Any], kind: str, info: Any) -> None:
+    """``table[info.name] = info``; a later plugin overriding an earlier one's name is
+    logged with both distributions."""
+    prev = table.get(info.name)
+    if prev is not None:
+        log.warning("%s %r from %s overrides the one from %s", kind, info.name, info.origin.distribution, prev.origin.distribution)
+    table[info.name] = info
+
+
 class PluginError(ValueError):
     """A plugin cannot be registered (for example, it implements a hook that does
     not exist, usually a misspelling). The message names the plugin and the hook."""
@@ -238,10 +247,7 @@ class PluginManager:
                             check_ref(ref)
                         elif not callable(ref) and not (what == "pool_bytes" and ref is None):
                             raise ValueError(f"plugin {_o.plugin}: backend {name!r}: {what} {ref!r} is neither callable nor a dotted path")
-                    if name in backends:
-                        prev = backends[name].origin
-                        log.warning("backend %r from %s overrides the one from %s", name, _o.distribution, prev.distribution)
-                    backends[name] = BackendInfo(name, factory, _o, description, pool_bytes)
+                    _put(backends, "backend", BackendInfo(name, factory, _o, description, pool_bytes))
 
                 self._call_impl(impl, reg_backend)
             for impl in reversed(self._pm.hook.register_codecs.get_hookimpls()):
@@ -258,10 +264,7 @@ class PluginManager:
                 def reg_policy(name: str, factory: PolicyFactory, *, description: str = "", _o: Origin = origin) -> None:
                     if not isinstance(name, str) or not name.isidentifier():
                         raise ValueError(f"plugin {_o.plugin}: eviction policy name {name!r} must be an identifier")
-                    if name in policies:
-                        prev = policies[name].origin
-                        log.warning("eviction policy %r from %s overrides the one from %s", name, _o.distribution, prev.distribution)
-                    policies[name] = PolicyInfo(name, factory, _o, description)
+                    _put(policies, "eviction policy", PolicyInfo(name, factory, _o, description))
 
                 self._call_impl(impl, reg_policy)
             commands: dict[str, CommandInfo] = {}
@@ -277,10 +280,7 @@ class PluginManager:
                         check_ref(setup)
                     elif not callable(setup):
                         raise ValueError(f"plugin {_o.plugin}: command {name!r}: setup {setup!r} is neither callable nor a dotted path")
-                    if name in commands:
-                        prev = commands[name].origin
-                        log.warning("command %r from %s overrides the one from %s", name, _o.distribution, prev.distribution)
-                    commands[name] = CommandInfo(name, setup, _o, help)
+                    _put(commands, "command", CommandInfo(name, setup, _o, help))
 
                 self._call_impl(impl, reg_command)
             self._backends, self._codecs, self._policies, self._commands = backends, codecs, policies, commands

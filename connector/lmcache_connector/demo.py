@@ -16,8 +16,10 @@ import argparse
 import os
 import sys
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TextIO
 
 from .tiny_model import DEMO_SPEC, TinyModelSpec, build_tiny_model, random_prompt
 
@@ -32,7 +34,35 @@ def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     p.add_argument("--config", type=Path, default=None, help="lmcache-core YAML config (default: embedded CPU tier)")
     p.add_argument("--vllm-prefix-cache", action="store_true", help="also enable vLLM's own prefix cache")
     p.add_argument("--quick", action="store_true", help="smaller model and documents (about a minute)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show vLLM's own output (INFO logs) on the terminal")
     return run
+
+
+@contextmanager
+def _output_to(log: Path | None) -> Iterator[TextIO]:
+    """With ``log``, send everything written to this process's stdout and stderr
+    (vLLM's logs, warnings, C++ messages) to that file; yields a stream on the real
+    terminal for the demo's own lines. Without ``log``, the terminal as is."""
+    if log is None:
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    try:
+        yield terminal
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        terminal.close()
 
 
 def _fmt_bytes(n: float) -> str:
@@ -49,37 +79,23 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def run(args: argparse.Namespace) -> int:
-    # In-process engine: the demo reads the connector's counters directly.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    spec = QUICK_SPEC if args.quick else DEMO_SPEC
-    n_docs = max(1, args.docs if not args.quick else min(args.docs, 3))
-    doc_tokens = args.doc_tokens if not args.quick else min(args.doc_tokens, 1500)
-    model_dir = args.model_dir or Path.home() / ".cache" / "lmcache-core" / spec.tag()
-    print(f"[1/3] building the local model {spec.tag()} in {model_dir} ...", flush=True)
-    t0 = time.perf_counter()
-    build_tiny_model(model_dir, spec)
-    print(f"      done in {time.perf_counter() - t0:.1f} s", flush=True)
-
-    print("[2/3] starting vLLM (CPU) with LMCacheCoreConnector ...", flush=True)
-    from tqdm import tqdm
-    from vllm import LLM, SamplingParams
+def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> tuple[Any, Any]:
+    """vLLM on CPU with the connector; returns the LLM and the connector's worker side."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm.inputs import TokensPrompt
 
     extra: dict[str, Any] = {}
     if args.config is not None:
         extra["config_file"] = str(args.config)
-    max_len = doc_tokens + 256
     llm = LLM(
         model=str(model_dir),
         enforce_eager=True,
-        max_model_len=max_len,
-        max_num_batched_tokens=max(2048, 256),
+        max_model_len=doc_tokens + 256,
+        max_num_batched_tokens=2048,
         kv_cache_memory_bytes=256 << 20,
         enable_prefix_caching=args.vllm_prefix_cache,
+        use_tqdm_on_load=args.verbose,
         kv_transfer_config=KVTransferConfig(
             kv_connector="LMCacheCoreConnector",
             kv_role="kv_both",
@@ -87,21 +103,68 @@ def run(args: argparse.Namespace) -> int:
             kv_connector_extra_config=extra,
         ),
     )
-    worker = get_kv_transfer_group()._worker
-    sp = SamplingParams(max_tokens=1, temperature=0)
+    return llm, get_kv_transfer_group()._worker
 
-    docs = [random_prompt(doc_tokens, 1000 + d, spec.vocab_size) for d in range(n_docs)]
-    questions = [[random_prompt(24, 5000 + d * 2 + q, spec.vocab_size) for q in range(2)] for d in range(n_docs)]
-    plan = [(d, q) for q in range(2) for d in range(n_docs)]  # all cold first, then all warm
-    results: dict[tuple[int, int], tuple[float, int, int]] = {}
-    llm.generate([TokensPrompt(prompt_token_ids=random_prompt(64, 1))], sp, use_tqdm=False)  # warm-up
-    print("[3/3] asking each document two questions (cold pass, then warm pass)", flush=True)
-    for d, q in tqdm(plan, desc="requests", unit="req", file=sys.stdout):
-        before = worker.stats()["loaded_tokens"]
-        t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=docs[d] + questions[d][q])], sp, use_tqdm=False)
-        ttft = time.perf_counter() - t
-        results[(d, q)] = (ttft, out[0].num_cached_tokens or 0, worker.stats()["loaded_tokens"] - before)
+
+def run(args: argparse.Namespace) -> int:
+    # In-process engine: the demo reads the connector's counters directly.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    spec = QUICK_SPEC if args.quick else DEMO_SPEC
+    n_docs = max(1, args.docs if not args.quick else min(args.docs, 3))
+    doc_tokens = args.doc_tokens if not args.quick else min(args.doc_tokens, 1500)
+    model_dir = args.model_dir or Path.home() / ".cache" / "lmcache-core" / spec.tag()
+    log = None if args.verbose else model_dir.parent / "demo-vllm.log"
+    print(
+        f"lmcache-core demo: {n_docs} documents of {doc_tokens} tokens, each asked two questions on vLLM (CPU)\n"
+        "with the lmcache-core connector. The first question computes the document's KV and stores it\n"
+        "(cold); the second finds it in lmcache-core and loads it instead of recomputing it (warm).\n"
+        f"model: {spec.tag()}, {spec.dtype}, random weights, built locally in {model_dir}\n"
+        f"config: {args.config or 'embedded default (CPU tier)'}; vLLM's output: "
+        + ("below (-v)" if log is None else f"{log} (-v shows it here)")
+        + "\n",
+        flush=True,
+    )
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    try:
+        with _output_to(log) as out:
+            out.write("building the model and starting vLLM ... ")
+            out.flush()
+            build_tiny_model(model_dir, spec)
+            llm, worker = _start_vllm(model_dir, doc_tokens, args)
+            out.write(f"done in {time.perf_counter() - t0:.0f} s\n")
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            sp = SamplingParams(max_tokens=1, temperature=0)
+            docs = [random_prompt(doc_tokens, 1000 + d, spec.vocab_size) for d in range(n_docs)]
+            questions = [[random_prompt(24, 5000 + d * 2 + q, spec.vocab_size) for q in range(2)] for d in range(n_docs)]
+            plan = [(d, q) for q in range(2) for d in range(n_docs)]  # all cold first, then all warm
+            results: dict[tuple[int, int], tuple[float, int, int]] = {}
+            llm.generate([TokensPrompt(prompt_token_ids=random_prompt(64, 1))], sp, use_tqdm=False)  # warm-up
+            for d, q in tqdm(plan, desc="requests (cold pass, then warm)", unit="req", file=out):
+                before = worker.stats()["loaded_tokens"]
+                t = time.perf_counter()
+                generated = llm.generate([TokensPrompt(prompt_token_ids=docs[d] + questions[d][q])], sp, use_tqdm=False)
+                ttft = time.perf_counter() - t
+                results[(d, q)] = (ttft, generated[0].num_cached_tokens or 0, worker.stats()["loaded_tokens"] - before)
+            stats = worker.stats()["engine"]
+            chunk_size = worker.cfg.chunk_size
+            llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        if log is not None:
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            sys.stderr.write("\nthe demo failed; the end of vLLM's output (" + str(log) + "):\n" + "\n".join(tail) + "\n")
+        raise
 
     rows = []
     for d in range(n_docs):
@@ -119,7 +182,6 @@ def run(args: argparse.Namespace) -> int:
         )
     print()
     print(_table(rows, ["request", "prompt tok", "cold TTFT ms", "warm TTFT ms", "speed-up", "cached tok", "loaded by lmcache"]))
-    stats = worker.stats()["engine"]
     print()
     tier_rows = [
         [t["name"], str(t["chunks"]), _fmt_bytes(t["bytes_used"]), _fmt_bytes(t["put_bytes"]), _fmt_bytes(t["get_bytes"]), str(t["evictions"])]
@@ -131,9 +193,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\nmean TTFT cold {total_cold / n_docs * 1000:.0f} ms, warm {total_warm / n_docs * 1000:.0f} ms "
         f"({total_cold / total_warm:.1f}x); vLLM prefix cache {'on' if args.vllm_prefix_cache else 'off'}, "
-        f"chunk size {worker.cfg.chunk_size} tokens"
+        f"chunk size {chunk_size} tokens"
     )
-    llm.llm_engine.engine_core.shutdown()
     return 0
 
 

@@ -26,6 +26,9 @@ class TinyModelSpec:
     vocab_size: int = 2048
     max_position: int = 16384
     seed: int = 0
+    #: the dtype the weights are saved in: vLLM's CPU build runs a model in bfloat16
+    #: unless told otherwise, so the weights are saved that way (no casts, no warnings)
+    dtype: str = "bfloat16"
 
     def tag(self) -> str:
         return (
@@ -86,14 +89,14 @@ def build_tiny_model(path: str | Path, spec: TinyModelSpec = TEST_SPEC) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype=spec.dtype,
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    model.save_pretrained(path, safe_serialization=True)
+            p.normal_(0.0, 0.05)  # drawn in float32, then rounded once to the saved dtype
+    model.to(getattr(torch, spec.dtype)).save_pretrained(path, safe_serialization=True)
     marker.write_text(json.dumps(asdict(spec)))
     return path
 

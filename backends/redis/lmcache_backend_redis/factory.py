@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from lmcache_core.backend import BackendContext, BackendError
+from lmcache_core.backend import BackendContext, BackendError, checked_at_start
 from lmcache_core.config import validate_section
 
 from .backend import RedisBackend
@@ -50,10 +50,6 @@ def create_redis_backend(section: Mapping[str, Any], ctx: BackendContext) -> Red
     check_tls_files(cfg, ctx.key_path, ctx.source)
     backend = RedisBackend(cfg, codec=ctx.codec, codecs=dict(ctx.codecs), password=password)
     if cfg.verify_on_start:
-        try:
-            _verify(backend, ctx)
-        except BaseException:
-            backend.close()
-            raise
+        checked_at_start(backend, lambda: _verify(backend, ctx))
     return backend
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from botocore.exceptions import NoCredentialsError, PartialCredentialsError, ProfileNotFound
 
-from lmcache_core.backend import BackendContext, BackendError
+from lmcache_core.backend import BackendContext, BackendError, checked_at_start
 from lmcache_core.config import ConfigError, validate_section
 
 from .backend import S3Backend
@@ -61,10 +61,6 @@ def create_s3_backend(section: Mapping[str, Any], ctx: BackendContext) -> S3Back
     except ProfileNotFound as err:
         raise ConfigError(f"{ctx.key_path}.profile: {err} (from {ctx.source}); check ~/.aws/config or AWS_CONFIG_FILE") from None
     if cfg.verify_on_start:
-        try:
-            _verify(backend, ctx)
-        except BaseException:
-            backend.close()
-            raise
+        checked_at_start(backend, lambda: _verify(backend, ctx))
     return backend
 

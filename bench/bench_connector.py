@@ -32,7 +32,20 @@ from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random
 SPEC = TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
 
 
-def engine(model: Path, system: str, tmp: Path, max_len: int) -> Any:
+def engine(
+    model: Path,
+    system: str,
+    tmp: Path,
+    max_len: int,
+    *,
+    kv_bytes: int = 256 << 20,
+    prefix_caching: bool | None = None,
+    extra: dict[str, Any] | None = None,
+    max_num_seqs: int | None = None,
+) -> Any:
+    """A vLLM engine for ``system`` (``recompute``, ``example``, ``lmcache`` or
+    ``vllm-prefix-cache``). ``prefix_caching`` overrides the default (on only for
+    ``vllm-prefix-cache``); ``extra`` is the connector's ``kv_connector_extra_config``."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -42,17 +55,22 @@ def engine(model: Path, system: str, tmp: Path, max_len: int) -> Any:
         dtype="float32",  # bf16 is emulated (slow) on CPUs without AVX512-BF16
         max_model_len=max_len,
         max_num_batched_tokens=max_len,
-        kv_cache_memory_bytes=256 << 20,
-        enable_prefix_caching=system == "vllm-prefix-cache",
+        kv_cache_memory_bytes=kv_bytes,
+        enable_prefix_caching=system == "vllm-prefix-cache" if prefix_caching is None else prefix_caching,
         seed=0,
     )
+    if max_num_seqs is not None:
+        kw["max_num_seqs"] = max_num_seqs
     if system == "example":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": str(tmp / "example")}
         )
     elif system == "lmcache":
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheCoreConnector", kv_role="kv_both", kv_load_failure_policy="recompute"
+            kv_connector="LMCacheCoreConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=dict(extra or {}),
         )
     return LLM(**kw)
 

@@ -1,0 +1,332 @@
+"""A burst of returning users on real vLLM (CPU), side by side in one run (issue #20).
+
+Model: 6 layers, 4 KV heads of 64, float32: 12 KiB of KV per token. 8 users, each
+with a 2k-token context (sent once, cold), then each asks new questions (context +
+32 new tokens). Three engines stay up together and take turns, so load from other
+jobs hits all of them alike:
+
+* ``lmc``: lmcache-core's CPU tier, vLLM's own KV cache at 1/3 of the working set
+  (vLLM's prefix caching on);
+* ``ref``: vLLM alone, its KV cache big enough to hold everything (the bar);
+* ``small``: vLLM alone at 1/3 (what the connector saves us from).
+
+Printed: single-request warm TTFT (one user's next question at a time, median) and
+burst time (all users' next questions submitted at once, wall time until every first
+token, median over rounds) for each, the ratios lmc/ref; greedy tokens of the last
+burst (8 tokens each) compared across the three engines; a no-reuse overhead ratio
+(bursts of all-unique prompts, connector on vs off, alternating); and a profile of
+one extra burst on ``lmc`` (time inside the connector's hooks, by part). Bars: burst
+<= 1.1x ref, single <= 1.0x ref, identical tokens, no-reuse overhead <= 5%.
+
+    python bench/bench_burst.py [--quick] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from bench_connector import close, engine  # noqa: E402  (sets vLLM's env defaults first)
+
+from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random_prompt
+
+SPEC = TinyModelSpec(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
+KV_PER_TOKEN = SPEC.num_layers * 2 * SPEC.num_kv_heads * SPEC.head_dim * 4  # float32
+BLOCK = 128
+QUESTION = 32
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 1) -> tuple[float, list[list[int]], list[int]]:
+    """Submit ``prompts`` at once; (wall seconds, greedy tokens, cached tokens)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return dt, [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
+
+
+# ---------------------------------------------------------------------------- profile
+
+
+class Profile:
+    """Wall time inside named functions while active (``time.perf_counter``), by
+    wrapping them on their classes/modules: in-process vLLM only. Calls nested in
+    another profiled call are counted in both (the table says which contain which)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner: Any, attr: str, label: str) -> None:
+        orig = getattr(owner, attr)
+        prof = self
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                prof.seconds[label] += time.perf_counter() - t
+                prof.calls[label] += 1
+
+        setattr(owner, attr, timed)
+        self._undo.append(lambda: setattr(owner, attr, orig))
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["Profile"]:
+        import lmcache_connector.scheduler as sched_mod
+        import lmcache_connector.worker as worker_mod
+        from lmcache_connector.layout import BlockLayout
+        from lmcache_connector.lookup_ipc import LookupClient
+        from lmcache_core.engine import CacheEngine
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        for owner, attr, label in (
+            (Scheduler, "schedule", "vLLM scheduler.schedule (calls = steps)"),
+            (GPUModelRunner, "execute_model", "vLLM model runner execute_model"),
+            (sched_mod.SchedulerSide, "get_num_new_matched_tokens", "  sched: get_num_new_matched_tokens"),
+            (LookupClient, "lookup", "    lookup round trip (IPC)"),
+            (worker_mod.WorkerSide, "_lookup", "      worker: engine lookup (server thread)"),
+            (sched_mod, "chunk_hashes", "    hashing (chunk_hashes)"),
+            (sched_mod.SchedulerSide, "update_state_after_alloc", "  sched: update_state_after_alloc"),
+            (sched_mod.SchedulerSide, "build_connector_meta", "  sched: build_connector_meta"),
+            (sched_mod.SchedulerSide, "request_finished", "  sched: request_finished"),
+            (worker_mod.WorkerSide, "start_load_kv", "  worker: start_load_kv (loads)"),
+            (CacheEngine, "retrieve_buffer", "    tier reads (retrieve_buffer)"),
+            (BlockLayout, "load_chunk", "    copies into vLLM blocks"),
+            (worker_mod.WorkerSide, "wait_for_save", "  worker: wait_for_save (saves)"),
+            (BlockLayout, "save_chunk", "    gathers out of vLLM blocks"),
+            (CacheEngine, "store_hashes", "    stores into the CPU tier"),
+        ):
+            if hasattr(owner, attr):
+                self.wrap(owner, attr, label)
+        try:
+            yield self
+        finally:
+            for undo in reversed(self._undo):
+                undo()
+            self._undo.clear()
+
+    def table(self, wall: float) -> str:
+        lines = [f"{'part':<48}{'ms':>9}{'calls':>8}{'% of burst':>12}"]
+        for label in self.seconds:
+            s = self.seconds[label]
+            lines.append(f"{label:<48}{s * 1000:>9.1f}{self.calls[label]:>8}{100 * s / wall:>11.1f}%")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- engines
+
+
+def _serve(conn: Any, model: Path, tmp: Path, max_len: int, spec: dict[str, Any]) -> None:
+    """Child process: one engine, answering ``(op, prompts, max_tokens)`` messages."""
+    spec = dict(spec)
+    llm = engine(model, spec.pop("system"), tmp, max_len, **spec)
+    conn.send("ready")
+    try:
+        while True:
+            op, prompts, max_tokens = conn.recv()
+            if op == "close":
+                break
+            if op == "profile":
+                with Profile().active() as prof:
+                    dt, _, _ = generate(llm, prompts)
+                conn.send((prof.table(dt), dt))
+            else:
+                conn.send(generate(llm, prompts, max_tokens))
+    finally:
+        close(llm)
+        conn.send("closed")
+
+
+class Remote:
+    """An engine in its own process (spawned), driven in lock-step from here."""
+
+    def __init__(self, name: str, model: Path, tmp: Path, max_len: int, spec: dict[str, Any]) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, model, tmp, max_len, spec), name=f"bench-{name}", daemon=True)
+        self.proc.start()
+
+    def ready(self) -> None:
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"engine {self.name} did not start")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 1) -> tuple[float, list[list[int]], list[int]]:
+        self.conn.send(("generate", prompts, max_tokens))
+        return self.conn.recv()
+
+    def profile(self, prompts: list[list[int]]) -> tuple[str, float]:
+        self.conn.send(("profile", prompts, 1))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("close", None, 0))
+                self.conn.recv()
+            except (EOFError, OSError):
+                pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+def question(user: int, rnd: int) -> list[int]:
+    return random_prompt(QUESTION, 50_000 + 1000 * rnd + user, SPEC.vocab_size)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="4 users x 1k tokens, 1 burst round (smoke test)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed burst rounds (default 5, --quick 1)")
+    ap.add_argument("--extra", default="", help="connector option as key=value,... (e.g. chunk_size=512)")
+    args = ap.parse_args()
+    users, ctx_tokens = (4, 1024) if args.quick else (8, 2048)
+    rounds = args.rounds or (1 if args.quick else 5)
+    nr_tokens, nr_rounds = (512, 2) if args.quick else (1024, 4)
+    extra: dict[str, Any] = {}
+    for kv in filter(None, args.extra.split(",")):
+        k, v = kv.split("=", 1)
+        extra[k] = int(v) if v.isdigit() else v
+
+    tmp = Path(tempfile.mkdtemp(prefix="lmcache-burst-"))
+    model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / SPEC.tag(), SPEC)
+    max_len = ctx_tokens + QUESTION + 16
+    working_set = users * ctx_tokens * KV_PER_TOKEN
+    blocks_per_req = -(-(ctx_tokens + QUESTION) // BLOCK)
+    small_bytes = working_set // 3
+    # The reference holds every context plus the questions' blocks, with room to spare.
+    ref_bytes = 2 * users * blocks_per_req * BLOCK * KV_PER_TOKEN
+    contexts = [random_prompt(ctx_tokens, 1000 + u, SPEC.vocab_size) for u in range(users)]
+    print(
+        f"model {SPEC.tag()} ({KV_PER_TOKEN // 1024} KiB KV/token); {users} users x {ctx_tokens} tokens "
+        f"= {working_set / 2**20:.0f} MiB working set; vLLM KV cache: {small_bytes / 2**20:.0f} MiB (1/3) "
+        f"for lmc and small, {ref_bytes / 2**20:.0f} MiB for ref",
+        flush=True,
+    )
+
+    names = ("lmc", "ref", "small")
+    specs = {
+        "lmc": dict(system="lmcache", kv_bytes=small_bytes, prefix_caching=True, extra=extra),
+        "ref": dict(system="vllm-prefix-cache", kv_bytes=ref_bytes),
+        "small": dict(system="vllm-prefix-cache", kv_bytes=small_bytes),
+    }
+    # One process per engine (vLLM keeps its connector in a process-wide global, so
+    # engines with and without one cannot share a process); they take turns.
+    llms: dict[str, Remote] = {}
+    try:
+        for name in names:
+            llms[name] = Remote(name, model, tmp, max_len, specs[name])
+        for name in names:
+            llms[name].ready()
+            llms[name].generate([random_prompt(64, 7, SPEC.vocab_size)])  # warm-up
+
+        print("history: each user's context once, cold ...", flush=True)
+        for u in range(users):
+            for name in names:
+                llms[name].generate([contexts[u]])
+
+        single: dict[str, list[float]] = defaultdict(list)
+        cached_single: dict[str, list[int]] = defaultdict(list)
+        for u in range(users):
+            for name in names:
+                dt, _, cached = llms[name].generate([contexts[u] + question(u, 0)])
+                single[name].append(dt)
+                cached_single[name] += cached
+
+        burst: dict[str, list[float]] = defaultdict(list)
+        cached_burst: dict[str, list[int]] = defaultdict(list)
+        for r in range(1, rounds + 1):
+            order = names if r % 2 else tuple(reversed(names))
+            for name in order:
+                dt, _, cached = llms[name].generate([contexts[u] + question(u, r) for u in range(users)])
+                burst[name].append(dt)
+                cached_burst[name] += cached
+
+        # Greedy identity: 8 tokens per user, all at once, on every engine.
+        final = [contexts[u] + question(u, rounds + 1) for u in range(users)]
+        tokens = {name: llms[name].generate(final, max_tokens=8)[1] for name in names}
+
+        # Profile one more burst and one more single request on lmc and ref.
+        prof_prompts = [contexts[u] + question(u, rounds + 2) for u in range(users)]
+        profiles = {f"burst on {name}": llms[name].profile(prof_prompts) for name in ("lmc", "ref")}
+        for name in ("lmc", "ref"):
+            profiles[f"single request on {name}"] = llms[name].profile([contexts[0] + question(0, rounds + 3)])
+
+        # No-reuse: bursts of unique prompts, connector on vs off (both at 1/3), alternating.
+        nr: dict[str, list[float]] = defaultdict(list)
+        seed = 900_000
+        for r in range(nr_rounds):
+            for name in (("lmc", "small") if r % 2 == 0 else ("small", "lmc")):
+                prompts = []
+                for _ in range(users):
+                    seed += 1
+                    prompts.append(random_prompt(nr_tokens, seed, SPEC.vocab_size))
+                dt, _, cached = llms[name].generate(prompts)
+                assert not any(cached), f"no-reuse prompts must not hit ({name}: {cached})"
+                nr[name].append(dt)
+        prompts = [random_prompt(nr_tokens, seed + 1 + u, SPEC.vocab_size) for u in range(users)]
+        profiles["no-reuse burst on lmc"] = llms["lmc"].profile(prompts)
+    finally:
+        for llm in llms.values():
+            llm.close()
+
+    med = {k: statistics.median(v) for k, v in single.items()}
+    bmed = {k: statistics.median(v) for k, v in burst.items()}
+    print(f"\n{'engine':<8}{'single warm TTFT ms':>21}{'cached tok':>12}{'burst ms':>11}{'cached tok/burst':>18}{'burst rounds ms':>40}")
+    for name in names:
+        rounds_ms = " ".join(f"{x * 1000:.0f}" for x in burst[name])
+        print(
+            f"{name:<8}{med[name] * 1000:>21.1f}{statistics.median(cached_single[name]):>12.0f}"
+            f"{bmed[name] * 1000:>11.1f}{sum(cached_burst[name]) / rounds:>18.0f}{rounds_ms:>40}"
+        )
+    s_ratio = med["lmc"] / med["ref"]
+    b_ratio = bmed["lmc"] / bmed["ref"]
+    over = statistics.median(nr["lmc"]) / statistics.median(nr["small"])
+    same = tokens["lmc"] == tokens["ref"] == tokens["small"]
+    # per-burst ratio: each round's lmc and ref ran back to back
+    pairs = [a / b for a, b in zip(burst["lmc"], burst["ref"])]
+    spairs = [a / b for a, b in zip(single["lmc"], single["ref"])]
+    print(
+        f"\nsingle request, lmc/ref: {s_ratio:.2f}x (bar <= 1.0x: {'met' if s_ratio <= 1.0 else 'NOT met'}); "
+        f"median of per-user ratios {statistics.median(spairs):.2f}; small/ref {med['small'] / med['ref']:.2f}x"
+    )
+    print(
+        f"burst, lmc/ref: {b_ratio:.2f}x (bar <= 1.1x: {'met' if b_ratio <= 1.1 else 'NOT met'}); "
+        f"per round {' '.join(f'{p:.2f}' for p in pairs)} (median {statistics.median(pairs):.2f}); small/ref {bmed['small'] / bmed['ref']:.2f}x"
+    )
+    print(f"greedy tokens (8 per user, {users} users at once) identical across lmc, ref, small: {same}")
+    if not same:
+        for name in names:
+            print(f"  {name}: {tokens[name]}")
+    print(
+        f"no-reuse bursts ({users} unique x {nr_tokens} tokens, {nr_rounds} rounds): lmc {statistics.median(nr['lmc']) * 1000:.0f} ms, "
+        f"small {statistics.median(nr['small']) * 1000:.0f} ms, overhead {over:.3f} (bar <= 1.05: {'met' if over <= 1.05 else 'NOT met'})"
+    )
+    for name, (table, dt) in profiles.items():
+        print(f"\nprofile of one {name}: {dt * 1000:.1f} ms wall")
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

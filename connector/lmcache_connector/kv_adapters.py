@@ -74,6 +74,20 @@ def isa_tag(device: torch.device) -> str:
     return device.type
 
 
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    """``block_ids`` as runs of consecutive ids, ``(position, first id, count)``, when
+    there are few enough runs that slice copies beat one indexed copy (a slice copy
+    is a plain memcpy: about twice the speed of ``index_copy_`` on CPU); else None."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            p, first, count = runs[-1]
+            runs[-1] = (p, first, count + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs if runs and 2 * len(runs) <= len(block_ids) + 1 else None
+
+
 class _PagedLayers:
     """What both adapters know of vLLM's per-layer KV tensors."""
 
@@ -109,8 +123,14 @@ class BlockLayout(_PagedLayers):
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out[:, :len(block_ids)]``."""
-        idx = self._index(block_ids)
         n = len(block_ids)
+        runs = block_runs(block_ids) if self._ops is None else None
+        if runs is not None:
+            for layer, kv in enumerate(self.layers):
+                for pos, first, count in runs:
+                    out[layer, pos : pos + count].copy_(kv[first : first + count], non_blocking=True)
+            return
+        idx = self._index(block_ids)
         if self._ops is not None:
             self._ops.gather_blocks(self.layers, idx, out[:, :n])
             return
@@ -137,8 +157,14 @@ class BlockLayout(_PagedLayers):
 
     def scatter(self, buf: torch.Tensor, block_ids: Sequence[int], first: int = 0) -> None:
         """Write ``buf[:, first:first+len(block_ids)]`` into blocks ``block_ids``."""
-        idx = self._index(block_ids)
         n = len(block_ids)
+        runs = block_runs(block_ids) if self._ops is None else None
+        if runs is not None:
+            for layer, kv in enumerate(self.layers):
+                for pos, start, count in runs:
+                    kv[start : start + count].copy_(buf[layer, first + pos : first + pos + count], non_blocking=True)
+            return
+        idx = self._index(block_ids)
         if self._ops is not None:
             self._ops.scatter_blocks(self.layers, idx, buf[:, first : first + n].contiguous())
             return

@@ -77,6 +77,9 @@ class _Req:
     load_failed: bool = False  # never offered a hit again: vLLM recomputes it
     verify: bool | None = None  # canary: decided at the first hit
     verify_below: int = 0  # chunks below this are recomputed and compared, not loaded
+    # Chunks hit by this request's lookup while it waits for blocks: vLLM asks again
+    # every step until it allocates, and the hit stays pinned meanwhile.
+    looked_up: int | None = None
 
 
 class SchedulerSide:
@@ -174,12 +177,19 @@ class SchedulerSide:
         if st.opts.skip_load or st.load_failed or request.prompt_token_ids is None or not (self.can_load or st.save):
             return 0, False
         hashes = self._lookup_hashes(st)
-        # A producer looks up too (without pinning), so it never re-saves what is cached.
-        n = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else 0
+        fresh = st.looked_up is None
+        if fresh:
+            # A producer looks up too (without pinning), so it never re-saves what is cached.
+            st.looked_up = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else 0
+        n = st.looked_up or 0
         full = st.prompt_len // self.cs
         if n > full:
             st.partial_saved = True
         hit = self._chunk_end(st, n - 1) if n else 0
+        if fresh:
+            metrics.LOOKUPS.labels("scheduler").inc()
+            metrics.LOOKUP_TOKENS.inc(st.prompt_len)
+            metrics.LOOKUP_HIT_TOKENS.inc(hit)
         if n and self.can_load and st.save and self._verify_hit(st, hashes[n - 1], min(n, full)):
             return 0, False  # canary: vLLM recomputes the hit, the worker compares it when saving
         st.saved_full = max(st.saved_full, min(n, full))
@@ -208,6 +218,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
+        if st is not None:
+            st.looked_up = None  # allocated: a later ask (after preemption) looks up afresh
         if st is None or num_external_tokens <= 0:
             return
         tables = blocks.get_block_ids()

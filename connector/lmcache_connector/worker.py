@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from lmcache_core import metrics
+from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 
@@ -150,7 +151,9 @@ class WorkerSide:
             f", KV-cache groups: {self.plan.describe()}" if self.plan is not None and self.plan.hybrid else "",
         )
         if self.lookup_address:
-            self.server = LookupServer(self.lookup_address, self._lookup)
+            # Memory-only tiers: a scheduler in this process may call the lookup directly.
+            inline = all(ZERO_COPY in t.capabilities for t in self.engine.tiers)
+            self.server = LookupServer(self.lookup_address, self._lookup, inline=inline)
 
     def _lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
         assert self.engine is not None

@@ -117,6 +117,42 @@ def test_lookup_server_and_timeout(tmp_path):
         ctx.term()
 
 
+def test_lookup_in_the_same_process_skips_the_socket(tmp_path):
+    """A memory-only worker in this process is called directly; once it closes,
+    the client goes back to the socket (nobody answers: a miss within the timeout)."""
+    addr = f"ipc://{tmp_path}/inline.ipc"
+    calls = []
+
+    def lookup(hashes, pin):
+        calls.append(pin)
+        if pin == "boom":
+            raise RuntimeError("tier broke")
+        return len(hashes)
+
+    server = LookupServer(addr, lookup, inline=True)
+    client = LookupClient([addr], timeout_ms=300)
+    try:
+        assert client.lookup([b"a" * 16] * 3, "r1") == 3
+        assert client.lookup([b"a" * 16] * 3, "boom") == 0  # a failing cache is a miss
+        assert client.inline_lookups == 2 and calls == ["r1", "boom"]
+    finally:
+        server.close()
+    try:
+        assert client.lookup([b"a" * 16] * 3, "r2") == 0
+        assert client.inline_lookups == 2 and client.timeouts == 1 and calls == ["r1", "boom"]
+    finally:
+        client.close()
+    # not declared inline: always over the socket, even in the same process
+    server = LookupServer(addr, lookup)
+    client = LookupClient([addr], timeout_ms=2000)
+    try:
+        assert client.lookup([b"a" * 16] * 2, "r3") == 2
+        assert client.inline_lookups == 0
+    finally:
+        client.close()
+        server.close()
+
+
 def _paged(num_blocks=16, heads=2, bs=16, d=8, layers=3, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     return {f"l{i}": torch.randn(num_blocks, heads, bs, 2 * d, generator=g).to(dtype) for i in range(layers)}
@@ -136,6 +172,26 @@ def test_block_layout_round_trip_and_skips_shared_blocks(dtype):
         for s_id, d_id in zip(src_blocks[1:], dst_blocks[1:]):
             assert torch.equal(dst[name][d_id], src[name][s_id])
     assert "bs16" in a.fingerprint() and str(dtype).removeprefix("torch.") in a.fingerprint()
+
+
+def test_block_layout_copies_runs_of_consecutive_blocks():
+    """Consecutive block ids are copied as slices; mixed tables still land block by block."""
+    from lmcache_connector.layout import block_runs
+
+    assert block_runs([4, 5, 6, 10, 11]) == [(0, 4, 3), (3, 10, 2)]
+    assert block_runs([4, 6]) is None and block_runs([]) is None
+    src = _paged()
+    a = BlockLayout(src, 16)
+    for src_blocks, dst_blocks in (([3, 4, 5, 9, 10], [6, 7, 8, 1, 2]), ([3, 4, 5, 9, 10], [12, 1, 8, 2, 6])):
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        buf = torch.empty(a.chunk_shape(80))
+        a.save_chunk(src_blocks, 0, 80, buf)
+        BlockLayout(dst, 16).load_chunk(buf, dst_blocks, 0, 80, write_from=0)
+        for name in src:
+            for s_id, d_id in zip(src_blocks, dst_blocks):
+                assert torch.equal(dst[name][d_id], src[name][s_id])
+            untouched = [b for b in range(16) if b not in dst_blocks]
+            assert torch.count_nonzero(dst[name][untouched]) == 0
 
 
 def test_token_layout_refuses_cpu_backend_and_round_trips_logical_layout():

@@ -87,7 +87,7 @@ class Profile:
     def active(self) -> Iterator["Profile"]:
         import lmcache_connector.scheduler as sched_mod
         import lmcache_connector.worker as worker_mod
-        from lmcache_connector.layout import BlockLayout
+        from lmcache_connector.kv_adapters import BlockLayout
         from lmcache_connector.lookup_ipc import LookupClient
         from lmcache_core.engine import CacheEngine
         from vllm.v1.core.sched.scheduler import Scheduler

@@ -176,7 +176,7 @@ def test_block_layout_round_trip_and_skips_shared_blocks(dtype):
 
 def test_block_layout_copies_runs_of_consecutive_blocks():
     """Consecutive block ids are copied as slices; mixed tables still land block by block."""
-    from lmcache_connector.layout import block_runs
+    from lmcache_connector.kv_adapters import block_runs
 
     assert block_runs([4, 5, 6, 10, 11]) == [(0, 4, 3), (3, 10, 2)]
     assert block_runs([4, 6]) is None and block_runs([]) is None

@@ -155,7 +155,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
-            self._worker.step_started()
+            self._worker.step_started(connector_metadata if isinstance(connector_metadata, LMCacheConnectorMetadata) else None)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None
@@ -176,13 +176,15 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Asynchronous loads (multi-group models) completed this step; a failed one is
-        recomputed by vLLM as a whole request. (``get_finished`` is left to the base
+        """Asynchronous loads (multi-group models) completed this step (a failed one is
+        recomputed by vLLM as a whole request), and finished requests whose background
+        saves are done (``async_saves``: vLLM frees their blocks now). (``get_finished`` is left to the base
         class: it cannot say "failed", and vLLM 0.32 reads this method.)"""
         if self._worker is None:
             return KVConnectorTransferResults()
         done, failed = self._worker.take_finished_loads()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        sent = self._worker.take_finished_saves(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()

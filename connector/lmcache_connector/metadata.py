@@ -42,6 +42,9 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     # what this step computes, for the worker's recompute-cost model (load_policy)
     step_tokens: int = 0
     step_pairs: float = 0.0
+    # async_saves: a request with saves in flight was preempted (its blocks are
+    # free again): finish the queued saves before this step writes any block
+    drain_saves: bool = False
 
     def chunk_start(self, t: ChunkTransfer, i: int) -> int:
         return (t.first_chunk + i) * self.chunk_size

@@ -2,7 +2,7 @@
 
 Configuration: the core's YAML/env config, then ``kv_connector_extra_config``
 overrides: ``config_file`` (a YAML path) and any core key (``chunk_size``,
-``backends``, ...), plus connector keys (``model_id``). Errors name
+``backends``, ...), plus connector keys (``model_id``, ``async_saves``). Errors name
 ``kv_connector_extra_config.<key>``.
 
 Per-request options come in ``kv_transfer_params`` (``SamplingParams.extra_args``):
@@ -24,7 +24,7 @@ from .log import get_logger
 
 log = get_logger(__name__)
 
-CONNECTOR_KEYS = {"config_file", "model_id"}
+CONNECTOR_KEYS = {"config_file", "model_id", "async_saves"}
 SKIP_SAVE = "lmcache.skip_save"
 VERIFY = "lmcache.verify"
 TAG_PREFIX = "lmcache.tag."
@@ -34,6 +34,7 @@ TAG_PREFIX = "lmcache.tag."
 class ConnectorSettings:
     loaded: LoadedConfig
     model_id: str | None = None
+    async_saves: bool = False  # see async_saves.py
 
     @property
     def core(self) -> CoreConfig:
@@ -55,8 +56,15 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         from lmcache_core.config import ConfigError
 
         raise ConfigError("kv_connector_extra_config.model_id: must be a string (from kv_connector_extra_config)")
+    async_saves = extra.pop("async_saves", False)
+    if not isinstance(async_saves, bool):
+        from lmcache_core.config import ConfigError
+
+        raise ConfigError(
+            f"kv_connector_extra_config.async_saves: must be true or false, got {async_saves!r} (from kv_connector_extra_config)"
+        )
     loaded = load_config(path, overrides=extra, overrides_source="kv_connector_extra_config")
-    return ConnectorSettings(loaded, model_id)
+    return ConnectorSettings(loaded, model_id, async_saves)
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ class _Req:
     # Chunks hit by this request's lookup while it waits for blocks: vLLM asks again
     # every step until it allocates, and the hit stays pinned meanwhile.
     looked_up: int | None = None
+    saved_async: bool = False  # async_saves: a save was planned, so vLLM holds its blocks at finish
 
 
 class SchedulerSide:
@@ -109,6 +110,9 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._unpins: list[str] = []
         self._hit_requests = 0  # requests with a hit so far (canary sampling)
+        # Saves run in the background on the workers (dense models; see async_saves.py).
+        self.async_saves = settings.async_saves and not self.hybrid
+        self.held_requests = 0  # finished requests whose blocks vLLM held for background saves
 
     # -- request state ------------------------------------------------------------------
     def _new_state(
@@ -269,7 +273,30 @@ class SchedulerSide:
             self._emit_load(st, meta)
             self._plan_save(st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0), meta)
         meta.unpins, self._unpins = self._unpins, []
+        if self.async_saves:
+            self._track_async_saves(so, meta)
         return meta
+
+    # -- asynchronous saves (async_saves: true) -----------------------------------------
+    def _track_async_saves(self, so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
+        """Remember which requests have saves in the background (their blocks are held
+        at finish), and make the workers finish them before this step writes blocks a
+        preempted request just gave back."""
+        for t in meta.saves:
+            st = self._reqs.get(t.req_id)
+            if st is not None:
+                st.saved_async = True
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None and st.saved_async:
+                meta.drain_saves = True
+
+    def _delay_free(self, st: _Req | None) -> bool:
+        """``request_finished``'s answer: hold the blocks until the workers report the
+        request's background saves done (``finished_sending``)."""
+        held = self.async_saves and st is not None and st.saved_async
+        self.held_requests += held
+        return held
 
     @staticmethod
     def _scheduled(so: "SchedulerOutput") -> list[tuple[str, int, int]]:
@@ -408,12 +435,13 @@ class SchedulerSide:
                 log.warning("request %s: loading its cached KV failed; recomputing it", rid)
 
     def request_finished(self, request: "Request", block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
-        """Saves complete within the step that computed them: blocks are never held."""
+        """Synchronous saves complete within the step that computed them: blocks are
+        held only for background saves (``async_saves``)."""
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st in self._async_loads:
             self._async_loads.remove(st)
         self._unpins.append(request.request_id)
-        return False, None
+        return self._delay_free(st), None
 
     def close(self) -> None:
         self.lookup_client.close()

@@ -23,6 +23,7 @@ from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 
+from .async_saves import SaveQueue
 from .grouped_layout import GroupedLayout
 from .kv_events import RawEvent, TierEventBuffer
 from .groups import FULL, GroupPlan, boundary_hash
@@ -115,6 +116,7 @@ class WorkerSide:
         self.verified_chunks = 0
         self.verify_inexact = 0
         self._value_dtype: torch.dtype | None = None  # element type behind grouped (byte) chunks
+        self.saves: SaveQueue | None = None  # async_saves (dense models)
         _active.add(self)
 
     # -- set-up -----------------------------------------------------------------------
@@ -154,6 +156,8 @@ class WorkerSide:
             # Memory-only tiers: a scheduler in this process may call the lookup directly.
             inline = all(ZERO_COPY in t.capabilities for t in self.engine.tiers)
             self.server = LookupServer(self.lookup_address, self._lookup, inline=inline)
+        if self.settings.async_saves and not isinstance(self.layout, GroupedLayout):
+            self.saves = SaveQueue(self._save_logged)
 
     def _lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
         assert self.engine is not None
@@ -210,11 +214,15 @@ class WorkerSide:
         return 0
 
     # -- loads --------------------------------------------------------------------------
-    def step_started(self) -> None:
+    def step_started(self, meta: LMCacheConnectorMetadata | None = None) -> None:
         """vLLM bound this step's metadata: its forward pass runs from now until
         ``wait_for_save`` (minus synchronous loads), timed for load_policy. vLLM calls
         ``start_load_kv`` before the forward only when a step has synchronous loads,
-        otherwise after it, so the binding is the only reliable start."""
+        otherwise after it, so the binding is the only reliable start. Background
+        saves that may read blocks freed by a preemption finish here, before any
+        write of the step."""
+        if self.saves is not None and meta is not None and meta.drain_saves:
+            self.saves.drain()
         self._fwd_start = time.perf_counter()
         self._step_load_s = 0.0
 
@@ -343,16 +351,29 @@ class WorkerSide:
         if self._fwd_start is not None and meta.step_tokens > 0:
             self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start - self._step_load_s)
         self._fwd_start = None
-        for t in meta.saves:
-            try:
-                if t.group_block_ids is not None:
-                    self._save_grouped(t, meta)
-                else:
-                    self._save(t, meta)
-            except Exception as err:  # a lost save is a future miss, never a crash
-                log.warning("request %s: save failed, skipped: %s: %s", t.req_id, type(err).__name__, err)
-                with self._lock:
-                    self.skipped_saves += 1
+        transfers = meta.saves
+        if self.saves is not None:
+            self.saves.submit(meta, [t for t in transfers if t.group_block_ids is None])
+            transfers = [t for t in transfers if t.group_block_ids is not None]
+        for t in transfers:
+            self._save_logged(t, meta)
+
+    def _save_logged(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
+        """Save one transfer (here or on the background queue): a failure is a
+        skipped save, a future miss, never a crash."""
+        try:
+            if t.group_block_ids is not None:
+                self._save_grouped(t, meta)
+            else:
+                self._save(t, meta)
+        except Exception as err:
+            log.warning("request %s: save failed, skipped: %s: %s", t.req_id, type(err).__name__, err)
+            with self._lock:
+                self.skipped_saves += 1
+
+    def take_finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose background saves are all done (``finished_sending``)."""
+        return self.saves.finished(finished_req_ids) if self.saves is not None else set()
 
     def _save(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         """Gather and store chunk by chunk: one pool buffer in flight at a time."""
@@ -481,6 +502,9 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
+        if self.saves is not None:
+            self.saves.close()
+            self.saves = None
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -63,6 +63,47 @@ def _sched(**cfg):
     return SchedulerSide(settings, block_size=128, can_load=True, can_save=True, lookup=_NoLookup())
 
 
+def test_async_saves_option():
+    assert load_settings({}).async_saves is False
+    assert load_settings({"async_saves": True}).async_saves is True
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.async_saves: must be true or false"):
+        load_settings({"async_saves": "yes"})
+
+
+def test_save_queue_reports_exactly_the_saved_requests_once_done():
+    """finished_sending names a request only if it saved through the queue, only
+    once its saves are done (a failing save counts as done), and only once."""
+    import threading
+
+    from lmcache_connector.async_saves import SaveQueue
+    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    gate = threading.Event()
+    done = []
+
+    def save(t, meta):
+        if t.req_id == "slow":
+            gate.wait(5)
+        if t.req_id == "bad":
+            raise RuntimeError("tier full")
+        done.append(t.req_id)
+
+    q = SaveQueue(save)
+    meta = LMCacheConnectorMetadata()
+    q.submit(meta, [ChunkTransfer(r, [b"h" * 16], 0, [256], [1, 2]) for r in ("slow", "fast", "bad")])
+    try:
+        assert q.finished({"slow", "fast", "never-saved"}) == set()  # fast waits behind slow (one thread, in order)
+        gate.set()
+        q.drain()
+        assert done == ["slow", "fast"]
+        assert q.finished(set()) == {"slow", "fast"}  # finished earlier, reported now
+        assert q.finished({"bad"}) == {"bad"}
+        assert q.finished({"slow", "fast", "bad"}) == set()  # each once
+        assert q.reported == 3 and q.drains == 1
+    finally:
+        q.close()
+
+
 def test_multimodal_items_change_keys_from_their_chunk_on():
     tokens = [7] * 1024  # the same placeholder tokens for every image
     s = _sched()

@@ -1,0 +1,101 @@
+"""Saves off the forward path (``async_saves: true``), on vLLM's asynchronous save
+contract.
+
+``wait_for_save`` hands the step's saves (dense models) to one background thread and
+returns, so the gather out of vLLM's blocks into the CPU tier overlaps the next
+steps. The blocks a save reads are never reused before it has read them:
+
+* a finished request: the scheduler side's ``request_finished`` returns True
+  (``delay_free_blocks``) for every request it planned a save for, and vLLM frees its
+  blocks only once the workers report it in ``finished_sending``; :meth:`SaveQueue.finished`
+  reports it when all its saves are done (stored, or failed: a lost save is a future
+  miss, and the blocks still go back);
+* a preempted request: vLLM frees its blocks at once, without ``request_finished``;
+  the scheduler side then sets ``drain_saves`` in the step's metadata and the worker
+  waits for the queue before the step writes anything (loads or forward);
+* a running request: the blocks of computed chunks do not change any more.
+
+Both sides apply the same rule (a request is delayed iff a save was planned for it),
+so ``finished_sending`` names exactly the requests vLLM holds blocks for.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from typing import Callable
+
+from .log import get_logger
+from .metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+log = get_logger(__name__)
+
+SaveFn = Callable[[ChunkTransfer, LMCacheConnectorMetadata], None]
+
+
+class SaveQueue:
+    """One background thread running ``save(transfer, meta)`` in submission order.
+    ``save`` must not raise for a failed save (it counts it and returns); an
+    exception that escapes it is logged and the save counts as done."""
+
+    def __init__(self, save: SaveFn) -> None:
+        self._save = save
+        self._q: queue.Queue[tuple[ChunkTransfer, LMCacheConnectorMetadata] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: Counter[str] = Counter()  # saves queued or running, per request
+        self._seen: set[str] = set()  # requests with a save submitted (delayed by the scheduler)
+        self._finishing: set[str] = set()  # finished in vLLM, saves maybe still pending
+        self.reported = 0  # requests reported in finished_sending
+        self.drains = 0  # drains asked for by a preemption
+        self._thread = threading.Thread(target=self._run, name="lmcache-async-saves", daemon=True)
+        self._thread.start()
+
+    def submit(self, meta: LMCacheConnectorMetadata, transfers: list[ChunkTransfer]) -> None:
+        with self._lock:
+            for t in transfers:
+                self._pending[t.req_id] += 1
+                self._seen.add(t.req_id)
+        for t in transfers:
+            self._q.put((t, meta))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                t, meta = item
+                try:
+                    self._save(t, meta)
+                except Exception as err:  # never lose the thread: the save is a future miss
+                    log.warning("request %s: background save failed: %s: %s", t.req_id, type(err).__name__, err)
+                finally:
+                    with self._lock:
+                        self._pending[t.req_id] -= 1
+                        if self._pending[t.req_id] <= 0:
+                            del self._pending[t.req_id]
+            finally:
+                self._q.task_done()
+
+    def drain(self) -> None:
+        """Wait until every submitted save is done (before blocks may be reused)."""
+        self.drains += 1
+        self._q.join()
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests to report in ``finished_sending``: finished in vLLM (this call's
+        ``finished_req_ids`` or an earlier one's), saved through this queue, and with
+        no save pending. Each is reported once."""
+        with self._lock:
+            self._finishing |= finished_req_ids & self._seen
+            done = {r for r in self._finishing if r not in self._pending}
+            self._finishing -= done
+            self._seen -= done
+            self.reported += len(done)
+        return done
+
+    def close(self) -> None:
+        """Finish the queued saves, then stop the thread."""
+        self._q.put(None)
+        self._thread.join()

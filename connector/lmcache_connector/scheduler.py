@@ -181,8 +181,7 @@ class SchedulerSide:
         if st.opts.skip_load or st.load_failed or request.prompt_token_ids is None or not (self.can_load or st.save):
             return 0, False
         hashes = self._lookup_hashes(st)
-        fresh = st.looked_up is None
-        if fresh:
+        if st.looked_up is None:
             # A producer looks up too (without pinning), so it never re-saves what is cached.
             st.looked_up = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else 0
         n = st.looked_up or 0
@@ -190,10 +189,6 @@ class SchedulerSide:
         if n > full:
             st.partial_saved = True
         hit = self._chunk_end(st, n - 1) if n else 0
-        if fresh:
-            metrics.LOOKUPS.labels("scheduler").inc()
-            metrics.LOOKUP_TOKENS.inc(st.prompt_len)
-            metrics.LOOKUP_HIT_TOKENS.inc(hit)
         if n and self.can_load and st.save and self._verify_hit(st, hashes[n - 1], min(n, full)):
             return 0, False  # canary: vLLM recomputes the hit, the worker compares it when saving
         st.saved_full = max(st.saved_full, min(n, full))

@@ -1,7 +1,8 @@
-"""Build a wheel of every distribution in the repository (``pip wheel --no-deps``)
-into a fresh directory and check what each one ships: its packages with their
-``py.typed``, its entry points. ``package = skip`` in tox never builds them, so a
-broken build configuration would otherwise only show at release time.
+"""Build a wheel of every distribution in the repository (``pip wheel --no-deps``
+with the environment's own setuptools, so nothing is downloaded per build) into a
+fresh directory and check what each one ships: its packages with their ``py.typed``,
+its entry points. ``package = skip`` in tox never builds them, so a broken build
+configuration would otherwise only show at release time.
 
     python .ci/build_wheels.py OUT_DIR
 """
@@ -31,7 +32,7 @@ def main(out: Path) -> int:
         name = meta["project"]["name"]
         before = set(out.iterdir())
         res = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(dist)],
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(dist)],
             capture_output=True, text=True,
         )
         built = sorted(set(out.iterdir()) - before)

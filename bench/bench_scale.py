@@ -8,7 +8,7 @@ chunks (64 float16 = 128 B) it fills a CPU tier (a CPU-only engine) and a disk t
 directory (frames written directly, byte for byte what the tier writes) and prints:
 
 * engine creation over the disk directory (a ``local_cpu`` + ``disk`` engine), with a
-  cold page cache (``/proc/sys/vm/drop_caches``, as root; else marked n/a) and warm;
+  cold page cache (``/proc/sys/vm/drop_caches`` = 3: pages, dentries, inodes; as root, else n/a) and warm;
   time until the first disk hit is served (lookup + retrieve of one chunk) and until
   the disk index is complete (``wait_for_scan``), both from the start of creation;
 * per-operation latencies in CPU microseconds of the calling thread (``thread_time``:
@@ -35,6 +35,7 @@ import gc
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +45,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from bench_disk import drop_caches  # page cache, dentries and inodes (root only)
 from lmcache_backend_disk.directory import MARKER, MARKER_TEXT, TierDirectory
 from lmcache_core import CacheEngine, KeyNamespace
 from lmcache_core.config import load_config
@@ -61,16 +63,6 @@ REPS = 5  # passes; the fastest counts (least disturbed by other jobs)
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
 
 
 def h(tag: str, i: int) -> bytes:
@@ -96,11 +88,10 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return float(np.polyfit(lx, ly, 1)[0])
 
 
-def cpu_engine(n_chunks: int) -> CacheEngine:
+def cpu_engine(n_chunks: int, eviction: str = "tinylfu") -> CacheEngine:
     size = max(64 << 20, n_chunks * 2 * 256 + (16 << 20))
-    loaded = load_config(
-        env={}, overrides={"chunk_size": 16, "staging_size": "16MiB", "backends": [{"name": "local_cpu", "max_size": size}]}
-    )
+    tier = {"name": "local_cpu", "max_size": size, "eviction": eviction}
+    loaded = load_config(env={}, overrides={"chunk_size": 16, "staging_size": "16MiB", "backends": [tier]})
     return CacheEngine(loaded, namespace=NS)
 
 
@@ -133,19 +124,46 @@ def fill_disk(root: Path, start: int, stop: int) -> None:
         d.chunk_path(k).write_bytes(encode(k, CHUNK, codec))
 
 
-def measure_n(n: int, root: Path, cold_ok: bool) -> dict[str, float]:
-    r: dict[str, float] = {"N": n}
-    # -- CPU tier: store, get, memory per entry ---------------------------------------
-    eng = cpu_engine(n + 2 * OPS * REPS)
-    eng.pool._data.fill_(0)  # touch the pool: RSS growth below is overhead only
-    tier = eng.tiers[0]
+def memory_child(n: int, eviction: str, root: str) -> None:
+    """(In a fresh interpreter, so freed memory of earlier steps does not hide
+    growth.) Print the RSS growth per entry of a CPU tier filled with ``n`` chunks
+    (pool memory touched first, so only the overhead counts) and of a disk tier's
+    complete index over ``root``."""
+    eng = cpu_engine(n, eviction)
+    eng.pool._data.fill_(0)
+    hashes = [h("c", i) for i in range(n)]
     gc.collect()
     before = rss()
-    hashes = [h("c", i) for i in range(n)]
     for i in range(0, n, 256):
         eng.store_hashes(hashes[i : i + 256], [CHUNK] * len(hashes[i : i + 256]))
     gc.collect()
-    r["cpu_bytes_per_entry"] = (rss() - before - 0) / n  # the hashes list: 8 B/entry of it is the bench's
+    cpu = (rss() - before) / n - 8  # less the bench's own list of hashes (8 B a pointer; the bytes are the keys')
+    gc.collect()
+    before = rss()
+    d = disk_engine(Path(root), 1024)
+    d.tiers[1].wait_for_scan()
+    gc.collect()
+    disk = (rss() - before) / n
+    print(f"{cpu:.1f} {disk:.1f}")
+
+
+def memory_per_entry(n: int, eviction: str, root: Path) -> tuple[float, float]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", str(n), eviction, str(root)],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout.split()
+    return float(out[-2]), float(out[-1])
+
+
+def measure_n(n: int, root: Path, cold_ok: bool, eviction: str) -> dict[str, float]:
+    r: dict[str, float] = {"N": n}
+    r["cpu_bytes_per_entry"], r["disk_index_bytes_per_entry"] = memory_per_entry(n, eviction, root)
+    # -- CPU tier: store, get ---------------------------------------------------------
+    eng = cpu_engine(n + 2 * OPS * REPS, eviction)
+    tier = eng.tiers[0]
+    hashes = [h("c", i) for i in range(n)]
+    for i in range(0, n, 256):
+        eng.store_hashes(hashes[i : i + 256], [CHUNK] * len(hashes[i : i + 256]))
     new = eng.keys([h("n", i) for i in range(OPS * REPS)])
     r["cpu_put_us"], r["cpu_put_wall_us"] = per_op(lambda i: tier.put(new[i], CHUNK))
     more = [h("m", i) for i in range(OPS * REPS)]
@@ -166,7 +184,6 @@ def measure_n(n: int, root: Path, cold_ok: bool) -> dict[str, float]:
         if cold:
             drop_caches()
         gc.collect()
-        rss0 = rss()
         t0 = time.perf_counter()
         eng = disk_engine(root, 2 * OPS)
         r[f"create_{label}_s"] = time.perf_counter() - t0
@@ -178,8 +195,6 @@ def measure_n(n: int, root: Path, cold_ok: bool) -> dict[str, float]:
         disk.wait_for_scan()
         r[f"indexed_{label}_s"] = time.perf_counter() - t0
         if not cold:
-            gc.collect()
-            r["disk_index_bytes_per_entry"] = (rss() - rss0) / n
             # -- per-op latencies with the index complete ----------------------------------
             dkeys = eng.keys([h("d", (i * step) % n) for i in range(OPS * REPS)])
             r["disk_contains_us"], r["disk_contains_wall_us"] = per_op(lambda i: disk.contains([dkeys[i]]))
@@ -259,7 +274,12 @@ def main() -> int:
     ap.add_argument("--max-n", type=int, default=None, help="largest N (default 100000; 1000000 adds 1M)")
     ap.add_argument("--dir", default=None, help="where the disk tier lives (default: a temp dir under /var/tmp)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the bar is missed")
+    ap.add_argument("--eviction", default="tinylfu", help="the CPU tier's eviction policy (default tinylfu, the default)")
+    ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.memory_child:
+        memory_child(int(a.memory_child[0]), a.memory_child[1], a.memory_child[2])
+        return 0
     max_n = a.max_n or (10_000 if a.quick else 100_000)
     ns = [n for n in (1_000, 10_000, 100_000, 1_000_000) if n <= max_n]
     base = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=a.dir or "/var/tmp"))
@@ -276,7 +296,7 @@ def main() -> int:
             fill_disk(root, have, n)
             have = n
             print(f"\nN = {n:,}  (disk filled in {time.perf_counter() - t0:.1f} s)", flush=True)
-            r = measure_n(n, root, cold_ok)
+            r = measure_n(n, root, cold_ok, a.eviction)
             rows.append(r)
             print(f"  engine creation  cold {r['create_cold_s']:.3f} s  warm {r['create_warm_s']:.3f} s")
             print(f"  first disk hit   cold {r['first_hit_cold_s']:.3f} s  warm {r['first_hit_warm_s']:.3f} s"
@@ -284,8 +304,8 @@ def main() -> int:
             print(f"  index complete   cold {r['indexed_cold_s']:.3f} s  warm {r['indexed_warm_s']:.3f} s")
             for k, name in OPS_KEYS:
                 print(f"  {name:<52} {r[k]:8.2f} us  ({r[k.replace('_us', '_wall_us')]:.2f} wall)")
-            print(f"  CPU tier memory beyond payload: {r['cpu_bytes_per_entry']:.0f} B/entry; "
-                  f"disk index: {r['disk_index_bytes_per_entry']:.0f} B/entry")
+            print(f"  memory beyond the payload: CPU tier ({a.eviction}) {r['cpu_bytes_per_entry']:.0f} B/entry; "
+                  f"disk index {r['disk_index_bytes_per_entry']:.0f} B/entry")
         print("\nslopes (log-log) against N")
         worst = 0.0
         for k, name in OPS_KEYS:

@@ -138,7 +138,9 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys``, from the first, are present (a prefix hit count).
-        Batched: a remote backend must not pay one round trip per key."""
+        Batched: a remote backend must not pay one round trip per key. ``keys`` is
+        a sequence (from the engine, a copy-free window of the prompt's keys):
+        stop at the first miss rather than copying it."""
 
     @abc.abstractmethod
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:

@@ -181,3 +181,26 @@ def test_kill_9_during_the_background_scan_loses_nothing(tmp_path: Path) -> None
         assert b.stats().extra["dir_bytes"] == sum(f.stat().st_size for f in root.glob("??/v1-*"))
     finally:
         b.close()
+
+
+def test_contains_never_stats_through_a_linked_shard(tmp_path: Path) -> None:
+    """``contains`` stats a path relative to the tier directory (no directory open per
+    key); a shard replaced by a symbolic link is refused before that, even while the
+    background scan has not reached it. Negative control: the linked directory does
+    hold the chunk's file, so a stat through the link would find it."""
+    root = tmp_path / "t"
+    b = open_disk(root)
+    k = key(OURS, 7)
+    assert b.put(k, chunk(7)) and b.contains([k]) == 1
+    shard = b.directory.shard(k)
+    b.close()
+    outside = tmp_path / "elsewhere"
+    shard.rename(outside)
+    shard.symlink_to(outside, target_is_directory=True)
+    assert (outside / b.directory.chunk_path(k).name).exists()
+    b2 = open_disk(root, scan_rate=5)
+    try:
+        assert b2.contains([k]) == 0
+        assert b2.stats().extra["links_refused"] >= 1
+    finally:
+        b2.close()

@@ -111,6 +111,7 @@ class DiskBackend(StorageBackend):
         self._root_fd: int | None = None
         self._budget: DirBudget | None = None
         self._refused_shards: set[str] = set()
+        self._shards_checked: set[str] = set()  # shards contains() has seen to be directories (or refused)
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="lmcache-disk-io")
         self._stats = BackendStats(self.name, bytes_capacity=self.max_size)
         self._extra: dict[str, Any] = {
@@ -423,11 +424,13 @@ class DiskBackend(StorageBackend):
         rfd = self._root_fd
         if rfd is None:
             return 0
-        refused = self._refused_shards
+        refused, checked = self._refused_shards, self._shards_checked
         n = 0
         for key in keys:
             shard = key.chunk_hash[:1].hex()
             try:
+                if shard not in checked:
+                    self._check_shard(shard)
                 if refused and shard in refused:
                     raise FileNotFoundError
                 st = os.stat(f"{shard}/{key.to_str()}", dir_fd=rfd, follow_symlinks=False)
@@ -443,6 +446,20 @@ class DiskBackend(StorageBackend):
                         self._index.add(key, st.st_size)
             n += 1
         return n
+
+    def _check_shard(self, shard: str) -> None:
+        """Before ``contains`` first stats through a shard (a path relative to the
+        tier directory), make sure the shard is a directory and not a link; a link
+        joins the refused shards (as when :meth:`_shard` meets it)."""
+        try:
+            fd = open_dir(shard, self._root_fd)
+        except FileNotFoundError:
+            return  # not there (yet): the stat below misses; checked again next time
+        except OSError as err:
+            self._refuse_shard(shard, err)
+        else:
+            os.close(fd)
+        self._shards_checked.add(shard)
 
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         if self._closed:

@@ -199,6 +199,7 @@ def measure_n(n: int, root: Path, cold_ok: bool, eviction: str) -> dict[str, flo
         e = disk_engine(root, 2 * OPS)
         extra_cold.append(time.perf_counter() - t0)
         e.close()
+        del e
     for cold in (True, False):
         label = "cold" if cold else "warm"
         if cold and not cold_ok:
@@ -240,6 +241,8 @@ def measure_n(n: int, root: Path, cold_ok: bool, eviction: str) -> dict[str, flo
             c, w = per_op(lambda i: eng.lookup_hashes(prompt, record=False), n=10)
             r["lookup_per_chunk_us"], r["lookup_per_chunk_wall_us"] = c / 256, w / 256
         eng.close()
+        eng = disk = None  # type: ignore[assignment]  # freed here, not inside the next timing
+        gc.collect()
     return r
 
 

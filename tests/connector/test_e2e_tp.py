@@ -39,8 +39,16 @@ def test_tensor_parallel_2_round_trip_and_restart(tiny_model, tmp_path):
     pytest.importorskip("lmcache_backend_disk")
     ref = _tp2(tiny_model, None)
     cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, {"name": "disk", "path": str(tmp_path / "kv")}]}
-    first = _tp2(tiny_model, cfg)
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+              "endpoint": f"ipc://{tmp_path}/ev.sock", "replay_endpoint": f"ipc://{tmp_path}/replay.sock"}
+    first = _tp2(tiny_model, cfg, llm={"kv_events_config": events})
     assert first[0]["cached"] == [0, 0] and first[1]["cached"] == HITS
+    # KV events: both ranks report every chunk; the router hears of each once per tier.
+    chunks = sum(n // 256 for n in (1000, 900))
+    for medium in ("lmcache:local_cpu", "lmcache:disk"):
+        stored = [h for kind, med, hs in first[0]["events"] if kind == "BlockStored" and med == medium for h in [hs]]
+        assert len(stored) == chunks and all(len(hs) == 2 for hs in stored), medium
+        assert len({tuple(hs) for hs in stored}) == chunks
     assert first[0]["tokens"] == first[1]["tokens"] == ref[0]["tokens"] == ref[1]["tokens"]
     # Each rank wrote its own shard: twice the chunks of one rank, in two namespaces.
     names = [p.name for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.name.startswith("v1-")]

@@ -1,13 +1,43 @@
 """One tensor-parallel-2 vLLM engine (``mp`` executor, one worker process per rank) in a
 fresh Python process: ``python -m tests.connector.tp_proc MODEL CONFIG_JSON|none
 PROMPTS_JSON [LLM_KWARGS_JSON]``. Runs the prompts twice and prints ``RESULT {...}`` with the greedy tokens
-and cached-token counts of each pass."""
+and cached-token counts of each pass. With ``kv_events_config`` among the LLM
+arguments, ``RESULT`` also holds every KV event published, read back from the
+publisher's replay endpoint (``events``: ``[type, medium, block hashes]``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+
+
+def _replay(endpoint: str, timeout_s: float = 30.0) -> list[list]:
+    """Every event batch the publisher still holds, from sequence 0 (its replay
+    protocol: a DEALER asks, batches come back until the end marker)."""
+    import time
+
+    import zmq
+    from msgspec.msgpack import Decoder
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    time.sleep(1.0)  # the last step's batch reaches the publisher thread
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    decoder, events = Decoder(type=KVEventBatch), []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+            _, _topic, seq, payload = sock.recv_multipart()
+            if seq == ZmqEventPublisher.END_SEQ:
+                return events
+            events += [[type(e).__name__, e.medium, list(e.block_hashes)] for e in decoder.decode(payload).events]
+        raise SystemExit("no end of replay from the KV event publisher")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def main() -> int:
@@ -30,6 +60,10 @@ def main() -> int:
     )
     if len(sys.argv) > 4:
         kw.update(json.loads(sys.argv[4]))
+    if "kv_events_config" in kw:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**kw["kv_events_config"])
     if config != "none":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheCoreConnector",
@@ -43,6 +77,8 @@ def main() -> int:
     for _ in range(2):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         passes.append({"tokens": [list(o.outputs[0].token_ids) for o in outs], "cached": [o.num_cached_tokens for o in outs]})
+    if "kv_events_config" in kw:
+        passes[0]["events"] = _replay(kw["kv_events_config"].replay_endpoint)
     print("RESULT " + json.dumps(passes), flush=True)
     llm.llm_engine.engine_core.shutdown()
     return 0

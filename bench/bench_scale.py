@@ -171,10 +171,9 @@ def memory_per_entry(n: int, eviction: str, root: Path) -> tuple[float, float]:
     return float(out[-2]), float(out[-1])
 
 
-def measure_n(n: int, root: Path, cold_ok: bool, eviction: str) -> dict[str, float]:
-    r: dict[str, float] = {"N": n}
-    r["cpu_bytes_per_entry"], r["disk_index_bytes_per_entry"] = memory_per_entry(n, eviction, root)
-    # -- CPU tier: store, get ---------------------------------------------------------
+def measure_cpu(n: int, eviction: str, r: dict[str, float]) -> None:
+    """CPU tier put / engine store / get_buffer latencies with ``n`` entries (the
+    engine is gone when this returns)."""
     eng = cpu_engine(n + 2 * OPS * REPS, eviction)
     tier = eng.tiers[0]
     hashes = [h("c", i) for i in range(n)]
@@ -188,7 +187,13 @@ def measure_n(n: int, root: Path, cold_ok: bool, eviction: str) -> dict[str, flo
     step = max(1, n // OPS)
     r["cpu_get_us"], r["cpu_get_wall_us"] = per_op(lambda i: tier.get_buffer(keys[(i * step) % n]).release())
     eng.close()
-    del eng, tier, keys, hashes
+
+
+def measure_n(n: int, root: Path, cold_ok: bool, eviction: str) -> dict[str, float]:
+    r: dict[str, float] = {"N": n}
+    step = max(1, n // OPS)
+    r["cpu_bytes_per_entry"], r["disk_index_bytes_per_entry"] = memory_per_entry(n, eviction, root)
+    measure_cpu(n, eviction, r)
     gc.collect()
 
     # -- disk tier: creation, first hit, index complete ---------------------------------

@@ -64,14 +64,26 @@ def open_dir(name: str, dir_fd: int | None) -> int:
     return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
 
 
+_NAMESPACES: dict[bytes, bytes] = {}  # one bytes object per namespace id seen in file names
+
+
 def parse_chunk_name(shard: str, name: str) -> ChunkKey | None:
     """The key a file name stands for, or None when the name is not a chunk of
-    this shard (a foreign file, or a chunk filed under the wrong shard)."""
+    this shard (a foreign file, or a chunk filed under the wrong shard). Keys of one
+    namespace share its id's bytes object (an index of millions of keys holds a
+    handful of namespaces)."""
     try:
         key = ChunkKey.parse(name)
     except ValueError:
         return None
-    return key if key.chunk_hash[:1].hex() == shard else None
+    if key.chunk_hash[:1].hex() != shard:
+        return None
+    ns = _NAMESPACES.get(key.namespace)
+    if ns is None:
+        if len(_NAMESPACES) >= 1024:  # bounded: a directory full of namespaces just shares less
+            return key
+        ns = _NAMESPACES.setdefault(key.namespace, key.namespace)
+    return ChunkKey(ns, key.chunk_hash)
 
 
 def temp_owner_pid(name: str) -> int | None:

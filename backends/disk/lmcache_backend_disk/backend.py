@@ -365,7 +365,9 @@ class DiskBackend(StorageBackend):
         assert self._budget is not None and self._root_fd is not None
         try:
             with self._budget.locked() as budget:
-                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
+                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None, stop=self._scan_stop)
+                if self._scan_stop.is_set():  # closing: a partial listing is no count
+                    return
                 budget.set(listing.chunk_bytes + listing.reserved_bytes)
                 self._evict_locked(budget, 0)
                 self._extra["dir_bytes"] = budget.last

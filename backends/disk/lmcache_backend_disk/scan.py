@@ -1,5 +1,7 @@
-"""The start-up scan: rebuild the index from the directory and clean what a crash
-left behind; and :func:`count`, the directory's byte count for the shared budget.
+"""The start-up scan (run by the backend in a background thread while the tier
+already serves; ``stop`` ends it between files, ``pace`` slows it): rebuild the
+index from the directory and clean what a crash left behind; and :func:`scan` with
+``clean=False``, the listing that gives the directory's byte count for the budget.
 
 Per shard directory (in parallel, ``io_threads``): chunk files become index entries
 ``(key, size, mtime_ns)``; with ``verify`` each file's header must match its name and
@@ -182,10 +184,12 @@ def scan_shards(
     return pool.map(work, FANOUT) if pool is not None else map(work, FANOUT)
 
 
-def scan(root_fd: int, root: str, *, verify: bool, clean: bool = True, pool: Executor | None) -> ScanResult:
+def scan(
+    root_fd: int, root: str, *, verify: bool, clean: bool = True, pool: Executor | None, stop: threading.Event | None = None
+) -> ScanResult:
     """All of :func:`scan_shards` in one result (a listing for the budget count
-    with ``clean=False``)."""
+    with ``clean=False``); partial if ``stop`` was set meanwhile."""
     total = ScanResult()
-    for part in scan_shards(root_fd, root, verify=verify, clean=clean, pool=pool):
+    for part in scan_shards(root_fd, root, verify=verify, clean=clean, pool=pool, stop=stop):
         total.merge(part)
     return total

@@ -201,91 +201,130 @@ class TinyLfuPolicy(EvictionPolicy):
     kilobytes to megabytes, so a counter per recently seen key is negligible where
     the paper uses a sketch), with the paper's reset: every ``10 x`` resident keys
     (at least 1000) recorded accesses, every count is halved and zeros dropped,
-    which also bounds the table."""
+    which also bounds the table.
+
+    Per key one small int in one table, ``_meta``: ``count << 2 | segment`` (segment
+    0 = not resident, else :data:`WINDOW` / :data:`PROBATION` / :data:`PROTECTED`),
+    beside the key's place in its segment's ordered dict. Values stay below 64, so
+    they are Python's shared small ints: no object per key."""
 
     name = "tinylfu"
     WINDOW_FRACTION = 0.01
     PROTECTED_FRACTION = 0.8
     MAX_COUNT = 15
+    WINDOW, PROBATION, PROTECTED = 1, 2, 3
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._window: OrderedDict[Key, int] = OrderedDict()  # first = least recent
         self._probation: OrderedDict[Key, int] = OrderedDict()
         self._protected: OrderedDict[Key, int] = OrderedDict()
-        self._bytes = {"window": 0, "probation": 0, "protected": 0}
-        self._segs = {"window": self._window, "probation": self._probation, "protected": self._protected}
-        self._where: dict[Key, str] = {}
-        self._count: dict[Key, int] = {}
+        # indexed by segment number (0 unused)
+        self._segs: tuple[OrderedDict[Key, int], ...] = (OrderedDict(), self._window, self._probation, self._protected)
+        self._bytes = [0, 0, 0, 0]
+        self._meta: dict[Key, int] = {}
         self._samples = 0
         self.window_budget = self.WINDOW_FRACTION * self.capacity
         self.main_budget = self.capacity - self.window_budget
 
     # -- frequency -------------------------------------------------------------------
-    def _record(self, key: Key) -> None:
-        self._count[key] = min(self._count.get(key, 0) + 1, self.MAX_COUNT)
+    def _bump(self, key: Key) -> int:
+        """``key``'s meta value with one more access counted (count capped at
+        :data:`MAX_COUNT`). The caller stores it (with any segment change), so a hot
+        path writes the table once; when this access triggers the periodic halving,
+        the value returned is the halved one (0 if the halving dropped the key)."""
+        v = self._meta.get(key, 0)
+        if v < self.MAX_COUNT << 2:
+            v += 4
         self._samples += 1
-        if self._samples >= max(1000, 10 * len(self._where)):
+        if self._samples >= 1000 and self._samples >= 10 * (len(self._window) + len(self._probation) + len(self._protected)):
             self._samples = 0
-            self._count = {k: c // 2 for k, c in self._count.items() if c > 1}
+            meta = self._meta
+            meta[key] = v
+            # halve every count; drop keys left with neither a count nor a segment
+            self._meta = {k: (c >> 3) << 2 | (c & 3) for k, c in meta.items() if c > 7 or c & 3}
+            v = self._meta.get(key, 0)
+        return v
 
     def frequency(self, key: Key) -> int:
-        return self._count.get(key, 0)
+        return self._meta.get(key, 0) >> 2
 
     # -- segments --------------------------------------------------------------------
-    def _seg(self, name: str) -> OrderedDict[Key, int]:
-        return self._segs[name]
-
-    def _add(self, name: str, key: Key, size: int) -> None:
-        self._seg(name)[key] = size
-        self._bytes[name] += size
-        self._where[key] = name
+    def _add(self, seg: int, key: Key, size: int) -> None:
+        self._segs[seg][key] = size
+        self._bytes[seg] += size
+        meta = self._meta
+        meta[key] = (meta.get(key, 0) & ~3) | seg
 
     def _take(self, key: Key) -> int:
-        name = self._where.pop(key)
-        size = self._seg(name).pop(key)
-        self._bytes[name] -= size
+        meta = self._meta
+        v = meta[key]
+        seg = v & 3
+        if not seg:
+            raise KeyError(key)
+        size = self._segs[seg].pop(key)
+        self._bytes[seg] -= size
+        if v > 3:
+            meta[key] = v & ~3
+        else:
+            del meta[key]
         return size
 
-    def _main_bytes(self) -> int:
-        return self._bytes["probation"] + self._bytes["protected"]
-
     def insert(self, key: Key, size: int) -> None:
-        self._record(key)
-        if key in self._where:
-            self._take(key)
-        self._add("window", key, size)
+        v = self._bump(key)
+        meta, b = self._meta, self._bytes
+        seg = v & 3
+        if seg:  # stored again while resident: it starts over in the window
+            b[seg] -= self._segs[seg].pop(key)
+        window = self._window
+        window[key] = size
+        b[1] += size
+        meta[key] = (v & ~3) | 1
         # while the tier is not full, window overflow simply moves to probation
-        while self._bytes["window"] > self.window_budget and len(self._window) > 1:
-            old, osize = next(iter(self._window.items()))
-            if self._main_bytes() + osize > self.main_budget:
+        while b[1] > self.window_budget and len(window) > 1:
+            old, osize = next(iter(window.items()))
+            if b[2] + b[3] + osize > self.main_budget:
                 break
-            self._take(old)
-            self._add("probation", old, osize)
+            window.popitem(last=False)
+            b[1] -= osize
+            self._probation[old] = osize
+            b[2] += osize
+            meta[old] ^= 3  # window (1) -> probation (2)
 
     def hit(self, key: Key) -> None:
-        self._record(key)
-        where = self._where.get(key)
-        if where is None:
-            return
-        if where == "window":
+        v = self._bump(key)
+        meta = self._meta
+        seg = v & 3
+        if seg == 1:
+            meta[key] = v
             self._window.move_to_end(key)
-        elif where == "protected":
+        elif seg == 3:
+            meta[key] = v
             self._protected.move_to_end(key)
-        else:
-            size = self._take(key)
-            self._add("protected", key, size)
+        elif seg == 2:  # seen again in probation: promoted to protected
+            b, protected = self._bytes, self._protected
+            size = self._probation.pop(key)
+            b[2] -= size
+            protected[key] = size
+            b[3] += size
+            meta[key] = v | 3
             limit = self.PROTECTED_FRACTION * self.main_budget
-            while self._bytes["protected"] > limit and len(self._protected) > 1:
-                old = next(iter(self._protected))
-                osize = self._take(old)
-                self._add("probation", old, osize)
+            while b[3] > limit and len(protected) > 1:
+                old, osize = protected.popitem(last=False)
+                b[3] -= osize
+                self._probation[old] = osize
+                b[2] += osize
+                meta[old] ^= 1  # protected (3) -> probation (2)
+        elif v:
+            meta[key] = v
 
     def miss(self, key: Key) -> None:
-        self._record(key)
+        v = self._bump(key)
+        if v:
+            self._meta[key] = v
 
     def remove(self, key: Key) -> None:
-        if key in self._where:
+        if self._meta.get(key, 0) & 3:
             self._take(key)
 
     def _main_victim(self) -> Key | None:
@@ -295,7 +334,7 @@ class TinyLfuPolicy(EvictionPolicy):
         return None
 
     def pop_victim(self) -> Key | None:
-        if self._window and self._bytes["window"] > self.window_budget:
+        if self._window and self._bytes[1] > self.window_budget:
             cand = next(iter(self._window))
             victim = self._main_victim()
             if victim is None:
@@ -304,7 +343,7 @@ class TinyLfuPolicy(EvictionPolicy):
             if self.frequency(cand) > self.frequency(victim):
                 # the newcomer earned its place: it enters probation, the victim leaves
                 size = self._take(cand)
-                self._add("probation", cand, size)
+                self._add(2, cand, size)
                 self._take(victim)
                 return victim
             self._take(cand)
@@ -318,11 +357,11 @@ class TinyLfuPolicy(EvictionPolicy):
         return victim
 
     def keep(self, key: Key, size: int) -> None:
-        if key not in self._where:
-            self._add("probation", key, size)
+        if not self._meta.get(key, 0) & 3:
+            self._add(2, key, size)
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._window) + len(self._probation) + len(self._protected)
 
 
 BUILTIN_POLICIES: dict[str, tuple[PolicyFactory, str]] = {

@@ -128,21 +128,22 @@ class LocalCpuBackend(StorageBackend):
             if key in self._entries:
                 self.policy.hit(key)
                 return True
-            if buf.size > self.max_size:
+            size = buf.size
+            if size > self.max_size:
                 self._stats.skipped += 1
                 return False
-            need = self._bytes + buf.size - self.max_size
-            if need > 0 and not self.policy.admit(key, buf.size):
+            need = self._bytes + size - self.max_size
+            if need > 0 and not self.policy.admit(key, size):
                 self._stats.skipped += 1
                 self._stats.extra["rejected"] += 1
                 return False
             self._evict_locked(need)
-            if self._bytes + buf.size > self.max_size:
+            if self._bytes + size > self.max_size:
                 self._stats.skipped += 1
                 return False
             self._entries[key] = buf.retain()
-            self.policy.insert(key, buf.size)
-            self._bytes += buf.size
+            self.policy.insert(key, size)
+            self._bytes += size
             self._stats.puts += 1
             self._stats.put_bytes += buf.nbytes
         return True

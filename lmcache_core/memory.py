@@ -70,28 +70,54 @@ def element_size(dtype: torch.dtype) -> int:
     return es
 
 
+class _Layout:
+    """What buffers of one shape and dtype share: the shape, the dtype, the bytes
+    they hold (``nbytes``) and the pool bytes they take (``size``, aligned). One per
+    distinct (shape, dtype) in a pool, so a buffer holds none of these itself."""
+
+    __slots__ = ("shape", "dtype", "nbytes", "size")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = math.prod(shape) * element_size(dtype)
+        self.size = _round_up(max(self.nbytes, 1))
+
+
 class MemoryBuffer:
     """A region of the pool holding a ``dtype`` array of ``shape``, seen as a tensor
     through :attr:`tensor`. Starts with one reference.
 
-    It keeps offsets, not a tensor: a torch view costs about a kilobyte, too much
-    per resident chunk when a CPU tier holds millions of small ones. Each access to
-    :attr:`tensor` makes a fresh view (about a microsecond); keep it in a local for
-    repeated use."""
+    It keeps its offset and a layout shared with every buffer of the same shape and
+    dtype, not a tensor: a torch view costs about a kilobyte, too much per resident
+    chunk when a CPU tier holds millions of small ones. Each access to :attr:`tensor`
+    makes a fresh view (about a microsecond); keep it in a local for repeated use."""
 
-    __slots__ = ("pool", "offset", "size", "shape", "dtype", "_refs")
+    __slots__ = ("pool", "offset", "_layout", "_refs")
 
-    def __init__(self, pool: "MemoryPool", offset: int, size: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, pool: "MemoryPool", offset: int, layout: _Layout) -> None:
         self.pool = pool
         self.offset = offset
-        self.size = size
-        self.shape = shape
-        self.dtype = dtype
+        self._layout = layout
         self._refs = 1
 
     @property
+    def size(self) -> int:
+        """Pool bytes this buffer takes (its bytes rounded up to the alignment)."""
+        return self._layout.size
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._layout.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._layout.dtype
+
+    @property
     def tensor(self) -> torch.Tensor:
-        return self.pool.view(self.offset, self.shape, self.dtype)
+        lay = self._layout
+        return self.pool.view(self.offset, lay.shape, lay.dtype)
 
     @property
     def refcount(self) -> int:
@@ -99,7 +125,7 @@ class MemoryBuffer:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * element_size(self.dtype)
+        return self._layout.nbytes
 
     def retain(self) -> "MemoryBuffer":
         with self.pool._lock:
@@ -114,7 +140,7 @@ class MemoryBuffer:
                 raise RuntimeError("release() on a released buffer")
             self._refs -= 1
             if self._refs == 0:
-                self.pool._free_locked(self.offset, self.size)
+                self.pool._free_locked(self.offset, self._layout.size)
 
 
 class MemoryPool:
@@ -133,7 +159,7 @@ class MemoryPool:
         self._free_sizes: dict[int, int] = {0: self.capacity}
         self.used = 0
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
-        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
+        self._layouts: dict[tuple[tuple[int, ...], torch.dtype], _Layout] = {}  # one per distinct shape and dtype
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # contiguous strides per shape
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -156,15 +182,16 @@ class MemoryPool:
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
         """A buffer of ``shape``/``dtype``, or ``None`` when no free region fits."""
-        shp = self._shapes.get(shape if type(shape) is tuple else tuple(shape))
-        if shp is None:
+        shp = shape if type(shape) is tuple else tuple(shape)
+        lay = self._layouts.get((shp, dtype))
+        if lay is None:
             shp = tuple(int(d) for d in shape)
             if any(d < 0 for d in shp):
                 raise ValueError(f"negative dimension in shape {shp}")
-            if len(self._shapes) < 4096:  # shapes repeat (one per layout); bounded all the same
-                self._shapes[shp] = shp
-        nbytes = math.prod(shp) * element_size(dtype)
-        size = _round_up(max(nbytes, 1))
+            lay = _Layout(shp, dtype)
+            if len(self._layouts) < 4096:  # layouts repeat (one per chunk layout); bounded all the same
+                self._layouts[(shp, dtype)] = lay
+        size = lay.size
         with self._lock:
             for i, off in enumerate(self._free_offsets):
                 free = self._free_sizes[off]
@@ -178,7 +205,7 @@ class MemoryPool:
                     break
             else:
                 return None
-        return MemoryBuffer(self, off, size, shp, dtype)
+        return MemoryBuffer(self, off, lay)
 
     def _free_locked(self, off: int, size: int) -> None:
         self.used -= size

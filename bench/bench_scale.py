@@ -2,6 +2,7 @@
 the prompt length, and what must not.
 
     python bench/bench_scale.py [--quick] [--max-n N] [--dir DIR] [--strict]
+    python bench/bench_scale.py --cpu-tier [--quick]   # the CPU tier's per-entry figures only
 
 For N = 1k, 10k, 100k (``--max-n 1000000`` adds 1M; ``--quick``: 1k and 10k) small
 chunks (64 float16 = 128 B) it fills a CPU tier (a CPU-only engine) and a disk tier
@@ -301,6 +302,34 @@ OPS_KEYS = [
 ]
 
 
+def cpu_tier_only(ns: list[int], where: str | None, strict: bool) -> int:
+    """``--cpu-tier``: memory per entry (both policies, fresh interpreters) and the
+    CPU tier's per-op latencies with the default policy, against the per-entry targets
+    (<= 300 B beyond the payload, ``put`` <= 10 us at the largest N)."""
+    base = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=where or "/var/tmp"))
+    (base / "empty").mkdir()  # the memory child's disk tier (its figure is not printed here)
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; latencies: CPU time of the calling "
+          f"thread per op (wall in brackets), fastest of {REPS} passes of {OPS} ops")
+    try:
+        mem: dict[str, float] = {}
+        r: dict[str, float] = {}
+        for n in ns:
+            for policy in ("tinylfu", "lru"):
+                mem[policy] = memory_per_entry(n, policy, base / "empty")[0]
+            r = {}
+            measure_cpu(n, "tinylfu", r)
+            print(f"N = {n:>9,}  memory beyond the payload: tinylfu {mem['tinylfu']:.0f} B/entry, lru {mem['lru']:.0f} B/entry")
+            for k, name in OPS_KEYS[:3]:
+                print(f"  {name:<52} {r[k]:8.2f} us  ({r[k.replace('_us', '_wall_us')]:.2f} wall)")
+        ok_mem, ok_put = mem["tinylfu"] <= 300, r["cpu_put_us"] <= 10
+        print(f"\nbar at N = {ns[-1]:,}")
+        print(f"  {'PASS' if ok_mem else 'MISS'}  memory per CPU-tier entry (tinylfu) <= 300 B: {mem['tinylfu']:.0f} B")
+        print(f"  {'PASS' if ok_put else 'MISS'}  CPU tier put <= 10 us: {r['cpu_put_us']:.2f} us")
+        return 1 if strict and not (ok_mem and ok_put) else 0
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N = 1k and 10k only")
@@ -308,6 +337,9 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where the disk tier lives (default: a temp dir under /var/tmp)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the bar is missed")
     ap.add_argument("--eviction", default="tinylfu", help="the CPU tier's eviction policy (default tinylfu, the default)")
+    ap.add_argument("--cpu-tier", action="store_true",
+                    help="only the CPU tier's figures (memory per entry with tinylfu and lru, put / store / "
+                         "get_buffer) against their targets; about 2 minutes")
     ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.memory_child:
@@ -315,6 +347,8 @@ def main() -> int:
         return 0
     max_n = a.max_n or (10_000 if a.quick else 100_000)
     ns = [n for n in (1_000, 10_000, 100_000, 1_000_000) if n <= max_n]
+    if a.cpu_tier:
+        return cpu_tier_only(ns, a.dir, a.strict)
     base = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=a.dir or "/var/tmp"))
     root = base / "disk"
     cold_ok = drop_caches()

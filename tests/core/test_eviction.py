@@ -160,3 +160,70 @@ def test_suite_prints_the_bars_from_sweep_points() -> None:
     assert lines[1].startswith("PASS chat at 50%")
     bad = [pt("docqa", "tinylfu", 0.5, 0.1, 0.2), pt("chat", "lru", 0.25, 0.4, 0.4), pt("chat", "tinylfu", 0.25, 0.3, 0.3)]
     assert [line[:4] for line in rep.policy_bars(bad, "tinylfu")] == ["FAIL", "FAIL"]
+
+
+def _tinylfu_consistent(p: TinyLfuPolicy) -> None:
+    """The one-table encoding (``count << 2 | segment``) agrees with the segments."""
+    segs = {1: p._window, 2: p._probation, 3: p._protected}
+    for seg, od in segs.items():
+        assert p._bytes[seg] == sum(od.values())
+        for k in od:
+            assert p._meta[k] & 3 == seg
+    for k, v in p._meta.items():
+        assert 0 < v < 64  # a small int; a key with neither count nor segment is dropped
+        if v & 3:
+            assert k in segs[v & 3]
+    assert len(p) == sum(len(od) for od in segs.values())
+
+
+def test_tinylfu_count_and_segment_table_stays_consistent() -> None:
+    import random
+
+    rnd = random.Random(7)
+    p = TinyLfuPolicy(40 * 100)
+    resident: dict[int, int] = {}
+    used = 0
+    for step in range(6000):  # several periodic halvings (every 1000 accesses here)
+        k = rnd.randrange(120)
+        if k in resident:
+            r = rnd.random()
+            if r < 0.05:
+                p.remove(k)
+                used -= resident.pop(k)
+            elif r < 0.08:
+                p.insert(k, resident[k])  # stored again while resident
+            else:
+                p.hit(k)
+        else:
+            p.miss(k)
+            size = rnd.choice((50, 100, 200))
+            kept = []
+            for _ in range(len(resident)):  # one offer per resident key at most, as the tier does
+                if used + size <= p.capacity:
+                    break
+                v = p.pop_victim()
+                assert v is not None and v in resident
+                if rnd.random() < 0.1:
+                    kept.append(v)  # pinned: handed back
+                    continue
+                used -= resident.pop(v)
+            for v in kept:
+                p.keep(v, resident[v])
+            if used + size <= p.capacity:
+                p.insert(k, size)
+                resident[k] = size
+                used += size
+        if step % 50 == 0:
+            _tinylfu_consistent(p)
+            assert set(p._window) | set(p._probation) | set(p._protected) == set(resident)
+    # counts: exact until the next halving, capped at MAX_COUNT
+    q = TinyLfuPolicy(10_000)
+    q.insert("a", 100)
+    for _ in range(3):
+        q.hit("a")
+    q.miss("b")
+    assert (q.frequency("a"), q.frequency("b"), q.frequency("c")) == (4, 1, 0)
+    for _ in range(30):
+        q.hit("a")
+    assert q.frequency("a") == TinyLfuPolicy.MAX_COUNT
+    _tinylfu_consistent(q)

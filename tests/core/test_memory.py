@@ -136,3 +136,19 @@ def test_budget_holds_under_concurrent_use() -> None:
     assert not errors, errors[:5]
     assert max_used[0] > pool.capacity // 2, "the test never put the pool under pressure"
     assert pool.used == 0 and pool.free_regions == 1 and pool.largest_free() == pool.capacity
+
+
+def test_buffers_share_one_layout_per_shape_and_dtype() -> None:
+    pool = MemoryPool(1 << 16, pin=False)
+    a = pool.allocate((4, 8), torch.float16)
+    b = pool.allocate([4, 8], torch.float16)  # a list of the same shape: the same layout
+    c = pool.allocate((4, 8), torch.float32)
+    assert a is not None and b is not None and c is not None
+    assert a._layout is b._layout and a._layout is not c._layout
+    assert not hasattr(a, "__dict__")  # slots only: a resident chunk costs one small object
+    assert (a.shape, a.dtype, a.nbytes, a.size) == ((4, 8), torch.float16, 64, ALIGN)
+    assert (c.shape, c.dtype, c.nbytes, c.size) == ((4, 8), torch.float32, 128, ALIGN)
+    assert a.offset != b.offset and tuple(b.tensor.shape) == (4, 8) and c.tensor.dtype == torch.float32
+    for buf in (a, b, c):
+        buf.release()
+    assert pool.used == 0

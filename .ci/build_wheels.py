@@ -33,7 +33,8 @@ def main(out: Path) -> int:
         before = set(out.iterdir())
         res = subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(dist)],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         built = sorted(set(out.iterdir()) - before)
         if res.returncode != 0 or len(built) != 1:

@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     work = Path(argv[0]) if argv else Path(tempfile.mkdtemp(prefix="lmcache-lint-"))
     steps = [
         ["-m", "ruff", "check", "."],
-        # ["-m", "ruff", "format", "--check", "."],  # turned on once the tree is formatted ([tool.ruff.format])
+        ["-m", "ruff", "format", "--check", "."],
         ["-m", "mypy"],
         [str(ROOT / ".ci" / "build_wheels.py"), str(work / "wheels")],
     ]

@@ -37,7 +37,9 @@ from bench_connector import close, engine  # noqa: E402  (sets vLLM's env defaul
 
 from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random_prompt
 
-SPEC = TinyModelSpec(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
+SPEC = TinyModelSpec(
+    hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096
+)
 KV_PER_TOKEN = SPEC.num_layers * 2 * SPEC.num_kv_heads * SPEC.head_dim * 4  # float32
 BLOCK = 128
 QUESTION = 32
@@ -296,7 +298,7 @@ def main() -> int:
         nr: dict[str, list[float]] = defaultdict(list)
         seed = 900_000
         for r in range(nr_rounds):
-            for name in ((*lmcs, "small") if r % 2 == 0 else ("small", *lmcs)):
+            for name in (*lmcs, "small") if r % 2 == 0 else ("small", *lmcs):
                 prompts = []
                 for _ in range(users):
                     seed += 1
@@ -314,7 +316,9 @@ def main() -> int:
 
     med = {k: statistics.median(v) for k, v in single.items()}
     bmed = {k: statistics.median(v) for k, v in burst.items()}
-    print(f"\n{'engine':<8}{'single warm TTFT ms':>21}{'cached tok':>12}{'burst ms':>11}{'cached tok/burst':>18}{'burst rounds ms':>40}")
+    print(
+        f"\n{'engine':<8}{'single warm TTFT ms':>21}{'cached tok':>12}{'burst ms':>11}{'cached tok/burst':>18}{'burst rounds ms':>40}"
+    )
     for name in names:
         rounds_ms = " ".join(f"{x * 1000:.0f}" for x in burst[name])
         print(

@@ -36,9 +36,16 @@ def _llm(model: Path, extra: dict[str, Any], **kw: Any) -> Any:
     from vllm.config import KVTransferConfig
 
     args: dict[str, Any] = dict(
-        model=str(model), enforce_eager=True, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, seed=0,
+        model=str(model),
+        enforce_eager=True,
+        kv_cache_memory_bytes=256 << 20,
+        enable_prefix_caching=False,
+        seed=0,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheCoreConnector", kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra
+            kv_connector="LMCacheCoreConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
         ),
     )
     args.update(kw)
@@ -64,7 +71,9 @@ def _worker() -> Any:
 def overhead(n_docs: int, doc_tokens: int, rounds: int, forced: int) -> None:
     model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / SPEC.tag(), SPEC)
     docs = [random_prompt(doc_tokens, 100 + i, SPEC.vocab_size) for i in range(n_docs)]
-    llm = _llm(model, {"verify_fraction": 0.01}, dtype="float32", max_model_len=doc_tokens + 64, max_num_batched_tokens=doc_tokens + 64)
+    llm = _llm(
+        model, {"verify_fraction": 0.01}, dtype="float32", max_model_len=doc_tokens + 64, max_num_batched_tokens=doc_tokens + 64
+    )
     _ttft(llm, random_prompt(64, 7, SPEC.vocab_size), None)
     for d in docs:
         _ttft(llm, d, {"lmcache.verify": False})
@@ -87,7 +96,9 @@ def overhead(n_docs: int, doc_tokens: int, rounds: int, forced: int) -> None:
     print(f"\n1. TTFT overhead: {n_docs} documents x {doc_tokens} tokens, {rounds * n_docs} warm requests per arm, alternating")
     print(f"{'arm':<14}{'requests':>10}{'mean ms':>10}{'median ms':>11}{'mean/off':>10}")
     for name, ts in arms.items():
-        print(f"{name:<14}{len(ts):>10}{statistics.mean(ts) * 1000:>10.1f}{statistics.median(ts) * 1000:>11.1f}{statistics.mean(ts) / off:>10.3f}")
+        print(
+            f"{name:<14}{len(ts):>10}{statistics.mean(ts) * 1000:>10.1f}{statistics.median(ts) * 1000:>11.1f}{statistics.mean(ts) / off:>10.3f}"
+        )
     print(f"sampled requests in the 1% arm: {sampled} of {len(arms['sampled 1%'])}; mismatches: {mismatches or 'none'}")
     print(f"measured mean TTFT ratio, 1% sampling / off: {samp / off:.3f}")
     print(f"expected at 1% from one verified request ({ver / off:.1f}x a warm hit): {1 + 0.01 * (ver - off) / off:.3f}")
@@ -99,7 +110,9 @@ def determinism(n_prompts: int, tokens: int) -> None:
 
     model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / TEST_SPEC.tag(), TEST_SPEC)
     prompts = [random_prompt(tokens, 300 + i) for i in range(n_prompts)]
-    print(f"\n2. Determinism: {n_prompts} prompts x {tokens} tokens stored batched in 512-token steps, recomputed alone in one step")
+    print(
+        f"\n2. Determinism: {n_prompts} prompts x {tokens} tokens stored batched in 512-token steps, recomputed alone in one step"
+    )
     print(f"{'dtype':<10}{'compared':>10}{'bit-identical':>15}{'max rel err':>13}{'mismatches':>12}")
     for dtype in ("float32", "bfloat16"):
         seen: list[str] = []
@@ -110,7 +123,10 @@ def determinism(n_prompts: int, tokens: int) -> None:
             return ok, detail
 
         with tempfile.TemporaryDirectory() as tmp:
-            tiers = {"backends": [{"name": "local_cpu", "max_size": "256MiB"}, {"name": "disk", "path": tmp}], "verify_fraction": 0.0}
+            tiers = {
+                "backends": [{"name": "local_cpu", "max_size": "256MiB"}, {"name": "disk", "path": tmp}],
+                "verify_fraction": 0.0,
+            }
             llm = _llm(model, tiers, dtype=dtype, max_model_len=tokens + 64, max_num_batched_tokens=512)
             from vllm import SamplingParams
             from vllm.inputs import TokensPrompt

@@ -29,7 +29,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random_prompt  # noqa: E402
 
-SPEC = TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
+SPEC = TinyModelSpec(
+    hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096
+)
 
 
 def engine(
@@ -63,7 +65,9 @@ def engine(
         kw["max_num_seqs"] = max_num_seqs
     if system == "example":
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": str(tmp / "example")}
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": str(tmp / "example")},
         )
     elif system == "lmcache":
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -113,7 +117,7 @@ def no_reuse_workload(model: Path, tmp: Path, n: int, tokens: int, rounds: int, 
     times: dict[str, list[float]] = {"recompute": [], "lmcache": []}
     seed = 10_000
     for r in range(rounds):
-        for system in (("recompute", "lmcache") if r % 2 == 0 else ("lmcache", "recompute")):
+        for system in ("recompute", "lmcache") if r % 2 == 0 else ("lmcache", "recompute"):
             llm = engine(model, system, tmp, max_len)
             ttft(llm, random_prompt(64, 7, SPEC.vocab_size))
             for _ in range(n):
@@ -147,13 +151,17 @@ def main() -> int:
             f"{r['warm'] / base:>16.3f}{r['warm'] / upper:>18.2f}{int(r['cached']):>12}"
         )
     ratio = res["lmcache"]["warm"] / upper
-    print(f"target: lmcache-core warm TTFT <= 1.5x vLLM prefix-cache hit -> {ratio:.2f}x ({'met' if ratio <= 1.5 else 'NOT met'})")
+    print(
+        f"target: lmcache-core warm TTFT <= 1.5x vLLM prefix-cache hit -> {ratio:.2f}x ({'met' if ratio <= 1.5 else 'NOT met'})"
+    )
     print(f"lmcache-core vs ExampleConnector warm: {res['lmcache']['warm'] / res['example']['warm']:.2f}x")
 
     print(f"\nno-reuse workload: {nr_n} distinct prompts x {nr_tokens} tokens, {nr_rounds} alternating rounds", flush=True)
     nr = no_reuse_workload(model, tmp, nr_n, nr_tokens, nr_rounds, max(max_len, nr_tokens + 64))
     over = nr["lmcache"] / nr["recompute"]
-    print(f"TTFT median: no connector {nr['recompute'] * 1000:.1f} ms, lmcache-core {nr['lmcache'] * 1000:.1f} ms, ratio {over:.3f}")
+    print(
+        f"TTFT median: no connector {nr['recompute'] * 1000:.1f} ms, lmcache-core {nr['lmcache'] * 1000:.1f} ms, ratio {over:.3f}"
+    )
     print(f"target: within 5% of no connector -> {'met' if over <= 1.05 else 'NOT met'}")
     return 0
 

@@ -115,8 +115,10 @@ def main() -> None:
     args = ap.parse_args()
     rounds = 5 if args.quick else 30
     print(f"bench_core: torch {torch.__version__}, {torch.get_num_threads()} threads, rounds={rounds}")
-    print("\n32 MiB chunks, median per chunk; ratio = memcpy time / this time in the same round (target >= 0.70);"
-          "\n  cold rows compare with a copy into fresh memory")
+    print(
+        "\n32 MiB chunks, median per chunk; ratio = memcpy time / this time in the same round (target >= 0.70);"
+        "\n  cold rows compare with a copy into fresh memory"
+    )
     print(f"  {'operation':32} {'ms':>8} {'GB/s':>7} {'ratio':>7}")
     for name, sec, ratio in bench_cpu_tier(rounds):
         print(f"  {name:32} {sec * 1e3:8.2f} {gbps(sec):7.2f} {ratio:7.2f}")

@@ -86,8 +86,10 @@ def _setup(a: argparse.Namespace, tokens: int, device: str):
 
 
 def run_cpu(a: argparse.Namespace) -> None:
-    print("bench_cuda: needs a CUDA GPU (torch.cuda.is_available() is False); "
-          f"lmcache_cuda backend here: {lmcache_cuda.backend_name()} ({lmcache_cuda.backend_reason()})")
+    print(
+        "bench_cuda: needs a CUDA GPU (torch.cuda.is_available() is False); "
+        f"lmcache_cuda backend here: {lmcache_cuda.backend_name()} ({lmcache_cuda.backend_reason()})"
+    )
     print("sanity figure: pure-torch reference on CPU (not a GPU result)")
     iters = min(a.iters, 5)
     for tokens in a.tokens:
@@ -95,12 +97,30 @@ def run_cpu(a: argparse.Namespace) -> None:
         out = torch.empty(layout.token_buffer_shape(tokens), dtype=layout.dtype)
         nbytes = out.numel() * out.element_size()
         flat = torch.empty_like(out).view(-1)
-        print(f"tokens={tokens} layers={a.layers} kv_heads={a.kv_heads} head_size={a.head_size} "
-              f"block_size={a.block_size} {a.dtype}: {nbytes / 2**20:.1f} MiB")
+        print(
+            f"tokens={tokens} layers={a.layers} kv_heads={a.kv_heads} head_size={a.head_size} "
+            f"block_size={a.block_size} {a.dtype}: {nbytes / 2**20:.1f} MiB"
+        )
         base = _time_cpu(lambda: flat.copy_(out.view(-1)), iters)
         print(_row("memcpy (CPU, contiguous)", nbytes, base, None))
-        print(_row("reference gather (CPU)", nbytes, _time_cpu(lambda: reference.gather_tokens(kv, slots, out), iters), base, flag=False))
-        print(_row("reference scatter (CPU)", nbytes, _time_cpu(lambda: reference.scatter_tokens(kv, slots, out), iters), base, flag=False))
+        print(
+            _row(
+                "reference gather (CPU)",
+                nbytes,
+                _time_cpu(lambda: reference.gather_tokens(kv, slots, out), iters),
+                base,
+                flag=False,
+            )
+        )
+        print(
+            _row(
+                "reference scatter (CPU)",
+                nbytes,
+                _time_cpu(lambda: reference.scatter_tokens(kv, slots, out), iters),
+                base,
+                flag=False,
+            )
+        )
 
 
 def run_gpu(a: argparse.Namespace) -> int:
@@ -115,8 +135,10 @@ def run_gpu(a: argparse.Namespace) -> int:
         host = torch.empty(shape, dtype=layout.dtype, pin_memory=True)
         on_dev = torch.empty(shape, dtype=layout.dtype, device=dev)
         nbytes = host.numel() * host.element_size()
-        print(f"\ntokens={tokens} layers={a.layers} kv_heads={a.kv_heads} head_size={a.head_size} "
-              f"block_size={a.block_size} {a.dtype}: {nbytes / 2**20:.1f} MiB per transfer")
+        print(
+            f"\ntokens={tokens} layers={a.layers} kv_heads={a.kv_heads} head_size={a.head_size} "
+            f"block_size={a.block_size} {a.dtype}: {nbytes / 2**20:.1f} MiB per transfer"
+        )
         d2h = _time_cuda(lambda: host.copy_(on_dev, non_blocking=True), a.iters)
         h2d = _time_cuda(lambda: on_dev.copy_(host, non_blocking=True), a.iters)
         print(_row("memcpy D2H pinned (baseline)", nbytes, d2h, None))
@@ -153,8 +175,14 @@ def run_gpu(a: argparse.Namespace) -> int:
             secs = _time_cuda(lambda: kernels.gather_blocks(kv, ids, bhost), a.iters)
             print(_row("kernel block gather -> pinned", bbytes, secs, bd2h))
             worst = min(worst or 9e9, bd2h / secs)
-        print(_row("reference block gather -> pinned", bbytes,
-                   _time_cuda(lambda: reference.gather_blocks(kv, ids, bhost), a.iters), bd2h))
+        print(
+            _row(
+                "reference block gather -> pinned",
+                bbytes,
+                _time_cuda(lambda: reference.gather_blocks(kv, ids, bhost), a.iters),
+                bd2h,
+            )
+        )
     if not have_kernels:
         print("\nkernels unavailable: only the reference path was measured")
         return 0

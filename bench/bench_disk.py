@@ -78,7 +78,7 @@ def _interleaved(n: int, tier_op, plain_op) -> tuple[float, float]:
     goes first), so both meet the same disk state; total seconds of each."""
     tt = pt = 0.0
     for i in range(n):
-        for who in ((0, 1) if i % 2 == 0 else (1, 0)):
+        for who in (0, 1) if i % 2 == 0 else (1, 0):
             t0 = time.perf_counter()
             (tier_op if who == 0 else plain_op)(i)
             if who == 0:
@@ -184,8 +184,10 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="bench-disk-", dir=a.dir or "/var/tmp"))
     try:
         fs = os.statvfs(base)
-        print(f"dir {base}  ({fs.f_bavail * fs.f_frsize / 2**30:.0f} GiB free), {os.cpu_count()} CPUs, "
-              f"torch {torch.__version__}, python {sys.version.split()[0]}")
+        print(
+            f"dir {base}  ({fs.f_bavail * fs.f_frsize / 2**30:.0f} GiB free), {os.cpu_count()} CPUs, "
+            f"torch {torch.__version__}, python {sys.version.split()[0]}"
+        )
         print(f"\nthroughput: {n} chunks x {a.chunk_mib} MiB, fsync on both sides, median of {repeat}")
         for o_direct in (False, True):
             rows = throughput(base, n, a.chunk_mib, repeat, o_direct)

@@ -52,8 +52,14 @@ def child(model: str, system: str, store: str, prompts: list[list[int]]) -> None
     from vllm.inputs import TokensPrompt
 
     kw: dict[str, Any] = dict(
-        model=model, enforce_eager=True, dtype="float32", max_model_len=8192, max_num_batched_tokens=8192,
-        kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False, seed=0,
+        model=model,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_bytes=512 << 20,
+        enable_prefix_caching=False,
+        seed=0,
     )
     if system == "example":
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -84,7 +90,9 @@ def run_child(model: Path, system: str, store: Path, prompts: list[list[int]]) -
         json.dump(prompts, f)
     proc = subprocess.run(
         [sys.executable, __file__, "--child", str(model), system, str(store), f.name],
-        capture_output=True, text=True, timeout=1800,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -116,7 +124,10 @@ def main() -> int:
     n, tokens = (3, 2048) if args.quick else (6, 4096)
     prompts = [random_prompt(tokens, 700 + i, spec.vocab_size) for i in range(n)]
     tmp = Path(tempfile.mkdtemp(prefix="lmcache-disk-ttft-"))
-    print(f"model {spec.tag()} (float32), {n} prompts x {tokens} tokens; each system: writer process, then a fresh reader process", flush=True)
+    print(
+        f"model {spec.tag()} (float32), {n} prompts x {tokens} tokens; each system: writer process, then a fresh reader process",
+        flush=True,
+    )
     cold = run_child(model, "recompute", tmp / "none", prompts)
     res: dict[str, dict[str, Any]] = {}
     for system in ("example", "lmcache-disk"):
@@ -130,7 +141,9 @@ def main() -> int:
         res[system]["dropped"] = dropped
     base = statistics.median(cold["times"])
     print(f"\n{'system':<16}{'TTFT ms (median)':>18}{'vs recompute':>14}{'cached tok':>12}  note")
-    print(f"{'recompute':<16}{base * 1000:>18.1f}{1.0:>14.3f}{int(statistics.median(cold['cached'])):>12}  fresh process, no connector")
+    print(
+        f"{'recompute':<16}{base * 1000:>18.1f}{1.0:>14.3f}{int(statistics.median(cold['cached'])):>12}  fresh process, no connector"
+    )
     for system, r in res.items():
         med = statistics.median(r["times"])
         note = "fresh process; page cache dropped" if r["dropped"] else "fresh process; files in page cache"

@@ -53,7 +53,9 @@ def workloads(quick: bool) -> dict[str, list[tuple[list[int], bool]]]:
 
 def replay(requests: list[tuple[list[int], bool]], max_size: int, policy: str) -> dict[str, Any]:
     """Drive one engine like the connector does; token-level hit counts."""
-    cfg = CoreConfig(chunk_size=CHUNK, backends=[{"name": "local_cpu", "max_size": max_size, "eviction": policy}], staging_size=1 << 20)
+    cfg = CoreConfig(
+        chunk_size=CHUNK, backends=[{"name": "local_cpu", "max_size": max_size, "eviction": policy}], staging_size=1 << 20
+    )
     prompt = cached = warm_prompt = warm_cached = 0
     with CacheEngine(cfg, namespace=KeyNamespace(model="bench-eviction")) as eng:
         for tokens, warm in requests:
@@ -104,7 +106,9 @@ def check_bars(points: list[dict[str, Any]], policy: str) -> list[str]:
     d = by.get(("docqa", 0.5, policy))
     if d is not None:
         ok = d["warm_hit_rate"] >= 0.40
-        out.append(f"{'PASS' if ok else 'FAIL'} doc QA at 50%: {policy} serves {d['warm_hit_rate'] * 100:.1f}% of warm tokens (bar >= 40%)")
+        out.append(
+            f"{'PASS' if ok else 'FAIL'} doc QA at 50%: {policy} serves {d['warm_hit_rate'] * 100:.1f}% of warm tokens (bar >= 40%)"
+        )
     for f in FRACTIONS:
         a, b = by.get(("chat", f, policy)), by.get(("chat", f, "lru"))
         if a is None or b is None:
@@ -119,7 +123,10 @@ def check_bars(points: list[dict[str, Any]], policy: str) -> list[str]:
 
 
 def table(points: list[dict[str, Any]]) -> str:
-    lines = ["| workload | tier / working set | policy | hit rate (all) | warm hit rate | hit tokens | evictions |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | tier / working set | policy | hit rate (all) | warm hit rate | hit tokens | evictions |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for p in points:
         lines.append(
             f"| {p['workload']} | {p['fraction'] * 100:.0f}% | {p['policy']} | {p['hit_rate'] * 100:.1f}% | "

@@ -113,8 +113,12 @@ def main() -> int:
             model, dtype = build_hybrid_model(root / name, name), FAMILIES[name].dtype
         results[name] = measure(name, model, dtype, docs, repeats)
     dense = results.get("dense")
-    print(f"\n{n_docs} documents x {doc_tokens} tokens, warm = median of {repeats} repeats, chunk_size {CHUNK} (auto-raised where the model needs it)")
-    print(f"{'model':<16}{'groups':<52}{'chunk':>6}{'cold ms':>10}{'warm ms':>10}{'cold/warm':>11}{'cached':>8}{'B/token':>10}{'vs dense':>10}")
+    print(
+        f"\n{n_docs} documents x {doc_tokens} tokens, warm = median of {repeats} repeats, chunk_size {CHUNK} (auto-raised where the model needs it)"
+    )
+    print(
+        f"{'model':<16}{'groups':<52}{'chunk':>6}{'cold ms':>10}{'warm ms':>10}{'cold/warm':>11}{'cached':>8}{'B/token':>10}{'vs dense':>10}"
+    )
     for name, r in results.items():
         rel = f"{r['bytes_per_token'] / dense['bytes_per_token']:.2f}" if dense else "-"
         print(

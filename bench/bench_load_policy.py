@@ -103,15 +103,24 @@ def make_llm(model: Path, max_len: int, mode: str, delay_ms: float) -> Any:
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = dict(
-        model=str(model), dtype="float32", enforce_eager=True, max_model_len=max_len + 256,
-        max_num_batched_tokens=max_len + 256, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, seed=0,
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max_len + 256,
+        max_num_batched_tokens=max_len + 256,
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=False,
+        seed=0,
     )
     if mode != "recompute":
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheCoreConnector", kv_connector_module_path="lmcache_connector", kv_role="kv_both",
+            kv_connector="LMCacheCoreConnector",
+            kv_connector_module_path="lmcache_connector",
+            kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
-                "chunk_size": CHUNK, "load_policy": mode,
+                "chunk_size": CHUNK,
+                "load_policy": mode,
                 "backends": [{"name": "delayed", "get_delay_ms": delay_ms}],
             },
         )
@@ -161,10 +170,20 @@ def run_all(model: Path, lengths: list[int], reps: int, delay_ms: float, vocab: 
                 w.load_policy = FASTER
             for m in rows:
                 # best of N: other work on the machine only ever adds time
-                rows[m].append({"tokens": n, "ttft_s": min(times[m]), "ttft_median_s": statistics.median(times[m]),
-                                "loaded_tokens": loaded[m], "bypassed_tokens": bypassed[m]})
+                rows[m].append(
+                    {
+                        "tokens": n,
+                        "ttft_s": min(times[m]),
+                        "ttft_median_s": statistics.median(times[m]),
+                        "loaded_tokens": loaded[m],
+                        "bypassed_tokens": bypassed[m],
+                    }
+                )
         coef = w.prefill.fit.coefficients()
-        models = {"tier_read": w.engine.read_models[0].describe(), "prefill_fit": None if coef is None else [float(c) for c in coef]}
+        models = {
+            "tier_read": w.engine.read_models[0].describe(),
+            "prefill_fit": None if coef is None else [float(c) for c in coef],
+        }
         return {m: {"mode": m, "rows": rows[m], **(models if m == FASTER else {})} for m in rows}
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -212,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from lmcache_core.plugins import get_plugin_manager
 
-    spec = TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
+    spec = TinyModelSpec(
+        hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096
+    )
     model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / spec.tag(), spec)
     lengths = [int(x) + 10 for x in args.lengths.split(",")]  # +10: a partial chunk vLLM computes
     t0 = time.perf_counter()

@@ -78,14 +78,19 @@ class Others:
         from lmcache_backend_peer import create_peer_backend
         from lmcache_backend_s3 import create_s3_backend
 
-        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                          AWS_EC2_METADATA_DISABLED="true")
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
+            AWS_EC2_METADATA_DISABLED="true",
+        )
         secret = uuid.uuid4().hex
         (tmp / "secret").write_text(secret)
         exe = shutil.which("lmcache-peer-serve", path=os.path.dirname(sys.executable)) or "lmcache-peer-serve"
         self.peer_proc = subprocess.Popen(
             [exe, "--listen", "127.0.0.1:0", "--secret-file", str(tmp / "secret"), "--max-size", str(capacity)],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         address = (self.peer_proc.stdout.readline() if self.peer_proc.stdout else "").strip().removeprefix("listening on ")
         self.moto = subprocess.Popen([sys.executable, "-c", MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -100,8 +105,14 @@ class Others:
                 {"peers": [address], "secret": secret, "max_size": 0, "push": True, "timeout_ms": 60_000}, ctx
             ),
             "s3": create_s3_backend(
-                {"bucket": bucket, "endpoint_url": endpoint, "addressing_style": "path", "read_timeout_s": 120,
-                 "check_exists_before_put": False}, ctx
+                {
+                    "bucket": bucket,
+                    "endpoint_url": endpoint,
+                    "addressing_style": "path",
+                    "read_timeout_s": 120,
+                    "check_exists_before_put": False,
+                },
+                ctx,
             ),
         }
 
@@ -154,11 +165,14 @@ def main() -> None:
         res: dict[str, list[float]] = {}
         for r in range(rounds + 1):  # round 0 warms the segment's pages and the connections; not recorded
             if r == 0:
+
                 def record(name: str, value: float) -> None:
                     pass
             else:
+
                 def record(name: str, value: float) -> None:
                     res.setdefault(name, []).append(value)
+
             keys: list[ChunkKey] = [ns.key(os.urandom(16)) for _ in range(n)]
             names = [f"raw/{r}/{i}" for i in range(n)]
             src_ptrs, dst_ptrs, sizes = [t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts], [size] * n
@@ -166,33 +180,56 @@ def main() -> None:
             names2 = [f"raw2/{r}/{i}" for i in range(n)]
 
             def raw_put() -> None:
-                record("put raw store (batch_put_from)", rate(total, lambda: check(
-                    all(c == 0 for c in raw.batch_put_from(names, src_ptrs, sizes)), "raw put")))
-                record("put raw store (..._multi_buffers)", rate(total, lambda: check(
-                    all(c == 0 for c in raw.batch_put_from_multi_buffers(
-                        names2, [[p] for p in src_ptrs], [[size]] * n)), "raw put multi")))
+                record(
+                    "put raw store (batch_put_from)",
+                    rate(total, lambda: check(all(c == 0 for c in raw.batch_put_from(names, src_ptrs, sizes)), "raw put")),
+                )
+                record(
+                    "put raw store (..._multi_buffers)",
+                    rate(
+                        total,
+                        lambda: check(
+                            all(c == 0 for c in raw.batch_put_from_multi_buffers(names2, [[p] for p in src_ptrs], [[size]] * n)),
+                            "raw put multi",
+                        ),
+                    ),
+                )
 
             def tier_put() -> None:
-                record("put tier batch (put_batch)", rate(total, lambda: check(
-                    all(tier.put_batch(list(zip(keys, srcs)))), "tier put_batch")))
+                record(
+                    "put tier batch (put_batch)",
+                    rate(total, lambda: check(all(tier.put_batch(list(zip(keys, srcs)))), "tier put_batch")),
+                )
 
             def raw_get() -> None:
-                record("get raw store (batch_get_into)", rate(total, lambda: check(
-                    all(c == size for c in raw.batch_get_into(names, dst_ptrs, sizes)), "raw get")))
-                record("get raw store (..._multi_buffers)", rate(total, lambda: check(
-                    all(c == size for c in raw.batch_get_into_multi_buffers(
-                        names2, [[p] for p in dst_ptrs], [[size]] * n)), "raw get multi")))
+                record(
+                    "get raw store (batch_get_into)",
+                    rate(total, lambda: check(all(c == size for c in raw.batch_get_into(names, dst_ptrs, sizes)), "raw get")),
+                )
+                record(
+                    "get raw store (..._multi_buffers)",
+                    rate(
+                        total,
+                        lambda: check(
+                            all(
+                                c == size for c in raw.batch_get_into_multi_buffers(names2, [[p] for p in dst_ptrs], [[size]] * n)
+                            ),
+                            "raw get multi",
+                        ),
+                    ),
+                )
 
             def tier_get() -> None:
                 for t in dsts:
                     t.zero_()
-                record("get tier batch (get_batch)", rate(total, lambda: check(
-                    all(tier.get_batch(keys, dsts)), "tier get_batch")))
+                record(
+                    "get tier batch (get_batch)", rate(total, lambda: check(all(tier.get_batch(keys, dsts)), "tier get_batch"))
+                )
                 check(all(torch.equal(a, b) for a, b in zip(srcs, dsts)), "tier returned wrong bytes")
 
             # alternate which path goes first, so neither always meets a cold or a busy store
             for step in ((raw_put, tier_put), (raw_get, tier_get)):
-                for fn in (step if r % 2 else step[::-1]):
+                for fn in step if r % 2 else step[::-1]:
                     fn()
             tier_keys = [tier._name(k) for k in keys]
             raw.batch_remove(tier_keys + names + names2, True)
@@ -206,20 +243,32 @@ def main() -> None:
                 for g, lo in enumerate(range(0, n, step)):
                     hi = min(n, lo + step)
                     if op == "put":
+
                         def raw_op() -> None:
-                            check(all(c == 0 for c in raw.batch_put_from_multi_buffers(
-                                names3[lo:hi], [[p] for p in src_ptrs[lo:hi]], [[size]] * (hi - lo))), "raw put")
+                            check(
+                                all(
+                                    c == 0
+                                    for c in raw.batch_put_from_multi_buffers(
+                                        names3[lo:hi], [[p] for p in src_ptrs[lo:hi]], [[size]] * (hi - lo)
+                                    )
+                                ),
+                                "raw put",
+                            )
 
                         def tier_op() -> None:
                             check(all(tier.put_batch(list(zip(keys[lo:hi], srcs[lo:hi])))), "tier put")
                     else:
+
                         def raw_op() -> None:
-                            check(all(c == size for c in raw.batch_get_into(
-                                names3[lo:hi], dst_ptrs[lo:hi], sizes[lo:hi])), "raw get")
+                            check(
+                                all(c == size for c in raw.batch_get_into(names3[lo:hi], dst_ptrs[lo:hi], sizes[lo:hi])),
+                                "raw get",
+                            )
 
                         def tier_op() -> None:
                             check(all(tier.get_batch(keys[lo:hi], dsts[lo:hi])), "tier get")
-                    for which in (("raw", "tier") if g % 2 else ("tier", "raw")):
+
+                    for which in ("raw", "tier") if g % 2 else ("tier", "raw"):
                         t0 = time.perf_counter()
                         (raw_op if which == "raw" else tier_op)()
                         record(f"{op} interleaved {which}", (hi - lo) * size / (time.perf_counter() - t0))
@@ -227,19 +276,29 @@ def main() -> None:
             raw.batch_remove([tier._name(k) for k in keys] + names3, True)
 
             keys = [ns.key(os.urandom(16)) for _ in range(n)]
-            record("put tier per chunk (put)", rate(total, lambda: check(
-                all(tier.put(k, t) for k, t in zip(keys, srcs)), "tier put")))
-            record("get tier per chunk (get)", rate(total, lambda: check(
-                tier.contains(keys) == n and all(tier.get(k, t) for k, t in zip(keys, dsts)), "tier get")))
+            record(
+                "put tier per chunk (put)",
+                rate(total, lambda: check(all(tier.put(k, t) for k, t in zip(keys, srcs)), "tier put")),
+            )
+            record(
+                "get tier per chunk (get)",
+                rate(
+                    total, lambda: check(tier.contains(keys) == n and all(tier.get(k, t) for k, t in zip(keys, dsts)), "tier get")
+                ),
+            )
             raw.batch_remove([tier._name(k) for k in keys], True)
 
             if others is not None:
                 for name, other in others.tiers.items():
                     okeys = [ns.key(os.urandom(16)) for _ in range(n)]
-                    record(f"put {name} per chunk (put)", rate(total, lambda: check(
-                        all(other.put(k, t) for k, t in zip(okeys, srcs)), f"{name} put")))
-                    record(f"get {name} per chunk (get)", rate(total, lambda: check(
-                        all(other.get(k, t) for k, t in zip(okeys, dsts)), f"{name} get")))
+                    record(
+                        f"put {name} per chunk (put)",
+                        rate(total, lambda: check(all(other.put(k, t) for k, t in zip(okeys, srcs)), f"{name} put")),
+                    )
+                    record(
+                        f"get {name} per chunk (get)",
+                        rate(total, lambda: check(all(other.get(k, t) for k, t in zip(okeys, dsts)), f"{name} get")),
+                    )
                     for k in okeys:
                         other.remove(k)
         stats = tier.stats()
@@ -252,9 +311,11 @@ def main() -> None:
         master.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"mooncake tier vs the store's raw batch calls: {n} chunks x {size / (1 << 20):.1f} MiB fp16, "
-          f"median of {rounds} alternating rounds; master and segment owner on loopback (tcp), "
-          f"{os.cpu_count()} CPUs shared")
+    print(
+        f"mooncake tier vs the store's raw batch calls: {n} chunks x {size / (1 << 20):.1f} MiB fp16, "
+        f"median of {rounds} alternating rounds; master and segment owner on loopback (tcp), "
+        f"{os.cpu_count()} CPUs shared"
+    )
     print(f"{'path':<40}{'MB/s':>10}{'ratio vs raw':>15}")
     for op in ("put", "get"):
         # whole-batch rows: the baseline is the faster of the store's two raw batch calls
@@ -263,18 +324,24 @@ def main() -> None:
             if name.startswith(op) and "interleaved" not in name:
                 med = statistics.median(vals)
                 print(f"{name:<40}{med / 1e6:>10.1f}{med / base:>15.2f}")
-    print("interleaved A/B, 2 chunks per call, raw and tier alternating call by call "
-          "(median call; single calls stall for 100+ ms when other processes take the CPUs):")
+    print(
+        "interleaved A/B, 2 chunks per call, raw and tier alternating call by call "
+        "(median call; single calls stall for 100+ ms when other processes take the CPUs):"
+    )
     for op, raw_call, call in (("put", "batch_put_from_multi_buffers", "put_batch"), ("get", "batch_get_into", "get_batch")):
         raw_rates, tier_rates = res[f"{op} interleaved raw"], res[f"{op} interleaved tier"]
         ratio = statistics.median(tier_rates) / statistics.median(raw_rates)
         p10 = statistics.quantiles(tier_rates, n=10)[0] / statistics.quantiles(raw_rates, n=10)[0]
         print(f"{op + ' raw store (' + raw_call + ')':<40}{statistics.median(raw_rates) / 1e6:>10.1f}{1.0:>15.2f}")
         print(f"{op + ' tier (' + call + ')':<40}{statistics.median(tier_rates) / 1e6:>10.1f}{ratio:>15.2f}")
-        print(f"target: {op} tier >= 0.70 x raw -> {'met' if ratio >= 0.7 else 'NOT met'} "
-              f"({ratio:.2f} at the median call, {p10:.2f} at the slowest tenth; {len(tier_rates)} calls each)")
-    print(f"zero-copy puts: {stats.extra['zero_copy_puts']}, copied puts: {stats.extra['copied_puts']}, "
-          f"errors: {stats.errors}, skipped: {stats.skipped}")
+        print(
+            f"target: {op} tier >= 0.70 x raw -> {'met' if ratio >= 0.7 else 'NOT met'} "
+            f"({ratio:.2f} at the median call, {p10:.2f} at the slowest tenth; {len(tier_rates)} calls each)"
+        )
+    print(
+        f"zero-copy puts: {stats.extra['zero_copy_puts']}, copied puts: {stats.extra['copied_puts']}, "
+        f"errors: {stats.errors}, skipped: {stats.skipped}"
+    )
 
 
 if __name__ == "__main__":

@@ -40,10 +40,18 @@ def child(model: str, config: dict[str, Any] | None, prompts: list[list[int]], p
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
-        model=model, enforce_eager=True, dtype="float32", max_model_len=8192, max_num_batched_tokens=8192,
-        kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False, seed=0,
+        model=model,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_bytes=512 << 20,
+        enable_prefix_caching=False,
+        seed=0,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheCoreConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector="LMCacheCoreConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
             kv_connector_extra_config=config,
         ),
     )
@@ -78,7 +86,8 @@ def start_node(tmp: Path, max_size: str) -> tuple[subprocess.Popen, str, Path]:
     exe = shutil.which("lmcache-core", path=os.path.dirname(sys.executable)) or "lmcache-core"
     proc = subprocess.Popen(
         [exe, "serve", "--listen", "127.0.0.1:0", "--secret-file", str(secret), "--max-size", max_size],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     return proc, first_line(proc).removeprefix("listening on "), secret
 
@@ -140,7 +149,10 @@ def main() -> int:
     node, address, secret = start_node(tmp, "2GiB")
     try:
         copy_s, get_s = chunk_load(address, secret, chunk_bytes, rounds)
-        print(f"model {spec.tag()} (float32), {n} prompts x {tokens} tokens, chunk {chunk_bytes >> 10} KiB; node {address}", flush=True)
+        print(
+            f"model {spec.tag()} (float32), {n} prompts x {tokens} tokens, chunk {chunk_bytes >> 10} KiB; node {address}",
+            flush=True,
+        )
         own = run_child(model, {"backends": [{"name": "local_cpu", "max_size": "1GiB"}]}, prompts, 2)
         peer = {"name": "peer", "peers": [address], "secret_file": str(secret), "push": True, "max_size": 0}
         via_node = {"backends": [{"name": "local_cpu", "max_size": "1GiB"}, peer]}
@@ -162,7 +174,9 @@ def main() -> int:
         f"\none chunk ({chunk_bytes >> 10} KiB): memcpy {copy_s * 1e6:.0f} us ({chunk_bytes / copy_s / 1e9:.2f} GB/s), "
         f"node get over loopback TCP {get_s * 1e6:.0f} us ({chunk_bytes / get_s / 1e9:.2f} GB/s)"
     )
-    print(f"node get / memcpy throughput: {ratio:.2f} (bar for a same-host fast path: 0.70) -> {'met' if ratio >= 0.7 else 'NOT met'}")
+    print(
+        f"node get / memcpy throughput: {ratio:.2f} (bar for a same-host fast path: 0.70) -> {'met' if ratio >= 0.7 else 'NOT met'}"
+    )
     return 0
 
 

@@ -50,7 +50,8 @@ def start_server() -> tuple[subprocess.Popen[bytes], int, str]:
     tmp = tempfile.mkdtemp(prefix="lmc-bench-redis-")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     client = redis.Redis(port=port)
     for _ in range(200):  # bounded: 10 s
@@ -69,7 +70,9 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def compare(reps: int, base: Callable[[], Any], tier: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> tuple[float, float]:
+def compare(
+    reps: int, base: Callable[[], Any], tier: Callable[[], Any], before: Callable[[], Any] = lambda: None
+) -> tuple[float, float]:
     """Median seconds of ``base`` and ``tier``, run alternately so drift hits both."""
     b, t = [], []
     for _ in range(reps):
@@ -120,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(n):
                 raw.get(f"b:{i}")
 
-        print(f"redis tier vs redis-py {redis.__version__} pipelines, redis-server on 127.0.0.1:{port} (loopback, no persistence)")
-        print(f"{n} chunks x {mib} MiB fp16; median of {reps} alternating runs; {os.cpu_count()} CPUs shared by client and server")
+        print(
+            f"redis tier vs redis-py {redis.__version__} pipelines, redis-server on 127.0.0.1:{port} (loopback, no persistence)"
+        )
+        print(
+            f"{n} chunks x {mib} MiB fp16; median of {reps} alternating runs; {os.cpu_count()} CPUs shared by client and server"
+        )
         print(f"{'operation':<40} {'redis-py':>10} {'tier':>10} {'unit':<5} {'tier/redis-py':>13}")
         rows: list[tuple[str, float]] = []
 

@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 os.environ.update(
-    AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+    AWS_ACCESS_KEY_ID="bench",
+    AWS_SECRET_ACCESS_KEY="bench",
+    AWS_DEFAULT_REGION="us-east-1",
     AWS_EC2_METADATA_DISABLED="true",
 )
 
@@ -82,7 +84,9 @@ def main() -> None:
     assert server.stdout is not None
     endpoint = f"http://127.0.0.1:{int(server.stdout.readline())}"
     client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
         config=Config(s3={"addressing_style": "path"}, max_pool_connections=32),
     )
     bucket = f"bench-{uuid.uuid4().hex[:12]}"
@@ -92,8 +96,15 @@ def main() -> None:
     opened: list[Any] = []
 
     def tier(prefix: str, **opts: Any) -> Any:
-        section = {"bucket": bucket, "endpoint_url": endpoint, "addressing_style": "path", "prefix": prefix,
-                   "read_timeout_s": 60, "check_exists_before_put": False, **opts}
+        section = {
+            "bucket": bucket,
+            "endpoint_url": endpoint,
+            "addressing_style": "path",
+            "prefix": prefix,
+            "read_timeout_s": 60,
+            "check_exists_before_put": False,
+            **opts,
+        }
         opened.append(create_s3_backend(section, ctx))
         return opened[-1]
 
@@ -104,8 +115,10 @@ def main() -> None:
     outs = [torch.empty_like(d) for _, d in chunks]
 
     print(f"s3 tier vs single-stream boto3, against moto ThreadedMotoServer at {endpoint} (loopback, separate process)")
-    print(f"{n_chunks} chunks x {chunk_mib} MiB fp16 and one {big_mib} MiB chunk; median of {reps} alternating runs; "
-          f"{os.cpu_count()} CPUs shared by client and server")
+    print(
+        f"{n_chunks} chunks x {chunk_mib} MiB fp16 and one {big_mib} MiB chunk; median of {reps} alternating runs; "
+        f"{os.cpu_count()} CPUs shared by client and server"
+    )
     print(f"{'operation':<46} {'boto3':>10} {'tier':>10} {'unit':<5} {'tier/boto3':>10}")
 
     def base_puts() -> None:
@@ -145,7 +158,8 @@ def main() -> None:
     big_opts = {"multipart_threshold": "16MiB", "multipart_chunksize": "8MiB", "range_chunksize": "8MiB", "max_concurrency": 8}
     fresh = iter([tier("big", **big_opts) for _ in range(reps)])
     b, t = compare(
-        reps, lambda: client.put_object(Bucket=bucket, Key="base/big", Body=big_frame),
+        reps,
+        lambda: client.put_object(Bucket=bucket, Key="base/big", Body=big_frame),
         lambda: next(fresh).put(big_key, big),
     )
     row(f"put, one {big_mib} MiB chunk (multipart, 8 MiB parts)", big.nbytes, b, t)

@@ -167,7 +167,10 @@ def memory_child(n: int, eviction: str, root: str) -> None:
 def memory_per_entry(n: int, eviction: str, root: Path) -> tuple[float, float]:
     out = subprocess.run(
         [sys.executable, __file__, "--memory-child", str(n), eviction, str(root)],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     ).stdout.split()
     return float(out[-2]), float(out[-1])
 
@@ -308,8 +311,10 @@ def cpu_tier_only(ns: list[int], where: str | None, strict: bool) -> int:
     (<= 300 B beyond the payload, ``put`` <= 10 us at the largest N)."""
     base = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=where or "/var/tmp"))
     (base / "empty").mkdir()  # the memory child's disk tier (its figure is not printed here)
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; latencies: CPU time of the calling "
-          f"thread per op (wall in brackets), fastest of {REPS} passes of {OPS} ops")
+    print(
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; latencies: CPU time of the calling "
+        f"thread per op (wall in brackets), fastest of {REPS} passes of {OPS} ops"
+    )
     try:
         mem: dict[str, float] = {}
         r: dict[str, float] = {}
@@ -337,9 +342,12 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where the disk tier lives (default: a temp dir under /var/tmp)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the bar is missed")
     ap.add_argument("--eviction", default="tinylfu", help="the CPU tier's eviction policy (default tinylfu, the default)")
-    ap.add_argument("--cpu-tier", action="store_true",
-                    help="only the CPU tier's figures (memory per entry with tinylfu and lru, put / store / "
-                         "get_buffer) against their targets; about 2 minutes")
+    ap.add_argument(
+        "--cpu-tier",
+        action="store_true",
+        help="only the CPU tier's figures (memory per entry with tinylfu and lru, put / store / "
+        "get_buffer) against their targets; about 2 minutes",
+    )
     ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.memory_child:
@@ -352,8 +360,10 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=a.dir or "/var/tmp"))
     root = base / "disk"
     cold_ok = drop_caches()
-    print(f"dir {base}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, "
-          f"python {sys.version.split()[0]}; cold page cache: {'yes (drop_caches)' if cold_ok else 'n/a (not root)'}")
+    print(
+        f"dir {base}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, "
+        f"python {sys.version.split()[0]}; cold page cache: {'yes (drop_caches)' if cold_ok else 'n/a (not root)'}"
+    )
     print(f"latencies: CPU time of the calling thread per op (wall in brackets), fastest of {REPS} passes of {OPS} ops")
     rows = []
     have = 0
@@ -366,13 +376,17 @@ def main() -> int:
             r = measure_n(n, root, cold_ok, a.eviction)
             rows.append(r)
             print(f"  engine creation  cold {r['create_cold_s']:.3f} s (median of 3)  warm {r['create_warm_s']:.3f} s")
-            print(f"  first disk hit   cold {r['first_hit_cold_s']:.3f} s  warm {r['first_hit_warm_s']:.3f} s"
-                  "  (from the start of creation)")
+            print(
+                f"  first disk hit   cold {r['first_hit_cold_s']:.3f} s  warm {r['first_hit_warm_s']:.3f} s"
+                "  (from the start of creation)"
+            )
             print(f"  index complete   cold {r['indexed_cold_s']:.3f} s  warm {r['indexed_warm_s']:.3f} s")
             for k, name in OPS_KEYS:
                 print(f"  {name:<52} {r[k]:8.2f} us  ({r[k.replace('_us', '_wall_us')]:.2f} wall)")
-            print(f"  memory beyond the payload: CPU tier ({a.eviction}) {r['cpu_bytes_per_entry']:.0f} B/entry; "
-                  f"disk index {r['disk_index_bytes_per_entry']:.0f} B/entry")
+            print(
+                f"  memory beyond the payload: CPU tier ({a.eviction}) {r['cpu_bytes_per_entry']:.0f} B/entry; "
+                f"disk index {r['disk_index_bytes_per_entry']:.0f} B/entry"
+            )
         print("\nslopes (log-log) against N")
         worst = 0.0
         for k, name in OPS_KEYS:

@@ -22,8 +22,7 @@ if flag == "1":
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError as exc:
         raise SystemExit(
-            "LMCACHE_CUDA_BUILD=1 needs torch in the build environment: "
-            f"run pip with --no-build-isolation ({exc})"
+            f"LMCACHE_CUDA_BUILD=1 needs torch in the build environment: run pip with --no-build-isolation ({exc})"
         ) from exc
     if torch.version.cuda is None or CUDA_HOME is None:
         raise SystemExit(

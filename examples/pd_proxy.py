@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pd_proxy %(levelname)s %(message)s")
     for url in (args.prefill, args.decode):
         _connect(url, 1.0)  # fails early on a malformed URL
-    handler = type("Handler", (Proxy,), dict(prefill=args.prefill, decode=args.decode, timeout=args.timeout, max_body=args.max_body))
+    handler = type(
+        "Handler", (Proxy,), dict(prefill=args.prefill, decode=args.decode, timeout=args.timeout, max_body=args.max_body)
+    )
     srv = ThreadingHTTPServer((args.host, args.port), handler)
     print(f"pd_proxy listening on http://{args.host}:{srv.server_address[1]}", flush=True)
     try:

@@ -81,9 +81,7 @@ def parse_size(value: Any) -> int:
                 raise ValueError(f"size {value!r} is larger than {MAX_SIZE_BYTES} bytes (1 EiB)")
             return int(exact)
     shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
-    raise ValueError(
-        f"expected a size like 512MiB or 2GiB (units: B, KiB, MiB, GiB, TiB, KB, MB, GB), got {shown}"
-    )
+    raise ValueError(f"expected a size like 512MiB or 2GiB (units: B, KiB, MiB, GiB, TiB, KB, MB, GB), got {shown}")
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
@@ -116,19 +114,13 @@ class CoreConfig(StrictModel):
     )
     save_unfull_chunk: bool = Field(False, description="also save the last, partial chunk of a prompt")
     save_decode_cache: bool = Field(False, description="also save KV produced during decode")
-    priority_limit: int | None = Field(
-        None, description="requests whose priority value is above this are not saved"
-    )
+    priority_limit: int | None = Field(None, description="requests whose priority value is above this are not saved")
     tenant_salt: str | None = Field(None, description="mixed into every key: tenants never share KV")
     layout: Literal["auto", "block", "token"] = Field(
         "auto", description="layout adapter: block (any backend, required on CPU), token (GPU layouts)"
     )
-    lookup_timeout_ms: int = Field(
-        2000, gt=0, description="scheduler-to-worker lookup timeout; past it the lookup is a miss"
-    )
-    write_queue_size: int = Field(
-        256, gt=0, description="chunks queued per slower tier before new writes to it are dropped"
-    )
+    lookup_timeout_ms: int = Field(2000, gt=0, description="scheduler-to-worker lookup timeout; past it the lookup is a miss")
+    write_queue_size: int = Field(256, gt=0, description="chunks queued per slower tier before new writes to it are dropped")
     staging_size: ByteSize = Field(
         256 * 2**20,
         description="pool memory beyond the CPU tier for chunks in flight (saves, write-behind to slower tiers, loads)",
@@ -266,8 +258,7 @@ def read_config_text(path: Path) -> str:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ConfigError(
-                f"config file {path} is not a regular file (a directory, device or pipe); "
-                "give the path of a YAML file"
+                f"config file {path} is not a regular file (a directory, device or pipe); give the path of a YAML file"
             )
         data = b""
         while len(data) <= MAX_CONFIG_BYTES:
@@ -285,8 +276,7 @@ def read_config_text(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(
-            f"config file {path} is not UTF-8 text (byte {err.start} is {data[err.start]:#04x}); "
-            "is it a YAML config file?"
+            f"config file {path} is not UTF-8 text (byte {err.start} is {data[err.start]:#04x}); is it a YAML config file?"
         ) from None
 
 
@@ -308,8 +298,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         key = name[len(ENV_PREFIX) :].lower()
         if key not in fields:
             raise ConfigError(
-                f"{name}: unknown setting {key!r}; known: "
-                + ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
+                f"{name}: unknown setting {key!r}; known: " + ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
             )
         value = safe_yaml(raw, f"env var {name}") if raw.strip() else None
         out[key] = (value, f"env var {name}")

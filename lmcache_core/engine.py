@@ -113,9 +113,7 @@ class _TierWriter:
         self._cv = threading.Condition()
         self._stopping = threading.Event()
         n = max(1, int(tier.write_concurrency))
-        self.threads = [
-            threading.Thread(target=self._run, name=f"lmcache-write-{tier.name}-{i}", daemon=True) for i in range(n)
-        ]
+        self.threads = [threading.Thread(target=self._run, name=f"lmcache-write-{tier.name}-{i}", daemon=True) for i in range(n)]
         for t in self.threads:
             t.start()
 
@@ -261,9 +259,7 @@ class CacheEngine:
         declare ``SHARED`` (another engine writes the same keys there, e.g. rank 0
         when the KV is replicated across tensor-parallel ranks); its own tiers
         (the CPU tier) are still filled by stores and promotions."""
-        loaded = config if isinstance(config, LoadedConfig) else (
-            LoadedConfig(config) if config is not None else load_config()
-        )
+        loaded = config if isinstance(config, LoadedConfig) else (LoadedConfig(config) if config is not None else load_config())
         self.loaded = loaded
         self.config = cfg = loaded.config
         if cfg.tenant_salt is not None:
@@ -293,7 +289,9 @@ class CacheEngine:
                     log.warning(
                         "%s (%s) keeps chunks in the memory pool but declares no pool_bytes when it "
                         "registers: it shares the %d-byte staging headroom",
-                        ctx.key_path, section.name, cfg.staging_size,
+                        ctx.key_path,
+                        section.name,
+                        cfg.staging_size,
                     )
         except BaseException:
             for t in self.tiers:
@@ -305,9 +303,7 @@ class CacheEngine:
             cfg.verify_mismatch_limit, cfg.verify_window_s, cfg.quarantine_dir, on_change=_quarantine_gauge
         )
         self._writers = [
-            _TierWriter(
-                t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t)
-            )
+            _TierWriter(t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t))
             for t in self.tiers[1:]
         ]
         # chunk -> name of the slower tier it was promoted from (a wrong promoted copy
@@ -387,9 +383,7 @@ class CacheEngine:
         for one request counts once with :meth:`record_lookup`)."""
         return sum(n for _, n in self.lookup_runs(hashes, pin_id=pin_id, record=record))
 
-    def lookup_runs(
-        self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True
-    ) -> list[tuple[int, int]]:
+    def lookup_runs(self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True) -> list[tuple[int, int]]:
         """:meth:`lookup_hashes` that also says where the hits are: ``(tier index,
         chunks)`` runs in prefix order, so a caller can predict the load time.
 
@@ -653,8 +647,7 @@ class CacheEngine:
                         try:
                             if got.dtype != out.dtype or got.shape != tuple(out.shape):
                                 raise ValueError(
-                                    f"stored chunk is {got.dtype}{list(got.shape)}, "
-                                    f"expected {out.dtype}{list(out.shape)}"
+                                    f"stored chunk is {got.dtype}{list(got.shape)}, expected {out.dtype}{list(out.shape)}"
                                 )
                             out.copy_(got.tensor)
                             ok = True
@@ -735,7 +728,10 @@ class CacheEngine:
                 via = f" (promoted from tier {v.blame})" if v.blame != v.tier else ""
                 log.warning(
                     "canary: chunk %s from tier %s%s differs from its recomputation (%s); replacing it",
-                    key, v.tier, via, v.detail,
+                    key,
+                    v.tier,
+                    via,
+                    v.detail,
                 )
                 self.quarantine.record_mismatch(v.blame, f"chunk {key}: {v.detail}")
         for v in verdicts:

@@ -47,7 +47,9 @@ BYPASSED_TOKENS = Counter(PREFIX + "bypassed_tokens", MEANINGS["bypassed_tokens"
 LOAD_ERRORS = Counter(PREFIX + "load_errors", MEANINGS["load_errors"], registry=REGISTRY)
 TIER_BYTES = Counter(PREFIX + "tier_bytes", "Bytes moved per tier", ["tier", "op"], registry=REGISTRY)
 TIER_ERRORS = Counter(PREFIX + "tier_errors", "Backend failures turned into misses", ["tier", "op"], registry=REGISTRY)
-TIER_DROPPED = Counter(PREFIX + "tier_dropped_writes", "Background writes dropped (queue full or skipped)", ["tier"], registry=REGISTRY)
+TIER_DROPPED = Counter(
+    PREFIX + "tier_dropped_writes", "Background writes dropped (queue full or skipped)", ["tier"], registry=REGISTRY
+)
 VERIFIED_CHUNKS = Counter(PREFIX + "verified_chunks", MEANINGS["verified_chunks"], registry=REGISTRY)
 VERIFY_MISMATCHES = Counter(PREFIX + "verify_mismatches", MEANINGS["verify_mismatches"], ["tier"], registry=REGISTRY)
 TIER_QUARANTINED = Gauge(PREFIX + "tier_quarantined", MEANINGS["tier_quarantined"], ["tier"], registry=REGISTRY)

@@ -118,7 +118,9 @@ def _put(table: dict[str, Any], kind: str, info: Any) -> None:
     logged with both distributions."""
     prev = table.get(info.name)
     if prev is not None:
-        log.warning("%s %r from %s overrides the one from %s", kind, info.name, info.origin.distribution, prev.origin.distribution)
+        log.warning(
+            "%s %r from %s overrides the one from %s", kind, info.name, info.origin.distribution, prev.origin.distribution
+        )
     table[info.name] = info
 
 
@@ -221,7 +223,12 @@ class PluginManager:
     # -- registries -------------------------------------------------------------------
     def _collect(self) -> None:
         with self._lock:
-            if self._backends is not None and self._codecs is not None and self._policies is not None and self._commands is not None:
+            if (
+                self._backends is not None
+                and self._codecs is not None
+                and self._policies is not None
+                and self._commands is not None
+            ):
                 return
             self._ensure_entry_points()
             backends: dict[str, BackendInfo] = {}
@@ -246,7 +253,9 @@ class PluginManager:
                         if isinstance(ref, str):
                             check_ref(ref)
                         elif not callable(ref) and not (what == "pool_bytes" and ref is None):
-                            raise ValueError(f"plugin {_o.plugin}: backend {name!r}: {what} {ref!r} is neither callable nor a dotted path")
+                            raise ValueError(
+                                f"plugin {_o.plugin}: backend {name!r}: {what} {ref!r} is neither callable nor a dotted path"
+                            )
                     _put(backends, "backend", BackendInfo(name, factory, _o, description, pool_bytes))
 
                 self._call_impl(impl, reg_backend)
@@ -279,7 +288,9 @@ class PluginManager:
                     if isinstance(setup, str):
                         check_ref(setup)
                     elif not callable(setup):
-                        raise ValueError(f"plugin {_o.plugin}: command {name!r}: setup {setup!r} is neither callable nor a dotted path")
+                        raise ValueError(
+                            f"plugin {_o.plugin}: command {name!r}: setup {setup!r} is neither callable nor a dotted path"
+                        )
                     _put(commands, "command", CommandInfo(name, setup, _o, help))
 
                 self._call_impl(impl, reg_command)
@@ -323,8 +334,7 @@ class PluginManager:
         info = policies.get(name)
         if info is None:
             raise ConfigError(
-                f"{key_path}: unknown eviction policy {name!r} (from {source}); "
-                f"installed policies: {', '.join(sorted(policies))}"
+                f"{key_path}: unknown eviction policy {name!r} (from {source}); installed policies: {', '.join(sorted(policies))}"
             )
         policy = info.factory(capacity)
         if not isinstance(policy, EvictionPolicy):

@@ -247,9 +247,7 @@ def header_span(head: bytes | bytearray | memoryview) -> int:
     return 8 + hlen
 
 
-def parse_header_prefix(
-    head: bytes | bytearray | memoryview, total_len: int
-) -> tuple[FrameInfo, dict[str, str], int]:
+def parse_header_prefix(head: bytes | bytearray | memoryview, total_len: int) -> tuple[FrameInfo, dict[str, str], int]:
     """Validate a frame's header from its first bytes and the frame's total length
     (say, a file's size), without the payload in memory.
 

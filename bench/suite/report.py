@@ -173,7 +173,19 @@ def sweep_table(points: list[dict[str, Any]]) -> str:
             ]
         )
     return md_table(
-        ["workload", "tiers", "CPU tier / working set", "eviction", "CPU tier size", "hit rate", "warm hit rate", "TTFT mean ms", "warm mean ms", "CPU evictions", "bytes read (per tier)"],
+        [
+            "workload",
+            "tiers",
+            "CPU tier / working set",
+            "eviction",
+            "CPU tier size",
+            "hit rate",
+            "warm hit rate",
+            "TTFT mean ms",
+            "warm mean ms",
+            "CPU evictions",
+            "bytes read (per tier)",
+        ],
         rows,
     )
 
@@ -189,13 +201,17 @@ def policy_bars(points: list[dict[str, Any]], policy: str, baseline: str = "lru"
         ok = d["warm_hit_rate"] >= 0.40
         base = by.get(("docqa", 0.5, baseline))
         vs = f"; {baseline} {base['warm_hit_rate'] * 100:.1f}%" if base else ""
-        out.append(f"{'PASS' if ok else 'FAIL'} doc QA at 50% of the working set: {policy} serves {d['warm_hit_rate'] * 100:.1f}% of warm tokens (bar >= 40%{vs})")
+        out.append(
+            f"{'PASS' if ok else 'FAIL'} doc QA at 50% of the working set: {policy} serves {d['warm_hit_rate'] * 100:.1f}% of warm tokens (bar >= 40%{vs})"
+        )
     for f in sorted({p["fraction"] for p in points}):
         a, b = by.get(("chat", f, policy)), by.get(("chat", f, baseline))
         if a is None or b is None:
             continue
         ok = a["hit_rate"] >= b["hit_rate"]
-        out.append(f"{'PASS' if ok else 'FAIL'} chat at {f * 100:.0f}%: {policy} serves {a['hit_rate'] * 100:.1f}% of tokens, {baseline} {b['hit_rate'] * 100:.1f}% (bar: not fewer)")
+        out.append(
+            f"{'PASS' if ok else 'FAIL'} chat at {f * 100:.0f}%: {policy} serves {a['hit_rate'] * 100:.1f}% of tokens, {baseline} {b['hit_rate'] * 100:.1f}% (bar: not fewer)"
+        )
     return out
 
 

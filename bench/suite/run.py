@@ -165,7 +165,13 @@ class MotoProcess:
         os.environ.update(AWS_ENV)
         for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
             os.environ.pop(k, None)
-        self.proc = subprocess.Popen([sys.executable, "-c", MOTO_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", MOTO_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         self.endpoint = f"http://127.0.0.1:{int(_first_line(self.proc))}"
 
     def make_bucket(self) -> str:
@@ -173,9 +179,9 @@ class MotoProcess:
         from botocore.config import Config
 
         name = f"bench-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", config=Config(s3={"addressing_style": "path"})).create_bucket(
-            Bucket=name
-        )
+        boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1", config=Config(s3={"addressing_style": "path"})
+        ).create_bucket(Bucket=name)
         return name
 
     def stop(self) -> None:
@@ -192,7 +198,9 @@ class PeerNode:
     def __init__(self, secret: str) -> None:
         exe = shutil.which("lmcache-peer-serve") or str(Path(sys.executable).with_name("lmcache-peer-serve"))
         env = dict(os.environ, LMCACHE_PEER_SECRET=secret)
-        self.proc = subprocess.Popen([exe, "--listen", "127.0.0.1:0", "--max-size", "4GiB"], stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [exe, "--listen", "127.0.0.1:0", "--max-size", "4GiB"], stdout=subprocess.PIPE, text=True, env=env
+        )
         line = _first_line(self.proc)
         self.address = line.rsplit(" ", 1)[-1]
 
@@ -219,7 +227,8 @@ class RedisProcess:
         workdir = tempfile.mkdtemp(prefix="redis-", dir=root)
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for _ in range(200):  # bounded: 10 s
             try:
@@ -285,7 +294,13 @@ class Services:
     def s3_section(self) -> dict[str, Any]:
         if self.moto is None:
             self.moto = MotoProcess()
-        return {"name": "s3", "bucket": self.moto.make_bucket(), "endpoint_url": self.moto.endpoint, "addressing_style": "path", "region": "us-east-1"}
+        return {
+            "name": "s3",
+            "bucket": self.moto.make_bucket(),
+            "endpoint_url": self.moto.endpoint,
+            "addressing_style": "path",
+            "region": "us-east-1",
+        }
 
     def peer_section(self) -> dict[str, Any]:
         if self.peer is not None:  # a fresh node (empty cache) per engine
@@ -316,7 +331,11 @@ SYSTEMS = [
     System("vllm-prefix-cache", "none", prefix_caching=True),
     System("example-connector", "example"),
     System("lmc-cpu", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": "2GiB"}]),
-    System("lmc-disk", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, {"name": "disk", "path": s.tmpdir("disk-")}]),
+    System(
+        "lmc-disk",
+        "lmc",
+        make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, {"name": "disk", "path": s.tmpdir("disk-")}],
+    ),
     System("lmc-s3", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.s3_section()]),
     System("lmc-peer", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.peer_section()]),
     System("lmc-redis", "lmc", make_tiers=lambda s: [{"name": "local_cpu", "max_size": s.small_cpu}, s.redis_section()]),
@@ -350,7 +369,9 @@ def make_llm(setup: Setup, system: System, tiers: list[dict[str, Any]] | None, s
     }
     if system.kind == "example":
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": services.tmpdir("example-")}
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": services.tmpdir("example-")},
         )
     elif system.kind == "lmc":
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -401,7 +422,15 @@ def run_workload(
             out = llm.generate([TokensPrompt(prompt_token_ids=req.tokens)], sp, use_tqdm=False)
             dt = time.perf_counter() - t
             total += dt
-            reqs.append({"prompt_tokens": len(req.tokens), "cached_tokens": int(out[0].num_cached_tokens or 0), "ttft_s": dt, "warm": req.warm, "group": req.group})
+            reqs.append(
+                {
+                    "prompt_tokens": len(req.tokens),
+                    "cached_tokens": int(out[0].num_cached_tokens or 0),
+                    "ttft_s": dt,
+                    "warm": req.warm,
+                    "group": req.group,
+                }
+            )
             if worker is not None:
                 worker.engine.flush(timeout=60)  # background writes to slower tiers, not timed
             bar.update(1)
@@ -485,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1k-2k token documents, fewer requests (a few minutes)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<quick|full>-<time>)")
-    ap.add_argument("--repeats", type=int, default=None, help="runs per system and workload, order rotated; medians per request (default 1)")
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="runs per system and workload, order rotated; medians per request (default 1)"
+    )
     ap.add_argument("--systems", default=",".join(s.name for s in SYSTEMS), help="comma-separated subset of systems")
     ap.add_argument("--no-sweep", action="store_true", help="skip the cache-size sweep")
     ap.add_argument("--sweep-only", action="store_true", help="only the cache-size sweep (no system comparison)")
@@ -496,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model
     from tqdm import tqdm
 
-    spec = TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
+    spec = TinyModelSpec(
+        hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096
+    )
     repeats = args.repeats or 1
     out = args.out or Path("bench/results") / f"{'quick' if args.quick else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
@@ -514,7 +547,14 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(model_dir, max_len, kv_cache_bytes=1 << 30)
     kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # float32
     machine = machine_info()
-    command = "python bench/suite/run.py" + (" --quick" if args.quick else "") + (" --sweep-only" if args.sweep_only else "") + (f" --sweep-policies {args.sweep_policies}" if args.sweep_only else "") + f" --out {out}" + (f" --repeats {args.repeats}" if args.repeats else "")
+    command = (
+        "python bench/suite/run.py"
+        + (" --quick" if args.quick else "")
+        + (" --sweep-only" if args.sweep_only else "")
+        + (f" --sweep-policies {args.sweep_policies}" if args.sweep_only else "")
+        + f" --out {out}"
+        + (f" --repeats {args.repeats}" if args.repeats else "")
+    )
 
     root = Path(tempfile.mkdtemp(prefix="lmc-bench-"))
     services = Services(root)
@@ -651,7 +691,9 @@ def render(
     small_cpu: int,
 ) -> str:
     parts = ["# lmcache-core benchmark suite results", ""]
-    parts.append(f"Command: `{command}` ({elapsed / 60:.1f} min, {repeats} repeat(s) per system and workload; per-request medians over repeats).")
+    parts.append(
+        f"Command: `{command}` ({elapsed / 60:.1f} min, {repeats} repeat(s) per system and workload; per-request medians over repeats)."
+    )
     parts.append("")
     parts.append(
         "Machine: "
@@ -671,10 +713,12 @@ def render(
             "",
             "## Cache-size sweep (doc QA, chat; eviction policies side by side)",
             "",
-            (f"doc QA: {len(sweep_wl.requests)} requests, working set {report.fmt_bytes(ws.get('docqa', 0))} of KV; "
-            f"chat: working set {report.fmt_bytes(ws.get('chat', 0))} "
-            "(what an unlimited CPU tier holds after the workload). Round-robin access: an LRU "
-            "CPU tier smaller than the working set evicts each document before it comes back."),
+            (
+                f"doc QA: {len(sweep_wl.requests)} requests, working set {report.fmt_bytes(ws.get('docqa', 0))} of KV; "
+                f"chat: working set {report.fmt_bytes(ws.get('chat', 0))} "
+                "(what an unlimited CPU tier holds after the workload). Round-robin access: an LRU "
+                "CPU tier smaller than the working set evicts each document before it comes back."
+            ),
             "",
             report.sweep_table(sweep),
             "",
@@ -684,14 +728,18 @@ def render(
         ]
     parts += [
         "",
-        ("Hit rate: tokens served from a cache (`num_cached_tokens`) / prompt tokens, over all requests "
-        "(first visits included, so 100% is not reachable). Warm: repeat requests only. "
-        "Bytes are the lmcache-core tiers' counters during the workload."),
+        (
+            "Hit rate: tokens served from a cache (`num_cached_tokens`) / prompt tokens, over all requests "
+            "(first visits included, so 100% is not reachable). Warm: repeat requests only. "
+            "Bytes are the lmcache-core tiers' counters during the workload."
+        ),
         "",
-        ("Notes: ExampleConnector keys a stored prompt by a hash of its block-aligned prefix (128-token "
-        "blocks, last token excluded) and only hits when a new prompt has exactly that prefix: here a "
-        "document followed by a question shorter than a block, and never a grown chat history. "
-        "Timings on a shared, loaded machine are noisy: compare ratios, rerun with `--repeats`."),
+        (
+            "Notes: ExampleConnector keys a stored prompt by a hash of its block-aligned prefix (128-token "
+            "blocks, last token excluded) and only hits when a new prompt has exactly that prefix: here a "
+            "document followed by a question shorter than a block, and never a grown chat history. "
+            "Timings on a shared, loaded machine are noisy: compare ratios, rerun with `--repeats`."
+        ),
         "",
     ]
     return "\n".join(parts)

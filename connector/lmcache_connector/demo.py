@@ -23,7 +23,9 @@ from typing import Any, Callable, Iterator, TextIO
 
 from .tiny_model import DEMO_SPEC, TinyModelSpec, build_tiny_model, random_prompt
 
-QUICK_SPEC = TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
+QUICK_SPEC = TinyModelSpec(
+    hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096
+)
 
 
 def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -184,7 +186,14 @@ def run(args: argparse.Namespace) -> int:
     print(_table(rows, ["request", "prompt tok", "cold TTFT ms", "warm TTFT ms", "speed-up", "cached tok", "loaded by lmcache"]))
     print()
     tier_rows = [
-        [t["name"], str(t["chunks"]), _fmt_bytes(t["bytes_used"]), _fmt_bytes(t["put_bytes"]), _fmt_bytes(t["get_bytes"]), str(t["evictions"])]
+        [
+            t["name"],
+            str(t["chunks"]),
+            _fmt_bytes(t["bytes_used"]),
+            _fmt_bytes(t["put_bytes"]),
+            _fmt_bytes(t["get_bytes"]),
+            str(t["evictions"]),
+        ]
         for t in stats["tiers"]
     ]
     print(_table(tier_rows, ["tier", "chunks", "bytes held", "bytes written", "bytes read", "evictions"]))

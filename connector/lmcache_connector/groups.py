@@ -100,7 +100,9 @@ class GroupPlan:
 
     def describe(self) -> str:
         return ", ".join(
-            f"{g.kind}" + (f"(window {g.window})" if g.kind == WINDOW else "") + (f"({g.state_mode})" if g.kind == STATE else "")
+            f"{g.kind}"
+            + (f"(window {g.window})" if g.kind == WINDOW else "")
+            + (f"({g.state_mode})" if g.kind == STATE else "")
             + f" x{len(g.layer_names)}"
             for g in self.groups
         )

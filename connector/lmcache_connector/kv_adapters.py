@@ -195,10 +195,7 @@ class TokenLayout(_PagedLayers):
 
     def fingerprint(self) -> str:
         # Block size is deliberately absent: token chunks are portable across it.
-        return (
-            f"token/v1/{str(self.dtype).removeprefix('torch.')}/L{self.num_layers}/"
-            f"h{self.num_heads}/d{self.head_size}"
-        )
+        return f"token/v1/{str(self.dtype).removeprefix('torch.')}/L{self.num_layers}/h{self.num_heads}/d{self.head_size}"
 
     def chunk_shape(self, n_tokens: int) -> tuple[int, ...]:
         return (self.num_layers, 2, n_tokens, self.num_heads, self.head_size)

@@ -131,7 +131,9 @@ class EventTranslator:
     """Scheduler side: remembers the vLLM block hashes of chunks being saved and turns
     the workers' tier events into vLLM events."""
 
-    def __init__(self, *, chunk_size: int, hash_block_size: int, writers: Sequence[int], max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
+    def __init__(
+        self, *, chunk_size: int, hash_block_size: int, writers: Sequence[int], max_chunks: int = DEFAULT_MAX_CHUNKS
+    ) -> None:
         """``writers``: the ranks that store each chunk (all of them, or rank 0 alone
         when the KV is replicated across ranks)."""
         self.cs = chunk_size

@@ -388,7 +388,11 @@ class SchedulerSide:
                 self.events.remember(st.request, c, h, end)
         meta.saves.append(
             ChunkTransfer(
-                st.req_id, [h for _, h, _ in transfers], first, [e for _, _, e in transfers], list(st.block_ids),
+                st.req_id,
+                [h for _, h, _ in transfers],
+                first,
+                [e for _, _, e in transfers],
+                list(st.block_ids),
                 verify_below=st.verify_below,
             )
         )
@@ -440,4 +444,3 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.lookup_client.close()
-

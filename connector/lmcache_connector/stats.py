@@ -18,7 +18,10 @@ from lmcache_core.metrics import MEANINGS, PREFIX
 # stats key -> (metric name, help); names the core also exports mean the same
 # (lmcache_core.metrics.MEANINGS)
 COUNTERS = {
-    **{key: (key, MEANINGS[key]) for key in ("lookups", "lookup_tokens", "hit_tokens", "loaded_tokens", "load_errors", "bypassed_tokens")},
+    **{
+        key: (key, MEANINGS[key])
+        for key in ("lookups", "lookup_tokens", "hit_tokens", "loaded_tokens", "load_errors", "bypassed_tokens")
+    },
     "saved_tokens": ("saved_tokens", "Tokens saved from vLLM's KV cache"),
     "verified_chunks": ("verified_chunks", MEANINGS["verified_chunks"]),
     "verify_inexact": ("verify_inexact", "Verified chunks equal to their recomputation only within the dtype tolerance"),
@@ -58,7 +61,9 @@ class LMCacheConnectorStats(KVConnectorStats):
 
 
 class LMCachePromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+    def __init__(
+        self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             key: self._per_engine(self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames))

@@ -85,4 +85,7 @@ def compare(stored: torch.Tensor, fresh: torch.Tensor, value_dtype: torch.dtype 
     ref = float(torch.linalg.vector_norm(torch.where(finite_b, bf, torch.zeros_like(bf))))
     rel = float(torch.linalg.vector_norm(diff)) / max(ref, 1e-30)
     ok = rel <= tol
-    return ok, f"relative error {rel:.3g} ({'within' if ok else 'above'} the {str(a.dtype).removeprefix('torch.')} tolerance {tol:g})"
+    return (
+        ok,
+        f"relative error {rel:.3g} ({'within' if ok else 'above'} the {str(a.dtype).removeprefix('torch.')} tolerance {tol:g})",
+    )

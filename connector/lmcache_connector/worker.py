@@ -124,7 +124,13 @@ class WorkerSide:
         if self.plan is not None and self.plan.hybrid:
             self.layout = GroupedLayout(kv_caches, self.plan, self._page_bytes, self._real_bytes)
             dtype = "+".join(sorted({_dtype_of(t) for t in kv_caches.values()}))
-            full = {t.dtype for g in self.plan.of_kind(FULL) for n in g.layer_names for t in [kv_caches[n]] if isinstance(t, torch.Tensor)}
+            full = {
+                t.dtype
+                for g in self.plan.of_kind(FULL)
+                for n in g.layer_names
+                for t in [kv_caches[n]]
+                if isinstance(t, torch.Tensor)
+            }
             self._value_dtype = full.pop() if len(full) == 1 else None
         else:
             self.layout = make_layout(self.cfg.layout, kv_caches, self.block_size)
@@ -196,7 +202,11 @@ class WorkerSide:
             metrics.BYPASSED_TOKENS.inc(tokens)
             log.debug(
                 "lookup %s: loading %d of %d hit chunks (predicted load %.1f ms, recompute %.1f ms)",
-                pin_id, k, n, 1000 * sum(per_chunk), 1000 * (self.prefill.recompute_seconds(n * self.cfg.chunk_size) or 0.0),
+                pin_id,
+                k,
+                n,
+                1000 * sum(per_chunk),
+                1000 * (self.prefill.recompute_seconds(n * self.cfg.chunk_size) or 0.0),
             )
         return k
 
@@ -408,10 +418,18 @@ class WorkerSide:
             for i, h in enumerate(t.hashes):
                 lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
                 verify = t.first_chunk + i < t.verify_below
-                if self._store_one(h, self.layout.chunk_shape(hi - lo), hi - lo, lambda out: self.layout.save_chunk(t.group_block_ids, lo, hi, out), verify):  # type: ignore[union-attr,arg-type]
+                if self._store_one(
+                    h,
+                    self.layout.chunk_shape(hi - lo),
+                    hi - lo,
+                    lambda out: self.layout.save_chunk(t.group_block_ids, lo, hi, out),
+                    verify,
+                ):  # type: ignore[union-attr,arg-type]
                     saved += hi - lo
             for bh, end in t.boundaries:
-                self._store_one(bh, self.layout.boundary_shape(end), 0, lambda out: self.layout.save_boundary(t.group_block_ids, end, out))  # type: ignore[union-attr,arg-type]
+                self._store_one(
+                    bh, self.layout.boundary_shape(end), 0, lambda out: self.layout.save_boundary(t.group_block_ids, end, out)
+                )  # type: ignore[union-attr,arg-type]
         finally:
             with self._lock:
                 self.saved_tokens += saved

@@ -84,9 +84,7 @@ def _resolve() -> DispatchStatus:
     from torch.utils.cpp_extension import CUDA_HOME
 
     if CUDA_HOME is None:
-        return DispatchStatus(
-            TORCH, f"{prebuilt}, and no nvcc for the JIT build: set CUDA_HOME"
-        )
+        return DispatchStatus(TORCH, f"{prebuilt}, and no nvcc for the JIT build: set CUDA_HOME")
     try:
         module = _jit_build()
     except Exception as exc:  # the reason is kept, reported and optionally raised
@@ -113,10 +111,7 @@ def status() -> DispatchStatus:
                     stacklevel=3,
                 )
         if _status.name == TORCH and _mode() == "cuda":
-            raise RuntimeError(
-                "LMCACHE_CUDA_BACKEND=cuda but the CUDA kernels are unavailable: "
-                + _status.reason
-            )
+            raise RuntimeError("LMCACHE_CUDA_BACKEND=cuda but the CUDA kernels are unavailable: " + _status.reason)
         return _status
 
 

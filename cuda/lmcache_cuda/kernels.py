@@ -91,57 +91,79 @@ def _staging_for(buf: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
     return torch.empty(buf.shape, dtype=buf.dtype, device=layout.device)
 
 
-def gather_tokens(
-    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
+def gather_tokens(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     layout, table, slots = _prepare(kv_caches, slot_mapping, "slot_mapping")
     layout.check_token_buffer(out, slots.numel(), "out")
     target = _staging_for(out, layout)
     load_kernels().gather_tokens(
-        table.ptrs, table.align, slots, target, layout.element_size, layout.num_blocks,
-        layout.num_kv_heads, layout.block_size, layout.head_size,
-        layout.stride_block, layout.stride_head, layout.stride_token,
+        table.ptrs,
+        table.align,
+        slots,
+        target,
+        layout.element_size,
+        layout.num_blocks,
+        layout.num_kv_heads,
+        layout.block_size,
+        layout.head_size,
+        layout.stride_block,
+        layout.stride_head,
+        layout.stride_token,
     )
     if target is not out:
         out.copy_(target, non_blocking=_pinned(out))
     return out
 
 
-def scatter_tokens(
-    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, src: torch.Tensor
-) -> None:
+def scatter_tokens(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, src: torch.Tensor) -> None:
     layout, table, slots = _prepare(kv_caches, slot_mapping, "slot_mapping")
     layout.check_token_buffer(src, slots.numel(), "src")
     staged = src.to(layout.device, non_blocking=_pinned(src))
     load_kernels().scatter_tokens(
-        table.ptrs, table.align, slots, staged, layout.element_size, layout.num_blocks,
-        layout.num_kv_heads, layout.block_size, layout.head_size,
-        layout.stride_block, layout.stride_head, layout.stride_token,
+        table.ptrs,
+        table.align,
+        slots,
+        staged,
+        layout.element_size,
+        layout.num_blocks,
+        layout.num_kv_heads,
+        layout.block_size,
+        layout.head_size,
+        layout.stride_block,
+        layout.stride_head,
+        layout.stride_token,
     )
 
 
-def gather_blocks(
-    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
+def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     layout, table, ids = _prepare(kv_caches, block_ids, "block_ids")
     layout.check_block_buffer(out, ids.numel(), "out")
     target = _staging_for(out, layout)
     load_kernels().gather_blocks(
-        table.ptrs, table.align, ids, target, layout.element_size, layout.num_blocks,
-        layout.block_numel, layout.stride_block,
+        table.ptrs,
+        table.align,
+        ids,
+        target,
+        layout.element_size,
+        layout.num_blocks,
+        layout.block_numel,
+        layout.stride_block,
     )
     if target is not out:
         out.copy_(target, non_blocking=_pinned(out))
     return out
 
 
-def scatter_blocks(
-    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor
-) -> None:
+def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor) -> None:
     layout, table, ids = _prepare(kv_caches, block_ids, "block_ids")
     layout.check_block_buffer(src, ids.numel(), "src")
     staged = src.to(layout.device, non_blocking=_pinned(src))
     load_kernels().scatter_blocks(
-        table.ptrs, table.align, ids, staged, layout.element_size, layout.num_blocks,
-        layout.block_numel, layout.stride_block,
+        table.ptrs,
+        table.align,
+        ids,
+        staged,
+        layout.element_size,
+        layout.num_blocks,
+        layout.block_numel,
+        layout.stride_block,
     )

@@ -24,29 +24,21 @@ def implementation(kv_caches: Sequence[torch.Tensor]) -> ModuleType:
     return reference
 
 
-def gather_tokens(
-    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
+def gather_tokens(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Paged KV of ``slot_mapping``'s tokens -> ``out`` ``[layers, 2, tokens, kv_heads, head_size]``."""
     return implementation(kv_caches).gather_tokens(kv_caches, slot_mapping, out)
 
 
-def scatter_tokens(
-    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, src: torch.Tensor
-) -> None:
+def scatter_tokens(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, src: torch.Tensor) -> None:
     """``src`` ``[layers, 2, tokens, kv_heads, head_size]`` -> paged KV at ``slot_mapping``."""
     implementation(kv_caches).scatter_tokens(kv_caches, slot_mapping, src)
 
 
-def gather_blocks(
-    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
+def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Whole blocks ``block_ids`` of every layer -> ``out`` ``[layers, n_blocks, ...]``."""
     return implementation(kv_caches).gather_blocks(kv_caches, block_ids, out)
 
 
-def scatter_blocks(
-    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor
-) -> None:
+def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor) -> None:
     """``src`` ``[layers, n_blocks, ...]`` -> whole blocks ``block_ids`` of every layer."""
     implementation(kv_caches).scatter_blocks(kv_caches, block_ids, src)

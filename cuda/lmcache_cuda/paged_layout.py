@@ -53,9 +53,7 @@ class PagedLayout:
         if first.shape[3] % 2 != 0:
             raise ValueError(f"layer 0: last dim {first.shape[3]} is not 2 * head_size")
         if first.stride(3) != 1:
-            raise ValueError(
-                f"layer 0: last dim must be dense (stride 1), got strides {first.stride()}"
-            )
+            raise ValueError(f"layer 0: last dim must be dense (stride 1), got strides {first.stride()}")
         if _INT_OF_SIZE.get(first.element_size()) is None:
             raise ValueError(f"layer 0: unsupported dtype {first.dtype}")
         for i, t in enumerate(kv_caches[1:], start=1):
@@ -65,9 +63,7 @@ class PagedLayout:
                     f"{tuple(first.shape)} {first.dtype} on {first.device}"
                 )
             if t.stride() != first.stride():
-                raise ValueError(
-                    f"layer {i} has strides {t.stride()}, layer 0 has {first.stride()}"
-                )
+                raise ValueError(f"layer {i} has strides {t.stride()}, layer 0 has {first.stride()}")
         nb, h, b, two_d = first.shape
         return cls(
             num_layers=len(kv_caches),
@@ -100,9 +96,7 @@ class PagedLayout:
         Block copies move a block's bytes in memory order, so they need this; token
         copies do not.
         """
-        dims = sorted(
-            [(self.stride_token, self.block_size), (self.stride_head, self.num_kv_heads)]
-        )
+        dims = sorted([(self.stride_token, self.block_size), (self.stride_head, self.num_kv_heads)])
         expected = 2 * self.head_size
         for stride, size in dims:
             if size != 1 and stride != expected:
@@ -117,8 +111,7 @@ class PagedLayout:
         want = self.token_buffer_shape(num_tokens)
         if tuple(buf.shape) != want:
             raise ValueError(
-                f"{what} has shape {tuple(buf.shape)}; expected [layers, 2, tokens, "
-                f"kv_heads, head_size] = {list(want)}"
+                f"{what} has shape {tuple(buf.shape)}; expected [layers, 2, tokens, kv_heads, head_size] = {list(want)}"
             )
         self._check_buffer(buf, what)
 
@@ -147,5 +140,4 @@ class PagedLayout:
 def check_index(index: torch.Tensor, what: str) -> None:
     """Slot mappings and block ids: 1-D integer tensors on any device."""
     if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what} must be a 1-D int32/int64 tensor, got {index.dtype} "
-                         f"{tuple(index.shape)}")
+        raise ValueError(f"{what} must be a 1-D int32/int64 tensor, got {index.dtype} {tuple(index.shape)}")

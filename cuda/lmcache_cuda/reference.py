@@ -30,9 +30,7 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned())
 
 
-def gather_tokens(
-    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
+def gather_tokens(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Copy K and V of ``slot_mapping``'s tokens from every layer into ``out``."""
     layout = PagedLayout.from_layers(kv_caches)
     check_index(slot_mapping, "slot_mapping")
@@ -44,9 +42,7 @@ def gather_tokens(
     blk = safe // layout.block_size
     off = safe % layout.block_size
     same_device = out.device == layout.device
-    target = int_view(out) if same_device else torch.empty(
-        out.shape, dtype=int_view(out).dtype, device=layout.device
-    )
+    target = int_view(out) if same_device else torch.empty(out.shape, dtype=int_view(out).dtype, device=layout.device)
     d = layout.head_size
     mask = valid.view(num_tokens, 1, 1)
     for layer, kv in enumerate(kv_caches):
@@ -59,9 +55,7 @@ def gather_tokens(
     return out
 
 
-def scatter_tokens(
-    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, src: torch.Tensor
-) -> None:
+def scatter_tokens(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, src: torch.Tensor) -> None:
     """Write K and V from ``src`` into every layer at ``slot_mapping``'s slots.
 
     Dropping invalid slots uses a boolean mask (one host sync on CUDA); the kernels
@@ -85,14 +79,10 @@ def scatter_tokens(
 def _flat_blocks(kv: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
     """``[num_blocks, block_numel]`` view of one layer, each row a block in memory order."""
     k = int_view(kv)
-    return k.as_strided(
-        (layout.num_blocks, layout.block_numel), (layout.stride_block, 1), k.storage_offset()
-    )
+    return k.as_strided((layout.num_blocks, layout.block_numel), (layout.stride_block, 1), k.storage_offset())
 
 
-def gather_blocks(
-    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
+def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Copy whole blocks ``block_ids`` of every layer into ``out`` ``[layers, n, ...]``."""
     layout = PagedLayout.from_layers(kv_caches)
     check_index(block_ids, "block_ids")
@@ -103,9 +93,7 @@ def gather_blocks(
     safe = torch.where(valid, ids, 0)
     same_device = out.device == layout.device
     out_i = int_view(out).view(layout.num_layers, n, layout.block_numel)
-    target = out_i if same_device else torch.empty(
-        out_i.shape, dtype=out_i.dtype, device=layout.device
-    )
+    target = out_i if same_device else torch.empty(out_i.shape, dtype=out_i.dtype, device=layout.device)
     for layer, kv in enumerate(kv_caches):
         rows = _flat_blocks(kv, layout)[safe]
         target[layer].copy_(torch.where(valid.view(n, 1), rows, 0))
@@ -114,9 +102,7 @@ def gather_blocks(
     return out
 
 
-def scatter_blocks(
-    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor
-) -> None:
+def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor) -> None:
     """Write whole blocks from ``src`` ``[layers, n, ...]`` into ``block_ids`` of every layer."""
     layout = PagedLayout.from_layers(kv_caches)
     check_index(block_ids, "block_ids")

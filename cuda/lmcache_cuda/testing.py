@@ -49,9 +49,7 @@ def random_paged_kv(
     return layers
 
 
-def ragged_slots(
-    num_blocks: int, block_size: int, num_tokens: int, *, pad: int = 0, seed: int = 0
-) -> torch.Tensor:
+def ragged_slots(num_blocks: int, block_size: int, num_tokens: int, *, pad: int = 0, seed: int = 0) -> torch.Tensor:
     """Unique slots over shuffled, non-contiguous blocks, the last block partly used,
     followed by ``pad`` entries of -1 (vLLM's padding)."""
     g = torch.Generator().manual_seed(seed)
@@ -67,9 +65,7 @@ def expected_gather(kv_caches: Sequence[torch.Tensor], slots: torch.Tensor) -> t
     """[layers, 2, tokens, heads, head_size] (integer view), token by token."""
     num_blocks, heads, block_size, two_d = kv_caches[0].shape
     d = two_d // 2
-    out = torch.zeros(
-        (len(kv_caches), 2, slots.numel(), heads, d), dtype=int_view(kv_caches[0]).dtype
-    )
+    out = torch.zeros((len(kv_caches), 2, slots.numel(), heads, d), dtype=int_view(kv_caches[0]).dtype)
     for layer, kv in enumerate(kv_caches):
         k, v = int_view(kv).cpu().transpose(1, 2).split(d, -1)
         for t, s in enumerate(slots.tolist()):

@@ -127,9 +127,7 @@ class TransferStream:
         if not 0 <= layer < len(kv_caches):
             raise IndexError(f"layer {layer} out of range for {len(kv_caches)} layers")
         if src.dim() < 1 or src.shape[0] != len(kv_caches):
-            raise ValueError(
-                f"src has shape {tuple(src.shape)}; its first dim must be the {len(kv_caches)} layers"
-            )
+            raise ValueError(f"src has shape {tuple(src.shape)}; its first dim must be the {len(kv_caches)} layers")
         fn = ops.scatter_tokens if granularity == "tokens" else _blocks(granularity, ops.scatter_blocks)
         return self._run(fn, [kv_caches[layer]], index, src[layer : layer + 1])
 

@@ -58,7 +58,9 @@ def random_key(ns: str = "conformance") -> ChunkKey:
     return KeyNamespace(model=ns).key(os.urandom(16))
 
 
-def random_chunk(shape: tuple[int, ...] = (4, 2, 64, 32), dtype: torch.dtype = torch.float16, seed: int | None = None) -> torch.Tensor:
+def random_chunk(
+    shape: tuple[int, ...] = (4, 2, 64, 32), dtype: torch.dtype = torch.float16, seed: int | None = None
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
 
@@ -248,7 +250,9 @@ class StatsTests(BackendFixtures):
         assert backend.get(random_key(), torch.empty(8, 64, dtype=torch.float16)) is False
         after = backend.stats()
         assert isinstance(after, BackendStats) and after.name == backend.name
-        counted = {f: _delta(before, after, f) for f in ("puts", "put_bytes", "hits", "get_bytes", "misses", "errors", "evictions")}
+        counted = {
+            f: _delta(before, after, f) for f in ("puts", "put_bytes", "hits", "get_bytes", "misses", "errors", "evictions")
+        }
         assert counted == {
             "puts": 3,
             "put_bytes": 3 * nbytes,  # the chunks' bytes, whatever the frame or codec

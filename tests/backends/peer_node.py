@@ -40,7 +40,9 @@ class PeerNode:
         assert self.proc is None or self.proc.poll() is not None
         self.proc = subprocess.Popen(
             [*self.argv, "--listen", f"127.0.0.1:{self.port}"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         lines: queue.Queue[str | None] = queue.Queue()
         proc = self.proc

@@ -75,8 +75,21 @@ class RedisServer:
 
     def start(self) -> None:
         cmd = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.dir / "log"),
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.dir / "log"),
         ]
         if self.password:
             cmd += ["--requirepass", self.password]
@@ -126,8 +139,16 @@ class RedisCluster3:
     def __init__(self, *, replica: bool = False, node_timeout_ms: int = 2000, ports: list[int] | None = None) -> None:
         self.nodes: list[RedisServer] = []
         self.replica: RedisServer | None = None
-        self._args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                      "--cluster-node-timeout", str(node_timeout_ms), "--repl-diskless-sync-delay", "0")
+        self._args = (
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            str(node_timeout_ms),
+            "--repl-diskless-sync-delay",
+            "0",
+        )
         try:
             for port in ports or [0, 0, 0]:
                 self.nodes.append(RedisServer(*self._args, port=port or None))

@@ -507,7 +507,7 @@ def test_disk_full_put_returns_false_and_serving_goes_on(tmp_path: Path) -> None
     mnt.mkdir()
     script = f"""
 mount -t tmpfs -o size=4m tmpfs {mnt} || exit 97
-{sys.executable} -c '{_FULL_CHILD}' {mnt / 't'}
+{sys.executable} -c '{_FULL_CHILD}' {mnt / "t"}
 """
     r = _in_private_mount_ns(script)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -42,6 +42,4 @@ class TestDiskConformanceLz4ODirect(TestDiskConformance):
     codec = "lz4"
 
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
-        return create_disk_backend(
-            {"path": str(tmp_path / "tier"), "max_size": "256MiB", "o_direct": True, "fsync": False}, ctx
-        )
+        return create_disk_backend({"path": str(tmp_path / "tier"), "max_size": "256MiB", "o_direct": True, "fsync": False}, ctx)

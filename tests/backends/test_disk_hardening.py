@@ -203,8 +203,12 @@ def _run_writers(root: Path, mode: str, n: int = 24, procs: int = 4) -> tuple[in
     open_disk(root, max_size=BUDGET).close()  # create the tier (and its usage file)
     go = root.parent / f"go-{mode}"
     children = [
-        subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(n), str(go), mode],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(root), str(n), str(go), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(procs)
     ]
     peak, samples = 0, 0

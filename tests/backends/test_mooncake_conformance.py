@@ -79,7 +79,6 @@ class TestMooncakeConformance(BackendConformance):
         yield _shared["backend"]
 
 
-
 def test_pool_chunks_are_put_in_place_and_staging_drains(mooncake_store: MooncakeMaster) -> None:
     """A raw-codec chunk in the engine's (registered) pool is sent from where it lies;
     an lz4 frame is staged. Gets land in staging and every slot comes back."""

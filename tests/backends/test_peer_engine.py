@@ -210,12 +210,18 @@ def test_cli_refuses_to_start_without_a_secret(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "LMCACHE_PEER_SECRET"}
     r = subprocess.run(
         [sys.executable, "-m", "lmcache_backend_peer.cli", "--listen", "127.0.0.1:0"],
-        capture_output=True, text=True, env=env, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert r.returncode == 2 and "--secret-file" in r.stderr
     r = subprocess.run(
         [sys.executable, "-m", "lmcache_backend_peer.cli", "--listen", "nowhere", "--secret-file", "x"],
-        capture_output=True, text=True, env=env, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert r.returncode == 2 and "host:port" in r.stderr
 

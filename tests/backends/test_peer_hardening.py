@@ -43,8 +43,22 @@ VICTIM, MALLORY = "t-victim", "t-mallory"
 VICTIM_SECRET, MALLORY_SECRET = "victim-secret-9f8e7d6c5b4a3210", "mallory-secret-0a1b2c3d4e5f6789"
 # One node for most tests (each start costs an interpreter with torch): the exposure
 # limits under test, a 64 MiB in-flight budget, a shared secret and two tenants.
-NODE_OPTIONS = ["--max-size", "64MiB", "--max-frame-size", "64MiB", "--max-inflight", "64MiB", "--timeout-ms", "2000",
-                "--max-unauthenticated", "32", "--max-unauthenticated-per-address", "4", "--handshake-timeout-ms", "500"]
+NODE_OPTIONS = [
+    "--max-size",
+    "64MiB",
+    "--max-frame-size",
+    "64MiB",
+    "--max-inflight",
+    "64MiB",
+    "--timeout-ms",
+    "2000",
+    "--max-unauthenticated",
+    "32",
+    "--max-unauthenticated-per-address",
+    "4",
+    "--handshake-timeout-ms",
+    "500",
+]
 
 
 @pytest.fixture
@@ -187,8 +201,19 @@ def test_flood_from_many_hosts_never_starves_pooled_authenticated_clients(guarde
 
 def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connections(secret_file: Path) -> None:
     """The old admission: no per-address cap, handshakes allowed the request timeout."""
-    node = PeerNode(["--max-size", "64MiB", "--max-unauthenticated", "32", "--max-unauthenticated-per-address", "32",
-                     "--handshake-timeout-ms", "3000"], secret_file)
+    node = PeerNode(
+        [
+            "--max-size",
+            "64MiB",
+            "--max-unauthenticated",
+            "32",
+            "--max-unauthenticated-per-address",
+            "32",
+            "--handshake-timeout-ms",
+            "3000",
+        ],
+        secret_file,
+    )
     try:
         keys = stored_keys(node)
         flood = Flood(port_of(node), ["127.0.0.2"])
@@ -229,7 +254,9 @@ def test_stalled_puts_cannot_push_the_node_past_its_inflight_budget(shared_node:
         # A small authenticated request still goes through meanwhile.
         assert PeerClient(port_of(node), SECRET.encode(), timeout=2.0, pool_size=0).lookup(keys) == len(keys)
         grown = peak - base
-        print(f"stalled PUTs: node RSS grew {grown / MiB:.1f} MiB (budget {budget // MiB} MiB, {n} x {body // MiB} MiB announced)")
+        print(
+            f"stalled PUTs: node RSS grew {grown / MiB:.1f} MiB (budget {budget // MiB} MiB, {n} x {body // MiB} MiB announced)"
+        )
         # One stalled body was admitted (the probe does see allocations), never six.
         assert 40 * MiB <= grown <= budget + 24 * MiB, f"RSS grew {grown / MiB:.0f} MiB (6 x 60 MiB without the budget)"
         # The others were told the node is busy after waiting up to --timeout-ms for room
@@ -281,8 +308,15 @@ def tenant_node(shared_node: PeerNode) -> PeerNode:
 
 
 def tier(node: PeerNode, secret: str, tenant: str | None = None) -> PeerBackend:
-    section = {"peers": [node.address], "secret": secret, "push": True, "max_size": 0, "timeout_ms": 2000,
-               "retry_after_ms": 0, **({"tenant": tenant} if tenant else {})}
+    section = {
+        "peers": [node.address],
+        "secret": secret,
+        "push": True,
+        "max_size": 0,
+        "timeout_ms": 2000,
+        "retry_after_ms": 0,
+        **({"tenant": tenant} if tenant else {}),
+    }
     b = create_peer_backend(section, make_context())
     assert isinstance(b, PeerBackend)
     return b
@@ -291,8 +325,11 @@ def tier(node: PeerNode, secret: str, tenant: str | None = None) -> PeerBackend:
 def test_a_chunk_written_without_the_tenants_key_is_never_its_hit(tenant_node: PeerNode) -> None:
     import torch
 
-    victim, mallory, shared = (tier(tenant_node, VICTIM_SECRET, VICTIM), tier(tenant_node, MALLORY_SECRET, MALLORY),
-                               tier(tenant_node, SECRET))
+    victim, mallory, shared = (
+        tier(tenant_node, VICTIM_SECRET, VICTIM),
+        tier(tenant_node, MALLORY_SECRET, MALLORY),
+        tier(tenant_node, SECRET),
+    )
     try:
         own = random_key()
         genuine = random_chunk(shape=(8, 64), seed=1)
@@ -335,9 +372,12 @@ def test_tenants_file_errors_name_the_line(tmp_path: Path) -> None:
     from lmcache_backend_peer.tenants import load_tenants
 
     tf = tmp_path / "tenants"
-    for text, match in ((f"{VICTIM} short\n", r":1: tenant 't-victim'.*at least 16"),
-                        (f"{VICTIM} {VICTIM_SECRET}\n{VICTIM} {MALLORY_SECRET}\n", ":2: tenant 't-victim' is listed twice"),
-                        ("bad/name x\n", ":1: tenant name"), ("# nothing\n", "no tenants")):
+    for text, match in (
+        (f"{VICTIM} short\n", r":1: tenant 't-victim'.*at least 16"),
+        (f"{VICTIM} {VICTIM_SECRET}\n{VICTIM} {MALLORY_SECRET}\n", ":2: tenant 't-victim' is listed twice"),
+        ("bad/name x\n", ":1: tenant name"),
+        ("# nothing\n", "no tenants"),
+    ):
         tf.write_text(text)
         with pytest.raises(ValueError, match=match):
             load_tenants(tf)
@@ -346,14 +386,16 @@ def test_tenants_file_errors_name_the_line(tmp_path: Path) -> None:
 def test_instances_of_one_tenant_serve_each_other_and_nobody_else() -> None:
     import torch
 
-    a = create_peer_backend({"listen": "127.0.0.1:0", "secret": VICTIM_SECRET, "tenant": VICTIM, "max_size": "8MiB"},
-                            make_context())
+    a = create_peer_backend(
+        {"listen": "127.0.0.1:0", "secret": VICTIM_SECRET, "tenant": VICTIM, "max_size": "8MiB"}, make_context()
+    )
     assert isinstance(a, PeerBackend) and a.server is not None
     host, port = a.server.address
     k, data = random_key(), random_chunk(shape=(8, 64), seed=5)
     assert a.put(k, data)
-    b = create_peer_backend({"peers": [f"{host}:{port}"], "secret": VICTIM_SECRET, "tenant": VICTIM, "max_size": 0},
-                            make_context())
+    b = create_peer_backend(
+        {"peers": [f"{host}:{port}"], "secret": VICTIM_SECRET, "tenant": VICTIM, "max_size": 0}, make_context()
+    )
     c = create_peer_backend({"peers": [f"{host}:{port}"], "secret": VICTIM_SECRET, "max_size": 0}, make_context())
     try:
         out = torch.zeros_like(data)

@@ -162,7 +162,16 @@ def impostor(s: socket.socket) -> None:
 
 @pytest.mark.parametrize(
     "behave",
-    [silent, garbage, silent_after_auth, dies_mid_transfer, garbage_after_auth, wrong_request_id, lookup_claims_too_much, impostor],
+    [
+        silent,
+        garbage,
+        silent_after_auth,
+        dies_mid_transfer,
+        garbage_after_auth,
+        wrong_request_id,
+        lookup_claims_too_much,
+        impostor,
+    ],
 )
 def test_misbehaving_peer_is_a_bounded_miss(behave: Callable[[socket.socket], None]) -> None:
     fake = FakePeer(behave)

@@ -203,7 +203,9 @@ def test_cluster_wrong_password_is_one_clear_error(redis_cluster: RedisCluster3)
         n.client().config_set("requirepass", "cluster-pass-1")
     try:
         with pytest.raises(BackendError, match="refused the credentials") as err:
-            create_redis_backend({"cluster": redis_cluster.seeds, "password": "nope-2", **FAST}, make_context(key_path="backends[2]"))
+            create_redis_backend(
+                {"cluster": redis_cluster.seeds, "password": "nope-2", **FAST}, make_context(key_path="backends[2]")
+            )
         assert "backends[2].password_file" in str(err.value) and "nope-2" not in str(err.value)
         ok = create_redis_backend({"cluster": redis_cluster.seeds, "password": "cluster-pass-1", **FAST}, make_context())
         assert ok.put(random_key(), random_chunk(shape=(8, 8)))

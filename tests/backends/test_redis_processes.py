@@ -56,7 +56,10 @@ def test_two_processes_share_chunks_through_redis(redis_server: RedisServer, tmp
 
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(Path(__file__).parent), "load", json.dumps(section), str(tmp_path / "b.pt")],
-        env=dict(os.environ), capture_output=True, text=True, timeout=120,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     b = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -33,23 +33,61 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("openssl") is None:
         pytest.skip("the openssl CLI is needed to make test certificates")
     d = tmp_path_factory.mktemp("tls")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=lmcache test CA",
-             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=lmcache test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=d,
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "2", "-extfile", "san.ext", "-out", f"{name}.crt", cwd=d)
+        _openssl(
+            "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            f"{name}.crt",
+            cwd=d,
+        )
     return d
 
 
 def _tls_server(certs: Path, auth_clients: str) -> tuple[RedisServer, int]:
     tls_port = free_port()
     server = RedisServer(
-        "--tls-port", str(tls_port), "--tls-cert-file", str(certs / "server.crt"),
-        "--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.crt"),
-        "--tls-auth-clients", auth_clients,
+        "--tls-port",
+        str(tls_port),
+        "--tls-cert-file",
+        str(certs / "server.crt"),
+        "--tls-key-file",
+        str(certs / "server.key"),
+        "--tls-ca-cert-file",
+        str(certs / "ca.crt"),
+        "--tls-auth-clients",
+        auth_clients,
     )
     return server, tls_port
 
@@ -69,10 +107,14 @@ def _roundtrip(section: dict[str, Any]) -> None:
 def test_rediss_with_ca_and_client_certificate(certs: Path) -> None:
     server, tls_port = _tls_server(certs, "yes")
     try:
-        _roundtrip({
-            "url": f"rediss://127.0.0.1:{tls_port}/0", "tls_ca_file": str(certs / "ca.crt"),
-            "tls_cert_file": str(certs / "client.crt"), "tls_key_file": str(certs / "client.key"),
-        })
+        _roundtrip(
+            {
+                "url": f"rediss://127.0.0.1:{tls_port}/0",
+                "tls_ca_file": str(certs / "ca.crt"),
+                "tls_cert_file": str(certs / "client.crt"),
+                "tls_key_file": str(certs / "client.key"),
+            }
+        )
     finally:
         server.stop()
 
@@ -95,12 +137,28 @@ def test_cluster_over_tls(certs: Path) -> None:
     nodes: list[RedisServer] = []
     try:
         for tp in tls_ports:
-            nodes.append(RedisServer(
-                "--tls-port", str(tp), "--tls-cert-file", str(certs / "server.crt"),
-                "--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.crt"),
-                "--tls-auth-clients", "no", "--tls-cluster", "yes", "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-            ))
+            nodes.append(
+                RedisServer(
+                    "--tls-port",
+                    str(tp),
+                    "--tls-cert-file",
+                    str(certs / "server.crt"),
+                    "--tls-key-file",
+                    str(certs / "server.key"),
+                    "--tls-ca-cert-file",
+                    str(certs / "ca.crt"),
+                    "--tls-auth-clients",
+                    "no",
+                    "--tls-cluster",
+                    "yes",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                )
+            )
         clients = [n.client() for n in nodes]
         for i, c in enumerate(clients):
             c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * 16384 // 3, (i + 1) * 16384 // 3 - 1)
@@ -114,8 +172,12 @@ def test_cluster_over_tls(certs: Path) -> None:
             time.sleep(0.1)
         else:
             pytest.fail("the TLS cluster did not form within 20 s")
-        section = {"cluster": [f"127.0.0.1:{tp}" for tp in tls_ports], "tls": True, "tls_ca_file": str(certs / "ca.crt"),
-                   "prefix": "tlsc:"}
+        section = {
+            "cluster": [f"127.0.0.1:{tp}" for tp in tls_ports],
+            "tls": True,
+            "tls_ca_file": str(certs / "ca.crt"),
+            "prefix": "tlsc:",
+        }
         b = create_redis_backend(section, make_context())
         try:
             items = [(random_key(), random_chunk(shape=(16, 16), seed=i)) for i in range(24)]

@@ -102,9 +102,7 @@ def test_engine_builds_the_s3_tier_from_config(s3_server: MotoS3, s3_bucket: str
         ("range_chunksize", "lots", "backends[1].range_chunksize"),
     ],
 )
-def test_config_errors_name_key_path_and_source(
-    s3_server: MotoS3, s3_bucket: str, option: str, value: Any, expect: str
-) -> None:
+def test_config_errors_name_key_path_and_source(s3_server: MotoS3, s3_bucket: str, option: str, value: Any, expect: str) -> None:
     section = {**s3_server.section(s3_bucket), option: value}
     cfg = load_config(env={}, overrides={"backends": [{"name": "local_cpu"}, section]})
     with pytest.raises(ConfigError) as err:
@@ -157,8 +155,12 @@ def test_put_of_a_chunk_already_in_the_bucket_uploads_nothing(s3_server: MotoS3,
 # -- large chunks --------------------------------------------------------------------
 def test_large_chunk_uses_multipart_upload_and_ranged_gets(s3_server: MotoS3, s3_bucket: str) -> None:
     b = make(
-        s3_server, s3_bucket,
-        multipart_threshold="6MiB", multipart_chunksize="5MiB", range_chunksize="2MiB", max_concurrency=4,
+        s3_server,
+        s3_bucket,
+        multipart_threshold="6MiB",
+        multipart_chunksize="5MiB",
+        range_chunksize="2MiB",
+        max_concurrency=4,
     )
     log = RequestLog(b.client)
     try:
@@ -237,9 +239,7 @@ def test_wrong_shape_get_keeps_the_object(backend: S3Backend) -> None:
 
 
 # -- credentials ---------------------------------------------------------------------
-def test_debug_log_never_contains_the_secret_key(
-    s3_server: MotoS3, s3_bucket: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_debug_log_never_contains_the_secret_key(s3_server: MotoS3, s3_bucket: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG):
         b = make(s3_server, s3_bucket)
         key, data = random_key(), random_chunk(shape=(4, 4))
@@ -266,7 +266,12 @@ def moto_auth(s3_server: MotoS3) -> Iterator[None]:
     """Make moto check credentials (it accepts anything by default); restore after."""
 
     def set_count(value: str) -> None:
-        req = urllib.request.Request(f"{s3_server.endpoint}/moto-api/reset-auth", data=value.encode(), method="POST", headers={"Content-Type": "text/plain"})
+        req = urllib.request.Request(
+            f"{s3_server.endpoint}/moto-api/reset-auth",
+            data=value.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200
 
@@ -277,9 +282,7 @@ def moto_auth(s3_server: MotoS3) -> Iterator[None]:
         set_count("inf")
 
 
-def test_wrong_credentials_fail_at_startup_with_one_clear_error(
-    s3_server: MotoS3, s3_bucket: str, moto_auth: None
-) -> None:
+def test_wrong_credentials_fail_at_startup_with_one_clear_error(s3_server: MotoS3, s3_bucket: str, moto_auth: None) -> None:
     with pytest.raises(BackendError) as err:
         make(s3_server, s3_bucket)
     msg = str(err.value)

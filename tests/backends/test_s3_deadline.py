@@ -31,8 +31,14 @@ from lmcache_core.testing import make_context, random_chunk, random_key  # noqa:
 DEADLINE_S = 1.5
 MARGIN_S = 0.75  # scheduling slack on 2 shared CPUs
 # Per-read timeout far above the trickle period: botocore alone would never give up.
-OPTS = {"op_deadline_s": DEADLINE_S, "read_timeout_s": 5.0, "connect_timeout_s": 1.0, "max_attempts": 1,
-        "down_cooldown_s": 30, "verify_on_start": False}
+OPTS = {
+    "op_deadline_s": DEADLINE_S,
+    "read_timeout_s": 5.0,
+    "connect_timeout_s": 1.0,
+    "max_attempts": 1,
+    "down_cooldown_s": 30,
+    "verify_on_start": False,
+}
 
 
 class TrickleS3:
@@ -100,9 +106,11 @@ class TrickleS3:
                 method = line.split()[0]
                 body = self.obj if method == "GET" else b""
                 status = "206 Partial Content" if method == "GET" else "200 OK"
-                head = (f"HTTP/1.1 {status}\r\nETag: \"e1\"\r\nContent-Length: {len(body)}\r\n"
-                        + (f"Content-Range: bytes 0-{len(body) - 1}/{len(body)}\r\n" if method == "GET" else "")
-                        + "\r\n").encode()
+                head = (
+                    f'HTTP/1.1 {status}\r\nETag: "e1"\r\nContent-Length: {len(body)}\r\n'
+                    + (f"Content-Range: bytes 0-{len(body) - 1}/{len(body)}\r\n" if method == "GET" else "")
+                    + "\r\n"
+                ).encode()
                 if self.mode == "fast" or (self.mode == "body" and method != "GET"):
                     s.sendall(head + (body if method != "HEAD" else b""))
                 elif self.mode == "body":

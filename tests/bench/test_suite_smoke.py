@@ -23,14 +23,22 @@ def _run(system: str, workload: str, cold: float, warm: float, hit: float) -> di
         for d, n in enumerate((1000, 2000)):
             w = q > 0
             reqs.append(
-                {"prompt_tokens": n, "cached_tokens": int(n * hit) if w else 0, "ttft_s": (warm if w else cold) * n / 1000, "warm": w, "group": d}
+                {
+                    "prompt_tokens": n,
+                    "cached_tokens": int(n * hit) if w else 0,
+                    "ttft_s": (warm if w else cold) * n / 1000,
+                    "warm": w,
+                    "group": d,
+                }
             )
     return {
         "system": system,
         "workload": workload,
         "requests": reqs,
         "total_s": sum(r["ttft_s"] for r in reqs),
-        "tiers": [{"name": "local_cpu", "put_bytes": 3 << 20, "get_bytes": 6 << 20, "evictions": 0}] if system.startswith("lmc") else [],
+        "tiers": [{"name": "local_cpu", "put_bytes": 3 << 20, "get_bytes": 6 << 20, "evictions": 0}]
+        if system.startswith("lmc")
+        else [],
     }
 
 
@@ -61,10 +69,18 @@ def test_tables_and_plots(tmp_path: Path):
     assert "| recompute | 1.00x | 1.00x | 1.00x |" in md
     assert "local_cpu 3.0 MiB" in md and "local_cpu 6.0 MiB" in md
     points = [
-        {"disk": d, "fraction": f, "cpu_bytes": int(f * (64 << 20)), "working_set_bytes": 64 << 20,
-         "hit_rate": (0.5 if d or f >= 1 else 0.0), "ttft_mean_s": 0.3, "warm_ttft_mean_s": 0.1,
-         "tiers": [{"name": "local_cpu", "get_bytes": 1 << 20, "evictions": 3}]}
-        for d in (False, True) for f in (0.25, 0.5, 1.0, 2.0)
+        {
+            "disk": d,
+            "fraction": f,
+            "cpu_bytes": int(f * (64 << 20)),
+            "working_set_bytes": 64 << 20,
+            "hit_rate": (0.5 if d or f >= 1 else 0.0),
+            "ttft_mean_s": 0.3,
+            "warm_ttft_mean_s": 0.1,
+            "tiers": [{"name": "local_cpu", "get_bytes": 1 << 20, "evictions": 3}],
+        }
+        for d in (False, True)
+        for f in (0.25, 0.5, 1.0, 2.0)
     ]
     table = rep.sweep_table(points)
     assert table.count("\n") == 2 + len(points) - 1

@@ -53,16 +53,13 @@ def main() -> int:
     llm = engine(model, config, **llm_kw)
     sp = SamplingParams(max_tokens=8, temperature=0)
     batches = [[p] for p in prompts] if one_by_one else [prompts]
-    outs = [
-        o
-        for batch in batches
-        for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
-    ]
+    outs = [o for batch in batches for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)]
     worker = get_kv_transfer_group()._worker
     flushed = worker.engine.flush(60)
     stats = worker.stats()
     print(
-        "RESULT " + json.dumps(
+        "RESULT "
+        + json.dumps(
             {
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "cached": [o.num_cached_tokens for o in outs],

@@ -40,7 +40,10 @@ def main() -> int:
             data = json.dumps(
                 {
                     "choices": [{"index": 0, "text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids)}],
-                    "usage": {"prompt_tokens": len(body["prompt"]), "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}},
+                    "usage": {
+                        "prompt_tokens": len(body["prompt"]),
+                        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                    },
                     "lmcache": {"saved_tokens": stats["saved_tokens"], "loaded_tokens": stats["loaded_tokens"]},
                 }
             ).encode()

@@ -55,7 +55,9 @@ def _request(tokens, mm=None, params=None, rid="r"):
 def _image(ident, offset, length):
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-    return MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=offset, length=length))
+    return MultiModalFeatureSpec(
+        data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=offset, length=length)
+    )
 
 
 def _sched(**cfg):

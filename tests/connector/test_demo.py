@@ -21,7 +21,10 @@ def test_quick_demo_first_screen_is_short_and_quiet(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_CORE_", "VLLM_LOGGING"))}
     res = subprocess.run(
         [str(SCRIPT), "demo", "--quick", "--docs", "2", "--doc-tokens", "600", "--model-dir", str(tmp_path / "model")],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     screen = res.stdout.replace("\r", "\n")

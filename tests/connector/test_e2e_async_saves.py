@@ -70,4 +70,3 @@ def test_preemption_waits_for_background_saves(tiny_model, reference, monkeypatc
         warm = run(llm, prompts, greedy(180))
         assert token_ids(warm) == ref
         assert all(o.num_cached_tokens >= 2 * CS for o in warm)
-

@@ -28,7 +28,12 @@ def _engine(model: Path, config: dict[str, Any], env: dict[str, str] | None = No
     if hold:
         args.append("--hold")
     return subprocess.Popen(
-        args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        args,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env={**os.environ, **(env or {})},
     )
 
@@ -76,7 +81,8 @@ def _moto_process(port: int) -> Any:
     this process, and vLLM's CPU start-up trips over flask's context proxies."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     for _ in range(100):  # bounded: 10 s
         try:
@@ -106,8 +112,12 @@ def test_s3_tier_across_processes(tiny_model):
     endpoint = f"http://127.0.0.1:{port}"
     try:
         s3 = boto3.client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], config=Config(s3={"addressing_style": "path"}),
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            config=Config(s3={"addressing_style": "path"}),
         )
         s3.create_bucket(Bucket="lmcache-e2e")
         section = {"name": "s3", "bucket": "lmcache-e2e", "endpoint_url": endpoint, "addressing_style": "path"}
@@ -132,9 +142,24 @@ def test_peer_tier_across_processes(tiny_model):
     pytest.importorskip("lmcache_backend_peer")
     port = _free_port()
     secret = "peer-test-secret-0123456789"
-    cfg_a = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, {"name": "peer", "listen": f"127.0.0.1:{port}", "secret": secret}]}
-    cfg_b = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, {"name": "peer", "peers": [f"127.0.0.1:{port}"], "secret": secret}]}
-    cfg_bad = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, {"name": "peer", "peers": [f"127.0.0.1:{port}"], "secret": "wrong-secret-0123456789"}]}
+    cfg_a = {
+        "backends": [
+            {"name": "local_cpu", "max_size": "128MiB"},
+            {"name": "peer", "listen": f"127.0.0.1:{port}", "secret": secret},
+        ]
+    }
+    cfg_b = {
+        "backends": [
+            {"name": "local_cpu", "max_size": "128MiB"},
+            {"name": "peer", "peers": [f"127.0.0.1:{port}"], "secret": secret},
+        ]
+    }
+    cfg_bad = {
+        "backends": [
+            {"name": "local_cpu", "max_size": "128MiB"},
+            {"name": "peer", "peers": [f"127.0.0.1:{port}"], "secret": "wrong-secret-0123456789"},
+        ]
+    }
     proc_a = _engine(tiny_model, cfg_a, hold=True)
     try:
         a = _result(proc_a)
@@ -163,6 +188,7 @@ def test_two_engines_share_one_cache_node(tiny_model, tmp_path):
     wrong.write_text("wrong-secret-0123456789abcdef")
     node = PeerNode(["--max-size", "128MiB"], secret_file=secret)
     try:
+
         def cfg(secret_file: Path) -> dict[str, Any]:
             peer = {"name": "peer", "peers": [node.address], "secret_file": str(secret_file), "push": True, "max_size": 0}
             return {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, peer]}

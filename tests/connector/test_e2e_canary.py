@@ -53,7 +53,14 @@ def test_lying_tier_is_caught_quarantined_and_released(tiny_model, reference, tm
         for p in prompts * 2:
             v0 = w.verified_chunks
             out = run(llm, [p])[0]
-            rows.append((out.num_cached_tokens, w.verified_chunks - v0, eng.quarantine.is_quarantined("liar"), list(out.outputs[0].token_ids)))
+            rows.append(
+                (
+                    out.num_cached_tokens,
+                    w.verified_chunks - v0,
+                    eng.quarantine.is_quarantined("liar"),
+                    list(out.outputs[0].token_ids),
+                )
+            )
         sampled = [i for i, r in enumerate(rows) if r[1]]
         assert sampled, "no request was sampled: the test proves nothing"
         caught = next(i for i, r in enumerate(rows) if r[2])

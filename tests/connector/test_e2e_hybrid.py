@@ -45,9 +45,7 @@ CASES = {
     # Block size 384 for its GDN layers: chunk_size becomes 384; steps end at 768, 1536.
     # The first token computed after the hit reads the restored state directly (this
     # small model's GDN state fades within a few dozen tokens).
-    "qwen3_next": Case(
-        "qwen3_next", 1537, 1536, one_by_one=True, llm={"dtype": "bfloat16", "max_num_batched_tokens": 768}
-    ),
+    "qwen3_next": Case("qwen3_next", 1537, 1536, one_by_one=True, llm={"dtype": "bfloat16", "max_num_batched_tokens": 768}),
 }
 # Single-group models that must keep working: a dense model whose every layer has a
 # sliding window (grouped path: window pages in boundary objects), and MLA (dense block
@@ -138,9 +136,21 @@ def test_hybrid_round_trip_hits_and_matches(models, reference, name):
 
 def _engine(model: Path, config: dict[str, Any], prompts: list[list[int]], llm: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.connector.engine_proc", str(model), json.dumps(config), json.dumps(prompts),
-         "--llm", json.dumps(llm)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ},
+        [
+            sys.executable,
+            "-m",
+            "tests.connector.engine_proc",
+            str(model),
+            json.dumps(config),
+            json.dumps(prompts),
+            "--llm",
+            json.dumps(llm),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ},
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -69,7 +69,9 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
             w.take_stats_delta()
             assert w._reported.get("bypassed_tokens", 0) == w.bypassed_tokens  # shipped to vLLM's metrics
             ratio = statistics.median(warm) / statistics.median(cold)
-            print(f"bypassed: warm TTFT {statistics.median(warm) * 1000:.1f} ms vs recompute {statistics.median(cold) * 1000:.1f} ms ({ratio:.2f}x)")
+            print(
+                f"bypassed: warm TTFT {statistics.median(warm) * 1000:.1f} ms vs recompute {statistics.median(cold) * 1000:.1f} ms ({ratio:.2f}x)"
+            )
             assert ratio <= 1.10, f"warm TTFT {ratio:.2f}x recompute"
 
             # negative control: the same engine told to always load pays the slow reads

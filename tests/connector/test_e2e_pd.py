@@ -37,7 +37,12 @@ def _start(args: list[str], ready: str) -> tuple[subprocess.Popen, str]:
 
 def _spawn(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        args,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
 
@@ -88,7 +93,18 @@ def _url(proc: subprocess.Popen) -> str:
 
 
 def _proxy(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, str(ROOT / "examples" / "pd_proxy.py"), "--prefill", prefill, "--decode", decode, "--port", "0", "--timeout", "120"]
+    args = [
+        sys.executable,
+        str(ROOT / "examples" / "pd_proxy.py"),
+        "--prefill",
+        prefill,
+        "--decode",
+        decode,
+        "--port",
+        "0",
+        "--timeout",
+        "120",
+    ]
     return _start(args, "pd_proxy listening on ")
 
 

@@ -22,11 +22,23 @@ PROMPTS = [random_prompt(1000, 1), random_prompt(900, 2)]
 HITS = [768, 768]
 
 
-def _tp2(model: Path, config: dict[str, Any] | None, prompts: list[list[int]] = PROMPTS, llm: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def _tp2(
+    model: Path, config: dict[str, Any] | None, prompts: list[list[int]] = PROMPTS, llm: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.connector.tp_proc", str(model), json.dumps(config) if config else "none",
-         json.dumps(prompts), json.dumps(llm or {})],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "tests.connector.tp_proc",
+            str(model),
+            json.dumps(config) if config else "none",
+            json.dumps(prompts),
+            json.dumps(llm or {}),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
     for line in proc.stdout.splitlines():
@@ -39,8 +51,13 @@ def test_tensor_parallel_2_round_trip_and_restart(tiny_model, tmp_path):
     pytest.importorskip("lmcache_backend_disk")
     ref = _tp2(tiny_model, None)
     cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, {"name": "disk", "path": str(tmp_path / "kv")}]}
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-              "endpoint": f"ipc://{tmp_path}/ev.sock", "replay_endpoint": f"ipc://{tmp_path}/replay.sock"}
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "topic": "kv",
+        "endpoint": f"ipc://{tmp_path}/ev.sock",
+        "replay_endpoint": f"ipc://{tmp_path}/replay.sock",
+    }
     first = _tp2(tiny_model, cfg, llm={"kv_events_config": events})
     assert first[0]["cached"] == [0, 0] and first[1]["cached"] == HITS
     # KV events: both ranks report every chunk; the router hears of each once per tier.

@@ -58,7 +58,9 @@ def test_describe_groups_kinds_and_fingerprint():
 def test_describe_groups_rejects_unknown_kinds_clearly():
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
-    spec = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, attention_chunk_size=64)
+    spec = ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, attention_chunk_size=64
+    )
     with pytest.raises(UnsupportedGroupError, match="ChunkedLocalAttentionSpec.*supported are full attention"):
         describe_groups(_config(spec, _attn()), default_block_size=BS)
     # Alone it keeps the dense path of 0.1.0 (whole blocks): no model that ran stops.

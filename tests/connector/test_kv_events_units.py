@@ -19,9 +19,7 @@ CS, BS = 4, 2
 
 def _request(n_tokens: int) -> SimpleNamespace:
     toks = list(range(100, 100 + n_tokens))
-    return SimpleNamespace(
-        block_hashes=[bytes([i]) * 32 for i in range(n_tokens // BS)], all_token_ids=toks, lora_request=None
-    )
+    return SimpleNamespace(block_hashes=[bytes([i]) * 32 for i in range(n_tokens // BS)], all_token_ids=toks, lora_request=None)
 
 
 def _batch(*events: tuple[int, str, str, bytes]) -> LMCacheCoreKVEvents:

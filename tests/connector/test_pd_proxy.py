@@ -29,9 +29,23 @@ def _dead() -> str:
 @pytest.fixture(scope="module")
 def proxy():
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "pd_proxy.py"), "--prefill", _dead(), "--decode", _dead(),
-         "--port", "0", "--max-body", "1000", "--timeout", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "pd_proxy.py"),
+            "--prefill",
+            _dead(),
+            "--decode",
+            _dead(),
+            "--port",
+            "0",
+            "--max-body",
+            "1000",
+            "--timeout",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     line = proc.stdout.readline()  # bounded: the proxy prints it before serving, or exits
     assert line.startswith("pd_proxy listening on "), line
@@ -50,10 +64,25 @@ def _post(base: str, path: str, data: bytes) -> tuple[int, dict]:
 
 
 def test_prefill_request_is_one_unstreamed_token_of_the_same_prompt():
-    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 50, "stream": True, "stream_options": {"x": 1}, "n": 2,
-            "temperature": 0, "max_completion_tokens": 50}
+    body = {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"x": 1},
+        "n": 2,
+        "temperature": 0,
+        "max_completion_tokens": 50,
+    }
     out = prefill_body(body)
-    assert out == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False, "temperature": 0, "max_completion_tokens": 1}
+    assert out == {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 1,
+        "stream": False,
+        "temperature": 0,
+        "max_completion_tokens": 1,
+    }
     assert body["max_tokens"] == 50  # the decode engine gets the request unchanged
 
 

@@ -56,11 +56,30 @@ def test_vllm_serve_exports_connector_metrics(tiny_model, tmp_path):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--no-enable-prefix-caching",
-         "--max-model-len", "4096", "--max-num-batched-tokens", "1024",
-         "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(ktc)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(tiny_model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--no-enable-prefix-caching",
+            "--max-model-len",
+            "4096",
+            "--max-num-batched-tokens",
+            "1024",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--kv-transfer-config",
+            json.dumps(ktc),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -92,7 +111,7 @@ def test_vllm_serve_exports_connector_metrics(tiny_model, tmp_path):
         assert _metric(text, "lmcache_core:loaded_tokens_total") == 768
         assert _metric(text, "lmcache_core:saved_tokens_total") == 768
         assert _metric(text, "lmcache_core:lookups_total") >= 2
-        assert _metric(text, 'lmcache_core:tier_put_bytes_total') > 0
+        assert _metric(text, "lmcache_core:tier_put_bytes_total") > 0
         assert 'tier="local_cpu"' in text
         assert _metric(text, "lmcache_core:verified_chunks_total") == 3
         assert _metric(text, "lmcache_core:verify_mismatches_total") == 0

@@ -87,9 +87,7 @@ class TierPlugin:
         register("broken", self._make(BrokenTier))
 
 
-def make_distribution(
-    root: Path, dist: str, version: str, entry_points: Mapping[str, str], modules: Mapping[str, str]
-) -> None:
+def make_distribution(root: Path, dist: str, version: str, entry_points: Mapping[str, str], modules: Mapping[str, str]) -> None:
     """Install a distribution the way pip lays it out: a dist-info directory with
     METADATA and entry_points.txt, and its modules, all under ``root``."""
     info = root / f"{dist.replace('-', '_')}-{version}.dist-info"

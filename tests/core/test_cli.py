@@ -126,9 +126,7 @@ def test_plugin_commands_arrive_through_the_hook(
     tag = uuid.uuid4().hex[:8]
     good, bad = f"cmd_good_{tag}", f"cmd_bad_{tag}"
     (tmp_path / f"{good}.py").write_text(
-        "def setup(p):\n"
-        "    p.add_argument('--name', default='world')\n"
-        "    return lambda args: print('hello', args.name) or 0\n"
+        "def setup(p):\n    p.add_argument('--name', default='world')\n    return lambda args: print('hello', args.name) or 0\n"
     )
     (tmp_path / f"{bad}.py").write_text("import a_module_that_is_not_installed\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -74,8 +74,17 @@ def test_embedded_default_is_cpu_tier_only() -> None:
 
 @pytest.mark.parametrize(
     "text, expected",
-    [(1024, 1024), ("0", 0), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000),
-     ("4 KiB", 4096), ("10kb", 10_000), ("3TiB", 3 * 2**40), ("7b", 7)],
+    [
+        (1024, 1024),
+        ("0", 0),
+        ("512MiB", 512 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("4 KiB", 4096),
+        ("10kb", 10_000),
+        ("3TiB", 3 * 2**40),
+        ("7b", 7),
+    ],
 )
 def test_sizes(text: object, expected: int) -> None:
     assert parse_size(text) == expected
@@ -159,7 +168,9 @@ def test_known_but_missing_backend_says_what_to_install(name: str) -> None:
 
 def test_unknown_codec_lists_installed() -> None:
     loaded = load_config(env={"LMCACHE_CORE_SERDE": "zstd"}, overrides={"backends": [{"name": "local_cpu", "max_size": "1MiB"}]})
-    with pytest.raises(ConfigError, match=r"serde: unknown codec 'zstd' \(from env var LMCACHE_CORE_SERDE\); installed codecs: lz4, raw"):
+    with pytest.raises(
+        ConfigError, match=r"serde: unknown codec 'zstd' \(from env var LMCACHE_CORE_SERDE\); installed codecs: lz4, raw"
+    ):
         CacheEngine(loaded, namespace=NS, plugins=PluginManager(load_entry_points=False))
 
 

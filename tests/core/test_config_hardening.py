@@ -28,13 +28,16 @@ from lmcache_core.memory import available_memory
 from lmcache_core.plugins import PluginManager
 
 NS = KeyNamespace(model="config-hardening")
-LAUGHS = "\n".join(
-    [
-        'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]',
-        *(f"{c}: &{c} [{','.join(['*' + p] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")),
-        "tenant_salt: *i",
-    ]
-) + "\n"
+LAUGHS = (
+    "\n".join(
+        [
+            'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]',
+            *(f"{c}: &{c} [{','.join(['*' + p] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")),
+            "tenant_salt: *i",
+        ]
+    )
+    + "\n"
+)
 
 
 def write(tmp_path: Path, text: str | bytes, name: str = "cfg.yaml") -> Path:
@@ -51,8 +54,15 @@ def test_fractional_sizes_that_are_whole_bytes(text: str, expected: int) -> None
 
 @pytest.mark.parametrize(
     "bad, why",
-    [("0.5", "whole number of bytes"), ("1.3B", "whole number of bytes"), ("0.0001KB", "whole number"),
-     ("9" * 400, "expected a size"), ("9" * 25, "larger than"), (10**400, "larger than"), ("2000000TiB", "larger than")],
+    [
+        ("0.5", "whole number of bytes"),
+        ("1.3B", "whole number of bytes"),
+        ("0.0001KB", "whole number"),
+        ("9" * 400, "expected a size"),
+        ("9" * 25, "larger than"),
+        (10**400, "larger than"),
+        ("2000000TiB", "larger than"),
+    ],
 )
 def test_sizes_that_are_not_whole_or_too_large_are_value_errors(bad: object, why: str) -> None:
     with pytest.raises(ValueError, match=why) as err:
@@ -180,6 +190,9 @@ def test_short_peer_secret_is_refused_with_how_to_generate_one(tmp_path: Path) -
     assert load_secret(cfg, "backends[1]", "cfg.yaml") == b"0123456789abcdef"
     proc = subprocess.run(
         [sys.executable, "-m", "lmcache_backend_peer.cli", "--listen", "127.0.0.1:0"],
-        capture_output=True, text=True, timeout=60, env={"LMCACHE_PEER_SECRET": "x", "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"LMCACHE_PEER_SECRET": "x", "PATH": ""},
     )
     assert proc.returncode == 2 and "at least 16" in proc.stderr, proc.stderr

@@ -102,7 +102,10 @@ def test_the_suite_fails_exactly_the_broken_clauses(tmp_path: Path) -> None:
     (tmp_path / "test_broken_backends.py").write_text(SUITE_SRC)
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     failed: dict[str, set[str]] = {}
     for cls, test in re.findall(r"^FAILED \S*::(\w+)::(\w+)", res.stdout, re.M):

@@ -197,8 +197,11 @@ def test_pins_protect_chunks_between_lookup_and_load() -> None:
 @pytest.mark.parametrize("order", ["broken-first", "broken-last", "broken-only"])
 def test_a_failing_backend_means_misses_not_exceptions(order: str) -> None:
     cpu = {"name": "local_cpu", "max_size": "1MiB"}
-    backends = {"broken-first": [{"name": "broken"}, cpu], "broken-last": [cpu, {"name": "broken"}],
-                "broken-only": [{"name": "broken"}]}[order]
+    backends = {
+        "broken-first": [{"name": "broken"}, cpu],
+        "broken-last": [cpu, {"name": "broken"}],
+        "broken-only": [{"name": "broken"}],
+    }[order]
     with engine(backends, TierPlugin()) as eng:
         toks = prompt(30, 3)
         stored = eng.store(toks, chunks_for(toks))
@@ -300,7 +303,9 @@ def test_write_behind_uses_the_declared_write_concurrency(declared: int, monkeyp
     pm = PluginManager(load_entry_points=False)
     plugin = _ConcurrentPlugin()
     pm.register(plugin, name="concurrent")
-    loaded = load_config(env={}, overrides={"chunk_size": CS, "backends": [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "concurrent_tier"}]})
+    loaded = load_config(
+        env={}, overrides={"chunk_size": CS, "backends": [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "concurrent_tier"}]}
+    )
     with CacheEngine(loaded, namespace=NS, plugins=pm) as eng:
         toks = prompt(13, 12)
         eng.store(toks, chunks_for(toks))
@@ -316,7 +321,9 @@ def test_listeners_see_stores_per_tier_and_evictions() -> None:
     tier drops for room is reported as evicted, and nothing else is."""
     plugin = TierPlugin()
     events: list[Any] = []
-    with engine([{"name": "local_cpu", "max_size": f"{3 * CHUNK_BYTES}B", "eviction": "lru"}, {"name": "dict_tier"}], plugin) as eng:
+    with engine(
+        [{"name": "local_cpu", "max_size": f"{3 * CHUNK_BYTES}B", "eviction": "lru"}, {"name": "dict_tier"}], plugin
+    ) as eng:
         eng.add_listener(events.append)
         a, b = prompt(31, 2), prompt(32, 2)
         ka, kb = eng.keys(eng.hashes(a)), eng.keys(eng.hashes(b))
@@ -366,7 +373,9 @@ def test_an_engine_without_shared_writes_reads_shared_tiers_but_never_writes_the
     def make(writes: bool) -> CacheEngine:
         pm = PluginManager(load_entry_points=False)
         pm.register(Plugin(), name="shared-tier")
-        loaded = load_config(env={}, overrides={"chunk_size": CS, "backends": [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "shared_dict"}]})
+        loaded = load_config(
+            env={}, overrides={"chunk_size": CS, "backends": [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "shared_dict"}]}
+        )
         return CacheEngine(loaded, namespace=NS, plugins=pm, shared_writes=writes)
 
     a = prompt(51, 2)

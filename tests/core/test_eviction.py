@@ -33,6 +33,7 @@ class TestLru(EvictionPolicyConformance):
 
 class TestS3Fifo(EvictionPolicyConformance):
     loop_resistant = False  # a ghost hit enters the main FIFO, which a pure cycle still flushes
+
     def make_policy(self, capacity: int) -> EvictionPolicy:
         return S3FifoPolicy(capacity)
 
@@ -78,7 +79,10 @@ def test_default_policy_is_the_scan_resistant_one(tmp_path: Path) -> None:
 
 
 def test_unknown_policy_names_key_source_and_choices(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"backends\[0\]\.eviction: unknown eviction policy 'lfru' \(from .*c\.yaml\); installed policies: lru, s3fifo, tinylfu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"backends\[0\]\.eviction: unknown eviction policy 'lfru' \(from .*c\.yaml\); installed policies: lru, s3fifo, tinylfu",
+    ):
         _engine(tmp_path, "    eviction: lfru\n")
 
 
@@ -127,7 +131,10 @@ def test_engine_sweep_bars_quick() -> None:
     fewer chat tokens than LRU."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_eviction.py"), "--quick", "--policies", "lru,tinylfu"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS doc QA at 50%" in proc.stdout
@@ -154,7 +161,12 @@ def test_suite_prints_the_bars_from_sweep_points() -> None:
     def pt(workload: str, policy: str, f: float, hit: float, warm: float) -> dict[str, Any]:
         return {"workload": workload, "policy": policy, "disk": False, "fraction": f, "hit_rate": hit, "warm_hit_rate": warm}
 
-    good = [pt("docqa", "lru", 0.5, 0.0, 0.0), pt("docqa", "tinylfu", 0.5, 0.2, 0.41), pt("chat", "lru", 0.5, 0.4, 0.4), pt("chat", "tinylfu", 0.5, 0.45, 0.45)]
+    good = [
+        pt("docqa", "lru", 0.5, 0.0, 0.0),
+        pt("docqa", "tinylfu", 0.5, 0.2, 0.41),
+        pt("chat", "lru", 0.5, 0.4, 0.4),
+        pt("chat", "tinylfu", 0.5, 0.45, 0.45),
+    ]
     lines = rep.policy_bars(good, "tinylfu")
     assert lines[0].startswith("PASS doc QA at 50%") and "41.0% of warm tokens" in lines[0] and "lru 0.0%" in lines[0]
     assert lines[1].startswith("PASS chat at 50%")

@@ -45,8 +45,15 @@ def test_keys_are_identical_across_processes_with_different_hash_seeds() -> None
 
 @pytest.mark.parametrize(
     "change",
-    [{"model": "org/model-8b"}, {"layout": "token:cuda"}, {"dtype": "float16"}, {"rank": 0},
-     {"world_size": 4}, {"salt": "tenant-b"}, {"salt": None}],
+    [
+        {"model": "org/model-8b"},
+        {"layout": "token:cuda"},
+        {"dtype": "float16"},
+        {"rank": 0},
+        {"world_size": 4},
+        {"salt": "tenant-b"},
+        {"salt": None},
+    ],
 )
 def test_every_namespace_field_changes_the_key(change: dict[str, object]) -> None:
     h = chunk_hashes(list(range(CS)), CS)[0]
@@ -87,9 +94,19 @@ def test_canonical_string_round_trips() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["", "v1", "v2-" + "0" * 32 + "-" + "0" * 32, "v1-" + "0" * 32, "v1-" + "0" * 31 + "-" + "0" * 32,
-     "v1-" + "0" * 32 + "-" + "0" * 34, "v1-" + "A" * 32 + "-" + "0" * 32, "v1-" + "g" * 32 + "-" + "0" * 32,
-     "v1-" + "0" * 32 + "-" + "0" * 32 + "-x", "v1- " + "0" * 31 + "-" + "0" * 32, "v1-" + "0" * 32 + "-" + "0" * 32 + "\n"],
+    [
+        "",
+        "v1",
+        "v2-" + "0" * 32 + "-" + "0" * 32,
+        "v1-" + "0" * 32,
+        "v1-" + "0" * 31 + "-" + "0" * 32,
+        "v1-" + "0" * 32 + "-" + "0" * 34,
+        "v1-" + "A" * 32 + "-" + "0" * 32,
+        "v1-" + "g" * 32 + "-" + "0" * 32,
+        "v1-" + "0" * 32 + "-" + "0" * 32 + "-x",
+        "v1- " + "0" * 31 + "-" + "0" * 32,
+        "v1-" + "0" * 32 + "-" + "0" * 32 + "\n",
+    ],
 )
 def test_parse_rejects_malformed(bad: str) -> None:
     with pytest.raises(ValueError, match="not a chunk key"):

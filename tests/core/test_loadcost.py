@@ -90,7 +90,9 @@ class _SlowPlugin:
 def test_engine_measures_each_tier_and_reports_where_hits_are() -> None:
     pm = PluginManager(load_entry_points=False)
     with pm.registered(_SlowPlugin(), name="slow"):
-        cfg = CoreConfig(chunk_size=4, staging_size="4MiB", backends=[{"name": "local_cpu", "max_size": "1MiB"}, {"name": "slowread"}])
+        cfg = CoreConfig(
+            chunk_size=4, staging_size="4MiB", backends=[{"name": "local_cpu", "max_size": "1MiB"}, {"name": "slowread"}]
+        )
         with CacheEngine(cfg, namespace=KeyNamespace(model="m"), plugins=pm) as eng:
             tokens = list(range(16))  # 4 chunks
             hashes = eng.hashes(tokens)

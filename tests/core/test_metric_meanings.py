@@ -23,8 +23,9 @@ def _registry() -> dict[str, float]:
 
 
 def test_engine_counters_and_registry_count_the_same_things() -> None:
-    cfg = load_config(env={}, overrides={"chunk_size": CHUNK, "staging_size": "4MiB",
-                                         "backends": [{"name": "local_cpu", "max_size": "4MiB"}]})
+    cfg = load_config(
+        env={}, overrides={"chunk_size": CHUNK, "staging_size": "4MiB", "backends": [{"name": "local_cpu", "max_size": "4MiB"}]}
+    )
     with CacheEngine(cfg, namespace=KeyNamespace(model="meanings"), plugins=PluginManager(load_entry_points=False)) as eng:
         tokens = list(range(4 * CHUNK))
         chunks = [torch.full((8, 8), float(i), dtype=torch.float16) for i in range(4)]

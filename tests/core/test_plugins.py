@@ -29,10 +29,14 @@ def dists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     names are unique per test so nothing is cached in sys.modules between tests."""
     tag = uuid.uuid4().hex[:8]
     names = {"broken_mod": f"broken_plugin_{tag}", "good_mod": f"good_plugin_{tag}", "good_backend": f"good_{tag}"}
-    make_distribution(tmp_path, "broken-plugin", "1.0", {"broken": names["broken_mod"]},
-                      {names["broken_mod"]: BROKEN_PLUGIN_SRC})
-    make_distribution(tmp_path, "Good_Plugin", "2.3", {"good": names["good_mod"]},
-                      {names["good_mod"]: GOOD_PLUGIN_SRC.format(backend=names["good_backend"])})
+    make_distribution(tmp_path, "broken-plugin", "1.0", {"broken": names["broken_mod"]}, {names["broken_mod"]: BROKEN_PLUGIN_SRC})
+    make_distribution(
+        tmp_path,
+        "Good_Plugin",
+        "2.3",
+        {"good": names["good_mod"]},
+        {names["good_mod"]: GOOD_PLUGIN_SRC.format(backend=names["good_backend"])},
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     names["imports_log"] = str(tmp_path / f"{names['broken_mod']}.imports")
     return names

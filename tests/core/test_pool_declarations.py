@@ -17,7 +17,7 @@ from .helpers import make_distribution
 
 # A zero-copy tier as a third party would write it: chunks stay in the engine's pool
 # (put_buffer adopts the buffer), a byte budget, nothing ever evicted.
-ZERO_COPY_TIER_SRC = '''
+ZERO_COPY_TIER_SRC = """
 import threading
 from lmcache_core.backend import ZERO_COPY, BackendStats, StorageBackend, prefix_count
 from lmcache_core.config import parse_size
@@ -100,7 +100,7 @@ def pool_bytes(section):
 def register_backends(register):
     register("pool_tier", "{mod}:create", pool_bytes="{mod}:pool_bytes", description="zero-copy, declares its pool")
     register("pool_tier_undeclared", "{mod}:create", description="zero-copy, declares nothing")
-'''
+"""
 
 CHUNK = 256 << 10  # bytes per chunk
 TIER = 8 << 20
@@ -134,11 +134,14 @@ def _fill(engine: CacheEngine, n: int) -> int:
 def test_third_party_zero_copy_tier_gets_the_pool_it_declares(
     name: str, plugins: PluginManager, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = load_config(env={}, overrides={
-        "chunk_size": 16,
-        "staging_size": STAGING,
-        "backends": [{"name": name, "max_size": TIER}],
-    })
+    cfg = load_config(
+        env={},
+        overrides={
+            "chunk_size": 16,
+            "staging_size": STAGING,
+            "backends": [{"name": name, "max_size": TIER}],
+        },
+    )
     with caplog.at_level(logging.WARNING, logger="lmcache_core.engine"):
         engine = CacheEngine(cfg, namespace=KeyNamespace(model="zc"), plugins=plugins)
     with engine:

@@ -190,8 +190,14 @@ def test_wrong_headers_are_a_miss(edit, reason: str) -> None:  # type: ignore[no
 
 @pytest.mark.parametrize(
     "blob",
-    [b"", b"\x00" * 7, struct.pack("<Q", 2**40) + b"{}", struct.pack("<Q", 2) + b"[]",
-     struct.pack("<Q", 20000) + b"[" * 20000, b"\xff" * 64],
+    [
+        b"",
+        b"\x00" * 7,
+        struct.pack("<Q", 2**40) + b"{}",
+        struct.pack("<Q", 2) + b"[]",
+        struct.pack("<Q", 20000) + b"[" * 20000,
+        b"\xff" * 64,
+    ],
 )
 def test_garbage_is_a_miss(blob: bytes) -> None:
     with pytest.raises(FrameError):

@@ -69,9 +69,7 @@ def _setup_py(env_value: str | None) -> subprocess.CompletedProcess:
     env.pop("LMCACHE_CUDA_BUILD", None)
     if env_value is not None:
         env["LMCACHE_CUDA_BUILD"] = env_value
-    return subprocess.run(
-        [sys.executable, "setup.py", "--name"], cwd=CUDA_DIR, env=env, capture_output=True, text=True
-    )
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=CUDA_DIR, env=env, capture_output=True, text=True)
 
 
 def test_default_install_builds_nothing():

@@ -19,12 +19,7 @@ pytestmark = [
 ]
 
 LAYERS, HEADS, BLOCKS = 3, 4, 7
-MATRIX = [
-    pytest.param(b, d, name, id=f"B{b}-D{d}-{name}")
-    for b in (16, 32, 128)
-    for d in (64, 128)
-    for name in DTYPES
-]
+MATRIX = [pytest.param(b, d, name, id=f"B{b}-D{d}-{name}") for b in (16, 32, 128) for d in (64, 128) for name in DTYPES]
 DEV = "cuda"
 
 
@@ -80,8 +75,11 @@ def test_block_copy_matches_reference(block_size, head_size, dtype_name, permute
     layout = PagedLayout.from_layers(kv)
     ids = torch.tensor([5, 0, -1, 6, 2, BLOCKS], device=DEV)
     shape = (LAYERS, ids.numel(), layout.block_numel)
-    got = (torch.empty(shape, dtype=layout.dtype, pin_memory=True) if where == "pinned"
-           else torch.empty(shape, dtype=layout.dtype, device=DEV))
+    got = (
+        torch.empty(shape, dtype=layout.dtype, pin_memory=True)
+        if where == "pinned"
+        else torch.empty(shape, dtype=layout.dtype, device=DEV)
+    )
     kernels.gather_blocks(kv, ids, got)
     want = reference.gather_blocks(kv, ids, torch.empty(shape, dtype=layout.dtype, device=DEV))
     torch.cuda.synchronize()

@@ -32,9 +32,17 @@ def test_index_math_on_host(tmp_path):
     exe = tmp_path / "index_math_check"
     subprocess.run(
         [
-            "c++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror",
-            f"-I{_cuda_include()}", f"-I{CUDA_DIR / 'lmcache_cuda' / 'csrc'}",
-            str(CUDA_DIR / "native_tests" / "index_math_check.cpp"), "-o", str(exe),
+            "c++",
+            "-std=c++17",
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{_cuda_include()}",
+            f"-I{CUDA_DIR / 'lmcache_cuda' / 'csrc'}",
+            str(CUDA_DIR / "native_tests" / "index_math_check.cpp"),
+            "-o",
+            str(exe),
         ],
         check=True,
     )

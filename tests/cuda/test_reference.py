@@ -19,18 +19,11 @@ from lmcache_cuda.testing import (
 )
 
 LAYERS, HEADS, BLOCKS = 3, 2, 5
-MATRIX = [
-    pytest.param(b, d, name, id=f"B{b}-D{d}-{name}")
-    for b in (16, 32, 128)
-    for d in (64, 128)
-    for name in DTYPES
-]
+MATRIX = [pytest.param(b, d, name, id=f"B{b}-D{d}-{name}") for b in (16, 32, 128) for d in (64, 128) for name in DTYPES]
 
 
 def _kv(block_size: int, head_size: int, dtype_name: str, *, permuted: bool = False, seed: int = 0):
-    return random_paged_kv(
-        LAYERS, BLOCKS, HEADS, block_size, head_size, DTYPES[dtype_name], permuted=permuted, seed=seed
-    )
+    return random_paged_kv(LAYERS, BLOCKS, HEADS, block_size, head_size, DTYPES[dtype_name], permuted=permuted, seed=seed)
 
 
 def _token_buf(kv, n: int) -> torch.Tensor:
@@ -138,7 +131,11 @@ def test_layout_from_layers():
     kv = _kv(32, 128, "fp16", permuted=True)
     layout = PagedLayout.from_layers(kv)
     assert (layout.num_layers, layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.head_size) == (
-        LAYERS, BLOCKS, HEADS, 32, 128,
+        LAYERS,
+        BLOCKS,
+        HEADS,
+        32,
+        128,
     )
     assert (layout.stride_head, layout.stride_token) == (256, HEADS * 256)
     assert layout.blocks_are_dense()

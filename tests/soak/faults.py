@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 MODES = ("ok", "stopped", "slow", "5xx", "trickle")
-_5XX_BODY = (b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code>"
-             b"<Message>injected by the soak</Message></Error>")
+_5XX_BODY = b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code><Message>injected by the soak</Message></Error>"
 
 
 class S3FaultProxy:
@@ -128,8 +127,11 @@ class S3FaultProxy:
                 if not chunk:
                     return
                 left -= len(chunk)
-            c.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
-                      + f"Content-Length: {len(_5XX_BODY)}\r\nConnection: close\r\n\r\n".encode() + _5XX_BODY)
+            c.sendall(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+                + f"Content-Length: {len(_5XX_BODY)}\r\nConnection: close\r\n\r\n".encode()
+                + _5XX_BODY
+            )
         except (OSError, ValueError):
             pass
         finally:

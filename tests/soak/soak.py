@@ -79,8 +79,13 @@ class Moto:
     engine's RSS)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", MOTO_CHILD], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", MOTO_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.strip().isdigit():
@@ -95,8 +100,18 @@ class Moto:
 
 
 class Soak:
-    def __init__(self, duration_s: float, threads: int, workdir: Path, tmpfs: bool, seed: int = 12,
-                 docs: int = 160, chunks_per_doc: int = 4, fault_s: float = 4.0, gap_s: float = 1.5) -> None:
+    def __init__(
+        self,
+        duration_s: float,
+        threads: int,
+        workdir: Path,
+        tmpfs: bool,
+        seed: int = 12,
+        docs: int = 160,
+        chunks_per_doc: int = 4,
+        fault_s: float = 4.0,
+        gap_s: float = 1.5,
+    ) -> None:
         import torch
 
         self.duration_s, self.n_threads, self.workdir, self.tmpfs = duration_s, threads, workdir, tmpfs
@@ -131,24 +146,34 @@ class Soak:
         from faults import S3FaultProxy
         from peer_node import PeerNode
 
-        os.environ.update({
-            "AWS_ACCESS_KEY_ID": "AKIASOAKTEST00000001", "AWS_SECRET_ACCESS_KEY": "soak-secret-key-0000000000000000",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-        })
+        os.environ.update(
+            {
+                "AWS_ACCESS_KEY_ID": "AKIASOAKTEST00000001",
+                "AWS_SECRET_ACCESS_KEY": "soak-secret-key-0000000000000000",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": os.devnull,
+                "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            }
+        )
         for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
             os.environ.pop(k, None)
         self.moto = Moto()
         self.bucket = "lmc-soak"
-        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.moto.port}", region_name="us-east-1",
-                     config=Config(s3={"addressing_style": "path"})).create_bucket(Bucket=self.bucket)
+        boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{self.moto.port}",
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}),
+        ).create_bucket(Bucket=self.bucket)
         self.proxy = S3FaultProxy(("127.0.0.1", self.moto.port))
         secret_file = self.workdir / "peer.secret"
         secret_file.write_text(SECRET)
         # The node holds less than the working set, so S3 keeps serving reads too.
         self.node_budget = (3 + 8) * MiB
-        self.node = PeerNode(["--max-size", "3MiB", "--max-frame-size", "1MiB", "--max-inflight", "8MiB",
-                              "--timeout-ms", "1000"], secret_file)
+        self.node = PeerNode(
+            ["--max-size", "3MiB", "--max-frame-size", "1MiB", "--max-inflight", "8MiB", "--timeout-ms", "1000"], secret_file
+        )
         self.node_baseline = rss_of(self.node.pid)
         self.disk_dir = self.workdir / "disk"
         self.disk_dir.mkdir(exist_ok=True)
@@ -157,18 +182,40 @@ class Soak:
         from lmcache_core import CacheEngine, KeyNamespace, load_config
 
         self.pool_budget = (2 + 16) * MiB
-        cfg = load_config(env={}, overrides={
-            "chunk_size": CHUNK_TOKENS, "staging_size": "16MiB",
-            "backends": [
-                {"name": "local_cpu", "max_size": "2MiB"},
-                {"name": "disk", "path": str(self.disk_dir / "tier"), "max_size": "3MiB", "fsync": False},
-                {"name": "peer", "peers": [self.node.address], "secret": SECRET, "push": True, "max_size": 0,
-                 "timeout_ms": int(PEER_TIMEOUT_S * 1000), "connect_timeout_ms": 300, "retry_after_ms": 500},
-                {"name": "s3", "bucket": self.bucket, "endpoint_url": self.proxy.endpoint, "addressing_style": "path",
-                 "op_deadline_s": S3_DEADLINE_S, "connect_timeout_s": 0.5, "read_timeout_s": 1.0, "max_attempts": 2,
-                 "down_cooldown_s": 1.0, "max_concurrency": 4, "presence_ttl_s": 1.0},
-            ],
-        })
+        cfg = load_config(
+            env={},
+            overrides={
+                "chunk_size": CHUNK_TOKENS,
+                "staging_size": "16MiB",
+                "backends": [
+                    {"name": "local_cpu", "max_size": "2MiB"},
+                    {"name": "disk", "path": str(self.disk_dir / "tier"), "max_size": "3MiB", "fsync": False},
+                    {
+                        "name": "peer",
+                        "peers": [self.node.address],
+                        "secret": SECRET,
+                        "push": True,
+                        "max_size": 0,
+                        "timeout_ms": int(PEER_TIMEOUT_S * 1000),
+                        "connect_timeout_ms": 300,
+                        "retry_after_ms": 500,
+                    },
+                    {
+                        "name": "s3",
+                        "bucket": self.bucket,
+                        "endpoint_url": self.proxy.endpoint,
+                        "addressing_style": "path",
+                        "op_deadline_s": S3_DEADLINE_S,
+                        "connect_timeout_s": 0.5,
+                        "read_timeout_s": 1.0,
+                        "max_attempts": 2,
+                        "down_cooldown_s": 1.0,
+                        "max_concurrency": 4,
+                        "presence_ttl_s": 1.0,
+                    },
+                ],
+            },
+        )
         return CacheEngine(cfg, namespace=KeyNamespace(model="soak"))
 
     # -- load -----------------------------------------------------------------------
@@ -326,8 +373,11 @@ class Soak:
             "overruns": self.overruns,
             "hung_workers": hung,
             "latency_ms": {
-                op: {"p50": round(percentile(v, 0.5) * 1000, 2), "p99": round(percentile(v, 0.99) * 1000, 2),
-                     "max": round(max(v, default=0) * 1000, 1)}
+                op: {
+                    "p50": round(percentile(v, 0.5) * 1000, 2),
+                    "p99": round(percentile(v, 0.99) * 1000, 2),
+                    "max": round(max(v, default=0) * 1000, 1),
+                }
                 for op, v in [*self.lat.items(), ("all", everything)]
             },
             "faults": dict(self.faults),
@@ -347,8 +397,9 @@ class Soak:
                 "node_budget": self.node_budget // MiB,
             },
             "tiers": tiers,
-            "engine": {k: stats.get(k) for k in ("stored_chunks", "retrieved_chunks", "load_errors", "dropped_writes",
-                                                 "backend_errors")},
+            "engine": {
+                k: stats.get(k) for k in ("stored_chunks", "retrieved_chunks", "load_errors", "dropped_writes", "backend_errors")
+            },
         }
 
 
@@ -357,8 +408,18 @@ def launch(duration_s: float, workdir: Path, threads: int = 4, timeout_s: float 
     the disk tier when this machine allows it (else without the disk-full fault).
     Returns the JSON report."""
     out = workdir / "report.json"
-    args = [sys.executable, str(Path(__file__).resolve()), "--duration", str(duration_s), "--threads", str(threads),
-            "--workdir", str(workdir), "--out", str(out)]
+    args = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--duration",
+        str(duration_s),
+        "--threads",
+        str(threads),
+        "--workdir",
+        str(workdir),
+        "--out",
+        str(out),
+    ]
     timeout = timeout_s if timeout_s is not None else duration_s + 180
     disk = workdir / "disk"
     disk.mkdir(parents=True, exist_ok=True)
@@ -366,8 +427,9 @@ def launch(duration_s: float, workdir: Path, threads: int = 4, timeout_s: float 
     if shutil.which("unshare") is not None:
         unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
         script = f'mount -t tmpfs -o size={TMPFS_SIZE} tmpfs "{disk}" || exit 97\nexec "$@"'
-        r = subprocess.run([*unshare, "sh", "-ec", script, "soak", *args, "--tmpfs"], capture_output=True, text=True,
-                           timeout=timeout)
+        r = subprocess.run(
+            [*unshare, "sh", "-ec", script, "soak", *args, "--tmpfs"], capture_output=True, text=True, timeout=timeout
+        )
         if r.returncode != 97:
             if r.returncode != 0:
                 raise RuntimeError(f"soak failed (rc={r.returncode}): {r.stderr[-4000:]}")

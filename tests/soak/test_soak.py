@@ -27,8 +27,21 @@ RSS_MARGIN_MIB = 96  # interpreter, boto3/botocore clients, thread stacks, disk 
 
 def test_short_soak_under_faults_serves_no_wrong_data_and_no_overruns(tmp_path: Path) -> None:
     r = launch(DURATION_S, tmp_path, threads=4, timeout_s=DURATION_S + 100)
-    summary = {k: r[k] for k in ("ops", "wrong", "overruns", "faults", "skipped", "latency_ms", "rss_mb", "tiers",
-                                  "timings", "s3_deadline_overruns_cut")}
+    summary = {
+        k: r[k]
+        for k in (
+            "ops",
+            "wrong",
+            "overruns",
+            "faults",
+            "skipped",
+            "latency_ms",
+            "rss_mb",
+            "tiers",
+            "timings",
+            "s3_deadline_overruns_cut",
+        )
+    }
     print(json.dumps(summary))
     assert r["wrong"] == 0, r["wrong_detail"]
     assert r["overruns"] == 0 and r["latency_ms"]["all"]["max"] < BOUND_S * 1000

@@ -236,7 +236,12 @@ class DiskBackend(StorageBackend):
             with ThreadPoolExecutor(max_workers=self.cfg.io_threads, thread_name_prefix="lmcache-disk-scan") as pool:
                 pace = Pacer(self.cfg.scan_rate, self._scan_stop).wait if self.cfg.scan_rate else None
                 parts = scan_shards(
-                    self._root_fd, str(self.root), verify=verify, pool=pool, stop=self._scan_stop, pace=pace,
+                    self._root_fd,
+                    str(self.root),
+                    verify=verify,
+                    pool=pool,
+                    stop=self._scan_stop,
+                    pace=pace,
                     since=self._opened_at,
                 )
                 for part in parts:
@@ -256,7 +261,9 @@ class DiskBackend(StorageBackend):
                         next_log = time.monotonic() + PROGRESS_LOG_S
                         log.info(
                             "disk tier %s: background scan %d/256 shards, %d chunk files indexed",
-                            self.root, self._extra["scan_shards_done"], self._extra["scan_files"],
+                            self.root,
+                            self._extra["scan_shards_done"],
+                            self._extra["scan_files"],
                         )
             if self._scan_stop.is_set():
                 state = "stopped"
@@ -277,8 +284,13 @@ class DiskBackend(StorageBackend):
             log.info(
                 "disk tier %s: index complete: %d chunk files in %.2f s (%d invalid removed, %d stale temps removed, "
                 "%d foreign files kept), %d evictions",
-                self.root, self._extra["scan_files"], time.perf_counter() - t0, total.bad_removed, total.stale_temps,
-                total.foreign_kept, self._stats.evictions,
+                self.root,
+                self._extra["scan_files"],
+                time.perf_counter() - t0,
+                total.bad_removed,
+                total.stale_temps,
+                total.foreign_kept,
+                self._stats.evictions,
             )
         except Exception:
             log.exception("disk tier %s: background start-up scan failed; serving goes on from the files", self.root)
@@ -416,7 +428,9 @@ class DiskBackend(StorageBackend):
             log.warning(
                 "disk tier: %s is not a directory (a symbolic link?): %s; the tier never follows links inside "
                 "its directory, so chunks of that shard are misses and are not stored; replace it with an "
-                "empty directory", self.root / name, err.strerror or err,
+                "empty directory",
+                self.root / name,
+                err.strerror or err,
             )
 
     # -- contract -----------------------------------------------------------------------
@@ -539,8 +553,9 @@ class DiskBackend(StorageBackend):
             if not self._evict_locked(budget, size):
                 return None
             temp = temp_name(size)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                         0o644, dir_fd=dfd)
+            fd = os.open(
+                temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644, dir_fd=dfd
+            )
             os.close(fd)
             budget.add(size)
             self._extra["dir_bytes"] = budget.last
@@ -795,7 +810,9 @@ class DiskBackend(StorageBackend):
             self._stats.misses += 1
         return False
 
-    def _read_verified(self, fd: int, offset: int, dst: memoryview, meta: dict[str, str], key: ChunkKey, path: Path, ino: int) -> bool:
+    def _read_verified(
+        self, fd: int, offset: int, dst: memoryview, meta: dict[str, str], key: ChunkKey, path: Path, ino: int
+    ) -> bool:
         """Read the payload into ``dst`` while hashing it; a short or corrupt file is
         dropped and the read is a miss."""
         hasher = payload_hasher(meta)

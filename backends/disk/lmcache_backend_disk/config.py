@@ -22,6 +22,4 @@ class DiskConfig(StrictModel):
     verify_on_start: bool = Field(
         True, description="the background start-up scan reads each file's header; truncated or foreign files are removed"
     )
-    scan_rate: int = Field(
-        0, ge=0, description="files per second the background start-up scan handles at most (0: no limit)"
-    )
+    scan_rate: int = Field(0, ge=0, description="files per second the background start-up scan handles at most (0: no limit)")

@@ -8,4 +8,8 @@ from lmcache_core.hookspecs import RegisterBackend, hookimpl
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    register("disk", "lmcache_backend_disk.backend:create_disk_backend", description="local disk tier (durable, shared by local processes, LRU)")
+    register(
+        "disk",
+        "lmcache_backend_disk.backend:create_disk_backend",
+        description="local disk tier (durable, shared by local processes, LRU)",
+    )

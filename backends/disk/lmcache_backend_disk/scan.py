@@ -116,7 +116,9 @@ def _scan_shard(
     except OSError as err:
         log.warning(
             "disk tier: %s is not a directory (a symbolic link?): %s; the tier never follows links inside its "
-            "directory, so that shard is not used; replace it with an empty directory", where, err.strerror or err,
+            "directory, so that shard is not used; replace it with an empty directory",
+            where,
+            err.strerror or err,
         )
         res.shards_refused += 1
         return res

@@ -95,7 +95,12 @@ class MooncakeBackend(StorageBackend):
         self._stats = BackendStats(
             self.name,
             extra=dict(
-                no_space=0, corrupt=0, transfer_errors=0, overruns=0, zero_copy_puts=0, copied_puts=0,
+                no_space=0,
+                corrupt=0,
+                transfer_errors=0,
+                overruns=0,
+                zero_copy_puts=0,
+                copied_puts=0,
                 setup_failures=0,
             ),
         )
@@ -146,8 +151,7 @@ class MooncakeBackend(StorageBackend):
                     log.debug("%s", err)
                 except Exception as err:  # a native error must not end the retries
                     self._gate.failed()
-                    log.warning("mooncake tier: connecting to master %s failed: %s: %s",
-                                self.cfg.master, type(err).__name__, err)
+                    log.warning("mooncake tier: connecting to master %s failed: %s: %s", self.cfg.master, type(err).__name__, err)
 
         self._reconnector = threading.Thread(target=loop, name="lmcache-mooncake-connect", daemon=True)
         self._reconnector.start()
@@ -220,7 +224,10 @@ class MooncakeBackend(StorageBackend):
         if self._gate.failed():
             log.warning(
                 "mooncake tier: %s against master %s failed (%s); every call is a miss for the next %.1fs, then retried",
-                op, self.cfg.master, why, self._gate.cooldown_s,
+                op,
+                self.cfg.master,
+                why,
+                self._gate.cooldown_s,
             )
 
     def _registered(self, t: torch.Tensor) -> bool:
@@ -291,8 +298,10 @@ class MooncakeBackend(StorageBackend):
             sizes = [caps[i] for i, _ in taken]
             slots = [s for _, s in taken]
             pending = self._start(
-                "get", lambda: client.get_into(names, ptrs, sizes),
-                on_late=lambda: self._staging.quarantine(slots), nbytes=sum(sizes),
+                "get",
+                lambda: client.get_into(names, ptrs, sizes),
+                on_late=lambda: self._staging.quarantine(slots),
+                nbytes=sum(sizes),
             )
             return pending, taken
 
@@ -329,8 +338,9 @@ class MooncakeBackend(StorageBackend):
             self._count(misses=1)
             if reason and ("caller expects" not in reason):
                 self._count(corrupt=1)
-                log.warning("mooncake tier: object %s is not a valid frame for its key (%s); treated as a miss",
-                            self._name(key), reason)
+                log.warning(
+                    "mooncake tier: object %s is not a valid frame for its key (%s); treated as a miss", self._name(key), reason
+                )
             return False
         self._count(hits=1, get_bytes=out.numel() * out.element_size())
         return True
@@ -391,9 +401,7 @@ class MooncakeBackend(StorageBackend):
                 assert keep_alive is not None
                 return client.put_parts(names, ptrs, sizes)
 
-            return self._start(
-                "put", call, on_late=lambda: self._staging.quarantine(all_slots), nbytes=sum(map(sum, sizes))
-            )
+            return self._start("put", call, on_late=lambda: self._staging.quarantine(all_slots), nbytes=sum(map(sum, sizes)))
 
         groups = _groups(list(range(len(items))), lambda i: items[i][1].numel() * items[i][1].element_size())
         current = prepare(groups[0]) if groups else []

@@ -88,9 +88,7 @@ class StoreClient:
             why = reachable(host, port, probe_timeout_s)
             if why is not None:
                 raise SetupFailed(why)
-        rc = self._store.setup(
-            self.hostname, c.metadata, c.segment_size, c.buffer_size, c.protocol, c.rdma_devices, c.master
-        )
+        rc = self._store.setup(self.hostname, c.metadata, c.segment_size, c.buffer_size, c.protocol, c.rdma_devices, c.master)
         if rc != 0:
             raise SetupFailed(f"setup returned {rc}")
         self.connected = True

@@ -48,8 +48,16 @@ _BY_CODE = {
 # Failures after which a transfer may still be writing into (or reading from) the
 # registered memory it was given: that memory must not be reused right away.
 _SAFE_FOR_MEMORY = frozenset(
-    {NO_AVAILABLE_HANDLE, TENANT_QUOTA_EXCEEDED, INVALID_PARAMS, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND,
-     OBJECT_ALREADY_EXISTS, RPC_FAIL, RPC_TIMEOUT}
+    {
+        NO_AVAILABLE_HANDLE,
+        TENANT_QUOTA_EXCEEDED,
+        INVALID_PARAMS,
+        REPLICA_IS_NOT_READY,
+        OBJECT_NOT_FOUND,
+        OBJECT_ALREADY_EXISTS,
+        RPC_FAIL,
+        RPC_TIMEOUT,
+    }
 )
 
 

@@ -54,9 +54,7 @@ class Deadline:
         worker once ``fn`` finally returns, to release what the call was using)."""
         return self.start(op, timeout_s, fn, on_late=on_late).wait()
 
-    def start(
-        self, op: str, timeout_s: float, fn: Callable[[], T], *, on_late: Callable[[], None] | None = None
-    ) -> "Pending[T]":
+    def start(self, op: str, timeout_s: float, fn: Callable[[], T], *, on_late: Callable[[], None] | None = None) -> "Pending[T]":
         """Like :meth:`run`, but returns at once; :meth:`Pending.wait` gives the result.
         The deadline counts from now, so the caller can work while the call runs."""
         if not self.gate.allow():

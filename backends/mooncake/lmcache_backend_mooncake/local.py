@@ -94,17 +94,20 @@ class LocalMaster:
         log = self.workdir / "master.log"
         args = [
             str(self.bin / "mooncake_master"),
-            f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--rpc_port={self.rpc_port}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={self.http_port}",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-            f"--client_ttl={self.client_ttl_s}", "--rpc_thread_num=2", "--enable_metric_reporting=false",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            f"--client_ttl={self.client_ttl_s}",
+            "--rpc_thread_num=2",
+            "--enable_metric_reporting=false",
         ]
         with log.open("ab") as f:
             offset = f.tell()
-        self.proc = subprocess.Popen(
-            args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.workdir, env=_LOGGING_ENV()
-        )
+        self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.workdir, env=_LOGGING_ENV())
 
         def ready() -> bool:
             # our own master said so (another process may have taken a port we picked) ...
@@ -148,9 +151,13 @@ class LocalSegmentOwner:
         log = self.master.workdir / f"owner-{self.port}.log"
         args = [
             str(self.master.bin / "mooncake_client"),
-            f"--master_server_address={self.master.master}", f"--metadata_server={self.master.metadata}",
-            "--host=127.0.0.1", f"--port={self.port}", f"--global_segment_size={self.size_mib} MB",
-            "--local_buffer_size=16 MB", "--protocol=tcp",
+            f"--master_server_address={self.master.master}",
+            f"--metadata_server={self.master.metadata}",
+            "--host=127.0.0.1",
+            f"--port={self.port}",
+            f"--global_segment_size={self.size_mib} MB",
+            "--local_buffer_size=16 MB",
+            "--protocol=tcp",
         ]
         with log.open("ab") as f:
             start = f.tell()

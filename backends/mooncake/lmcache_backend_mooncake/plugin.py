@@ -9,4 +9,8 @@ from lmcache_core.hookspecs import RegisterBackend, hookimpl
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    register("mooncake", "lmcache_backend_mooncake.factory:create_mooncake_backend", description="Mooncake Store: a DRAM pool shared across nodes")
+    register(
+        "mooncake",
+        "lmcache_backend_mooncake.factory:create_mooncake_backend",
+        description="Mooncake Store: a DRAM pool shared across nodes",
+    )

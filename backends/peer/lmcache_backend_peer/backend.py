@@ -219,9 +219,7 @@ class PeerBackend(StorageBackend):
         s.bytes_used = self.store.bytes_used
         s.evictions = self.store.evictions
         now = time.monotonic()
-        s.extra["peers"] = {
-            p.client.name: ("self" if p.is_self else "down" if p.down_until > now else "up") for p in self._peers
-        }
+        s.extra["peers"] = {p.client.name: ("self" if p.is_self else "down" if p.down_until > now else "up") for p in self._peers}
         if self.server is not None:
             s.extra["listen"] = f"{self.server.address[0]}:{self.server.address[1]}"
             s.extra["server"] = dict(self.server.stats)

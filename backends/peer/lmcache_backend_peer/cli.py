@@ -48,20 +48,31 @@ def _address(text: str) -> tuple[str, int]:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", type=_address, required=True, help="host:port to listen on (port 0: pick one)")
     p.add_argument("--secret-file", type=Path, help=f"file with the shared secret (else ${SECRET_ENV})")
-    p.add_argument("--tenants-file", type=Path,
-                   help="file of 'NAME SECRET' lines: each tenant sees only its own chunks (the shared secret becomes optional)")
+    p.add_argument(
+        "--tenants-file",
+        type=Path,
+        help="file of 'NAME SECRET' lines: each tenant sees only its own chunks (the shared secret becomes optional)",
+    )
     p.add_argument("--max-size", type=_size, default=parse_size("1GiB"), help="memory budget, e.g. 2GiB (default 1GiB)")
     p.add_argument("--max-frame-size", type=_size, default=parse_size("256MiB"), help="largest message (default 256MiB)")
     p.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline (default 5000)")
     p.add_argument("--max-connections", type=int, default=256, help="concurrent authenticated connections (default 256)")
-    p.add_argument("--max-unauthenticated", type=int, default=32,
-                   help="connections still authenticating, apart from --max-connections (default 32)")
-    p.add_argument("--max-unauthenticated-per-address", type=int, default=4,
-                   help="of those, from one client address (default 4)")
-    p.add_argument("--handshake-timeout-ms", type=int, default=1000,
-                   help="a new connection must authenticate within this (default 1000)")
-    p.add_argument("--max-inflight", type=_size, default=None,
-                   help="request bytes held at once across connections (default 2 x --max-frame-size)")
+    p.add_argument(
+        "--max-unauthenticated",
+        type=int,
+        default=32,
+        help="connections still authenticating, apart from --max-connections (default 32)",
+    )
+    p.add_argument("--max-unauthenticated-per-address", type=int, default=4, help="of those, from one client address (default 4)")
+    p.add_argument(
+        "--handshake-timeout-ms", type=int, default=1000, help="a new connection must authenticate within this (default 1000)"
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=_size,
+        default=None,
+        help="request bytes held at once across connections (default 2 x --max-frame-size)",
+    )
     p.add_argument("--read-only", action="store_true", help="refuse PUT and REMOVE")
 
 

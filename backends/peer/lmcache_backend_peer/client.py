@@ -249,4 +249,3 @@ class PeerClient:
                 raise ProtocolError(f"{self.name}: malformed REMOVE_OK")
             removed += msg.n
         return removed
-

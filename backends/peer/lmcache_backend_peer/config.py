@@ -69,7 +69,8 @@ class PeerConfig(StrictModel):
     secret: SecretStr | None = Field(None, description="shared secret (prefer secret_file)")
     secret_file: Path | None = Field(None, description="file holding the shared secret")
     tenant: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        None,
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
         description="authenticate as this tenant of a shared node; the secret is then the tenant's own",
     )
     max_size: ByteSize = Field(1 << 30, description="bytes of chunks kept (and served) by this tier; 0 keeps none")
@@ -80,9 +81,7 @@ class PeerConfig(StrictModel):
     pool_size: int = Field(4, ge=1, le=256, description="idle connections kept per peer")
     retry_after_ms: int = Field(1000, ge=0, description="a peer that failed is skipped for this long")
     max_connections: int = Field(64, ge=1, description="authenticated connections the server keeps at once")
-    max_unauthenticated: int = Field(
-        32, ge=1, description="connections still authenticating, kept apart from max_connections"
-    )
+    max_unauthenticated: int = Field(32, ge=1, description="connections still authenticating, kept apart from max_connections")
     max_unauthenticated_per_address: int = Field(4, ge=1, description="of those, from one client address")
     handshake_timeout_ms: int = Field(1000, gt=0, description="a new connection must authenticate within this")
     max_inflight: ByteSize | None = Field(

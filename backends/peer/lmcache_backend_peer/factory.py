@@ -45,8 +45,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
             raise ConfigError(f"{ctx.key_path}: {err} (from {ctx.source})") from None
         except OSError as err:
             raise ConfigError(
-                f"{ctx.key_path}.listen: cannot listen on {format_address(cfg.listen)}: "
-                f"{err.strerror or err} (from {ctx.source})"
+                f"{ctx.key_path}.listen: cannot listen on {format_address(cfg.listen)}: {err.strerror or err} (from {ctx.source})"
             ) from None
     peers = [a for a in dict.fromkeys(cfg.peers) if a != cfg.listen]
     clients = [

@@ -254,7 +254,9 @@ def parse_body(mtype: int, body: Buffer) -> Body:
         return Auth(bytes(mv[:NONCE_SIZE]), bytes(mv[NONCE_SIZE:]))
     if mtype == AUTH_TENANT:
         if not NONCE_SIZE + MAC_SIZE < mv.nbytes <= NONCE_SIZE + MAC_SIZE + MAX_TENANT_NAME:
-            raise ProtocolError(f"AUTH_TENANT body must be {NONCE_SIZE + MAC_SIZE + 1}..{NONCE_SIZE + MAC_SIZE + MAX_TENANT_NAME} bytes")
+            raise ProtocolError(
+                f"AUTH_TENANT body must be {NONCE_SIZE + MAC_SIZE + 1}..{NONCE_SIZE + MAC_SIZE + MAX_TENANT_NAME} bytes"
+            )
         name = bytes(mv[NONCE_SIZE + MAC_SIZE :]).decode("ascii", errors="replace")
         if not TENANT_NAME_RE.match(name):
             raise ProtocolError("AUTH_TENANT tenant name is not [A-Za-z0-9._-]{1,64}")

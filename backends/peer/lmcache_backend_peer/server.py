@@ -111,8 +111,14 @@ class PeerServer:
         self.inflight = ByteBudget(inflight)
         self.server_id = os.urandom(SERVER_ID_SIZE)
         self.stats = {
-            "connections": 0, "auth_failures": 0, "protocol_errors": 0, "requests": 0,
-            "rejected": 0, "rejected_unauthenticated": 0, "handshake_timeouts": 0, "busy": 0,
+            "connections": 0,
+            "auth_failures": 0,
+            "protocol_errors": 0,
+            "requests": 0,
+            "rejected": 0,
+            "rejected_unauthenticated": 0,
+            "handshake_timeouts": 0,
+            "busy": 0,
         }
         self._lock = threading.Lock()
         self._conns: set[Connection] = set()
@@ -258,10 +264,19 @@ class PeerServer:
             return False
         if not self.inflight.acquire(header.body_len, time.monotonic() + self.timeout):
             self._count("busy")
-            log.info("peer server %s: %s from %s refused: in-flight budget of %d bytes is in use",
-                     self.address, name, conn.peer, self.inflight.total)
-            self._refuse(conn, f"busy: {name} body of {header.body_len} bytes does not fit the node's in-flight "
-                               f"budget ({self.inflight.total} bytes) now; retry later", header.request_id)
+            log.info(
+                "peer server %s: %s from %s refused: in-flight budget of %d bytes is in use",
+                self.address,
+                name,
+                conn.peer,
+                self.inflight.total,
+            )
+            self._refuse(
+                conn,
+                f"busy: {name} body of {header.body_len} bytes does not fit the node's in-flight "
+                f"budget ({self.inflight.total} bytes) now; retry later",
+                header.request_id,
+            )
             return False
         return True
 

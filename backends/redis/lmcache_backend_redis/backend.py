@@ -136,7 +136,10 @@ class RedisBackend(StorageBackend):
             if self._gate.failed():
                 log.warning(
                     "redis tier: %s on %s failed (%s); every call is a miss for the next %.1fs",
-                    op, self.target, describe(err), self.cfg.down_cooldown_s,
+                    op,
+                    self.target,
+                    describe(err),
+                    self.cfg.down_cooldown_s,
                 )
             return
         self._gate.succeeded()
@@ -249,8 +252,12 @@ class RedisBackend(StorageBackend):
             log.debug("redis get %s: %s", self._name(key), reason)
             return
         self._add(corrupt=1)
-        log.warning("redis tier: value %s on %s is not a valid frame for its key (%s); treated as a miss",
-                    self._name(key), self.target, reason)
+        log.warning(
+            "redis tier: value %s on %s is not a valid frame for its key (%s); treated as a miss",
+            self._name(key),
+            self.target,
+            reason,
+        )
         if self.cfg.delete_corrupt:
             try:
                 self._conn().delete(self._name(key))
@@ -319,7 +326,9 @@ class RedisBackend(StorageBackend):
         log.warning(
             "redis tier: chunk %s is a %d-byte frame, over max_value_size (%d); not stored. Raise max_value_size "
             "(and the server's proto-max-bulk-len if above 512MiB) or use a smaller chunk_size",
-            key.to_str(), nbytes, self.cfg.max_value_size,
+            key.to_str(),
+            nbytes,
+            self.cfg.max_value_size,
         )
 
     def _put_refused(self, key: ChunkKey, err: BaseException) -> None:
@@ -335,7 +344,8 @@ class RedisBackend(StorageBackend):
                 log.warning(
                     "redis tier: %s is out of memory (%s); puts are skipped. Set maxmemory-policy allkeys-lru "
                     "(or volatile-lru with ttl_s) so the server evicts old chunks, or raise maxmemory",
-                    self.target, describe(err),
+                    self.target,
+                    describe(err),
                 )
             return
         self._add(skipped=1)

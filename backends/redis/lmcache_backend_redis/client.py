@@ -127,8 +127,17 @@ def classify(err: BaseException) -> Failure:
     if isinstance(
         err,
         (
-            RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, TryAgainError,
-            ReadOnlyError, ClusterError, RedisClusterException, ConnectionError, TimeoutError, OSError,
+            RedisConnectionError,
+            RedisTimeoutError,
+            BusyLoadingError,
+            ClusterDownError,
+            TryAgainError,
+            ReadOnlyError,
+            ClusterError,
+            RedisClusterException,
+            ConnectionError,
+            TimeoutError,
+            OSError,
         ),
     ):
         return Failure.UNAVAILABLE

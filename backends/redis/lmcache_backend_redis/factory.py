@@ -52,4 +52,3 @@ def create_redis_backend(section: Mapping[str, Any], ctx: BackendContext) -> Red
     if cfg.verify_on_start:
         checked_at_start(backend, lambda: _verify(backend, ctx))
     return backend
-

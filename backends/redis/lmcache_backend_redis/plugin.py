@@ -9,4 +9,8 @@ from lmcache_core.hookspecs import RegisterBackend, hookimpl
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    register("redis", "lmcache_backend_redis.factory:create_redis_backend", description="Redis or Valkey, single server or cluster (shared)")
+    register(
+        "redis",
+        "lmcache_backend_redis.factory:create_redis_backend",
+        description="Redis or Valkey, single server or cluster (shared)",
+    )

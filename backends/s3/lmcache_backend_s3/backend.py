@@ -100,7 +100,11 @@ class S3Backend(StorageBackend):
         if not was_down:
             log.warning(
                 "s3 tier: %s on bucket %r at %s failed (%s); every call is a miss for the next %.1fs",
-                op, self.bucket, self.endpoint, describe(err), self.cfg.down_cooldown_s,
+                op,
+                self.bucket,
+                self.endpoint,
+                describe(err),
+                self.cfg.down_cooldown_s,
             )
 
     def _raise(self, op: str, key: ChunkKey | None, err: BaseException) -> None:
@@ -202,8 +206,13 @@ class S3Backend(StorageBackend):
     def _upload(self, name: str, frame: bytes, deadline: float) -> None:
         if len(frame) >= self.cfg.multipart_threshold:
             multipart_put(
-                self.client, self.bucket, name, frame, self._pool,
-                part_size=self.cfg.multipart_chunksize, deadline=deadline,
+                self.client,
+                self.bucket,
+                name,
+                frame,
+                self._pool,
+                part_size=self.cfg.multipart_chunksize,
+                deadline=deadline,
             )
         else:
             self.client.put_object(Bucket=self.bucket, Key=name, Body=frame)
@@ -241,9 +250,18 @@ class S3Backend(StorageBackend):
         try:
             # The worker returns fresh bytes; only this thread writes into ``out``.
             frame = run_bounded(
-                self._ops, deadline, "get", ranged_get,
-                self.client, self.bucket, self._object(key), self._pool,
-                range_size=self.cfg.range_chunksize, max_bytes=max_bytes, deadline=deadline, watchdog=self._watchdog,
+                self._ops,
+                deadline,
+                "get",
+                ranged_get,
+                self.client,
+                self.bucket,
+                self._object(key),
+                self._pool,
+                range_size=self.cfg.range_chunksize,
+                max_bytes=max_bytes,
+                deadline=deadline,
+                watchdog=self._watchdog,
             )
         except ObjectTooLarge as err:
             self._gate.succeeded()
@@ -292,8 +310,12 @@ class S3Backend(StorageBackend):
         self._present.discard(key)
         with self._lock:
             self._corrupt += 1
-        log.warning("s3 tier: object %s in bucket %r is not a valid frame for its key (%s); treated as a miss",
-                    self._object(key), self.bucket, reason)
+        log.warning(
+            "s3 tier: object %s in bucket %r is not a valid frame for its key (%s); treated as a miss",
+            self._object(key),
+            self.bucket,
+            reason,
+        )
         if self.cfg.delete_corrupt:
             try:
                 self.client.delete_object(Bucket=self.bucket, Key=self._object(key))

@@ -33,14 +33,14 @@ class S3Config(StrictModel):
     max_attempts: int = Field(3, ge=1, le=20, description="attempts per request, the first included")
     retry_mode: Literal["standard", "adaptive", "legacy"] = Field("standard", description="botocore retry mode")
     op_deadline_s: float = Field(
-        10.0, gt=0, le=3600,
+        10.0,
+        gt=0,
+        le=3600,
         description="total deadline for one lookup, get, put or remove, retries included; past it: a miss and the endpoint counts as down",
     )
     multipart_threshold: ByteSize = Field(64 * 2**20, description="frames this large or larger use multipart upload")
     multipart_chunksize: ByteSize = Field(16 * 2**20, description="part size for multipart uploads (>= 5MiB)")
-    range_chunksize: ByteSize = Field(
-        16 * 2**20, description="bytes per GET; larger objects are fetched as parallel ranged GETs"
-    )
+    range_chunksize: ByteSize = Field(16 * 2**20, description="bytes per GET; larger objects are fetched as parallel ranged GETs")
     check_exists_before_put: bool = Field(
         True, description="HEAD before PUT so chunks another instance already stored are not uploaded again"
     )
@@ -77,7 +77,9 @@ class S3Config(StrictModel):
     @model_validator(mode="after")
     def _sizes(self) -> "S3Config":
         if self.multipart_chunksize < MIN_PART_SIZE:
-            raise ValueError(f"multipart_chunksize must be at least 5MiB (S3's minimum part size), got {self.multipart_chunksize}")
+            raise ValueError(
+                f"multipart_chunksize must be at least 5MiB (S3's minimum part size), got {self.multipart_chunksize}"
+            )
         if self.multipart_threshold < self.multipart_chunksize:
             raise ValueError("multipart_threshold must be at least multipart_chunksize")
         if self.range_chunksize < 64 * 2**10:

@@ -63,4 +63,3 @@ def create_s3_backend(section: Mapping[str, Any], ctx: BackendContext) -> S3Back
     if cfg.verify_on_start:
         checked_at_start(backend, lambda: _verify(backend, ctx))
     return backend
-

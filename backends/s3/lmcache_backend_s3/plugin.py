@@ -9,4 +9,6 @@ from lmcache_core.hookspecs import RegisterBackend, hookimpl
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    register("s3", "lmcache_backend_s3.factory:create_s3_backend", description="S3 or S3-compatible object store (shared, durable)")
+    register(
+        "s3", "lmcache_backend_s3.factory:create_s3_backend", description="S3 or S3-compatible object store (shared, durable)"
+    )

@@ -117,9 +117,7 @@ def multipart_put(
         futures = [pool.submit(upload, i + 1, lo) for i, lo in enumerate(range(0, len(data), part_size))]
         _wait_all(futures, deadline)
         parts = [f.result() for f in futures]
-        client.complete_multipart_upload(
-            Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}
-        )
+        client.complete_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts})
         return len(parts)
     except BaseException:
         try:

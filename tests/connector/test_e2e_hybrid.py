@@ -236,12 +236,13 @@ def test_hybrid_multiprocess_mp_executor(models, reference, name):
         assert token_ids(warm) == ref
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_next"])
+@pytest.mark.parametrize("name", [*CASES, *ROUND_TRIP_ONLY])
 def test_hybrid_canary_verifies_every_hit_without_mismatch(models, reference, name):
-    """``verify_fraction: 1.0``: every hit's full-attention chunk objects are recomputed
-    and compared with the stored ones; on honest tiers none differs (Gemma 3: fp32
-    sliding/full; Qwen3-Next: bf16, attention after gated delta-net layers)."""
-    case = CASES[name]
+    """``verify_fraction: 1.0``: every hit's full-attention (or MLA latent) chunk objects
+    are recomputed and compared with the stored ones; on honest tiers none differs, for
+    every family the connector supports (fp32 and bf16; sliding/full, sinks and MoE,
+    Mamba2 and gated delta-net hybrids, all-sliding, MLA at the same prefill split)."""
+    case = {**CASES, **ROUND_TRIP_ONLY}[name]
     prompts = _prompts(case)[:2]
     ref = reference(name, prompts)
     with make_llm(models[name], extra={"verify_fraction": 1.0}, **case.llm) as llm:

@@ -79,9 +79,11 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
+        if ktc is None:  # vLLM builds connectors only from a kv_transfer_config
+            raise ConfigError("LMCacheCoreConnector: vLLM gave no kv_transfer_config")
         self.settings = settings = load_settings(ktc.kv_connector_extra_config)
         try:
             self.plan = plan = describe_groups(kv_cache_config, vllm_config.cache_config.block_size)

@@ -81,6 +81,14 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def tokens_prompt(ids: list[int]) -> Any:
+    """vLLM's TokensPrompt (its optional keys are NotRequired from typing, which type
+    checkers for Python 3.10 read as required: built here once)."""
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)  # type: ignore[typeddict-item]
+
+
 def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> tuple[Any, Any]:
     """vLLM on CPU with the connector; returns the LLM and the connector's worker side."""
     from vllm import LLM
@@ -105,7 +113,11 @@ def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> t
             kv_connector_extra_config=extra,
         ),
     )
-    return llm, get_kv_transfer_group()._worker
+    from .connector import LMCacheCoreConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, LMCacheCoreConnector) and connector._worker is not None
+    return llm, connector._worker
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,18 +157,17 @@ def run(args: argparse.Namespace) -> int:
             llm, worker = _start_vllm(model_dir, doc_tokens, args)
             out.write(f"done in {time.perf_counter() - t0:.0f} s\n")
             from vllm import SamplingParams
-            from vllm.inputs import TokensPrompt
 
             sp = SamplingParams(max_tokens=1, temperature=0)
             docs = [random_prompt(doc_tokens, 1000 + d, spec.vocab_size) for d in range(n_docs)]
             questions = [[random_prompt(24, 5000 + d * 2 + q, spec.vocab_size) for q in range(2)] for d in range(n_docs)]
             plan = [(d, q) for q in range(2) for d in range(n_docs)]  # all cold first, then all warm
             results: dict[tuple[int, int], tuple[float, int, int]] = {}
-            llm.generate([TokensPrompt(prompt_token_ids=random_prompt(64, 1))], sp, use_tqdm=False)  # warm-up
+            llm.generate([tokens_prompt(random_prompt(64, 1))], sp, use_tqdm=False)  # warm-up
             for d, q in tqdm(plan, desc="requests (cold pass, then warm)", unit="req", file=out):
                 before = worker.stats()["loaded_tokens"]
                 t = time.perf_counter()
-                generated = llm.generate([TokensPrompt(prompt_token_ids=docs[d] + questions[d][q])], sp, use_tqdm=False)
+                generated = llm.generate([tokens_prompt(docs[d] + questions[d][q])], sp, use_tqdm=False)
                 ttft = time.perf_counter() - t
                 results[(d, q)] = (ttft, generated[0].num_cached_tokens or 0, worker.stats()["loaded_tokens"] - before)
             stats = worker.stats()["engine"]

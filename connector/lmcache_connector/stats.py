@@ -69,11 +69,12 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
             key: self._per_engine(self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames))
             for key, (name, doc) in COUNTERS.items()
         }
-        self._tier_counters = {
+        # vLLM types its metric classes as one union of Gauge/Counter/Histogram
+        self._tier_counters: dict[str, Any] = {
             key: self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=[*labelnames, "tier"])
             for key, (name, doc) in TIER_COUNTERS.items()
         }
-        self._tier_gauges = {
+        self._tier_gauges: dict[str, Any] = {
             key: self._gauge_cls(name=PREFIX + name, documentation=doc, labelnames=[*labelnames, "tier"])
             for key, (name, doc) in TIER_GAUGES.items()
         }

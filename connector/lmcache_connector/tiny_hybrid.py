@@ -47,6 +47,10 @@ FAMILIES: dict[str, HybridSpec] = {
 }
 
 
+# DeepseekV2Config takes rope_scaling through **kwargs (not in its signature).
+NO_ROPE_SCALING: dict[str, Any] = {"rope_scaling": None}
+
+
 def _config(spec: HybridSpec) -> Any:
     import transformers as tf
 
@@ -152,8 +156,8 @@ def _config(spec: HybridSpec) -> Any:
             n_routed_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=128,
-            rope_scaling=None,
             **common,
+            **NO_ROPE_SCALING,
         )
     raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")
 

@@ -178,7 +178,7 @@ class WorkerSide:
         self.engine.record_lookup(len(hashes), n)
         return k
 
-    def _worth_loading(self, hashes: list[bytes], runs: list[tuple[int, int]], pin_id: str) -> int:
+    def _worth_loading(self, hashes: Sequence[bytes], runs: list[tuple[int, int]], pin_id: str) -> int:
         """``faster_than_recompute``: the hit prefix worth loading; the chunks past it
         are unpinned and counted as bypassed."""
         assert self.engine is not None
@@ -210,7 +210,7 @@ class WorkerSide:
             )
         return k
 
-    def _restorable(self, hashes: list[bytes], n: int, pin_id: str | None) -> int:
+    def _restorable(self, hashes: Sequence[bytes], n: int, pin_id: str | None) -> int:
         """The longest prefix of ``n`` present chunks that also has its boundary object
         (window pages / states), probing at most ``MAX_BOUNDARY_PROBES`` boundaries
         from the longest down; that boundary is pinned with the chunks."""
@@ -259,7 +259,7 @@ class WorkerSide:
             self._step_load_s += time.perf_counter() - t_start
 
     def _load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
-        assert self.engine is not None and self.layout is not None
+        assert self.engine is not None and self.layout is not None and not isinstance(self.layout, GroupedLayout)
         t0 = time.perf_counter()
         loaded = 0
         for i, h in enumerate(t.hashes):
@@ -387,7 +387,7 @@ class WorkerSide:
 
     def _save(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         """Gather and store chunk by chunk: one pool buffer in flight at a time."""
-        assert self.engine is not None and self.layout is not None
+        assert self.engine is not None and self.layout is not None and not isinstance(self.layout, GroupedLayout)
         t0 = time.perf_counter()
         saved = 0
         try:
@@ -424,12 +424,12 @@ class WorkerSide:
                     hi - lo,
                     lambda out: self.layout.save_chunk(t.group_block_ids, lo, hi, out),
                     verify,
-                ):  # type: ignore[union-attr,arg-type]
+                ):
                     saved += hi - lo
             for bh, end in t.boundaries:
                 self._store_one(
                     bh, self.layout.boundary_shape(end), 0, lambda out: self.layout.save_boundary(t.group_block_ids, end, out)
-                )  # type: ignore[union-attr,arg-type]
+                )
         finally:
             with self._lock:
                 self.saved_tokens += saved

@@ -33,7 +33,7 @@ from lmcache_connector.tiny_model import TEST_SPEC, build_tiny_model, random_pro
 
 def _llm(model: Path, extra: dict[str, Any], **kw: Any) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
 
     args: dict[str, Any] = dict(
         model=str(model),
@@ -41,12 +41,7 @@ def _llm(model: Path, extra: dict[str, Any], **kw: Any) -> Any:
         kv_cache_memory_bytes=256 << 20,
         enable_prefix_caching=False,
         seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra,
-        ),
+        kv_transfer_config=kv_transfer_config(extra),
     )
     args.update(kw)
     return LLM(**args)

@@ -50,6 +50,7 @@ def engine(
     ``vllm-prefix-cache``); ``extra`` is the connector's ``kv_connector_extra_config``."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
 
     kw: dict[str, Any] = dict(
         model=str(model),
@@ -70,12 +71,7 @@ def engine(
             kv_connector_extra_config={"shared_storage_path": str(tmp / "example")},
         )
     elif system == "lmcache":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=dict(extra or {}),
-        )
+        kw["kv_transfer_config"] = kv_transfer_config(extra)
     return LLM(**kw)
 
 

@@ -49,6 +49,7 @@ def child(model: str, system: str, store: str, prompts: list[list[int]]) -> None
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
     from vllm.inputs import TokensPrompt
 
     kw: dict[str, Any] = dict(
@@ -66,13 +67,8 @@ def child(model: str, system: str, store: str, prompts: list[list[int]]) -> None
             kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": store}
         )
     elif system == "lmcache-disk":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "backends": [{"name": "local_cpu", "max_size": "1GiB"}, {"name": "disk", "path": store, "max_size": "8GiB"}]
-            },
+        kw["kv_transfer_config"] = kv_transfer_config(
+            {"backends": [{"name": "local_cpu", "max_size": "1GiB"}, {"name": "disk", "path": store, "max_size": "8GiB"}]}
         )
     llm = LLM(**kw)
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up, no reuse

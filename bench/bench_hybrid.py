@@ -36,7 +36,7 @@ BATCH = {"granite_hybrid": 1024, "qwen3_next": 1536}
 
 def engine(model: Path, family: str, dtype: str) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
 
     return LLM(
         model=str(model),
@@ -47,12 +47,7 @@ def engine(model: Path, family: str, dtype: str) -> Any:
         kv_cache_memory_bytes=256 << 20,
         enable_prefix_caching=False,
         seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"chunk_size": CHUNK, "backends": [{"name": "local_cpu", "max_size": "1GiB"}]},
-        ),
+        kv_transfer_config=kv_transfer_config({"chunk_size": CHUNK, "backends": [{"name": "local_cpu", "max_size": "1GiB"}]}),
     )
 
 

@@ -100,7 +100,7 @@ class DelayedPlugin:
 
 def make_llm(model: Path, max_len: int, mode: str, delay_ms: float) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
 
     kw: dict[str, Any] = dict(
         model=str(model),
@@ -113,16 +113,13 @@ def make_llm(model: Path, max_len: int, mode: str, delay_ms: float) -> Any:
         seed=0,
     )
     if mode != "recompute":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_connector_module_path="lmcache_connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
+        kw["kv_transfer_config"] = kv_transfer_config(
+            {
                 "chunk_size": CHUNK,
                 "load_policy": mode,
                 "backends": [{"name": "delayed", "get_delay_ms": delay_ms}],
             },
+            kv_connector_module_path="lmcache_connector",
         )
     return LLM(**kw)
 

@@ -35,7 +35,7 @@ def child(model: str, config: dict[str, Any] | None, prompts: list[list[int]], p
     """One vLLM process: TTFT of each prompt per pass, as a JSON line."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
@@ -48,12 +48,7 @@ def child(model: str, config: dict[str, Any] | None, prompts: list[list[int]], p
         kv_cache_memory_bytes=512 << 20,
         enable_prefix_caching=False,
         seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=config,
-        ),
+        kv_transfer_config=kv_transfer_config(config),
     )
     from bench_disk_ttft import ttft
 

@@ -356,6 +356,7 @@ class Setup:
 def make_llm(setup: Setup, system: System, tiers: list[dict[str, Any]] | None, services: Services) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
 
     kw: dict[str, Any] = {
         "model": str(setup.model),
@@ -374,12 +375,8 @@ def make_llm(setup: Setup, system: System, tiers: list[dict[str, Any]] | None, s
             kv_connector_extra_config={"shared_storage_path": services.tmpdir("example-")},
         )
     elif system.kind == "lmc":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_connector_module_path="lmcache_connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"backends": tiers, "chunk_size": CHUNK},
+        kw["kv_transfer_config"] = kv_transfer_config(
+            {"backends": tiers, "chunk_size": CHUNK}, kv_connector_module_path="lmcache_connector"
         )
     return LLM(**kw)
 

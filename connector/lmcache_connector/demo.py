@@ -92,7 +92,7 @@ def tokens_prompt(ids: list[int]) -> Any:
 def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> tuple[Any, Any]:
     """vLLM on CPU with the connector; returns the LLM and the connector's worker side."""
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from .transfer_config import kv_transfer_config
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     extra: dict[str, Any] = {}
@@ -106,12 +106,7 @@ def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> t
         kv_cache_memory_bytes=256 << 20,
         enable_prefix_caching=args.vllm_prefix_cache,
         use_tqdm_on_load=args.verbose,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra,
-        ),
+        kv_transfer_config=kv_transfer_config(extra),
     )
     from .connector import LMCacheCoreConnector
 

@@ -39,15 +39,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def connector_config(role: str = "kv_both", **extra: Any):
-    from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
 
-    return KVTransferConfig(
-        kv_connector="LMCacheCoreConnector",
-        kv_connector_module_path="lmcache_connector",
-        kv_role=role,
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config=extra,
-    )
+    return kv_transfer_config(extra, role=role, kv_connector_module_path="lmcache_connector")
 
 
 @contextmanager

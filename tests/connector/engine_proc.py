@@ -19,7 +19,7 @@ def engine(model: str, config: dict, role: str = "kv_both", **llm_kw: object) ->
     """The test engines' ``LLM``: in-process, CPU-sized, prefix caching off, the
     connector with ``config`` as its extra config and ``role`` as its kv_role."""
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
 
     args: dict = dict(
         model=model,
@@ -33,12 +33,7 @@ def engine(model: str, config: dict, role: str = "kv_both", **llm_kw: object) ->
     args.update(llm_kw)
     return LLM(
         **args,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role=role,
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=config,
-        ),
+        kv_transfer_config=kv_transfer_config(config, role=role),
     )
 
 

@@ -43,7 +43,7 @@ def _replay(endpoint: str, timeout_s: float = 30.0) -> list[list]:
 def main() -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from lmcache_connector.transfer_config import kv_transfer_config
     from vllm.inputs import TokensPrompt
 
     model, config, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -65,12 +65,7 @@ def main() -> int:
 
         kw["kv_events_config"] = KVEventsConfig(**kw["kv_events_config"])
     if config != "none":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheCoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=json.loads(config),
-        )
+        kw["kv_transfer_config"] = kv_transfer_config(json.loads(config))
     llm = LLM(**kw)
     sp = SamplingParams(max_tokens=8, temperature=0)
     passes = []

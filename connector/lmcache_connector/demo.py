@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
+from .transfer_config import tokens_prompt
 from .tiny_model import DEMO_SPEC, TinyModelSpec, build_tiny_model, random_prompt
 
 QUICK_SPEC = TinyModelSpec(
@@ -79,14 +80,6 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def tokens_prompt(ids: list[int]) -> Any:
-    """vLLM's TokensPrompt (its optional keys are NotRequired from typing, which type
-    checkers for Python 3.10 read as required: built here once)."""
-    from vllm.inputs import TokensPrompt
-
-    return TokensPrompt(prompt_token_ids=ids)  # type: ignore[typeddict-item]
 
 
 def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> tuple[Any, Any]:

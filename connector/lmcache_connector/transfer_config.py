@@ -1,5 +1,5 @@
-"""The ``KVTransferConfig`` that puts lmcache-core into a vLLM engine, in one place
-(the demo, the tests and the benchmarks build their engines with it)."""
+"""What the demo, the tests and the benchmarks hand vLLM, in one place: the
+``KVTransferConfig`` that puts lmcache-core into an engine, and token prompts."""
 
 from __future__ import annotations
 
@@ -26,3 +26,11 @@ def kv_transfer_config(
         kv_connector_extra_config=dict(extra or {}),
         **overrides,
     )
+
+
+def tokens_prompt(ids: list[int]) -> Any:
+    """vLLM's TokensPrompt (its optional keys are NotRequired from typing, which type
+    checkers for Python 3.10 read as required: built here once)."""
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)  # type: ignore[typeddict-item]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from lmcache_connector.tiny_model import TEST_SPEC, build_tiny_model, random_prompt  # noqa: E402
+from lmcache_connector.transfer_config import tokens_prompt  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,12 +94,6 @@ def make_llm(
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
-def tokens_prompt(ids: list[int]) -> Any:
-    from vllm.inputs import TokensPrompt
-
-    return TokensPrompt(prompt_token_ids=ids)
-
-
 def greedy(max_tokens: int = 8, params: dict[str, Any] | None = None) -> Any:
     from vllm import SamplingParams
 
@@ -138,3 +134,17 @@ def reference(tiny_model: Path):
 
 
 __all__ = ["make_llm", "random_prompt", "run", "token_ids", "worker", "greedy"]
+
+
+def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A child process in the repository root that talks in lines over its stdin and
+    stdout (stderr dropped); ``env`` on top of this process's environment."""
+    return subprocess.Popen(
+        args,
+        cwd=Path(__file__).resolve().parents[2],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )

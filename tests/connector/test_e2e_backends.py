@@ -5,7 +5,6 @@ tier (moto on loopback) or A's peer server, with token-identical outputs."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import random_prompt
+from .conftest import random_prompt, spawn
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,15 +26,7 @@ def _engine(model: Path, config: dict[str, Any], env: dict[str, str] | None = No
     args = [sys.executable, "-m", "tests.connector.engine_proc", str(model), json.dumps(config), json.dumps(PROMPTS)]
     if hold:
         args.append("--hold")
-    return subprocess.Popen(
-        args,
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
+    return spawn(args, env)
 
 
 def _result(proc: Any, timeout: float = 300) -> dict[str, Any]:

@@ -8,7 +8,6 @@ proxy still answers, from a full recompute (no cached tokens)."""
 from __future__ import annotations
 
 import json
-import os
 import queue
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import random_prompt
+from .conftest import random_prompt, spawn
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,15 +35,7 @@ def _start(args: list[str], ready: str) -> tuple[subprocess.Popen, str]:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        args,
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
+    return spawn(args, {"VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
 def _ready(proc: subprocess.Popen, ready: str) -> tuple[subprocess.Popen, str]:

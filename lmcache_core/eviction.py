@@ -36,7 +36,7 @@ the ``register_eviction_policies`` hook):
 from __future__ import annotations
 
 import abc
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, ClassVar, Hashable
 
 Key = Hashable
@@ -203,26 +203,41 @@ class TinyLfuPolicy(EvictionPolicy):
     (at least 1000) recorded accesses, every count is halved and zeros dropped,
     which also bounds the table.
 
-    Per key one small int in one table, ``_meta``: ``count << 2 | segment`` (segment
-    0 = not resident, else :data:`WINDOW` / :data:`PROBATION` / :data:`PROTECTED`),
-    beside the key's place in its segment's ordered dict. Values stay below 64, so
-    they are Python's shared small ints: no object per key."""
+    Memory per resident key is one slot in one table, ``_meta``, plus a pointer in
+    its segment's queue. The table's value packs the segment (bits 0-1: 0 = not
+    resident, else :data:`WINDOW` / :data:`PROBATION` / :data:`PROTECTED`), the count
+    (bits 2-5) and the key's size as a code into a table of the sizes seen (bits 6
+    up; code 0: the size is in ``_odd``, for when more than :data:`SIZE_CODES`
+    distinct sizes appear). With the few distinct chunk sizes a tier has, values stay
+    below 257: CPython's shared small ints, no object per key.
+
+    Each segment is an LRU order kept as a queue of keys with lazy deletion: a key
+    touched or moved is appended again and its older place becomes *stale*, counted
+    per segment in ``_stale`` (only keys that have stale places are in it). The
+    stale places of a key always precede its live one, so the front of a queue is
+    live exactly when its key has no stale count there. A queue is rebuilt when it
+    holds more than twice its live keys (amortized O(1) per operation). Decisions are
+    those of ordered dicts moved to the end on access (tests/core/test_eviction.py
+    checks them against a plain-list model)."""
 
     name = "tinylfu"
     WINDOW_FRACTION = 0.01
     PROTECTED_FRACTION = 0.8
     MAX_COUNT = 15
     WINDOW, PROBATION, PROTECTED = 1, 2, 3
+    SIZE_CODES = 1024
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._window: OrderedDict[Key, int] = OrderedDict()  # first = least recent
-        self._probation: OrderedDict[Key, int] = OrderedDict()
-        self._protected: OrderedDict[Key, int] = OrderedDict()
-        # indexed by segment number (0 unused)
-        self._segs: tuple[OrderedDict[Key, int], ...] = (OrderedDict(), self._window, self._probation, self._protected)
+        # indexed by segment number (0 unused); queue front = least recent
+        self._q: tuple[deque[Key], ...] = (deque(), deque(), deque(), deque())
+        self._stale: tuple[dict[Key, int], ...] = ({}, {}, {}, {})
+        self._n = [0, 0, 0, 0]  # live keys per segment
         self._bytes = [0, 0, 0, 0]
         self._meta: dict[Key, int] = {}
+        self._sizes: list[int] = [0]  # size code -> size (code 0: see _odd)
+        self._codes: dict[int, int] = {}  # size -> code
+        self._odd: dict[Key, int] = {}  # sizes of resident keys with code 0
         self._samples = 0
         self.window_budget = self.WINDOW_FRACTION * self.capacity
         self.main_budget = self.capacity - self.window_budget
@@ -234,87 +249,161 @@ class TinyLfuPolicy(EvictionPolicy):
         path writes the table once; when this access triggers the periodic halving,
         the value returned is the halved one (0 if the halving dropped the key)."""
         v = self._meta.get(key, 0)
-        if v < self.MAX_COUNT << 2:
+        if v & 60 != 60:
             v += 4
         self._samples += 1
-        if self._samples >= 1000 and self._samples >= 10 * (len(self._window) + len(self._probation) + len(self._protected)):
+        n = self._n
+        if self._samples >= 1000 and self._samples >= 10 * (n[1] + n[2] + n[3]):
             self._samples = 0
             meta = self._meta
             meta[key] = v
             # halve every count; drop keys left with neither a count nor a segment
-            self._meta = {k: (c >> 3) << 2 | (c & 3) for k, c in meta.items() if c > 7 or c & 3}
+            self._meta = {k: (c & ~60) | ((c & 60) >> 3 << 2) for k, c in meta.items() if c & 3 or c > 7}
             v = self._meta.get(key, 0)
         return v
 
     def frequency(self, key: Key) -> int:
-        return self._meta.get(key, 0) >> 2
+        return self._meta.get(key, 0) >> 2 & 15
 
     # -- segments --------------------------------------------------------------------
-    def _add(self, seg: int, key: Key, size: int) -> None:
-        self._segs[seg][key] = size
-        self._bytes[seg] += size
-        meta = self._meta
-        meta[key] = (meta.get(key, 0) & ~3) | seg
+    def _code(self, key: Key, size: int) -> int:
+        """The meta bits for ``size`` (bits 6 up), recording an odd size aside."""
+        c = self._codes.get(size)
+        if c is None:
+            if len(self._sizes) > self.SIZE_CODES:
+                self._odd[key] = size
+                return 0
+            c = self._codes[size] = len(self._sizes)
+            self._sizes.append(size)
+        return c << 6
 
-    def _take(self, key: Key) -> int:
+    def _size(self, key: Key, v: int) -> int:
+        return self._sizes[v >> 6] if v >> 6 else self._odd[key]
+
+    def _push(self, seg: int, key: Key) -> None:
+        q = self._q[seg]
+        q.append(key)
+        if len(q) > 2 * self._n[seg] + 64:  # rebuild without the stale places
+            self._q = self._q[:seg] + (deque(self._live(seg)),) + self._q[seg + 1 :]
+            self._stale[seg].clear()
+
+    def _live(self, seg: int) -> list[Key]:
+        """The live keys of ``seg``, least recent first (a key's stale places come
+        before its live one)."""
+        st = dict(self._stale[seg])
+        live = []
+        for k in self._q[seg]:
+            c = st.get(k)
+            if c is None:
+                live.append(k)
+            elif c > 1:
+                st[k] = c - 1
+            else:
+                del st[k]
+        return live
+
+    def _front(self, seg: int) -> Key | None:
+        """The least recent live key of ``seg`` (stale places before it dropped)."""
+        q, st = self._q[seg], self._stale[seg]
+        while q:
+            k = q[0]
+            c = st.get(k)
+            if c is None:
+                return k
+            q.popleft()
+            if c > 1:
+                st[k] = c - 1
+            else:
+                del st[k]
+        return None
+
+    def _add(self, seg: int, key: Key, size: int) -> None:
         meta = self._meta
-        v = meta[key]
+        meta[key] = self._code(key, size) | (meta.get(key, 0) & 60) | seg
+        self._n[seg] += 1
+        self._bytes[seg] += size
+        self._push(seg, key)
+
+    def _take(self, key: Key, v: int, front: bool = False) -> int:
+        """Detach resident ``key`` (meta value ``v``) from its segment; its size.
+        ``front``: it is its queue's live front (popped instead of marked stale)."""
         seg = v & 3
-        if not seg:
-            raise KeyError(key)
-        size = self._segs[seg].pop(key)
-        self._bytes[seg] -= size
-        if v > 3:
-            meta[key] = v & ~3
+        size = self._size(key, v)
+        if front:
+            self._q[seg].popleft()
         else:
-            del meta[key]
+            st = self._stale[seg]
+            st[key] = st.get(key, 0) + 1
+        self._n[seg] -= 1
+        self._bytes[seg] -= size
+        if not v >> 6:
+            del self._odd[key]
+        if v & 60:
+            self._meta[key] = v & 60
+        else:
+            del self._meta[key]
         return size
 
     def insert(self, key: Key, size: int) -> None:
         v = self._bump(key)
-        meta, b = self._meta, self._bytes
-        seg = v & 3
-        if seg:  # stored again while resident: it starts over in the window
-            b[seg] -= self._segs[seg].pop(key)
-        window = self._window
-        window[key] = size
+        if v & 3:  # stored again while resident: it starts over in the window
+            self._take(key, v)
+            v &= 60
+        meta, b, n = self._meta, self._bytes, self._n
+        meta[key] = self._code(key, size) | v | 1
+        n[1] += 1
         b[1] += size
-        meta[key] = (v & ~3) | 1
+        self._push(1, key)
         # while the tier is not full, window overflow simply moves to probation
-        while b[1] > self.window_budget and len(window) > 1:
-            old, osize = next(iter(window.items()))
+        while b[1] > self.window_budget and n[1] > 1:
+            old = self._front(1)
+            ov = meta[old]
+            osize = self._size(old, ov)
             if b[2] + b[3] + osize > self.main_budget:
                 break
-            window.popitem(last=False)
+            self._q[1].popleft()
+            n[1] -= 1
             b[1] -= osize
-            self._probation[old] = osize
+            n[2] += 1
             b[2] += osize
-            meta[old] ^= 3  # window (1) -> probation (2)
+            self._push(2, old)
+            meta[old] = ov ^ 3  # window (1) -> probation (2)
+
+    def _touch(self, seg: int, key: Key) -> None:
+        st = self._stale[seg]
+        st[key] = st.get(key, 0) + 1
+        self._push(seg, key)
 
     def hit(self, key: Key) -> None:
         v = self._bump(key)
         meta = self._meta
         seg = v & 3
-        if seg == 1:
+        if seg == 1 or seg == 3:
             meta[key] = v
-            self._window.move_to_end(key)
-        elif seg == 3:
-            meta[key] = v
-            self._protected.move_to_end(key)
+            self._touch(seg, key)
         elif seg == 2:  # seen again in probation: promoted to protected
-            b, protected = self._bytes, self._protected
-            size = self._probation.pop(key)
+            b, n = self._bytes, self._n
+            size = self._size(key, v)
+            st = self._stale[2]
+            st[key] = st.get(key, 0) + 1
+            n[2] -= 1
             b[2] -= size
-            protected[key] = size
+            n[3] += 1
             b[3] += size
+            self._push(3, key)
             meta[key] = v | 3
             limit = self.PROTECTED_FRACTION * self.main_budget
-            while b[3] > limit and len(protected) > 1:
-                old, osize = protected.popitem(last=False)
+            while b[3] > limit and n[3] > 1:
+                old = self._front(3)
+                self._q[3].popleft()
+                ov = meta[old]
+                osize = self._size(old, ov)
+                n[3] -= 1
                 b[3] -= osize
-                self._probation[old] = osize
+                n[2] += 1
                 b[2] += osize
-                meta[old] ^= 1  # protected (3) -> probation (2)
+                self._push(2, old)
+                meta[old] = ov ^ 1  # protected (3) -> probation (2)
         elif v:
             meta[key] = v
 
@@ -324,36 +413,40 @@ class TinyLfuPolicy(EvictionPolicy):
             self._meta[key] = v
 
     def remove(self, key: Key) -> None:
-        if self._meta.get(key, 0) & 3:
-            self._take(key)
+        v = self._meta.get(key, 0)
+        if v & 3:
+            self._take(key, v)
 
     def _main_victim(self) -> Key | None:
-        for seg in (self._probation, self._protected):
-            if seg:
-                return next(iter(seg))
+        for seg in (2, 3):
+            k = self._front(seg)
+            if k is not None:
+                return k
         return None
 
     def pop_victim(self) -> Key | None:
-        if self._window and self._bytes[1] > self.window_budget:
-            cand = next(iter(self._window))
+        meta = self._meta
+        if self._n[1] and self._bytes[1] > self.window_budget:
+            cand = self._front(1)
             victim = self._main_victim()
             if victim is None:
-                self._take(cand)
+                self._take(cand, meta[cand], front=True)
                 return cand
             if self.frequency(cand) > self.frequency(victim):
                 # the newcomer earned its place: it enters probation, the victim leaves
-                size = self._take(cand)
+                vv = meta[victim]
+                size = self._take(cand, meta[cand], front=True)
                 self._add(2, cand, size)
-                self._take(victim)
+                self._take(victim, vv, front=True)
                 return victim
-            self._take(cand)
+            self._take(cand, meta[cand], front=True)
             return cand
         victim = self._main_victim()
-        if victim is None and self._window:
-            victim = next(iter(self._window))
+        if victim is None and self._n[1]:
+            victim = self._front(1)
         if victim is None:
             return None
-        self._take(victim)
+        self._take(victim, meta[victim], front=True)
         return victim
 
     def keep(self, key: Key, size: int) -> None:
@@ -361,7 +454,8 @@ class TinyLfuPolicy(EvictionPolicy):
             self._add(2, key, size)
 
     def __len__(self) -> int:
-        return len(self._window) + len(self._probation) + len(self._protected)
+        n = self._n
+        return n[1] + n[2] + n[3]
 
 
 BUILTIN_POLICIES: dict[str, tuple[PolicyFactory, str]] = {

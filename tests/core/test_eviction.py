@@ -174,46 +174,145 @@ def test_suite_prints_the_bars_from_sweep_points() -> None:
     assert [line[:4] for line in rep.policy_bars(bad, "tinylfu")] == ["FAIL", "FAIL"]
 
 
+class _ListTinyLfu:
+    """W-TinyLFU written plainly: segments as lists (least recent first), counts and
+    places in plain dicts. The decisions :class:`TinyLfuPolicy` must make, whatever
+    its tables look like. ``mutant``: protected overflow demotes the most recent key
+    instead of the least recent (the negative control)."""
+
+    def __init__(self, capacity: int, mutant: bool = False) -> None:
+        self.window_budget = 0.01 * capacity
+        self.main_budget = capacity - self.window_budget
+        self.seg: dict[int, list[Any]] = {1: [], 2: [], 3: []}
+        self.size: dict[Any, int] = {}
+        self.where: dict[Any, int] = {}
+        self.count: dict[Any, int] = {}
+        self.samples = 0
+        self.mutant = mutant
+
+    def bytes(self, s: int) -> int:
+        return sum(self.size[k] for k in self.seg[s])
+
+    def bump(self, key: Any) -> None:
+        self.count[key] = min(self.count.get(key, 0) + 1, 15)
+        self.samples += 1
+        if self.samples >= 1000 and self.samples >= 10 * len(self.where):
+            self.samples = 0
+            self.count = {k: c // 2 for k, c in self.count.items() if c // 2}
+
+    def detach(self, key: Any) -> int:
+        self.seg[self.where.pop(key)].remove(key)
+        return self.size.pop(key)
+
+    def attach(self, s: int, key: Any, size: int) -> None:
+        self.seg[s].append(key)
+        self.where[key] = s
+        self.size[key] = size
+
+    def insert(self, key: Any, size: int) -> None:
+        self.bump(key)
+        if key in self.where:
+            self.detach(key)
+        self.attach(1, key, size)
+        while self.bytes(1) > self.window_budget and len(self.seg[1]) > 1:
+            old = self.seg[1][0]
+            if self.bytes(2) + self.bytes(3) + self.size[old] > self.main_budget:
+                break
+            self.attach(2, old, self.detach(old))
+
+    def hit(self, key: Any) -> None:
+        self.bump(key)
+        s = self.where.get(key)
+        if s in (1, 3):
+            self.attach(s, key, self.detach(key))
+        elif s == 2:
+            self.attach(3, key, self.detach(key))
+            while self.bytes(3) > 0.8 * self.main_budget and len(self.seg[3]) > 1:
+                old = self.seg[3][-1 if self.mutant else 0]
+                self.attach(2, old, self.detach(old))
+
+    def miss(self, key: Any) -> None:
+        self.bump(key)
+
+    def remove(self, key: Any) -> None:
+        if key in self.where:
+            self.detach(key)
+
+    def pop_victim(self) -> Any:
+        main = (self.seg[2] or self.seg[3] or [None])[0]
+        if self.seg[1] and self.bytes(1) > self.window_budget:
+            cand = self.seg[1][0]
+            if main is not None and self.count.get(cand, 0) > self.count.get(main, 0):
+                self.attach(2, cand, self.detach(cand))  # admitted; the main victim leaves
+                self.detach(main)
+                return main
+            self.detach(cand)
+            return cand
+        victim = main if main is not None else (self.seg[1] or [None])[0]
+        if victim is not None:
+            self.detach(victim)
+        return victim
+
+    def keep(self, key: Any, size: int) -> None:
+        if key not in self.where:
+            self.attach(2, key, size)
+
+
 def _tinylfu_consistent(p: TinyLfuPolicy) -> None:
-    """The one-table encoding (``count << 2 | segment``) agrees with the segments."""
-    segs = {1: p._window, 2: p._probation, 3: p._protected}
-    for seg, od in segs.items():
-        assert p._bytes[seg] == sum(od.values())
-        for k in od:
+    """The packed table (segment, count, size code) agrees with the segment queues."""
+    live = {seg: p._live(seg) for seg in (1, 2, 3)}
+    for seg, keys in live.items():
+        assert p._n[seg] == len(keys) and len(set(keys)) == len(keys)
+        assert p._bytes[seg] == sum(p._size(k, p._meta[k]) for k in keys)
+        assert len(p._q[seg]) <= 2 * len(keys) + 65  # stale places stay bounded
+        for k in keys:
             assert p._meta[k] & 3 == seg
     for k, v in p._meta.items():
-        assert 0 < v < 64  # a small int; a key with neither count nor segment is dropped
+        assert v > 0  # a key with neither count nor segment is dropped
         if v & 3:
-            assert k in segs[v & 3]
-    assert len(p) == sum(len(od) for od in segs.values())
+            assert k in live[v & 3]
+    assert set(p._odd) <= {k for k, v in p._meta.items() if v & 3 and not v >> 6}
+    assert len(p) == sum(len(keys) for keys in live.values())
 
 
-def test_tinylfu_count_and_segment_table_stays_consistent() -> None:
+def _tinylfu_trace(p: TinyLfuPolicy, model: _ListTinyLfu, seed: int, steps: int) -> int | None:
+    """Drive the policy and the model through one random trace the way a tier does
+    (inserts, hits, misses, removals, re-inserts with a new size, pinned victims
+    handed back); the first step where they disagree, or None."""
     import random
 
-    rnd = random.Random(7)
-    p = TinyLfuPolicy(40 * 100)
+    rnd = random.Random(seed)
     resident: dict[int, int] = {}
     used = 0
-    for step in range(6000):  # several periodic halvings (every 1000 accesses here)
-        k = rnd.randrange(120)
+    sizes = (100, 150, 200, 250, 300, 400)
+    for step in range(steps):
+        k = rnd.randrange(300) if rnd.random() < 0.8 else rnd.randrange(3000)
+        r = rnd.random()
         if k in resident:
-            r = rnd.random()
             if r < 0.05:
                 p.remove(k)
+                model.remove(k)
                 used -= resident.pop(k)
             elif r < 0.08:
-                p.insert(k, resident[k])  # stored again while resident
+                size = rnd.choice(sizes)  # stored again while resident
+                p.insert(k, size)
+                model.insert(k, size)
+                used += size - resident[k]
+                resident[k] = size
             else:
                 p.hit(k)
+                model.hit(k)
         else:
             p.miss(k)
-            size = rnd.choice((50, 100, 200))
+            model.miss(k)
+            size = rnd.choice(sizes)
             kept = []
             for _ in range(len(resident)):  # one offer per resident key at most, as the tier does
                 if used + size <= p.capacity:
                     break
                 v = p.pop_victim()
+                if v != model.pop_victim():
+                    return step
                 assert v is not None and v in resident
                 if rnd.random() < 0.1:
                     kept.append(v)  # pinned: handed back
@@ -221,13 +320,36 @@ def test_tinylfu_count_and_segment_table_stays_consistent() -> None:
                 used -= resident.pop(v)
             for v in kept:
                 p.keep(v, resident[v])
+                model.keep(v, resident[v])
             if used + size <= p.capacity:
                 p.insert(k, size)
+                model.insert(k, size)
                 resident[k] = size
                 used += size
-        if step % 50 == 0:
+        if step % 100 == 0:
+            if any(p._live(s) != model.seg[s] for s in (1, 2, 3)) or len(p) != len(model.where):
+                return step
+            if any(p.frequency(x) != model.count.get(x, 0) for x in list(resident)[:40] + [rnd.randrange(3000)]):
+                return step
             _tinylfu_consistent(p)
-            assert set(p._window) | set(p._probation) | set(p._protected) == set(resident)
+    return None
+
+
+@pytest.mark.parametrize("size_codes", [TinyLfuPolicy.SIZE_CODES, 2])
+def test_tinylfu_decisions_match_the_plain_list_model(size_codes: int) -> None:
+    """Victims, segment orders and counts equal those of the plain model over random
+    traces (several halvings, queue rebuilds; with 2 size codes most sizes take the
+    odd-size path); the mutant model (negative control) is told apart."""
+    for seed in range(3):
+        p = TinyLfuPolicy(60_000)
+        p.SIZE_CODES = size_codes
+        assert _tinylfu_trace(p, _ListTinyLfu(60_000), seed, 6000) is None
+        if size_codes == 2:
+            assert p._odd  # the odd-size path was taken
+    assert _tinylfu_trace(TinyLfuPolicy(60_000), _ListTinyLfu(60_000, mutant=True), 0, 6000) is not None
+
+
+def test_tinylfu_counts_exact_until_halving() -> None:
     # counts: exact until the next halving, capped at MAX_COUNT
     q = TinyLfuPolicy(10_000)
     q.insert("a", 100)

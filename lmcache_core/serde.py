@@ -391,6 +391,17 @@ def decode(
     info, meta, payload = parse_header(frame)
     codec = check_frame(info, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes)
     verify_payload(meta, payload)
+    if out is not None:
+        return codec_output(codec, info, payload, out)
+    raw = _codec_decode(codec, info, payload)
+    dtype = DTYPES[info.dtype]
+    if info.raw_len == 0:  # torch cannot reinterpret an empty byte view
+        return torch.empty(info.shape, dtype=dtype)
+    arr = np.frombuffer(raw, dtype=np.uint8).copy()
+    return torch.from_numpy(arr).view(dtype).reshape(info.shape)
+
+
+def _codec_decode(codec: Codec, info: FrameInfo, payload: memoryview) -> bytes | memoryview:
     try:
         raw = codec.decode(payload, info.raw_len)
     except Exception as err:  # a codec library error on bad bytes is a miss
@@ -398,19 +409,22 @@ def decode(
     raw_len = raw.nbytes if isinstance(raw, memoryview) else len(raw)
     if raw_len != info.raw_len:
         raise FrameError("decoded length differs from the header")
-    dtype = DTYPES[info.dtype]
-    if out is not None:
-        if info.raw_len == 0:
-            return out
-        if out.is_contiguous() and out.device.type == "cpu":
-            out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
-        else:
-            out.copy_(torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()).view(dtype).reshape(info.shape))
+    return raw
+
+
+def codec_output(codec: Codec, info: FrameInfo, payload: memoryview, out: torch.Tensor) -> torch.Tensor:
+    """Decode ``payload`` with ``codec`` straight into ``out`` (already checked against
+    ``info`` by :func:`check_frame`); returns ``out``. No checksum here: a caller
+    that skips :func:`verify_payload` must know the bytes are the ones verified
+    earlier (the peer tier's shared-memory path, whose arena only the node writes)."""
+    raw = _codec_decode(codec, info, payload)
+    if info.raw_len == 0:
         return out
-    if info.raw_len == 0:  # torch cannot reinterpret an empty byte view
-        return torch.empty(info.shape, dtype=dtype)
-    arr = np.frombuffer(raw, dtype=np.uint8).copy()
-    return torch.from_numpy(arr).view(dtype).reshape(info.shape)
+    if out.is_contiguous() and out.device.type == "cpu":
+        out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+    else:
+        out.copy_(torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()).view(DTYPES[info.dtype]).reshape(info.shape))
+    return out
 
 
 def try_decode(

@@ -7,6 +7,15 @@ look in the local store first, then ask the peers (batched lookups; a key's hold
 is remembered from ``contains`` to route the ``get``). With ``push`` every put and
 remove is also sent to the peers (a shared cache node).
 
+Same host: a peer at a Unix socket path (``unix_socket``, a node's ``--unix-socket``)
+is asked first and, with ``shm``, through shared memory (:mod:`.shm`): ``contains``
+LOCATEs the keys in the tenant's read-only mapped arena (one request for the batch)
+and remembers where they lie; ``get`` copies straight from the mapping, a slot
+reused meanwhile costs one fresh LOCATE, then a miss. When the node offers no
+shared memory the Unix socket carries the frames as TCP would. The same node
+reached two ways (socket and TCP) is asked once: peers with the server id of an
+earlier one are skipped.
+
 Failure rule: a peer that is down, slow, speaks garbage or sends a corrupt frame is a
 miss for that request, and is then skipped for ``retry_after`` seconds so a dead
 peer does not cost a timeout on every lookup. Frames are decoded with
@@ -30,6 +39,7 @@ from lmcache_core.serde import Codec, encode, try_decode
 from .client import PeerClient, PeerRequestError
 from .protocol import PeerError
 from .server import PeerServer
+from .shm import SHM_SUPPORTED, Location, ShmUnavailable, ShmView
 from .store import FrameStore
 
 log = logging.getLogger(__name__)
@@ -39,12 +49,14 @@ T = TypeVar("T")
 
 
 class _Peer:
-    __slots__ = ("client", "down_until", "is_self")
+    __slots__ = ("client", "down_until", "is_self", "shm", "shm_off")
 
-    def __init__(self, client: PeerClient) -> None:
+    def __init__(self, client: PeerClient, shm: bool) -> None:
         self.client = client
         self.down_until = 0.0
         self.is_self = False
+        self.shm: ShmView | None = None
+        self.shm_off: str | None = None if shm and isinstance(client.address, str) else "not asked for"
 
 
 class PeerBackend(StorageBackend):
@@ -61,6 +73,7 @@ class PeerBackend(StorageBackend):
         server: PeerServer | None = None,
         push: bool = False,
         retry_after: float = 1.0,
+        shm: bool = True,
     ) -> None:
         self.store = store
         self.server = server
@@ -68,16 +81,112 @@ class PeerBackend(StorageBackend):
         self.codecs = dict(codecs)
         self.push = push
         self.retry_after = retry_after
-        self._peers = [_Peer(c) for c in clients]
+        self._peers = [_Peer(c, shm and SHM_SUPPORTED) for c in clients]
         self._routes: OrderedDict[ChunkKey, _Peer] = OrderedDict()
+        self._locs: OrderedDict[ChunkKey, tuple[_Peer, Location]] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = BackendStats(self.name, bytes_capacity=store.max_size)
         self._closed = False
 
     # -- peers ----------------------------------------------------------------------
     def _live_peers(self) -> list[_Peer]:
+        """Peers to ask now, in order; a node already listed (same server id, e.g. its
+        Unix socket and its TCP address) is asked once."""
         now = time.monotonic()
-        return [p for p in self._peers if not p.is_self and p.down_until <= now]
+        seen: set[bytes] = set()
+        live = []
+        for p in self._peers:
+            if p.is_self or p.down_until > now:
+                continue
+            sid = p.client.server_id
+            if sid is not None:
+                if sid in seen:
+                    continue
+                seen.add(sid)
+            live.append(p)
+        return live
+
+    # -- shared memory ----------------------------------------------------------------
+    def _shm_view(self, peer: _Peer) -> ShmView | None:
+        """The peer's arena mapping (attached on first use, again after the node
+        restarted), or None when this peer has no fast path."""
+        if peer.shm_off is not None:
+            return None
+        view = peer.shm
+        if view is None or view.server_id != peer.client.server_id:
+            peer.shm = None  # a restarted node: drop the old mapping (its memory goes with the last reader)
+            try:
+                view = peer.client.attach_shm()
+            except (PeerRequestError, ShmUnavailable) as err:
+                peer.shm_off = str(err)
+                log.warning("peer %s: no shared memory, its socket carries the data: %s", peer.client.name, err)
+                return None
+            peer.shm = view
+        return view
+
+    def _locate(self, peer: _Peer, keys: Sequence[ChunkKey]) -> tuple[ShmView, list[Location | None]] | None:
+        """LOCATE ``keys`` on ``peer``'s arena: the view the locations are valid in."""
+        view = self._shm_view(peer)
+        if view is None:
+            return None
+        locs, sid = peer.client.locate(keys)
+        if sid != view.server_id:
+            view = self._shm_view(peer)  # the node restarted between the two
+            if view is None or view.server_id != sid:
+                return None
+        return view, locs
+
+    def _lookup(self, peer: _Peer, keys: Sequence[ChunkKey]) -> int:
+        found = self._locate(peer, keys)
+        if found is None:
+            return peer.client.lookup(keys)
+        _, locs = found
+        n = 0
+        while n < len(locs) and locs[n] is not None:
+            n += 1
+        with self._lock:
+            for k, loc in zip(keys[:n], locs):
+                assert loc is not None
+                self._locs[k] = (peer, loc)
+                self._locs.move_to_end(k)
+            while len(self._locs) > ROUTE_CACHE_SIZE:
+                self._locs.popitem(last=False)
+        return n
+
+    def _shm_fill(self, peer: _Peer, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool] | None:
+        """Read ``keys`` from ``peer``'s arena into ``outs``: which were filled, or
+        None when the peer has no fast path (the caller asks over the socket)."""
+        view = self._shm_view(peer)
+        if view is None:
+            return None
+        done = [False] * len(keys)
+        with self._lock:
+            known = [self._locs.pop(k, None) for k in keys]
+        for i, k in enumerate(keys):
+            entry = known[i]
+            if entry is not None and entry[0] is peer:
+                done[i] = self._shm_read(view, k, entry[1], outs[i], peer) is None
+        again = [i for i, d in enumerate(done) if not d]
+        if again:
+            found = self._locate(peer, [keys[i] for i in again])
+            if found is not None:
+                view, locs = found
+                for i, loc in zip(again, locs):
+                    done[i] = loc is not None and self._shm_read(view, keys[i], loc, outs[i], peer) is None
+        return done
+
+    def _shm_read(self, view: ShmView, key: ChunkKey, loc: Location, out: torch.Tensor, peer: _Peer) -> str | None:
+        why = view.read(key, loc, out, self.codecs)
+        with self._lock:
+            if why is None:
+                self._stats.hits += 1
+                self._stats.get_bytes += out.nbytes
+                self._stats.add(shm_hits=1)
+            elif why != "slot reused":
+                self._stats.errors += 1
+        if why is not None and why != "slot reused":
+            log.info("peer tier: chunk %s in %s's shared memory rejected: %s", key, peer.client.name, why)
+        return why
 
     def _call(self, peer: _Peer, op: str, fn: Callable[..., T], *args: Any) -> T | None:
         """Run one request; on failure count it, mark the peer down (unless it merely
@@ -111,7 +220,7 @@ class PeerBackend(StorageBackend):
         while pos < len(keys):
             best, best_peer = 0, None
             for peer in self._live_peers():
-                n = self._call(peer, "lookup", peer.client.lookup, keys[pos:])
+                n = self._call(peer, "lookup", self._lookup, peer, keys[pos:])
                 if n and n > best:
                     best, best_peer = n, peer
                     if pos + n == len(keys):
@@ -154,6 +263,11 @@ class PeerBackend(StorageBackend):
             candidates.remove(routed)
             candidates.insert(0, routed)
         for peer in candidates:
+            filled = self._call(peer, "get", self._shm_fill, peer, [key], [out])
+            if filled is not None:
+                if filled[0]:
+                    return True
+                continue
             hit = [False]
 
             def sink(_: int, frame: memoryview | None, peer: _Peer = peer, hit: list[bool] = hit) -> None:
@@ -179,6 +293,11 @@ class PeerBackend(StorageBackend):
             todo = [i for i, d in enumerate(done) if not d]
             if not todo:
                 break
+            filled = self._call(peer, "get", self._shm_fill, peer, [keys[i] for i in todo], [outs[i] for i in todo])
+            if filled is not None:
+                for i, f in zip(todo, filled):
+                    done[i] = f
+                continue
 
             def sink(j: int, frame: memoryview | None, peer: _Peer = peer, todo: list[int] = todo) -> None:
                 i = todo[j]
@@ -206,6 +325,7 @@ class PeerBackend(StorageBackend):
         removed = self.store.remove(key)
         with self._lock:
             self._routes.pop(key, None)
+            self._locs.pop(key, None)
         if self.push:
             for peer in self._live_peers():
                 if self._call(peer, "remove", peer.client.remove, [key]):
@@ -220,6 +340,11 @@ class PeerBackend(StorageBackend):
         s.evictions = self.store.evictions
         now = time.monotonic()
         s.extra["peers"] = {p.client.name: ("self" if p.is_self else "down" if p.down_until > now else "up") for p in self._peers}
+        s.extra["shm"] = {
+            p.client.name: "mapped" if p.shm is not None else f"off: {p.shm_off}" if p.shm_off else "not yet"
+            for p in self._peers
+            if isinstance(p.client.address, str)
+        }
         if self.server is not None:
             s.extra["listen"] = f"{self.server.address[0]}:{self.server.address[1]}"
             s.extra["server"] = dict(self.server.stats)
@@ -233,4 +358,5 @@ class PeerBackend(StorageBackend):
             self.server.close()
         for p in self._peers:
             p.client.close()
+            p.shm = None
         self.store.clear()

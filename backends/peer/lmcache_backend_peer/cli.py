@@ -25,6 +25,7 @@ from lmcache_core.config import parse_size
 from .client import format_address
 from .config import check_secret, parse_address
 from .server import PeerServer
+from .shm import ArenaStore, ShmUnavailable
 from .store import FrameStore
 from .tenants import load_tenants
 
@@ -74,6 +75,17 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="request bytes held at once across connections (default 2 x --max-frame-size)",
     )
     p.add_argument("--read-only", action="store_true", help="refuse PUT and REMOVE")
+    p.add_argument(
+        "--unix-socket",
+        type=Path,
+        default=None,
+        help="also listen on this Unix socket (mode 0600) for engines on this host: same secrets, shared memory",
+    )
+    p.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="keep frames in private memory: engines on --unix-socket get them over the socket",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +140,16 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as err:
             parser.error(f"--tenants-file: {err}")
     secret = _secret(args, parser) if tenants is None or args.secret_file or os.environ.get(SECRET_ENV) else None
-    store = FrameStore(args.max_size)
+    store: FrameStore | ArenaStore
+    if args.unix_socket is not None and not args.no_shm:
+        principals: list[str | None] = ([None] if secret else []) + list(tenants or {})
+        try:
+            store = ArenaStore(args.max_size, principals)
+        except (OSError, ShmUnavailable) as err:
+            print(f"{parser.prog}: no shared memory ({err}); serving frames over the socket", file=sys.stderr)
+            store = FrameStore(args.max_size)
+    else:
+        store = FrameStore(args.max_size)
     try:
         server = PeerServer(
             store,
@@ -143,21 +164,28 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             max_unauthenticated=args.max_unauthenticated,
             max_unauthenticated_per_address=args.max_unauthenticated_per_address,
             max_inflight_bytes=args.max_inflight,
+            unix_socket=None if args.unix_socket is None else str(args.unix_socket),
         )
     except ValueError as err:
         parser.error(str(err))
     except OSError as err:
-        print(f"{parser.prog}: cannot listen on {format_address(args.listen)}: {err.strerror or err}", file=sys.stderr)
+        where = format_address(args.listen) + (f" and {args.unix_socket}" if args.unix_socket is not None else "")
+        print(f"{parser.prog}: cannot listen on {where}: {err.strerror or err}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if args.unix_socket is not None:
+        shm = "shared memory" if isinstance(store, ArenaStore) else "no shared memory"
+        print(f"local socket {args.unix_socket} ({shm})", flush=True)
     print(f"listening on {format_address(server.address)}", flush=True)
     try:
         while not stop.wait(1.0):
             pass
     finally:
         server.close()
+        if isinstance(store, ArenaStore):
+            store.close()
     return 0
 
 

@@ -10,6 +10,7 @@ the connection usable and raises :class:`PeerRequestError`.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 import time
@@ -18,11 +19,14 @@ from typing import Callable, Sequence, TypeVar
 from lmcache_core.keys import ChunkKey
 
 from .auth import client_handshake
+from .shm import Location, ShmUnavailable, ShmView, decode_locations
 from .connection import Connection, PeerClosed, PeerTimeout
 from .protocol import (
     ERROR,
     GET,
     GET_OK,
+    LOCATE,
+    LOCATE_OK,
     LOOKUP,
     LOOKUP_OK,
     MAX_KEYS_PER_MESSAGE,
@@ -30,14 +34,18 @@ from .protocol import (
     PUT_OK,
     REMOVE,
     REMOVE_OK,
+    SHM_ATTACH,
+    SHM_OK,
     TYPE_NAMES,
     Buffer,
     Count,
     ErrorReply,
     GetReply,
+    LocateReply,
     PeerError,
     ProtocolError,
     PutReply,
+    ShmOk,
     encode_keys,
     key_bytes,
     parse_body,
@@ -45,24 +53,28 @@ from .protocol import (
 
 Address = tuple[str, int]
 T = TypeVar("T")
+Consume = Callable[[object, Connection], T]
 
 
 class PeerRequestError(PeerError):
     """The peer answered with an ERROR message."""
 
 
-def format_address(addr: Address) -> str:
+def format_address(addr: Address | str) -> str:
+    if isinstance(addr, str):
+        return f"unix:{addr}"
     host, port = addr
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class PeerClient:
-    """Talks to the peer at ``address`` with the shared ``secret``, or, with ``tenant``,
-    as that tenant of a shared node with the tenant's own ``secret``."""
+    """Talks to the peer at ``address`` (``(host, port)``, or the path of a node's Unix
+    socket) with the shared ``secret``, or, with ``tenant``, as that tenant of a
+    shared node with the tenant's own ``secret``."""
 
     def __init__(
         self,
-        address: Address,
+        address: Address | str,
         secret: bytes,
         *,
         timeout: float = 2.0,
@@ -93,14 +105,23 @@ class PeerClient:
         if left <= 0:
             raise PeerTimeout(f"{self.name}: timed out before connecting")
         try:
-            sock = socket.create_connection(self.address, timeout=min(self.connect_timeout, left))
+            if isinstance(self.address, str):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(min(self.connect_timeout, left))
+                    sock.connect(self.address)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection(self.address, timeout=min(self.connect_timeout, left))
         except socket.timeout:
             raise PeerTimeout(f"{self.name}: connect timed out") from None
         except OSError as err:
             raise PeerClosed(f"{self.name}: cannot connect: {err}") from None
         conn = Connection(sock, self.name)
         try:
-            self.server_id = client_handshake(conn, self.secret, deadline, self.tenant)
+            self.server_id = conn.server_id = client_handshake(conn, self.secret, deadline, self.tenant)
         except BaseException:
             conn.close()
             raise
@@ -137,12 +158,10 @@ class PeerClient:
         return server_id if server_id is not None else b""
 
     # -- requests -------------------------------------------------------------------
-    def _request(
-        self, mtype: int, parts: Sequence[Buffer], reply_type: int, consume: Callable[[object], T] | None = None
-    ) -> object:
+    def _request(self, mtype: int, parts: Sequence[Buffer], reply_type: int, consume: Consume[T] | None = None) -> object:
         """One request/reply. With ``consume``, the reply is read into the connection's
-        reusable buffer and ``consume(reply)`` runs before the connection goes back to
-        the pool (so the views it sees are never overwritten under it)."""
+        reusable buffer and ``consume(reply, connection)`` runs before the connection
+        goes back to the pool (so the views it sees are never overwritten under it)."""
         deadline = time.monotonic() + self.timeout
         while True:
             conn, reused = self._acquire(deadline)
@@ -160,7 +179,7 @@ class PeerClient:
         parts: Sequence[Buffer],
         reply_type: int,
         deadline: float,
-        consume: Callable[[object], T] | None,
+        consume: Consume[T] | None,
     ) -> object:
         rid = next(self._ids) & 0xFFFFFFFF
         ok = False
@@ -178,7 +197,7 @@ class PeerClient:
             if consume is None:
                 ok = True
                 return msg
-            result = consume(msg)
+            result = consume(msg, conn)
             ok = True
             return result
         finally:
@@ -220,7 +239,7 @@ class PeerClient:
         Returns how many keys were answered (all of them, or it raises)."""
         pos = 0
 
-        def consume(msg: object) -> int:
+        def consume(msg: object, _: Connection) -> int:
             if not isinstance(msg, GetReply) or not 0 < len(msg.frames) <= len(batch):
                 raise ProtocolError(f"{self.name}: GET_OK answered a wrong number of keys")
             for i, f in enumerate(msg.frames):
@@ -249,3 +268,57 @@ class PeerClient:
                 raise ProtocolError(f"{self.name}: malformed REMOVE_OK")
             removed += msg.n
         return removed
+
+    # -- same-host shared memory (a node's Unix socket) ---------------------------------
+    def attach_shm(self) -> ShmView:
+        """This principal's arena on the node, mapped read-only. Raises
+        :class:`PeerRequestError` when the node offers none, :class:`ShmUnavailable`
+        when the fd is unusable, another :class:`PeerError` when the node is away."""
+        if not isinstance(self.address, str):
+            raise ShmUnavailable("shared memory needs the node's Unix socket")
+        deadline = time.monotonic() + self.timeout
+        conn = self._connect(deadline)
+        rid = next(self._ids) & 0xFFFFFFFF
+        ok = False
+        fds: list[int] = []
+        try:
+            conn.send(SHM_ATTACH, rid, [], deadline)
+            header, body, fds = conn.recv_fds(deadline, 1024)
+            if header.request_id != rid:
+                raise ProtocolError(f"{self.name}: reply to request {header.request_id}, expected {rid}")
+            msg = parse_body(header.type, body)
+            if isinstance(msg, ErrorReply):
+                ok = True
+                raise PeerRequestError(f"{self.name}: SHM_ATTACH refused: {msg.message}")
+            if not isinstance(msg, ShmOk) or header.type != SHM_OK or len(fds) != 1:
+                raise ProtocolError(f"{self.name}: expected SHM_OK with one fd, got {TYPE_NAMES[header.type]} and {len(fds)}")
+            fd = fds.pop()
+            ok = True
+            return ShmView(fd, msg.size, conn.server_id)  # takes fd
+        finally:
+            for extra in fds:
+                os.close(extra)
+            if ok:
+                self._release(conn)
+            else:
+                conn.close()
+
+    def locate(self, keys: Sequence[ChunkKey]) -> tuple[list[Location | None], bytes]:
+        """Where ``keys`` lie in this principal's arena, and the id of the node that
+        answered (locations are only valid in that node's arena)."""
+        out: list[Location | None] = []
+        server = b""
+
+        def consume(msg: object, conn: Connection) -> bytes:
+            if not isinstance(msg, LocateReply) or len(msg.entries) != len(batch):
+                raise ProtocolError(f"{self.name}: LOCATE_OK answered a wrong number of keys")
+            out.extend(decode_locations(msg.entries))
+            return conn.server_id
+
+        for lo in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            batch = keys[lo : lo + MAX_KEYS_PER_MESSAGE]
+            sid = self._request(LOCATE, [encode_keys(batch)], LOCATE_OK, consume)
+            if server and sid != server:
+                raise PeerClosed(f"{self.name}: the node restarted during a lookup")
+            server = sid  # type: ignore[assignment]
+        return out, server

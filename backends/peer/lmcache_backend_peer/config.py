@@ -66,6 +66,14 @@ class PeerConfig(StrictModel):
 
     listen: ListenAddress | None = Field(None, description="host:port to serve this instance's chunks on; null = don't serve")
     peers: list[PeerAddress] = Field(default_factory=list, description="host:port of the peers (or cache nodes) to ask")
+    unix_socket: Path | None = Field(
+        None,
+        description="Unix socket of a cache node on this host (its --unix-socket): asked before peers, through shared memory",
+    )
+    shm: bool = Field(
+        True,
+        description="with unix_socket, load straight from the node's shared memory; false: the socket carries the frames",
+    )
     secret: SecretStr | None = Field(None, description="shared secret (prefer secret_file)")
     secret_file: Path | None = Field(None, description="file holding the shared secret")
     tenant: str | None = Field(
@@ -94,8 +102,8 @@ class PeerConfig(StrictModel):
             raise ValueError("give exactly one of secret or secret_file")
         if self.secret is not None:
             check_secret(self.secret.get_secret_value().encode())
-        if self.listen is None and not self.peers:
-            raise ValueError("give listen (serve), peers (ask), or both; with neither the tier does nothing")
+        if self.listen is None and not self.peers and self.unix_socket is None:
+            raise ValueError("give listen (serve), peers or unix_socket (ask), or both; with neither the tier does nothing")
         if self.max_frame_size < 1024:
             raise ValueError("max_frame_size must be at least 1KiB")
         return self

@@ -7,11 +7,15 @@ left on the request, never a hang.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from typing import Sequence
 
 from .protocol import HEADER_SIZE, Buffer, Header, PeerError, decode_header, message_parts
+
+MAX_FDS = 4
+"""Most file descriptors read with one message (more are closed at once)."""
 
 
 REUSE_LIMIT = 64 << 20
@@ -33,11 +37,16 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.closed = False
+        self.local = sock.family == socket.AF_UNIX
+        """A Unix-socket connection: same host, may pass file descriptors."""
+        self.server_id = b""
+        """The server instance this client connection authenticated to."""
         self._rbuf = bytearray()
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
+        if not self.local:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
 
     def _remaining(self, deadline: float) -> float:
         left = deadline - time.monotonic()
@@ -68,6 +77,49 @@ class Connection:
             raise PeerTimeout(f"{self.peer}: timed out sending") from None
         except OSError as err:
             raise PeerClosed(f"{self.peer}: send failed: {err}") from None
+
+    def send_fd(self, mtype: int, request_id: int, body_parts: Sequence[Buffer], fd: int, deadline: float) -> None:
+        """Send one small message with ``fd`` attached (SCM_RIGHTS; Unix sockets only)."""
+        data = b"".join(bytes(p) for p in message_parts(mtype, request_id, body_parts))
+        try:
+            self.sock.settimeout(self._remaining(deadline))
+            n = socket.send_fds(self.sock, [data], [fd])
+            if n < len(data):
+                self.sock.settimeout(self._remaining(deadline))
+                self.sock.sendall(data[n:])
+        except socket.timeout:
+            raise PeerTimeout(f"{self.peer}: timed out sending") from None
+        except OSError as err:
+            raise PeerClosed(f"{self.peer}: send failed: {err}") from None
+
+    def recv_fds(self, deadline: float, max_body: int) -> tuple[Header, memoryview, list[int]]:
+        """Read one message and the file descriptors that came with its header (the
+        caller owns them; all are closed here if the message is bad)."""
+        hbuf = bytearray(HEADER_SIZE)
+        got = 0
+        fds: list[int] = []
+        try:
+            try:
+                while got < HEADER_SIZE:
+                    self.sock.settimeout(self._remaining(deadline))
+                    data, new, _, _ = socket.recv_fds(self.sock, HEADER_SIZE - got, MAX_FDS)
+                    fds.extend(new)
+                    if not data:
+                        raise PeerClosed(f"{self.peer}: connection closed after {got} of {HEADER_SIZE} bytes")
+                    hbuf[got : got + len(data)] = data
+                    got += len(data)
+            except socket.timeout:
+                raise PeerTimeout(f"{self.peer}: timed out reading") from None
+            except PeerError:
+                raise
+            except OSError as err:
+                raise PeerClosed(f"{self.peer}: read failed: {err}") from None
+            header = decode_header(hbuf, max_body)
+            return header, self.recv_body(header, deadline), fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
 
     def _recv_exact(self, buf: memoryview, deadline: float) -> None:
         got = 0

@@ -47,7 +47,9 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
             raise ConfigError(
                 f"{ctx.key_path}.listen: cannot listen on {format_address(cfg.listen)}: {err.strerror or err} (from {ctx.source})"
             ) from None
-    peers = [a for a in dict.fromkeys(cfg.peers) if a != cfg.listen]
+    peers: list[tuple[str, int] | str] = [a for a in dict.fromkeys(cfg.peers) if a != cfg.listen]
+    if cfg.unix_socket is not None:
+        peers.insert(0, str(cfg.unix_socket))
     clients = [
         PeerClient(
             a,
@@ -68,4 +70,5 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
         server=server,
         push=cfg.push,
         retry_after=cfg.retry_after_ms / 1000,
+        shm=cfg.shm,
     )

@@ -52,6 +52,10 @@ PUT = 14
 PUT_OK = 15
 REMOVE = 16
 REMOVE_OK = 17
+SHM_ATTACH = 18
+SHM_OK = 19
+LOCATE = 20
+LOCATE_OK = 21
 ERROR = 127
 
 TYPE_NAMES = {
@@ -67,6 +71,10 @@ TYPE_NAMES = {
     PUT_OK: "PUT_OK",
     REMOVE: "REMOVE",
     REMOVE_OK: "REMOVE_OK",
+    SHM_ATTACH: "SHM_ATTACH",
+    SHM_OK: "SHM_OK",
+    LOCATE: "LOCATE",
+    LOCATE_OK: "LOCATE_OK",
     ERROR: "ERROR",
 }
 
@@ -148,11 +156,42 @@ class PutReply:
 
 
 @dataclass(frozen=True)
+class ShmAttach:
+    """Ask for this principal's arena (Unix socket only; the fd comes with SHM_OK)."""
+
+
+@dataclass(frozen=True)
+class ShmOk:
+    size: int
+
+
+@dataclass(frozen=True)
+class LocateReply:
+    """Per key ``(offset, frame length, generation)`` in the arena; length 0: not held."""
+
+    entries: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
 class ErrorReply:
     message: str
 
 
-Body = Union[Challenge, Auth, AuthTenant, AuthOk, KeysRequest, Count, GetReply, PutRequest, PutReply, ErrorReply]
+Body = Union[
+    Challenge,
+    Auth,
+    AuthTenant,
+    AuthOk,
+    KeysRequest,
+    Count,
+    GetReply,
+    PutRequest,
+    PutReply,
+    ShmAttach,
+    ShmOk,
+    LocateReply,
+    ErrorReply,
+]
 
 
 # -- header ---------------------------------------------------------------------------
@@ -243,6 +282,24 @@ def _decode_get_reply(body: memoryview) -> GetReply:
     return GetReply(frames)
 
 
+_LOC = struct.Struct(">QQQ")
+
+
+def encode_locate_reply(entries: Sequence[tuple[int, int, int]]) -> bytes:
+    """LOCATE_OK body: count, then ``(offset, length, generation)`` per key."""
+    return _U32.pack(len(entries)) + b"".join(_LOC.pack(*e) for e in entries)
+
+
+def _decode_locate_reply(body: memoryview) -> LocateReply:
+    if body.nbytes < 4:
+        raise ProtocolError("LOCATE_OK body is truncated")
+    (n,) = _U32.unpack_from(body, 0)
+    if n > MAX_KEYS_PER_MESSAGE:
+        raise ProtocolError(f"LOCATE_OK claims {n} entries")
+    _exact(body, 4 + n * _LOC.size, "LOCATE_OK")
+    return LocateReply([_LOC.unpack_from(body, 4 + i * _LOC.size) for i in range(n)])
+
+
 def parse_body(mtype: int, body: Buffer) -> Body:
     """Decode the body of a message of type ``mtype`` (already bounded in size)."""
     mv = memoryview(body).cast("B")
@@ -264,7 +321,7 @@ def parse_body(mtype: int, body: Buffer) -> Body:
     if mtype == AUTH_OK:
         _exact(mv, MAC_SIZE, "AUTH_OK")
         return AuthOk(bytes(mv))
-    if mtype in (LOOKUP, GET, REMOVE):
+    if mtype in (LOOKUP, GET, REMOVE, LOCATE):
         return _decode_keys(mv, TYPE_NAMES[mtype])
     if mtype in (LOOKUP_OK, REMOVE_OK):
         _exact(mv, 4, TYPE_NAMES[mtype])
@@ -280,6 +337,14 @@ def parse_body(mtype: int, body: Buffer) -> Body:
         if mv[0] not in (0, 1):
             raise ProtocolError(f"PUT_OK status must be 0 or 1, got {mv[0]}")
         return PutReply(bool(mv[0]))
+    if mtype == SHM_ATTACH:
+        _exact(mv, 0, "SHM_ATTACH")
+        return ShmAttach()
+    if mtype == SHM_OK:
+        _exact(mv, 8, "SHM_OK")
+        return ShmOk(_U64.unpack(mv)[0])
+    if mtype == LOCATE_OK:
+        return _decode_locate_reply(mv)
     if mtype == ERROR:
         if mv.nbytes > MAX_ERROR_TEXT:
             raise ProtocolError("ERROR text is too long")

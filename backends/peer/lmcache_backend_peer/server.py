@@ -19,13 +19,16 @@ of the store (:mod:`.tenants`); the shared secret, if any, sees the untenanted p
 from __future__ import annotations
 
 import logging
+import errno
 import os
 import socket
+import stat
+import struct
 import threading
 import time
 from typing import Any, Mapping
 
-from lmcache_core.serde import FrameError, parse_header
+from lmcache_core.serde import FrameError, parse_header, verify_payload
 
 from .auth import Credentials, Principal, server_authenticate
 from .connection import Connection, PeerTimeout
@@ -35,6 +38,8 @@ from .protocol import (
     GET,
     GET_OK,
     KEY_SIZE,
+    LOCATE,
+    LOCATE_OK,
     LOOKUP,
     LOOKUP_OK,
     PUT,
@@ -43,14 +48,18 @@ from .protocol import (
     MAX_KEYS_PER_MESSAGE,
     REMOVE_OK,
     SERVER_ID_SIZE,
+    SHM_ATTACH,
+    SHM_OK,
     TYPE_NAMES,
     KeysRequest,
     PeerError,
     PutRequest,
     encode_get_reply_parts,
+    encode_locate_reply,
     parse_body,
     u32,
 )
+from .shm import Arena
 from .store import ChunkSource
 from .tenants import TenantSource
 
@@ -67,7 +76,12 @@ class PeerServer:
     ``listen`` to clients that know ``secret`` or a tenant's secret in ``tenants``.
     PUT and REMOVE are accepted only when ``writable`` (the source must then have
     ``put_frame``/``remove``). ``partition_tenants=False`` serves tenants the whole
-    source (a server holding one tenant's chunks only, like a tier's own server)."""
+    source (a server holding one tenant's chunks only, like a tier's own server).
+
+    With ``unix_socket`` the server also listens on that path (mode 0600), with the
+    same authentication; when ``source`` is an :class:`~lmcache_backend_peer.shm.ArenaStore`,
+    a client there may ask for its principal's arena (SHM_ATTACH, the fd comes by
+    SCM_RIGHTS) and LOCATE keys in it (see :mod:`.shm`)."""
 
     def __init__(
         self,
@@ -86,6 +100,7 @@ class PeerServer:
         max_unauthenticated: int = 32,
         max_unauthenticated_per_address: int = 4,
         max_inflight_bytes: int | None = None,
+        unix_socket: str | None = None,
     ) -> None:
         if not secret and not tenants:
             raise ValueError("the shared secret must not be empty")
@@ -134,8 +149,21 @@ class PeerServer:
             self._sock.close()
             raise
         self.address: Address = self._sock.getsockname()[:2]
-        self._thread = threading.Thread(target=self._accept_loop, name=f"lmcache-peer-accept-{self.address[1]}", daemon=True)
-        self._thread.start()
+        self.unix_socket = unix_socket
+        self._usock: socket.socket | None = None
+        if unix_socket is not None:
+            try:
+                self._usock = _listen_unix(unix_socket)
+            except OSError:
+                self._sock.close()
+                raise
+        self._threads = [
+            threading.Thread(target=self._accept_loop, args=(s,), name=f"lmcache-peer-accept-{self.address[1]}", daemon=True)
+            for s in (self._sock, self._usock)
+            if s is not None
+        ]
+        for t in self._threads:
+            t.start()
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
@@ -143,12 +171,22 @@ class PeerServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() on Linux
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
+        for lsock in (self._sock, self._usock):
+            if lsock is None:
+                continue
+            try:
+                lsock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() on Linux
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
         self._sock.close()
+        if self._usock is not None:
+            self._usock.close()
+            try:
+                os.unlink(str(self.unix_socket))
+            except OSError:
+                pass
         with self._lock:
             conns = list(self._conns)
         for c in conns:
@@ -160,10 +198,10 @@ class PeerServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, lsock: socket.socket) -> None:
         while not self._stop.is_set():
             try:
-                sock, addr = self._sock.accept()
+                sock, addr = lsock.accept()
             except socket.timeout:
                 continue
             except OSError:
@@ -171,8 +209,13 @@ class PeerServer:
                     return
                 time.sleep(0.05)
                 continue
-            conn = Connection(sock, f"{addr[0]}:{addr[1]}")
-            if self.admission.admit(addr[0]) is not None:
+            if sock.family == socket.AF_UNIX:
+                host = _unix_peer(sock)  # per-process admission on the local socket
+                conn = Connection(sock, host)
+            else:
+                host = addr[0]
+                conn = Connection(sock, f"{addr[0]}:{addr[1]}")
+            if self.admission.admit(host) is not None:
                 with self._lock:
                     self.stats["rejected_unauthenticated"] += 1
                 conn.close()
@@ -180,7 +223,7 @@ class PeerServer:
             with self._lock:
                 self._conns.add(conn)
                 self.stats["connections"] += 1
-            threading.Thread(target=self._serve, args=(conn, addr[0]), name="lmcache-peer-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, host), name="lmcache-peer-conn", daemon=True).start()
 
     # -- one connection ---------------------------------------------------------------
     def _count(self, stat: str) -> None:
@@ -205,6 +248,9 @@ class PeerServer:
                 self._refuse(conn, f"server is at max_connections ({self.max_connections}); try again later")
                 return
             source = self._source_for(who)
+            if source is None:
+                self._refuse(conn, "no store for this principal on this node")
+                return
             while not self._stop.is_set():
                 header = conn.recv_header(time.monotonic() + self.idle_timeout, self.max_frame_size)
                 self._count("requests")
@@ -233,6 +279,8 @@ class PeerServer:
                 self._conns.discard(conn)
 
     def _source_for(self, who: Principal) -> Any:
+        if hasattr(self.source, "arena_for"):  # an ArenaStore: one arena per principal
+            return self.source.arena_for(who.tenant)
         if who.tenant is None or not self.partition_tenants:
             return self.source
         return TenantSource(self.source, who.tenant)
@@ -293,6 +341,19 @@ class PeerServer:
                     conn.send(ERROR, rid, [b"this peer is read-only"], deadline)
                 else:
                     conn.send(PUT_OK, rid, [b"\x01" if self._put(msg, source) else b"\x00"], deadline)
+            elif mtype == LOCATE and isinstance(msg, KeysRequest):
+                if not (conn.local and isinstance(source, Arena)):
+                    conn.send(ERROR, rid, [b"LOCATE needs shared memory (the node's Unix socket, arenas on)"], deadline)
+                else:
+                    locs = source.locate(msg.keys)
+                    entries = [(0, 0, 0) if x is None else (x.offset, x.length, x.generation) for x in locs]
+                    conn.send(LOCATE_OK, rid, [encode_locate_reply(entries)], deadline)
+            elif mtype == SHM_ATTACH:
+                if not (conn.local and isinstance(source, Arena)):
+                    why = "connect to the node's Unix socket" if not conn.local else "shared memory is off on this node"
+                    conn.send(ERROR, rid, [f"no shared memory here: {why}".encode()], deadline)
+                else:
+                    conn.send_fd(SHM_OK, rid, [source.size.to_bytes(8, "big")], source.fd, deadline)
             elif mtype == REMOVE and isinstance(msg, KeysRequest):
                 if not self.writable:
                     conn.send(ERROR, rid, [b"this peer is read-only"], deadline)
@@ -323,10 +384,53 @@ class PeerServer:
         return frames
 
     def _put(self, req: PutRequest, source: Any) -> bool:
+        """Keep a pushed frame only if it is whole: the header names the key and the
+        payload matches the checksum (the shared-memory readers rely on it)."""
         try:
-            info, _, _ = parse_header(req.frame)
+            info, meta, payload = parse_header(req.frame)
+            verify_payload(meta, payload)
         except FrameError:
             return False
         if info.key != req.key.to_str():
             return False
-        return bool(source.put_frame(req.key, bytes(req.frame)))
+        return bool(source.put_frame(req.key, req.frame if isinstance(source, Arena) else bytes(req.frame)))
+
+
+def _unix_peer(sock: socket.socket) -> str:
+    """``unix:PID`` of the process at the other end (SO_PEERCRED), or ``unix``."""
+    try:
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    except OSError:
+        return "unix"
+    return f"unix:{pid}"
+
+
+def _listen_unix(path: str) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0600 (owner only). A stale socket
+    file (nobody listening) is replaced; a live one or any other file is an error."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(0.5)
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale: its node is gone
+        else:
+            raise OSError(errno.EADDRINUSE, f"another node is listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.settimeout(0.2)
+    return sock

@@ -26,7 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_core.config import ConfigError
 
-from .kv_events import EventTranslator, LMCacheCoreKVEvents, events_enabled
+from .kv_events import EventTranslator, LMCacheCoreKVEvents, event_groups, events_enabled
 from .groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size
 from .lookup_ipc import LookupClient, socket_path
 from .metadata import LMCacheConnectorMetadata
@@ -108,9 +108,6 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         # MLA: the latent KV is the same on every tensor-parallel rank; stored once.
         replicated = world > 1 and bool(getattr(vllm_config.model_config, "use_mla", False))
         kv_events = events_enabled(vllm_config)
-        if kv_events and plan.hybrid:
-            log.warning("lmcache-core: KV events are not produced for models with several KV-cache groups")
-            kv_events = False
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -126,6 +123,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
                     chunk_size=cfg.chunk_size,
                     hash_block_size=getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size,
                     writers=[0] if replicated else range(world),
+                    groups=event_groups(kv_cache_config, plan),
                 )
                 if kv_events
                 else None,

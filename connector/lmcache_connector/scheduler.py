@@ -345,6 +345,11 @@ class SchedulerSide:
             boundaries = [(boundary_hash(st.hashes[c]), (c + 1) * self.cs) for c in chunks]
         if not chunks and not boundaries:
             return
+        if self.events is not None and st.request is not None:
+            for c in chunks:
+                self.events.remember(st.request, c, st.hashes[c], (c + 1) * self.cs)
+            for key, end in boundaries:
+                self.events.remember_boundary(st.request, key, end)
         first = chunks[0] if chunks else n_full
         meta.saves.append(
             ChunkTransfer(

@@ -42,8 +42,9 @@ class Subscriber:
             assert topic == b"kv"
             self.events.extend(self.decoder.decode(payload).events)
 
-    def of(self, kind: str, medium: str) -> list[Any]:
-        return [e for e in self.events if type(e).__name__ == kind and e.medium == medium]
+    def of(self, kind: str, medium: str, start: int = 0) -> list[Any]:
+        """Events of ``kind`` in ``medium``, from the ``start``-th received on."""
+        return [e for e in self.events[start:] if type(e).__name__ == kind and e.medium == medium]
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -119,6 +120,113 @@ def test_zmq_subscriber_sees_tier_stores_and_evictions(tiny_model, tmp_path):
             assert len(c_gpu) >= 4
             ours = [e for e in new if (e.medium or "").startswith("lmcache:")]
             assert not set(_hashes(ours)) & set(c_gpu)
+    finally:
+        if sub is not None:
+            sub.close()
+
+
+# -- hybrid models: one event per KV-cache group, as vLLM's own events -----------------
+HYBRID = {
+    # Gemma 3: groups 0-2 sliding window 160, group 3 full; chunk 256, blocks of 128.
+    # A prompt's objects take 2.6 MB in the CPU tier (1.4 MB for Qwen3-Next): the tier
+    # holds the warm-up and one prompt, and three prompts overflow it.
+    "gemma3": dict(prompt=1500, tier="4MB", llm={}),
+    # Qwen3-Next: groups 0-2 gated delta-net ("align" mode, blocks of 384), group 3 full;
+    # chunk 384; a state is kept where a step ends on a chunk boundary (768).
+    "qwen3_next": dict(prompt=1500, tier="3MB", llm={"dtype": "bfloat16", "max_num_batched_tokens": 768}),
+}
+
+
+def _groups(events: list[Any]) -> dict[int, tuple[Any, Any, int]]:
+    """group_idx -> (kind, sliding window, block size) as the events describe it."""
+    return {e.group_idx: (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size) for e in events}
+
+
+@pytest.mark.parametrize("family", list(HYBRID))
+def test_hybrid_groups_are_announced_like_vllms_own(family, tmp_path):
+    """Per group: vLLM's group index, spec kind and window, the group's block size and
+    vLLM's hashes for the blocks each object holds (full groups: the chunk's blocks;
+    window groups: the window before the boundary; state groups: the block whose state
+    is the boundary's); evictions name the group; a request that saves nothing is never
+    announced."""
+    from vllm.config import KVEventsConfig
+
+    from lmcache_connector.tiny_hybrid import build_hybrid_model
+
+    case = HYBRID[family]
+    model = build_hybrid_model(tmp_path / family, family)
+    endpoint = f"ipc://{tmp_path / 'kv-events.sock'}"
+    events_cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
+    tiers = [{"name": "local_cpu", "max_size": case["tier"], "eviction": "lru"}]
+    a, b, c = (random_prompt(case["prompt"], 511 + i) for i in range(3))
+    sub = None
+    try:
+        with make_llm(model, prefix_caching=True, extra={"backends": tiers}, kv_events_config=events_cfg, **case["llm"]) as llm:
+            w = worker()
+            plan = {g.index: g for g in w.plan.groups}
+            cs = w.settings.core.chunk_size
+            sub = Subscriber(endpoint)
+            for i in range(50):  # the subscription reaches the publisher asynchronously
+                run(llm, [random_prompt(cs + 10, 700 + i)], greedy(2))
+                sub.drain(0.2)
+                if sub.events:
+                    break
+            assert sub.events, "the subscriber never received vLLM's own events"
+            start = len(sub.events)  # the warm-up's events stay: its objects are evicted below
+            run(llm, [a], greedy(2))
+            run(llm, [random_prompt(40, 600)], greedy(2))
+            sub.drain(1.0)
+            gpu = sub.of("BlockStored", "GPU", start)
+            ours = sub.of("BlockStored", CPU, start)
+            full = [g for g, info in plan.items() if info.kind == "full"]
+            # vLLM's own hashes of A's blocks (its full-attention group keeps them all;
+            # a block's hash is the same in every group).
+            ref = _hashes([e for e in gpu if e.group_idx == full[0]])
+            assert len(ref) >= (case["prompt"] // cs) * cs // plan[full[0]].block_size
+            # The same group metadata as vLLM's events for the same groups.
+            assert _groups(ours) == {g: v for g, v in _groups(gpu).items() if g in _groups(ours)}
+            assert set(_groups(ours)) == set(plan) - {
+                g for g, info in plan.items() if info.kind == "state" and info.state_mode != "align"
+            }
+            for e in ours:
+                bs = e.block_size
+                first = ref.index(e.block_hashes[0])
+                assert e.block_hashes == ref[first : first + len(e.block_hashes)], "not vLLM's hashes for these blocks"
+                assert e.token_ids == a[first * bs : (first + len(e.block_hashes)) * bs]
+                assert e.parent_block_hash == (ref[first - 1] if first else None)
+                g = plan[e.group_idx]
+                end = (first + len(e.block_hashes)) * bs
+                if g.kind == "window":  # the window a hit at the boundary ``end`` needs
+                    assert end % cs == 0 and first == max(0, end - g.window) // bs
+                elif g.kind == "state":  # the one block whose state is the boundary's
+                    assert end % cs == 0 and len(e.block_hashes) == 1
+            # Full groups: every full chunk of A, chunk by chunk.
+            n_chunks = min(case["prompt"] // cs, len(ref) * plan[full[0]].block_size // cs)
+            for g in full:
+                assert _hashes([e for e in ours if e.group_idx == g]) == ref[: n_chunks * cs // plan[g].block_size]
+            assert not set(_hashes(sub.of("BlockRemoved", CPU, start))) & set(ref)
+
+            # B and C push A's objects out of the tier: removals name the group.
+            run(llm, [b], greedy(2))
+            run(llm, [c], greedy(2))
+            run(llm, [random_prompt(40, 601)], greedy(2))
+            sub.drain(1.0)
+            removed = sub.of("BlockRemoved", CPU)
+            assert removed, "nothing was evicted from the CPU tier"
+            announced = {(e.group_idx, h) for e in sub.of("BlockStored", CPU) for h in e.block_hashes}
+            assert all((e.group_idx, h) in announced for e in removed for h in e.block_hashes)
+            assert {(e.group_idx, h) for e in removed for h in e.block_hashes} & {(g, h) for g in full for h in ref}
+
+            # Negative control: a request that skips saving is never announced by us.
+            before = len(sub.events)
+            d = random_prompt(case["prompt"], 520)
+            run(llm, [d], greedy(params={"lmcache.skip_save": True}))
+            run(llm, [random_prompt(40, 602)], greedy(2))
+            sub.drain(1.0)
+            new = sub.events[before:]
+            d_gpu = _hashes([e for e in new if type(e).__name__ == "BlockStored" and e.medium == "GPU"])
+            assert len(d_gpu) >= 4
+            assert not set(_hashes([e for e in new if (e.medium or "").startswith("lmcache:")])) & set(d_gpu)
     finally:
         if sub is not None:
             sub.close()

@@ -8,17 +8,24 @@ jobs hits all of them alike:
 * ``lmc``: lmcache-core's CPU tier, vLLM's own KV cache at 1/3 of the working set
   (vLLM's prefix caching on);
 * ``ref``: vLLM alone, its KV cache big enough to hold everything (the bar);
+* ``same``: vLLM alone holding everything like ``ref``, but running at most as many
+  requests at once as fit in ``lmc``'s cache (``max_num_seqs``: 2 of the 8 at 1/3), so
+  a burst takes as many forward steps as on ``lmc``: the scheduling floor that no
+  connector removes at that ratio;
 * ``small``: vLLM alone at 1/3 (what the connector saves us from).
+
+``--ratio`` sets vLLM's cache for ``lmc``/``small`` as a fraction of the working set
+(default 1/3).
 
 Printed: single-request warm TTFT (one user's next question at a time, median) and
 burst time (all users' next questions submitted at once, wall time until every first
-token, median over rounds) for each, the ratios lmc/ref; greedy tokens of the last
+token, median over rounds) for each, the ratios lmc/ref and lmc/same; greedy tokens of the last
 burst (8 tokens each) compared across the three engines; a no-reuse overhead ratio
 (bursts of all-unique prompts, connector on vs off, alternating); and a profile of
 one extra burst on ``lmc`` (time inside the connector's hooks, by part). Bars: burst
 <= 1.1x ref, single <= 1.0x ref, identical tokens, no-reuse overhead <= 5%.
 
-    python bench/bench_burst.py [--quick] [--rounds N]
+    python bench/bench_burst.py [--quick] [--rounds N] [--ratio R] [--variant k=v,...]
 """
 
 from __future__ import annotations
@@ -216,6 +223,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="timed burst rounds (default 5, --quick 1)")
     ap.add_argument("--extra", default="", help="connector options for lmc, key=value,... (e.g. chunk_size=512)")
     ap.add_argument("--variant", default="", help="add engine lmc2: lmc with these options on top (e.g. async_saves=true)")
+    ap.add_argument(
+        "--ratio", type=float, default=1 / 3, help="vLLM's own KV cache for lmc and small, as a fraction of the working set"
+    )
     args = ap.parse_args()
     users, ctx_tokens = (4, 1024) if args.quick else (8, 2048)
     rounds = args.rounds or (1 if args.quick else 5)
@@ -227,27 +237,33 @@ def main() -> int:
     max_len = ctx_tokens + QUESTION + 16
     working_set = users * ctx_tokens * KV_PER_TOKEN
     blocks_per_req = -(-(ctx_tokens + QUESTION) // BLOCK)
-    small_bytes = working_set // 3
+    small_bytes = int(working_set * args.ratio)
+    block_bytes = BLOCK * KV_PER_TOKEN
+    # Requests that fit in vLLM's cache at once at that ratio (vLLM keeps one null
+    # block out of the pool): what ``same`` is limited to.
+    fit = max(1, min(users, (small_bytes // block_bytes - 1) // blocks_per_req))
     # The reference holds every context plus the questions' blocks, with room to spare.
     ref_bytes = 2 * users * blocks_per_req * BLOCK * KV_PER_TOKEN
     contexts = [random_prompt(ctx_tokens, 1000 + u, SPEC.vocab_size) for u in range(users)]
     print(
         f"model {SPEC.tag()} ({KV_PER_TOKEN // 1024} KiB KV/token); {users} users x {ctx_tokens} tokens "
-        f"= {working_set / 2**20:.0f} MiB working set; vLLM KV cache: {small_bytes / 2**20:.0f} MiB (1/3) "
-        f"for lmc and small, {ref_bytes / 2**20:.0f} MiB for ref",
+        f"= {working_set / 2**20:.0f} MiB working set; vLLM KV cache: {small_bytes / 2**20:.0f} MiB "
+        f"(ratio {args.ratio:.3f}, {small_bytes // block_bytes} blocks of {BLOCK}: {fit} requests at once) for lmc and "
+        f"small, {ref_bytes / 2**20:.0f} MiB for ref and same (same: max_num_seqs={fit})",
         flush=True,
     )
 
-    names: tuple[str, ...] = ("lmc", "ref", "small")
+    names: tuple[str, ...] = ("lmc", "ref", "same", "small")
     specs = {
         "lmc": dict(system="lmcache", kv_bytes=small_bytes, prefix_caching=True, extra=extra),
         "ref": dict(system="vllm-prefix-cache", kv_bytes=ref_bytes),
+        "same": dict(system="vllm-prefix-cache", kv_bytes=ref_bytes, max_num_seqs=fit),
         "small": dict(system="vllm-prefix-cache", kv_bytes=small_bytes),
     }
     lmcs = ["lmc"]
     if args.variant:
         specs["lmc2"] = dict(specs["lmc"], extra={**extra, **parse_options(args.variant)})
-        names, lmcs = ("lmc", "lmc2", "ref", "small"), ["lmc", "lmc2"]
+        names, lmcs = ("lmc", "lmc2", "ref", "same", "small"), ["lmc", "lmc2"]
         print(f"lmc2 = lmc with {specs['lmc2']['extra']}", flush=True)
     # One process per engine (vLLM keeps its connector in a process-wide global, so
     # engines with and without one cannot share a process); they take turns.
@@ -290,7 +306,7 @@ def main() -> int:
 
         # Profile one more burst and one more single request on lmc and ref.
         prof_prompts = [contexts[u] + question(u, rounds + 2) for u in range(users)]
-        profiles = {f"burst on {name}": llms[name].profile(prof_prompts) for name in (*lmcs, "ref")}
+        profiles = {f"burst on {name}": llms[name].profile(prof_prompts) for name in (*lmcs, "ref", "same")}
         for name in (*lmcs, "ref"):
             profiles[f"single request on {name}"] = llms[name].profile([contexts[0] + question(0, rounds + 3)])
 
@@ -339,6 +355,15 @@ def main() -> int:
             f"{name}: burst vs ref {b_ratio:.2f}x, median of per-round ratios {' '.join(f'{p:.2f}' for p in pairs)} "
             f"(bar <= 1.1x: {'met' if b_ratio <= 1.1 else 'NOT met'}); ratio of medians {bmed[name] / bmed['ref']:.2f}x"
         )
+        # Against the engine that holds everything but runs the burst in as many
+        # steps as lmc: what is left is the connector's own cost.
+        same_pairs = [a / b for a, b in zip(burst[name], burst["same"])]
+        ssame = [a / b for a, b in zip(single[name], single["same"])]
+        print(
+            f"{name}: burst vs same {statistics.median(same_pairs):.2f}x, median of per-round ratios "
+            f"{' '.join(f'{p:.2f}' for p in same_pairs)}; single vs same {statistics.median(ssame):.2f}x; "
+            f"ratio of medians {bmed[name] / bmed['same']:.2f}x"
+        )
         over = statistics.median(a / b for a, b in zip(nr[name], nr["small"]))
         print(
             f"{name}: no-reuse bursts ({users} unique x {nr_tokens} tokens, {nr_rounds} rounds) vs no connector: "
@@ -348,14 +373,21 @@ def main() -> int:
     print("\nCPU seconds of the engine process (all its threads), median of paired ratios:")
     for name in lmcs:
         row = []
-        for work, base in (("single", "ref"), ("burst", "ref"), ("no-reuse", "small")):
+        for work, base in (("single", "ref"), ("burst", "ref"), ("burst", "same"), ("no-reuse", "small")):
             ratios = [a / b for a, b in zip(cpu[work, name], cpu[work, base]) if b > 0]
             row.append(f"{work} vs {base} {statistics.median(ratios):.2f}x")
         print(f"  {name}: {', '.join(row)}")
-    print(f"vLLM alone at 1/3 (small) vs ref: single {med['small'] / med['ref']:.2f}x, burst {bmed['small'] / bmed['ref']:.2f}x")
-    same = all(tokens[n] == tokens["ref"] for n in names)
-    print(f"greedy tokens (8 per user, {users} users at once) identical across {', '.join(names)}: {same}")
-    if not same:
+    print(
+        f"vLLM alone at the ratio (small) vs ref: single {med['small'] / med['ref']:.2f}x, burst {bmed['small'] / bmed['ref']:.2f}x"
+    )
+    floor = statistics.median(a / b for a, b in zip(burst["same"], burst["ref"]))
+    print(
+        f"same (ref limited to {fit} requests at once) vs ref: burst {floor:.2f}x, median of per-round ratios: "
+        f"the scheduling floor at this ratio"
+    )
+    identical = all(tokens[n] == tokens["ref"] for n in names)
+    print(f"greedy tokens (8 per user, {users} users at once) identical across {', '.join(names)}: {identical}")
+    if not identical:
         for name in names:
             print(f"  {name}: {tokens[name]}")
     for name, (table, dt) in profiles.items():

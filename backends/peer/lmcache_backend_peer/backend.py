@@ -16,6 +16,12 @@ shared memory the Unix socket carries the frames as TCP would. The same node
 reached two ways (socket and TCP) is asked once: peers with the server id of an
 earlier one are skipped.
 
+What the tier drops reaches the engine's listeners (KV events for routers) through
+:meth:`~lmcache_core.backend.StorageBackend.evicted`: the local store's LRU evictions,
+and with ``push`` what the nodes dropped (evicted, or removed by any client),
+asked every ``eviction_poll`` seconds on a background thread (EVICTIONS, see
+:mod:`.evictions`). A key counts as gone from the tier when one copy goes.
+
 Failure rule: a peer that is down, slow, speaks garbage or sends a corrupt frame is a
 miss for that request, and is then skipped for ``retry_after`` seconds so a dead
 peer does not cost a timeout on every lookup. Frames are decoded with
@@ -36,8 +42,8 @@ from lmcache_core.backend import SHARED, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import Codec, encode, try_decode
 
-from .client import PeerClient, PeerRequestError
-from .protocol import PeerError
+from .client import PeerClient, PeerRequestError, PeerUnsupported
+from .protocol import MAX_EVICTIONS_PER_REPLY, PeerError, ProtocolError
 from .server import PeerServer
 from .shm import SHM_SUPPORTED, Location, ShmUnavailable, ShmView
 from .store import FrameStore
@@ -45,11 +51,15 @@ from .store import FrameStore
 log = logging.getLogger(__name__)
 
 ROUTE_CACHE_SIZE = 65536
+EVICTION_REPLIES_PER_POLL = 16
+"""EVICTIONS replies read from one node per poll (the rest waits for the next)."""
+FIRST_CONTACT = (1 << 64) - 1
+"""``since`` that asks a node only for its head (no keys)."""
 T = TypeVar("T")
 
 
 class _Peer:
-    __slots__ = ("client", "down_until", "is_self", "shm", "shm_off")
+    __slots__ = ("client", "down_until", "is_self", "shm", "shm_off", "ev_server", "ev_next", "ev_off")
 
     def __init__(self, client: PeerClient, shm: bool) -> None:
         self.client = client
@@ -57,6 +67,9 @@ class _Peer:
         self.is_self = False
         self.shm: ShmView | None = None
         self.shm_off: str | None = None if shm and isinstance(client.address, str) else "not asked for"
+        self.ev_server: bytes | None = None  # the node whose drop numbers ev_next counts
+        self.ev_next = 0
+        self.ev_off: bytes | None = None  # server id of a node without EVICTIONS
 
 
 class PeerBackend(StorageBackend):
@@ -74,6 +87,7 @@ class PeerBackend(StorageBackend):
         push: bool = False,
         retry_after: float = 1.0,
         shm: bool = True,
+        eviction_poll: float = 0.0,
     ) -> None:
         self.store = store
         self.server = server
@@ -87,6 +101,14 @@ class PeerBackend(StorageBackend):
         self._lock = threading.Lock()
         self._stats = BackendStats(self.name, bytes_capacity=store.max_size)
         self._closed = False
+        store.on_drop = lambda key, _frame: self.evicted(key)
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if push and eviction_poll > 0 and self._peers:
+            self._poller = threading.Thread(
+                target=self._poll_loop, args=(eviction_poll,), name="lmcache-peer-evictions", daemon=True
+            )
+            self._poller.start()
 
     # -- peers ----------------------------------------------------------------------
     def _live_peers(self) -> list[_Peer]:
@@ -213,6 +235,67 @@ class PeerBackend(StorageBackend):
             while len(self._routes) > ROUTE_CACHE_SIZE:
                 self._routes.popitem(last=False)
 
+    # -- what the nodes dropped -------------------------------------------------------
+    def _poll_loop(self, interval: float) -> None:
+        while True:
+            try:
+                self.poll_evictions()
+            except Exception:  # a bug must not end the polling
+                log.exception("peer tier: eviction poll failed")
+            if self._stop.wait(interval):
+                return
+
+    def poll_evictions(self) -> int:
+        """Ask each live node what it dropped since the last poll and report those keys
+        as evicted; returns how many were reported (the background thread calls it)."""
+        return sum(self._poll_peer(p) for p in self._live_peers() if not self._stop.is_set())
+
+    def _poll_peer(self, peer: _Peer) -> int:
+        if peer.ev_off is not None and peer.ev_off == peer.client.server_id:
+            return 0
+        reported = 0
+        for _ in range(EVICTION_REPLIES_PER_POLL):
+            since = peer.ev_next if peer.ev_server is not None else FIRST_CONTACT
+            try:
+                reply, sid = peer.client.evictions(since)
+            except (PeerUnsupported, PeerRequestError) as err:
+                peer.ev_off = peer.client.server_id
+                log.warning("peer %s: no eviction events from this node (its drops are not reported): %s", peer.client.name, err)
+                return reported
+            except PeerError as err:
+                log.debug("peer %s: eviction poll failed: %s", peer.client.name, err)
+                return reported
+            if sid != peer.ev_server:
+                if peer.ev_server is None:
+                    peer.ev_next = reply.head  # first contact: from now on
+                else:
+                    peer.ev_next = 0  # a restarted node numbers from 0; what the old one held is gone unreported
+                    with self._lock:
+                        self._stats.add(node_restarts=1)
+                    log.warning("peer %s: the node restarted; what this tier had there is gone (not reported)", peer.client.name)
+                peer.ev_server = sid
+                continue
+            if reply.first < since:
+                with self._lock:
+                    self._stats.errors += 1
+                log.info("peer %s: %s", peer.client.name, ProtocolError(f"EVICTIONS_OK from {reply.first}, asked {since}"))
+                return reported
+            if reply.first > since:
+                missed = reply.first - since
+                with self._lock:
+                    self._stats.add(eviction_gap=missed)
+                log.warning("peer %s: %d drops on the node were missed (its eviction log wrapped)", peer.client.name, missed)
+            for key in reply.keys:
+                self.evicted(key)
+            reported += len(reply.keys)
+            peer.ev_next = reply.first + len(reply.keys)
+            if len(reply.keys) < MAX_EVICTIONS_PER_REPLY or peer.ev_next >= reply.head:
+                break
+        if reported:
+            with self._lock:
+                self._stats.add(node_drops_reported=reported)
+        return reported
+
     # -- contract ---------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         keys = list(keys)
@@ -322,7 +405,7 @@ class PeerBackend(StorageBackend):
         return False
 
     def remove(self, key: ChunkKey) -> bool:
-        removed = self.store.remove(key)
+        removed = self.store.remove(key, report=False)
         with self._lock:
             self._routes.pop(key, None)
             self._locs.pop(key, None)
@@ -345,6 +428,10 @@ class PeerBackend(StorageBackend):
             for p in self._peers
             if isinstance(p.client.address, str)
         }
+        if self._poller is not None:
+            s.extra["eviction_events"] = {
+                p.client.name: "off" if p.ev_off is not None and p.ev_off == p.client.server_id else "on" for p in self._peers
+            }
         if self.server is not None:
             s.extra["listen"] = f"{self.server.address[0]}:{self.server.address[1]}"
             s.extra["server"] = dict(self.server.stats)
@@ -354,6 +441,9 @@ class PeerBackend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=10)
         if self.server is not None:
             self.server.close()
         for p in self._peers:

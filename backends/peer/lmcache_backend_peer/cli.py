@@ -24,6 +24,7 @@ from lmcache_core.config import parse_size
 
 from .client import format_address
 from .config import check_secret, parse_address
+from .evictions import DEFAULT_CAPACITY, MAX_CAPACITY, EvictionLog
 from .server import PeerServer
 from .shm import ArenaStore, ShmUnavailable
 from .store import FrameStore
@@ -82,6 +83,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="also listen on this Unix socket (mode 0600) for engines on this host: same secrets, shared memory",
     )
     p.add_argument(
+        "--eviction-log",
+        type=int,
+        default=DEFAULT_CAPACITY,
+        metavar="N",
+        help=f"remember the last N dropped keys per tenant for engines' KV events (32 B each; 0: off; default {DEFAULT_CAPACITY})",
+    )
+    p.add_argument(
         "--no-shm",
         action="store_true",
         help="keep frames in private memory: engines on --unix-socket get them over the socket",
@@ -133,6 +141,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for flag in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_address"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.eviction_log <= MAX_CAPACITY:
+        parser.error(f"--eviction-log must be 0..{MAX_CAPACITY}")
     tenants = None
     if args.tenants_file is not None:
         try:
@@ -150,6 +160,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             store = FrameStore(args.max_size)
     else:
         store = FrameStore(args.max_size)
+    evictions = None
+    if args.eviction_log and not args.read_only:
+        evictions = EvictionLog(args.eviction_log)
+        evictions.watch(store, tenants or ())
     try:
         server = PeerServer(
             store,
@@ -165,6 +179,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             max_unauthenticated_per_address=args.max_unauthenticated_per_address,
             max_inflight_bytes=args.max_inflight,
             unix_socket=None if args.unix_socket is None else str(args.unix_socket),
+            eviction_log=evictions,
         )
     except ValueError as err:
         parser.error(str(err))

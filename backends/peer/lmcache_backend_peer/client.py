@@ -23,6 +23,8 @@ from .shm import Location, ShmUnavailable, ShmView, decode_locations
 from .connection import Connection, PeerClosed, PeerTimeout
 from .protocol import (
     ERROR,
+    EVICTIONS,
+    EVICTIONS_OK,
     GET,
     GET_OK,
     LOCATE,
@@ -40,6 +42,7 @@ from .protocol import (
     Buffer,
     Count,
     ErrorReply,
+    EvictionsReply,
     GetReply,
     LocateReply,
     PeerError,
@@ -49,6 +52,7 @@ from .protocol import (
     encode_keys,
     key_bytes,
     parse_body,
+    u64,
 )
 
 Address = tuple[str, int]
@@ -58,6 +62,11 @@ Consume = Callable[[object, Connection], T]
 
 class PeerRequestError(PeerError):
     """The peer answered with an ERROR message."""
+
+
+class PeerUnsupported(PeerError):
+    """The node closed a fresh, authenticated connection on a request type it does not
+    know (a node older than that request)."""
 
 
 def format_address(addr: Address | str) -> str:
@@ -322,3 +331,28 @@ class PeerClient:
                 raise PeerClosed(f"{self.name}: the node restarted during a lookup")
             server = sid  # type: ignore[assignment]
         return out, server
+
+    # -- what the node dropped (KV events) -------------------------------------------------
+    def evictions(self, since: int) -> tuple[EvictionsReply, bytes]:
+        """This principal's drops on the node numbered ``since`` and later (at most one
+        reply's worth), and the id of the node that answered (numbers are only
+        meaningful on that node). Raises :class:`PeerUnsupported` for a node that
+        predates EVICTIONS, :class:`PeerRequestError` for one that keeps no log."""
+
+        def consume(msg: object, conn: Connection) -> tuple[EvictionsReply, bytes]:
+            if not isinstance(msg, EvictionsReply):
+                raise ProtocolError(f"{self.name}: malformed EVICTIONS_OK")
+            return msg, conn.server_id
+
+        deadline = time.monotonic() + self.timeout
+        conn, reused = self._acquire(deadline)
+        if reused:
+            try:
+                return self._exchange(conn, EVICTIONS, [u64(since)], EVICTIONS_OK, deadline, consume)  # type: ignore[return-value]
+            except PeerClosed:
+                conn = self._connect(deadline)  # a pooled connection the node had dropped: one fresh try
+        try:
+            return self._exchange(conn, EVICTIONS, [u64(since)], EVICTIONS_OK, deadline, consume)  # type: ignore[return-value]
+        except PeerClosed as err:
+            # It authenticated us on this fresh connection, then hung up on the request.
+            raise PeerUnsupported(f"{self.name}: the node does not answer EVICTIONS (older version?): {err}") from None

@@ -92,6 +92,11 @@ class PeerConfig(StrictModel):
     max_unauthenticated: int = Field(32, ge=1, description="connections still authenticating, kept apart from max_connections")
     max_unauthenticated_per_address: int = Field(4, ge=1, description="of those, from one client address")
     handshake_timeout_ms: int = Field(1000, gt=0, description="a new connection must authenticate within this")
+    eviction_poll_ms: int = Field(
+        2000,
+        ge=0,
+        description="with push, ask the nodes this often what they dropped (KV events for routers); 0: never",
+    )
     max_inflight: ByteSize | None = Field(
         None, description="request bytes the server holds at once across connections; null: 2 x max_frame_size"
     )
@@ -104,6 +109,8 @@ class PeerConfig(StrictModel):
             check_secret(self.secret.get_secret_value().encode())
         if self.listen is None and not self.peers and self.unix_socket is None:
             raise ValueError("give listen (serve), peers or unix_socket (ask), or both; with neither the tier does nothing")
+        if 0 < self.eviction_poll_ms < 50:
+            raise ValueError("eviction_poll_ms must be 0 (off) or at least 50")
         if self.max_frame_size < 1024:
             raise ValueError("max_frame_size must be at least 1KiB")
         return self

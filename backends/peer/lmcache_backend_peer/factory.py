@@ -71,4 +71,5 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
         push=cfg.push,
         retry_after=cfg.retry_after_ms / 1000,
         shm=cfg.shm,
+        eviction_poll=cfg.eviction_poll_ms / 1000,
     )

@@ -33,6 +33,7 @@ NONCE_SIZE = 32
 MAC_SIZE = 32
 SERVER_ID_SIZE = 16
 MAX_KEYS_PER_MESSAGE = 16384
+MAX_EVICTIONS_PER_REPLY = 4096
 MAX_ERROR_TEXT = 1024
 MAX_TENANT_NAME = 64
 TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -56,6 +57,8 @@ SHM_ATTACH = 18
 SHM_OK = 19
 LOCATE = 20
 LOCATE_OK = 21
+EVICTIONS = 22
+EVICTIONS_OK = 23
 ERROR = 127
 
 TYPE_NAMES = {
@@ -75,6 +78,8 @@ TYPE_NAMES = {
     SHM_OK: "SHM_OK",
     LOCATE: "LOCATE",
     LOCATE_OK: "LOCATE_OK",
+    EVICTIONS: "EVICTIONS",
+    EVICTIONS_OK: "EVICTIONS_OK",
     ERROR: "ERROR",
 }
 
@@ -173,6 +178,24 @@ class LocateReply:
 
 
 @dataclass(frozen=True)
+class EvictionsRequest:
+    """EVICTIONS: this principal's drops numbered ``since`` and later (added after
+    version 1 shipped: a node that predates it closes the connection on it)."""
+
+    since: int
+
+
+@dataclass(frozen=True)
+class EvictionsReply:
+    """EVICTIONS_OK: ``keys`` are the drops numbered ``first``, ``first + 1``, ...;
+    ``head`` is the number the node's next drop gets."""
+
+    first: int
+    head: int
+    keys: list[ChunkKey]
+
+
+@dataclass(frozen=True)
 class ErrorReply:
     message: str
 
@@ -190,6 +213,8 @@ Body = Union[
     ShmAttach,
     ShmOk,
     LocateReply,
+    EvictionsRequest,
+    EvictionsReply,
     ErrorReply,
 ]
 
@@ -300,6 +325,28 @@ def _decode_locate_reply(body: memoryview) -> LocateReply:
     return LocateReply([_LOC.unpack_from(body, 4 + i * _LOC.size) for i in range(n)])
 
 
+_EVH = struct.Struct(">QQI")
+
+
+def encode_evictions_reply(first: int, head: int, keys: Sequence[bytes]) -> bytes:
+    """EVICTIONS_OK body: first u64 | head u64 | count u32 | 32-byte keys."""
+    if len(keys) > MAX_EVICTIONS_PER_REPLY:
+        raise ValueError(f"at most {MAX_EVICTIONS_PER_REPLY} keys per EVICTIONS_OK")
+    return _EVH.pack(first, head, len(keys)) + b"".join(keys)
+
+
+def _decode_evictions_reply(body: memoryview) -> EvictionsReply:
+    if body.nbytes < _EVH.size:
+        raise ProtocolError("EVICTIONS_OK body is truncated")
+    first, head, n = _EVH.unpack_from(body, 0)
+    if n > MAX_EVICTIONS_PER_REPLY:
+        raise ProtocolError(f"EVICTIONS_OK claims {n} keys, more than {MAX_EVICTIONS_PER_REPLY}")
+    if first + n > head:
+        raise ProtocolError(f"EVICTIONS_OK runs past its head ({first} + {n} > {head})")
+    _exact(body, _EVH.size + n * KEY_SIZE, "EVICTIONS_OK")
+    return EvictionsReply(first, head, [_key_at(body, _EVH.size + i * KEY_SIZE) for i in range(n)])
+
+
 def parse_body(mtype: int, body: Buffer) -> Body:
     """Decode the body of a message of type ``mtype`` (already bounded in size)."""
     mv = memoryview(body).cast("B")
@@ -345,6 +392,11 @@ def parse_body(mtype: int, body: Buffer) -> Body:
         return ShmOk(_U64.unpack(mv)[0])
     if mtype == LOCATE_OK:
         return _decode_locate_reply(mv)
+    if mtype == EVICTIONS:
+        _exact(mv, 8, "EVICTIONS")
+        return EvictionsRequest(_U64.unpack(mv)[0])
+    if mtype == EVICTIONS_OK:
+        return _decode_evictions_reply(mv)
     if mtype == ERROR:
         if mv.nbytes > MAX_ERROR_TEXT:
             raise ProtocolError("ERROR text is too long")
@@ -375,3 +427,7 @@ def encode_message(mtype: int, request_id: int, body_parts: Sequence[Buffer] = (
 
 def u32(n: int) -> bytes:
     return _U32.pack(n)
+
+
+def u64(n: int) -> bytes:
+    return _U64.pack(n)

@@ -14,6 +14,9 @@ of request bodies (``max_frame_size`` per connection).
 
 With ``tenants`` a connection that authenticates as tenant T sees only T's namespace
 of the store (:mod:`.tenants`); the shared secret, if any, sees the untenanted part.
+
+With an ``eviction_log`` (:mod:`.evictions`) a client may ask EVICTIONS: what the
+node dropped from its own principal's part since a sequence number.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from .connection import Connection, PeerTimeout
 from .limits import Admission, ByteBudget
 from .protocol import (
     ERROR,
+    EVICTIONS,
+    EVICTIONS_OK,
     GET,
     GET_OK,
     KEY_SIZE,
@@ -51,14 +56,17 @@ from .protocol import (
     SHM_ATTACH,
     SHM_OK,
     TYPE_NAMES,
+    EvictionsRequest,
     KeysRequest,
     PeerError,
     PutRequest,
+    encode_evictions_reply,
     encode_get_reply_parts,
     encode_locate_reply,
     parse_body,
     u32,
 )
+from .evictions import EvictionLog
 from .shm import Arena
 from .store import ChunkSource
 from .tenants import TenantSource
@@ -81,7 +89,9 @@ class PeerServer:
     With ``unix_socket`` the server also listens on that path (mode 0600), with the
     same authentication; when ``source`` is an :class:`~lmcache_backend_peer.shm.ArenaStore`,
     a client there may ask for its principal's arena (SHM_ATTACH, the fd comes by
-    SCM_RIGHTS) and LOCATE keys in it (see :mod:`.shm`)."""
+    SCM_RIGHTS) and LOCATE keys in it (see :mod:`.shm`).
+
+    With ``eviction_log`` (already watching ``source``) clients may ask EVICTIONS."""
 
     def __init__(
         self,
@@ -101,6 +111,7 @@ class PeerServer:
         max_unauthenticated_per_address: int = 4,
         max_inflight_bytes: int | None = None,
         unix_socket: str | None = None,
+        eviction_log: EvictionLog | None = None,
     ) -> None:
         if not secret and not tenants:
             raise ValueError("the shared secret must not be empty")
@@ -125,6 +136,7 @@ class PeerServer:
         self.admission = Admission(max_connections, max_unauthenticated, max_unauthenticated_per_address)
         self.inflight = ByteBudget(inflight)
         self.server_id = os.urandom(SERVER_ID_SIZE)
+        self.eviction_log = eviction_log
         self.stats = {
             "connections": 0,
             "auth_failures": 0,
@@ -261,7 +273,7 @@ class PeerServer:
                     return
                 try:
                     body = conn.recv_body(header, time.monotonic() + self.timeout)
-                    self._handle(conn, header.type, header.request_id, body, source)
+                    self._handle(conn, header.type, header.request_id, body, source, who.tenant)
                     del body  # the buffer goes before its reservation does
                 finally:
                     self.inflight.release(header.body_len)
@@ -328,7 +340,7 @@ class PeerServer:
             return False
         return True
 
-    def _handle(self, conn: Connection, mtype: int, rid: int, body: memoryview, source: Any) -> None:
+    def _handle(self, conn: Connection, mtype: int, rid: int, body: memoryview, source: Any, principal: str | None) -> None:
         deadline = time.monotonic() + self.timeout
         msg = parse_body(mtype, body)
         try:
@@ -354,6 +366,12 @@ class PeerServer:
                     conn.send(ERROR, rid, [f"no shared memory here: {why}".encode()], deadline)
                 else:
                     conn.send_fd(SHM_OK, rid, [source.size.to_bytes(8, "big")], source.fd, deadline)
+            elif mtype == EVICTIONS and isinstance(msg, EvictionsRequest):
+                if self.eviction_log is None:
+                    conn.send(ERROR, rid, [b"this node keeps no eviction log"], deadline)
+                else:
+                    first, head, keys = self.eviction_log.since(principal, msg.since)
+                    conn.send(EVICTIONS_OK, rid, [encode_evictions_reply(first, head, keys)], deadline)
             elif mtype == REMOVE and isinstance(msg, KeysRequest):
                 if not self.writable:
                     conn.send(ERROR, rid, [b"this peer is read-only"], deadline)

@@ -43,7 +43,7 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -126,6 +126,8 @@ class Arena:
         self.evictions = 0
         self.bytes_used = 0
         self.write_hook: object = None  # tests: called between a slot's odd and even generation
+        #: called with each key evicted or removed (not on clear), under the lock
+        self.on_drop: Callable[[ChunkKey], None] | None = None
 
     # -- allocator ----------------------------------------------------------------------
     def _take(self, need: int) -> int | None:
@@ -182,9 +184,11 @@ class Arena:
             while off is None:
                 if not self._slots:
                     return False  # cannot happen: need <= size and all is free
-                _, old = self._slots.popitem(last=False)
+                gone, old = self._slots.popitem(last=False)
                 self._release(old)
                 self.evictions += 1
+                if self.on_drop is not None:
+                    self.on_drop(gone)
                 off = self._take(need)
             gen = self._next_generation()
             _GEN.pack_into(self._mm, off, gen - 1)  # odd: being written
@@ -246,6 +250,8 @@ class Arena:
             if slot is None:
                 return False
             self._release(slot)
+            if self.on_drop is not None:
+                self.on_drop(key)
             return True
 
     def clear(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from lmcache_core.keys import ChunkKey
 
@@ -33,7 +33,12 @@ class WritableSource(ChunkSource, Protocol):
 
 class FrameStore:
     """Thread-safe LRU map of key -> frame bytes, bounded by ``max_size`` bytes.
-    A ``max_size`` of 0 keeps nothing (a pure client of other peers)."""
+    A ``max_size`` of 0 keeps nothing (a pure client of other peers).
+
+    ``on_drop(key, frame)``, when set, is called for each frame evicted or removed
+    (not on :meth:`clear`), under the store's lock: it must be quick."""
+
+    on_drop: Callable[[ChunkKey, bytes], None] | None = None
 
     def __init__(self, max_size: int) -> None:
         if max_size < 0:
@@ -70,19 +75,24 @@ class FrameStore:
                 self._frames.move_to_end(key)
                 return True
             while self._bytes + size > self.max_size and self._frames:
-                _, old = self._frames.popitem(last=False)
+                gone, old = self._frames.popitem(last=False)
                 self._bytes -= len(old)
                 self.evictions += 1
+                if self.on_drop is not None:
+                    self.on_drop(gone, old)
             self._frames[key] = frame
             self._bytes += size
         return True
 
-    def remove(self, key: ChunkKey) -> bool:
+    def remove(self, key: ChunkKey, report: bool = True) -> bool:
+        """Drop ``key``; ``report=False``: without telling ``on_drop``."""
         with self._lock:
             frame = self._frames.pop(key, None)
             if frame is None:
                 return False
             self._bytes -= len(frame)
+            if report and self.on_drop is not None:
+                self.on_drop(key, frame)
             return True
 
     def clear(self) -> None:

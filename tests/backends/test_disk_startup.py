@@ -8,6 +8,7 @@ the scan does (each test asserts that it was still running)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import torch
 
+import lmcache_backend_disk.backend as disk_backend_mod
 from lmcache_backend_disk import DiskBackend, create_disk_backend
+from lmcache_backend_disk.directory import USAGE
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.testing import make_context
 
@@ -204,3 +207,81 @@ def test_contains_never_stats_through_a_linked_shard(tmp_path: Path) -> None:
         assert b2.stats().extra["links_refused"] >= 1
     finally:
         b2.close()
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != USAGE)
+
+
+def _wait_for_trim(b: DiskBackend) -> None:
+    deadline = time.monotonic() + 20
+    while b.stats().extra["scan_state"] != "trimming":
+        assert time.monotonic() < deadline, "the scan never reached its trim"
+        time.sleep(0.005)
+
+
+def _over_budget(root: Path) -> int:
+    """Fill ``root`` with 40 chunks; a budget that holds about half of them."""
+    fill(root, OURS, 40)
+    probe = open_disk(root)
+    assert probe.wait_for_scan(30)
+    per_file = probe.stats().bytes_used // 40
+    probe.close()
+    return per_file * 20
+
+
+def test_close_stops_a_waiting_trim_and_no_file_changes_after_it(tmp_path: Path) -> None:
+    """The start-up trim waits for the budget lock (held here as another process
+    would); close() stops it at once instead of waiting out the lock's timeout, and
+    nothing is deleted after close, even once the lock is free."""
+    root = tmp_path / "t"
+    budget = _over_budget(root)
+    before = _files(root)
+    fd = os.open(root / USAGE, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        b = open_disk(root, max_size=budget)
+        _wait_for_trim(b)
+        t0 = time.perf_counter()
+        b.close()
+        closed_s = time.perf_counter() - t0
+        assert b._scan_thread is not None and not b._scan_thread.is_alive()
+        assert b.stats().extra["scan_state"] == "stopped"
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    assert closed_s < 3, f"close waited {closed_s:.1f} s (the lock times out after 10 s)"
+    time.sleep(0.3)
+    assert _files(root) == before
+    # negative control: the same start, not closed, trims to the budget
+    b = open_disk(root, max_size=budget)
+    try:
+        assert b.wait_for_scan(30) and b.stats().extra["scan_state"] == "complete"
+        assert len(_files(root)) <= 21 < len(before)
+    finally:
+        b.close()
+
+
+def test_close_that_gives_up_waiting_leaves_the_directory_to_the_scan(tmp_path: Path, monkeypatch) -> None:
+    """A scan that does not stop within CLOSE_WAIT_S (0 here) keeps the directory
+    open until it ends, then closes it itself; it changes no file meanwhile."""
+    monkeypatch.setattr(disk_backend_mod, "CLOSE_WAIT_S", 0.0)
+    root = tmp_path / "t"
+    budget = _over_budget(root)
+    before = _files(root)
+    fd = os.open(root / USAGE, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        b = open_disk(root, max_size=budget)
+        _wait_for_trim(b)
+        b.close()
+        assert b._close_deferred, "the scan was still waiting for the lock: close must have left it the directory"
+        assert b._scan_done.wait(10)
+        b._scan_thread.join(10)
+        assert not b._scan_thread.is_alive()
+        assert b._root_fd is None and b._budget is None  # closed by the scan thread as it ended
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    time.sleep(0.3)
+    assert _files(root) == before

@@ -77,6 +77,7 @@ MAX_FRAME_BYTES = 8 + MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _O_RDONLY = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 PROGRESS_LOG_S = 10.0  # the background scan logs its progress this often
+CLOSE_WAIT_S = 30.0  # close() waits this long for the background scan to stop
 
 
 class _ShardRefused(Exception):
@@ -157,6 +158,8 @@ class DiskBackend(StorageBackend):
             scan_s=None,
         )
         self._scan_thread: threading.Thread | None = None
+        self._scan_running = self._indexing  # under self._lock: the thread has not finished
+        self._close_deferred = False  # under self._lock: close() left the directory to the thread
         if self._indexing:
             self._scan_thread = threading.Thread(target=self._background_scan, name="lmcache-disk-scan", daemon=True)
             self._scan_thread.start()
@@ -301,7 +304,11 @@ class DiskBackend(StorageBackend):
                 self._dropped.clear()
                 self._extra["scan_state"] = state
                 self._extra["scan_s"] = round(time.perf_counter() - t0, 4)
+                self._scan_running = False
+                release = self._close_deferred
             self._scan_done.set()
+            if release:  # close() gave up waiting for us: the directory is ours to close
+                self._release_dir()
 
     def _merge_found(self) -> None:
         """Make the scanned chunks the least recently used part of the index, oldest
@@ -376,13 +383,13 @@ class DiskBackend(StorageBackend):
         ``max_size``. Corrects whatever a process that died mid-write left."""
         assert self._budget is not None and self._root_fd is not None
         try:
-            with self._budget.locked() as budget:
+            with self._budget.locked(self._scan_stop) as budget:
                 listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None, stop=self._scan_stop)
                 if self._scan_stop.is_set():  # closing: a partial listing is no count
                     return
                 budget.set(listing.chunk_bytes + listing.reserved_bytes)
+                self._set_dir_bytes(budget.last)
                 self._evict_locked(budget, 0)
-                self._extra["dir_bytes"] = budget.last
         except TimeoutError as err:  # the count stays as the other processes keep it
             log.warning("disk tier: start-up recount skipped: %s", err)
 
@@ -558,7 +565,7 @@ class DiskBackend(StorageBackend):
             )
             os.close(fd)
             budget.add(size)
-            self._extra["dir_bytes"] = budget.last
+            self._set_dir_bytes(budget.last)
         return temp
 
     def _evict_locked(self, budget: DirBudget, size: int) -> bool:
@@ -588,6 +595,8 @@ class DiskBackend(StorageBackend):
                 listed = True
                 continue
             for key, _ in victims:
+                if self._closed:  # a closed tier changes no file, not even its trim's
+                    return False
                 freed = self._unlink_chunk(key)
                 if freed:
                     count = budget.add(-freed)
@@ -596,7 +605,7 @@ class DiskBackend(StorageBackend):
                     self.evicted(key)
                     if count is None:
                         break
-        self._extra["dir_bytes"] = count
+        self._set_dir_bytes(count)
         return True
 
     def _unlink_chunk(self, key: ChunkKey, ino: int | None = None) -> int:
@@ -630,7 +639,7 @@ class DiskBackend(StorageBackend):
             os.rename(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             if replaced:
                 budget.add(-replaced)
-            self._extra["dir_bytes"] = budget.last
+            self._set_dir_bytes(budget.last)
         if self.cfg.fsync:
             os.fsync(dfd)
 
@@ -643,7 +652,7 @@ class DiskBackend(StorageBackend):
             with self._budget.locked() as budget:
                 _unlink_quiet(temp, dfd)
                 budget.add(-size)
-                self._extra["dir_bytes"] = budget.last
+                self._set_dir_bytes(budget.last)
         except TimeoutError as err:
             log.warning("disk tier: %s", err)
             _unlink_quiet(temp, dfd)
@@ -767,7 +776,7 @@ class DiskBackend(StorageBackend):
                 freed = self._unlink_chunk(key, ino)
                 if freed:
                     budget.add(-freed)
-                self._extra["dir_bytes"] = budget.last
+                self._set_dir_bytes(budget.last)
         except TimeoutError as err:  # left for a later eviction or start-up scan
             log.warning("disk tier: not removed now: %s", err)
             return 0
@@ -781,19 +790,42 @@ class DiskBackend(StorageBackend):
             s.bytes_used = self._index.bytes + self._found_bytes
         return s
 
+    def _set_dir_bytes(self, count: int | None) -> None:
+        with self._lock:
+            self._extra["dir_bytes"] = count
+
     def close(self) -> None:
+        """Stop the background scan and wait for it (it stops between files, and a
+        trim between deletions), at most :data:`CLOSE_WAIT_S`: a thread stuck longer
+        (a hung filesystem) is logged and closes the directory itself when it ends,
+        so no descriptor it uses is ever closed or reused under it."""
         if self._closed:
             return
         self._closed = True
         self._scan_stop.set()
         if self._scan_thread is not None:
-            self._scan_thread.join()  # it stops between files; it must end before the directory closes
+            self._scan_thread.join(CLOSE_WAIT_S)
+        with self._lock:
+            self._close_deferred = self._scan_running
         self._pool.shutdown(wait=True)
-        if self._budget is not None:
-            self._budget.close()
-        if self._root_fd is not None:
-            os.close(self._root_fd)
-            self._root_fd = None
+        if self._close_deferred:
+            log.warning(
+                "disk tier %s: the background scan did not stop within %.0f s of close(); "
+                "it closes the directory when it ends and changes no file meanwhile",
+                self.root,
+                CLOSE_WAIT_S,
+            )
+            return
+        self._release_dir()
+
+    def _release_dir(self) -> None:
+        with self._lock:
+            budget, fd = self._budget, self._root_fd
+            self._budget, self._root_fd = None, None
+        if budget is not None:
+            budget.close()
+        if fd is not None:
+            os.close(fd)
 
     # -- helpers ------------------------------------------------------------------------
     def _read_error(self, path: Path, err: OSError) -> bool:

@@ -49,14 +49,15 @@ class DirBudget:
         self.last = 0  # the count as last seen, for stats (no syscall to read it)
 
     @contextmanager
-    def locked(self) -> Iterator["DirBudget"]:
+    def locked(self, stop: threading.Event | None = None) -> Iterator["DirBudget"]:
         """Hold the lock (both against this process's other threads and against
-        other processes); :class:`TimeoutError` after :attr:`timeout` seconds."""
+        other processes); :class:`TimeoutError` after :attr:`timeout` seconds, or as
+        soon as ``stop`` is set while waiting for another process."""
         deadline = time.monotonic() + self.timeout
         if not self._thread_lock.acquire(timeout=self.timeout):
             raise TimeoutError(f"{self.path}: another thread held the disk tier's budget lock for {self.timeout:.0f} s")
         try:
-            self._flock(deadline)
+            self._flock(deadline, stop)
             self._held = True
             try:
                 yield self
@@ -66,13 +67,15 @@ class DirBudget:
         finally:
             self._thread_lock.release()
 
-    def _flock(self, deadline: float) -> None:
+    def _flock(self, deadline: float, stop: threading.Event | None = None) -> None:
         pause = 0.0005
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
+                if stop is not None and stop.is_set():
+                    raise TimeoutError(f"{self.path}: stopped while waiting for the disk tier's budget lock") from None
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"{self.path}: another process held the disk tier's budget lock for {self.timeout:.0f} s "

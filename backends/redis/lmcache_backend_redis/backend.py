@@ -20,6 +20,11 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   following calls misses without a request until ``down_cooldown_s`` passes. Wrong
   credentials or missing ACL permissions mid-run raise :class:`BackendError` (the
   engine counts it and treats it as a miss).
+* What the server evicts (``maxmemory``) or expires (``ttl_s``) is reported to the
+  engine's listeners (KV events) once one is set: a :class:`~.events.KeyEventWatcher`
+  subscribes to the server's keyspace notifications (``eviction_events``); names
+  under this tier's ``prefix`` that are chunk keys become
+  :meth:`~lmcache_core.backend.StorageBackend.evicted` calls, any other name is ignored.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import redis
 import torch
@@ -47,6 +52,7 @@ from lmcache_core.serde import (
 
 from .client import Client, Failure, classify, describe, make_client
 from .config import RedisConfig
+from .events import KeyEventWatcher
 from lmcache_core.health import HealthGate
 from .wire import pipelined, set_command
 
@@ -95,6 +101,8 @@ class RedisBackend(StorageBackend):
         self._stats = BackendStats(self.name, extra={"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0})
         self._last_oom_log = -_OOM_LOG_EVERY_S
         self._closed = False
+        self._on_evicted: Callable[[ChunkKey], None] | None = None
+        self.watcher: KeyEventWatcher | None = None
         self.client: Client | None = client
         if client is None:
             try:
@@ -111,6 +119,31 @@ class RedisBackend(StorageBackend):
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.target!r}, prefix={self.cfg.prefix!r})"
+
+    # -- what the server drops -------------------------------------------------------
+    @property
+    def on_evicted(self) -> Callable[[ChunkKey], None] | None:
+        return self._on_evicted
+
+    @on_evicted.setter
+    def on_evicted(self, cb: Callable[[ChunkKey], None] | None) -> None:
+        """Set by the engine when someone listens (KV events on): only then subscribe."""
+        self._on_evicted = cb
+        if cb is not None and self.cfg.eviction_events and self.watcher is None and not self._closed:
+            self.watcher = KeyEventWatcher(self.cfg, self._password, self._key_event, retry_s=max(self.cfg.down_cooldown_s, 1.0))
+
+    def _key_event(self, name: bytes, event: str) -> None:
+        prefix = self.cfg.prefix.encode()
+        if not name.startswith(prefix):
+            self._add(foreign_key_events=1)
+            return
+        try:
+            key = ChunkKey.parse(name[len(prefix) :].decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            self._add(foreign_key_events=1)
+            return
+        self._add(**{f"server_{event}": 1})
+        self.evicted(key)
 
     # -- bookkeeping ----------------------------------------------------------------
     def _add(self, **counts: int) -> None:
@@ -376,12 +409,17 @@ class RedisBackend(StorageBackend):
             target=self.target,
             prefix=self.cfg.prefix,
         )
+        if self.watcher is not None:
+            s.extra["key_events"] = self.watcher.state
+            s.extra["key_event_reconnects"] = self.watcher.reconnects
         return s
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.watcher is not None:
+            self.watcher.close()
         if self.client is None:
             return
         try:

@@ -73,6 +73,11 @@ class RedisConfig(StrictModel):
     down_cooldown_s: float = Field(5.0, ge=0, description="after a server failure, calls are misses for this long")
     verify_on_start: bool = Field(True, description="PING the server(s) when the tier is created")
     delete_corrupt: bool = Field(False, description="delete values that fail their checksum or key check")
+    eviction_events: bool = Field(
+        True,
+        description="with KV events on, report keys the server evicts or expires (keyspace notifications; "
+        "turns notify-keyspace-events' E, x, e flags on when missing)",
+    )
 
     @field_validator("url")
     @classmethod

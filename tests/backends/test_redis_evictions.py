@@ -1,0 +1,193 @@
+"""What a real redis-server evicts or expires reaches the engine's listeners (KV events).
+
+Each test starts its own ``redis-server`` on loopback (the notification setting is
+server-wide). Under ``maxmemory`` with ``allkeys-lru`` the tier must report exactly
+the keys the server no longer has (asked with ``EXISTS``) and none it still holds;
+keys with ``ttl_s`` are reported when they expire; names outside the tier's prefix,
+or under it but not chunk keys, are ignored; a server that refuses ``CONFIG`` is
+logged once and the tier goes on working. No listener: no subscription.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from redis_server import RedisCluster3, RedisServer  # noqa: E402
+
+from lmcache_backend_redis import RedisBackend, create_redis_backend  # noqa: E402
+from lmcache_backend_redis.events import merged_flags  # noqa: E402
+from lmcache_core import CacheEngine, KeyNamespace, load_config  # noqa: E402
+from lmcache_core.engine import TierEvent  # noqa: E402
+from lmcache_core.keys import ChunkKey  # noqa: E402
+from lmcache_core.testing import make_context, random_chunk, random_key  # noqa: E402
+
+WAIT_S = 15.0
+SHAPE = (4, 64, 128)  # 64 KiB of fp16
+PREFIX = "lmc-ev:"
+
+
+class Recorder(list[ChunkKey]):
+    def __call__(self, key: ChunkKey) -> None:
+        self.append(key)
+
+
+def wait_until(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cond(), what
+
+
+def tier_on(server: RedisServer, rec: Recorder | None, **extra: Any) -> RedisBackend:
+    b = create_redis_backend({"url": server.url, "prefix": PREFIX, **extra}, make_context(key_path="backends[1]"))
+    if rec is not None:
+        b.on_evicted = rec
+        assert b.watcher is not None
+        assert b.watcher.subscribed.wait(WAIT_S), b.stats().extra.get("key_events")
+    return b
+
+
+@pytest.fixture
+def lru_server() -> Iterator[RedisServer]:
+    s = RedisServer("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    yield s
+    s.kill()
+
+
+def test_server_evictions_are_reported_exactly(lru_server: RedisServer) -> None:
+    rec = Recorder()
+    tier = tier_on(lru_server, rec)
+    raw = lru_server.client()
+    try:
+        keys = [random_key("ev") for _ in range(120)]  # 7.5 MiB into a 4 MiB server
+        for k in keys:
+            tier.put(k, random_chunk(SHAPE))
+        present = {k for k in keys if raw.exists(PREFIX + k.to_str())}
+        gone = set(keys) - present
+        assert gone and present  # the server evicted some and kept some
+        wait_until(lambda: set(rec) == gone, f"reported {len(set(rec))} of {len(gone)} evictions")
+        time.sleep(0.5)  # negative control: nothing still held is reported, nothing twice
+        assert not set(rec) & present
+        assert len(rec) == len(gone)
+        assert tier.stats().extra["server_evicted"] == len(gone)
+        assert raw.config_get("notify-keyspace-events")["notify-keyspace-events"] != ""
+    finally:
+        raw.close()
+        tier.close()
+
+
+def test_expiry_is_reported_and_foreign_names_are_ignored() -> None:
+    server = RedisServer("--notify-keyspace-events", "Kg")  # another user's flags: kept, ours added
+    rec = Recorder()
+    tier = tier_on(server, rec, ttl_s=0.2)
+    raw = server.client()
+    try:
+        flags = raw.config_get("notify-keyspace-events")["notify-keyspace-events"]
+        assert set("Kg") <= set(flags) and set("Exe") <= set(flags)
+        raw.set("other-app:" + random_key().to_str(), b"x", px=100)  # foreign prefix
+        raw.set(PREFIX + "not-a-chunk-key", b"x", px=100)  # our prefix, not a chunk key
+        keys = [random_key("ttl") for _ in range(3)]
+        for k in keys:
+            assert tier.put(k, random_chunk((2, 8, 8)))
+        wait_until(lambda: set(rec) == set(keys), f"reported {rec!r}")
+        wait_until(lambda: tier.stats().extra.get("foreign_key_events", 0) == 2, "foreign names seen")
+        assert set(rec) == set(keys)
+        assert tier.stats().extra["server_expired"] == 3
+    finally:
+        raw.close()
+        tier.close()
+        server.kill()
+
+
+def test_a_server_that_refuses_config_is_logged_once_and_the_tier_works(caplog: pytest.LogCaptureFixture) -> None:
+    server = RedisServer("--rename-command", "CONFIG", "", "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    rec = Recorder()
+    caplog.set_level(logging.WARNING, logger="lmcache_backend_redis.events")
+    tier = tier_on(server, rec)
+    try:
+        keys = [random_key("noconf") for _ in range(120)]
+        for k in keys:
+            tier.put(k, random_chunk(SHAPE))
+        assert tier.contains([keys[-1]]) == 1  # the tier works
+        time.sleep(0.5)
+        assert rec == []  # notifications are off on this server: nothing to report, no crash
+        refused = [r for r in caplog.records if "cannot turn on keyspace notifications" in r.getMessage()]
+        assert len(refused) == 1
+        assert tier.stats().extra["key_events"] == "subscribed"
+    finally:
+        tier.close()
+        server.kill()
+
+
+def test_no_listener_no_subscription(lru_server: RedisServer) -> None:
+    tier = tier_on(lru_server, None)
+    raw = lru_server.client()
+    try:
+        tier.put(random_key(), random_chunk((2, 8, 8)))
+        assert tier.watcher is None
+        assert raw.config_get("notify-keyspace-events")["notify-keyspace-events"] == ""
+        assert raw.pubsub_numsub("__keyevent@0__:evicted") == [(b"__keyevent@0__:evicted", 0)]
+    finally:
+        raw.close()
+        tier.close()
+
+
+def test_engine_listener_sees_redis_evictions(lru_server: RedisServer) -> None:
+    """The chain the connector uses: CacheEngine.add_listener -> TierEvent('evicted', 'redis', key)."""
+    cfg = load_config(
+        overrides={
+            "chunk_size": 64,
+            "backends": [{"name": "local_cpu", "max_size": "64MiB"}, {"name": "redis", "url": lru_server.url, "prefix": PREFIX}],
+        }
+    )
+    eng = CacheEngine(cfg, namespace=KeyNamespace(model="m"))
+    events: list[TierEvent] = []
+    eng.add_listener(events.append)
+    raw = lru_server.client()
+    try:
+        tier = eng.tiers[1]
+        assert isinstance(tier, RedisBackend) and tier.watcher is not None
+        assert tier.watcher.subscribed.wait(WAIT_S)
+        tokens = [i % 30000 for i in range(64 * 80)]
+        data = [random_chunk(SHAPE, seed=i) for i in range(80)]
+        assert eng.store(tokens, data) == 80
+        assert eng.flush(60)
+        keys = eng.keys(eng.hashes(tokens))
+        gone = {k for k in keys if not raw.exists(PREFIX + k.to_str())}
+        assert gone
+        wait_until(lambda: {e.key for e in events if e.kind == "evicted" and e.tier == "redis"} == gone, "engine events")
+    finally:
+        raw.close()
+        eng.close()
+
+
+def test_merged_flags() -> None:
+    assert merged_flags("") == "Exe"
+    assert merged_flags("Kg") == "KgExe"
+    assert merged_flags("AE") is None
+    assert merged_flags("Ex") == "Exe"
+    assert merged_flags("xeE") is None
+
+
+def test_cluster_expiries_are_reported_from_every_primary() -> None:
+    cluster = RedisCluster3()
+    rec = Recorder()
+    tier = create_redis_backend({"cluster": cluster.seeds, "prefix": PREFIX, "ttl_s": 2}, make_context())
+    try:
+        tier.on_evicted = rec
+        assert tier.watcher is not None and tier.watcher.subscribed.wait(WAIT_S)
+        keys = [random_key("cl") for _ in range(30)]
+        for k in keys:
+            assert tier.put(k, random_chunk((2, 8, 8)))
+        assert all(n > 0 for n in cluster.keys_per_node(PREFIX))  # spread over the 3 masters
+        wait_until(lambda: set(rec) == set(keys), f"reported {len(set(rec))} of {len(keys)}")
+    finally:
+        tier.close()
+        cluster.stop()

@@ -213,6 +213,25 @@ def test_a_node_without_a_log_turns_polling_off(secret_file: Path) -> None:
         n.stop()
 
 
+def test_no_listener_no_polling(secret_file: Path) -> None:
+    n = PeerNode(["--max-size", "1MiB"], secret_file)
+    cfg = load_config(
+        overrides={
+            "chunk_size": CHUNK,
+            "backends": [{"name": "peer", "peers": [n.address], "secret_file": str(secret_file), "push": True, "max_size": 0}],
+        }
+    )
+    eng = CacheEngine(cfg, namespace=KeyNamespace(model="m"))
+    try:
+        assert eng.tiers[0]._poller is None
+        assert "eviction_events" not in eng.tiers[0].stats().extra
+        eng.add_listener(lambda ev: None)
+        assert eng.tiers[0]._poller is not None and eng.tiers[0]._poller.is_alive()
+    finally:
+        eng.close()
+        n.stop()
+
+
 def test_the_engines_own_store_reports_its_evictions() -> None:
     """A peer-to-peer tier (no node): its own LRU store's evictions are reported; a
     remove() is not an eviction."""

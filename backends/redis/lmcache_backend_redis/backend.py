@@ -131,6 +131,8 @@ class RedisBackend(StorageBackend):
         self._on_evicted = cb
         if cb is not None and self.cfg.eviction_events and self.watcher is None and not self._closed:
             self.watcher = KeyEventWatcher(self.cfg, self._password, self._key_event, retry_s=max(self.cfg.down_cooldown_s, 1.0))
+            # Subscribed before the first store can be evicted (bounded: a server down now is read once it answers).
+            self.watcher.subscribed.wait(min(self.cfg.socket_timeout_s, 2.0))
 
     def _key_event(self, name: bytes, event: str) -> None:
         prefix = self.cfg.prefix.encode()

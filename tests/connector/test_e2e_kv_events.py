@@ -230,3 +230,115 @@ def test_hybrid_groups_are_announced_like_vllms_own(family, tmp_path):
     finally:
         if sub is not None:
             sub.close()
+
+
+# -- shared stores: what the server drops reaches the subscriber ------------------------
+def test_zmq_subscriber_sees_redis_expiries(tiny_model, tmp_path):
+    """A real redis-server expires the chunks (``ttl_s``): the subscriber gets
+    ``BlockRemoved`` in ``lmcache:redis`` for exactly the blocks announced there, while
+    the CPU tier, which still holds them, announces no removal."""
+    pytest.importorskip("lmcache_backend_redis")
+    import sys
+    from pathlib import Path
+
+    from vllm.config import KVEventsConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+    from redis_server import RedisServer
+
+    server = RedisServer()
+    endpoint = f"ipc://{tmp_path / 'kv-events.sock'}"
+    sub = None
+    tiers = [
+        {"name": "local_cpu", "max_size": "64MiB"},
+        {"name": "redis", "url": server.url, "prefix": "ev:", "ttl_s": 3},
+    ]
+    events_cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
+    a = random_prompt(520, 511)
+    try:
+        with make_llm(tiny_model, prefix_caching=True, extra={"backends": tiers}, kv_events_config=events_cfg) as llm:
+            sub = Subscriber(endpoint)
+            for i in range(50):  # the subscription reaches the publisher asynchronously
+                run(llm, [random_prompt(130, 710 + i)], greedy(2))
+                sub.drain(0.2)
+                if sub.events:
+                    break
+            assert sub.events, "the subscriber never received vLLM's own events"
+            sub.events.clear()
+            run(llm, [a])
+            # Stored in Redis in the background, then expired 3 s later: both ship with later steps.
+            for i in range(60):
+                sub.drain(0.5)
+                if len(sub.of("BlockRemoved", "lmcache:redis")) >= 2:
+                    break
+                run(llm, [random_prompt(40, 620 + i)], greedy(2))  # under a chunk: saves nothing
+            stored = _hashes(sub.of("BlockStored", "lmcache:redis"))
+            assert len(stored) == 4 and stored == _hashes(sub.of("BlockStored", CPU))
+            assert sorted(_hashes(sub.of("BlockRemoved", "lmcache:redis"))) == sorted(stored)
+            assert sub.of("BlockRemoved", CPU) == []  # negative control: the CPU tier still holds them
+            assert server.client().keys("ev:*") == []
+    finally:
+        if sub is not None:
+            sub.close()
+        server.kill()
+
+
+def test_zmq_subscriber_sees_peer_node_evictions(tiny_model, tmp_path):
+    """A real ``lmcache-core serve`` node holding two and a half chunks: prompt B's
+    chunks evict prompt A's there, and the subscriber gets ``BlockRemoved`` in
+    ``lmcache:peer`` for exactly A's blocks (none of B's, which the node still holds)."""
+    pytest.importorskip("lmcache_backend_peer")
+    import sys
+    from pathlib import Path
+
+    from vllm.config import KVEventsConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+    from peer_node import PeerNode
+
+    secret = tmp_path / "peer.secret"
+    secret.write_text("kv-events-e2e-secret-0123456789\n")
+    secret.chmod(0o600)
+    node = PeerNode(["--max-size", str(CHUNK_BYTES * 5 // 2)], secret)
+    endpoint = f"ipc://{tmp_path / 'kv-events.sock'}"
+    sub = None
+    peer = {"name": "peer", "peers": [node.address], "secret_file": str(secret), "push": True, "max_size": 0}
+    tiers = [{"name": "local_cpu", "max_size": "64MiB"}, {**peer, "eviction_poll_ms": 100}]
+    events_cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
+    a, b = random_prompt(520, 521), random_prompt(520, 522)
+    medium = "lmcache:peer"
+    try:
+        with make_llm(tiny_model, prefix_caching=True, extra={"backends": tiers}, kv_events_config=events_cfg) as llm:
+            sub = Subscriber(endpoint)
+            for i in range(50):  # the subscription reaches the publisher asynchronously
+                run(llm, [random_prompt(130, 730 + i)], greedy(2))
+                sub.drain(0.2)
+                if sub.events:
+                    break
+            assert sub.events, "the subscriber never received vLLM's own events"
+            sub.events.clear()
+
+            def settle(want_stored: int, want_removed: int, seed: int) -> None:
+                for i in range(60):
+                    sub.drain(0.3)
+                    if len(sub.of("BlockStored", medium)) >= want_stored and len(sub.of("BlockRemoved", medium)) >= want_removed:
+                        return
+                    run(llm, [random_prompt(40, seed + i)], greedy(2))  # under a chunk: saves nothing
+
+            run(llm, [a])
+            settle(2, 0, 640)
+            a_blocks = _hashes(sub.of("BlockStored", medium))
+            assert len(a_blocks) == 4 and a_blocks == _hashes(sub.of("BlockStored", CPU))
+            assert sub.of("BlockRemoved", medium) == []
+            run(llm, [b])
+            settle(4, 2, 700)
+            time.sleep(0.5)
+            sub.drain(0.5)
+            b_blocks = _hashes(sub.of("BlockStored", medium))[4:]
+            assert len(b_blocks) == 4
+            assert sorted(_hashes(sub.of("BlockRemoved", medium))) == sorted(a_blocks)
+            assert sub.of("BlockRemoved", CPU) == []
+    finally:
+        if sub is not None:
+            sub.close()
+        node.stop()

@@ -213,6 +213,50 @@ def test_a_node_without_a_log_turns_polling_off(secret_file: Path) -> None:
         n.stop()
 
 
+OLD_NODE = """
+import sys
+from lmcache_backend_peer import protocol
+from lmcache_backend_peer.cli import main
+del protocol.TYPE_NAMES[protocol.EVICTIONS], protocol.TYPE_NAMES[protocol.EVICTIONS_OK]
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_node_older_than_the_message_turns_polling_off_and_keeps_serving(secret_file: Path) -> None:
+    """A node whose decoder predates EVICTIONS (it drops the connection on the unknown
+    type, as version-1 nodes do): polling stops for it, everything else works."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OLD_NODE, "--listen", "127.0.0.1:0", "--secret-file", str(secret_file), "--max-size", "1MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening on "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        address = line.split()[-1]
+        eng, rec = engine({"peers": [address], "secret_file": str(secret_file)})
+        try:
+            assert eng.tiers[1].stats().extra["eviction_events"] == {address: "off"}
+            tokens = tokens_for(9, 2)
+            assert eng.store(tokens, chunks_for(9, 2)) == 2 and eng.flush(30)
+            host, port = address.rsplit(":", 1)
+            check = PeerClient((host, int(port)), SECRET.encode(), timeout=2.0)
+            assert check.lookup(eng.keys(eng.hashes(tokens))) == 2  # pushes still land
+            check.close()
+            assert eng.tiers[1].poll_evictions() == 0
+            assert rec.evicted == []
+        finally:
+            eng.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_no_listener_no_polling(secret_file: Path) -> None:
     n = PeerNode(["--max-size", "1MiB"], secret_file)
     cfg = load_config(

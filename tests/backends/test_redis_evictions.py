@@ -191,3 +191,31 @@ def test_cluster_expiries_are_reported_from_every_primary() -> None:
     finally:
         tier.close()
         cluster.stop()
+
+
+def test_an_acl_user_without_subscribe_gets_no_events_and_a_working_tier(
+    lru_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = lru_server.client()
+    raw.execute_command("ACL", "SETUSER", "nosub", "reset", "on", ">nosub-pass-1", "~*", "+@all", "-@pubsub", "-config")
+    caplog.set_level(logging.WARNING, logger="lmcache_backend_redis.events")
+    tier = create_redis_backend(
+        {"url": lru_server.url, "prefix": PREFIX, "username": "nosub", "password": "nosub-pass-1", "down_cooldown_s": 0.2},
+        make_context(key_path="backends[1]"),
+    )
+    try:
+        rec = Recorder()
+        tier.on_evicted = rec
+        assert tier.watcher is not None
+        wait_until(lambda: tier.watcher is not None and tier.watcher.reconnects >= 3, "retried")
+        assert not tier.watcher.subscribed.is_set()
+        assert "NOPERM" in tier.stats().extra["key_events"] or "permission" in tier.stats().extra["key_events"]
+        keys = [random_key("acl") for _ in range(3)]
+        assert all(tier.put(k, random_chunk((2, 8, 8))) for k in keys)
+        assert tier.contains(keys) == 3  # the tier itself works
+        warnings = [r for r in caplog.records if "no key-event subscription" in r.getMessage()]
+        assert len(warnings) == 1  # the same reason is not repeated
+        assert len([r for r in caplog.records if "cannot turn on keyspace notifications" in r.getMessage()]) == 1
+    finally:
+        tier.close()
+        raw.close()

@@ -92,25 +92,28 @@ class KeyEventWatcher:
 
     # -- one session: connect, configure, subscribe, read until an error --------------
     def _run(self) -> None:
-        first = True
+        said = ""  # the failure last logged as a warning (the same one again: debug)
         while not self._stop.is_set():
             try:
                 self._session()
             except Exception as err:
                 self.subscribed.clear()
-                self.state = f"down: {describe(err)}"
+                why = describe(err)
+                self.state = f"down: {why}"
                 if not self._stop.is_set():
-                    if first:
-                        log.warning("redis tier: key events from %s unavailable (%s); retrying", self.cfg.target(), describe(err))
-                    else:
-                        log.warning(
-                            "redis tier: key-event subscription to %s lost (%s); evictions meanwhile are not reported",
-                            self.cfg.target(),
-                            describe(err),
-                        )
                     self.reconnects += 1
+                    if why != said:
+                        said = why
+                        log.warning(
+                            "redis tier: no key-event subscription on %s (%s); what the server drops meanwhile is not "
+                            "reported; retrying every %.1fs",
+                            self.cfg.target(),
+                            why,
+                            self.retry_s,
+                        )
+                    else:
+                        log.debug("redis tier: key-event subscription on %s: %s", self.cfg.target(), why)
             finally:
-                first = False
                 self._drop_client()
             self._stop.wait(self.retry_s)
 

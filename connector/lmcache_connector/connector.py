@@ -164,7 +164,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # loads complete in start_load_kv (or in the background: async_loads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         return  # saves gather every layer at once in wait_for_save
@@ -176,8 +176,10 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Asynchronous loads (multi-group models) completed this step (a failed one is
-        recomputed by vLLM as a whole request), and finished requests whose background
+        """Asynchronous loads completed since the last step (multi-group models: a
+        failed one is recomputed by vLLM as a whole request; dense models with
+        ``async_loads``: its failed blocks are in this step's
+        ``get_block_ids_with_load_errors``), and finished requests whose background
         saves are done (``async_saves``: vLLM frees their blocks now). (``get_finished`` is left to the base
         class: it cannot say "failed", and vLLM 0.32 reads this method.)"""
         if self._worker is None:
@@ -240,6 +242,8 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if connector_output.failed_recving:
             self._sched.loads_failed(sorted(connector_output.failed_recving))
+        if self._sched.async_loads:
+            self._sched.async_loads_reported(connector_output.finished_recving, connector_output.invalid_block_ids)
         if self._sched.events is not None and connector_output.kv_cache_events is not None:
             self._sched.events.add(connector_output.kv_cache_events)
 

@@ -2,7 +2,7 @@
 
 Configuration: the core's YAML/env config, then ``kv_connector_extra_config``
 overrides: ``config_file`` (a YAML path) and any core key (``chunk_size``,
-``backends``, ...), plus connector keys (``model_id``, ``async_saves``). Errors name
+``backends``, ...), plus connector keys (``model_id``, ``async_saves``, ``async_loads``). Errors name
 ``kv_connector_extra_config.<key>``.
 
 Per-request options come in ``kv_transfer_params`` (``SamplingParams.extra_args``):
@@ -24,7 +24,7 @@ from .log import get_logger
 
 log = get_logger(__name__)
 
-CONNECTOR_KEYS = {"config_file", "model_id", "async_saves"}
+CONNECTOR_KEYS = {"config_file", "model_id", "async_saves", "async_loads"}
 SKIP_SAVE = "lmcache.skip_save"
 VERIFY = "lmcache.verify"
 TAG_PREFIX = "lmcache.tag."
@@ -35,6 +35,7 @@ class ConnectorSettings:
     loaded: LoadedConfig
     model_id: str | None = None
     async_saves: bool = False  # see async_saves.py
+    async_loads: bool = False  # see async_loads.py
 
     @property
     def core(self) -> CoreConfig:
@@ -56,15 +57,16 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         from lmcache_core.config import ConfigError
 
         raise ConfigError("kv_connector_extra_config.model_id: must be a string (from kv_connector_extra_config)")
-    async_saves = extra.pop("async_saves", False)
-    if not isinstance(async_saves, bool):
-        from lmcache_core.config import ConfigError
+    switches = {key: extra.pop(key, False) for key in ("async_saves", "async_loads")}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            from lmcache_core.config import ConfigError
 
-        raise ConfigError(
-            f"kv_connector_extra_config.async_saves: must be true or false, got {async_saves!r} (from kv_connector_extra_config)"
-        )
+            raise ConfigError(
+                f"kv_connector_extra_config.{key}: must be true or false, got {value!r} (from kv_connector_extra_config)"
+            )
     loaded = load_config(path, overrides=extra, overrides_source="kv_connector_extra_config")
-    return ConnectorSettings(loaded, model_id, async_saves)
+    return ConnectorSettings(loaded, model_id, switches["async_saves"], switches["async_loads"])
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,11 @@ class SchedulerSide:
         # Saves run in the background on the workers (dense models; see async_saves.py).
         self.async_saves = settings.async_saves and not self.hybrid
         self.held_requests = 0  # finished requests whose blocks vLLM held for background saves
+        # Loads on the workers' load thread (dense models; see async_loads.py): the
+        # blocks each request in flight is loading into, until vLLM hears it finished.
+        self.async_loads = settings.async_loads and not self.hybrid
+        self._loading: dict[str, set[int]] = {}
+        self.async_load_requests = 0
 
     # -- request state ------------------------------------------------------------------
     def _new_state(
@@ -200,7 +205,7 @@ class SchedulerSide:
         if ext <= 0:
             return 0, False
         st.load_start, st.load_end = num_computed_tokens, hit
-        return ext, self.hybrid
+        return ext, self.hybrid or self.async_loads
 
     def _verify_hit(self, st: _Req, last_hit: bytes, n_full: int) -> bool:
         """Whether this request's hit of ``n_full`` full chunks is recomputed and
@@ -241,6 +246,12 @@ class SchedulerSide:
             if self.plan is not None and self.plan.has_boundary and hashes:
                 st.load.boundaries = [(boundary_hash(hashes[-1]), c1 * self.cs)]
             self._async_loads.append(st)
+        elif self.async_loads:
+            st.load.async_load = True
+            bs = self.block_size
+            self._loading[st.req_id] = set(block_ids[start // bs : -(-end // bs)])
+            self.async_load_requests += 1
+            self._async_loads.append(st)
 
     def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata(chunk_size=self.cs)
@@ -248,6 +259,9 @@ class SchedulerSide:
         if self.hybrid:
             self._build_hybrid(so, meta)
             return meta
+        for pending in self._async_loads:  # async_loads: sent the step after allocation
+            self._emit_load(pending, meta)
+        self._async_loads = []
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -438,9 +452,26 @@ class SchedulerSide:
                 st.load_failed = True
                 log.warning("request %s: loading its cached KV failed; recomputing it", rid)
 
+    def async_loads_reported(self, finished: set[str] | None, invalid_blocks: set[int] | None) -> None:
+        """The workers' step output for background loads (``async_loads``): a request
+        whose blocks failed to load is never offered a hit again (vLLM recomputes the
+        failed part, or the whole request if nothing loaded); one reported finished
+        is no longer in flight."""
+        if invalid_blocks:
+            for rid, blocks in self._loading.items():
+                st = self._reqs.get(rid)
+                if st is not None and blocks & invalid_blocks:
+                    st.load_failed = True
+                    log.warning("request %s: loading its cached KV failed; recomputing the rest", rid)
+        for rid in finished or ():
+            self._loading.pop(rid, None)
+
     def request_finished(self, request: "Request", block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
         """Synchronous saves complete within the step that computed them: blocks are
-        held only for background saves (``async_saves``)."""
+        held only for background saves (``async_saves``). (vLLM itself holds the blocks
+        of a request aborted while its asynchronous load is in flight, until the load is
+        reported finished.)"""
+        self._loading.pop(request.request_id, None)
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st in self._async_loads:
             self._async_loads.remove(st)

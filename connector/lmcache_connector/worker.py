@@ -2,7 +2,8 @@
 paged tensors and the cache, as the scheduler side planned.
 
 Loads are synchronous in ``start_load_kv`` (vLLM calls it before the forward pass
-when a step has synchronous loads). Saves gather in ``wait_for_save``, after every
+when a step has synchronous loads), or, with ``async_loads`` (dense models), run on a
+background thread from the moment the step's metadata is bound (see async_loads.py). Saves gather in ``wait_for_save``, after every
 layer of the step has written its KV, into pool buffers the CPU tier adopts without a
 copy; slower tiers are written in the background by the engine. Nothing here may
 crash vLLM: a failed load marks its blocks for recompute, a failed save is skipped.
@@ -23,6 +24,7 @@ from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 
+from .async_loads import IDLE_WAIT_S, LoadQueue
 from .async_saves import SaveQueue
 from .grouped_layout import GroupedLayout
 from .kv_events import RawEvent, TierEventBuffer
@@ -117,6 +119,8 @@ class WorkerSide:
         self.verify_inexact = 0
         self._value_dtype: torch.dtype | None = None  # element type behind grouped (byte) chunks
         self.saves: SaveQueue | None = None  # async_saves (dense models)
+        self.loads: LoadQueue | None = None  # async_loads (dense models)
+        self._step_idle = False  # this step computes nothing (async_loads: wait for loads instead of spinning)
         _active.add(self)
 
     # -- set-up -----------------------------------------------------------------------
@@ -164,6 +168,8 @@ class WorkerSide:
             self.server = LookupServer(self.lookup_address, self._lookup, inline=inline)
         if self.settings.async_saves and not isinstance(self.layout, GroupedLayout):
             self.saves = SaveQueue(self._save_logged)
+        if self.settings.async_loads and not isinstance(self.layout, GroupedLayout):
+            self.loads = LoadQueue(self._load_background, self.block_size)
 
     def _lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
         assert self.engine is not None
@@ -233,14 +239,25 @@ class WorkerSide:
         write of the step."""
         if self.saves is not None and meta is not None and meta.drain_saves:
             self.saves.drain()
+        self._step_idle = meta is not None and meta.step_tokens == 0
+        if self.loads is not None and meta is not None:
+            # Asynchronous loads start now, before the forward pass they may overlap.
+            background = [t for t in meta.loads if self._in_background(t)]
+            if background:
+                self.loads.submit(meta, background)
         self._fwd_start = time.perf_counter()
         self._step_load_s = 0.0
+
+    def _in_background(self, t: ChunkTransfer) -> bool:
+        return self.loads is not None and t.async_load and t.group_block_ids is None
 
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
             return
         t_start = time.perf_counter()
         for t in meta.loads:
+            if self._in_background(t):
+                continue  # handed to the load thread in step_started
             try:
                 if t.group_block_ids is not None:
                     self._load_grouped(t, meta)
@@ -258,15 +275,29 @@ class WorkerSide:
         if self._fwd_start is not None:  # loads are not compute: keep them out of the step's time
             self._step_load_s += time.perf_counter() - t_start
 
-    def _load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
+    def _load_background(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> set[int]:
+        """One asynchronous load, on the load thread: the blocks that failed (the
+        thread reports them with the request's completion)."""
+        try:
+            return self._load(t, meta)
+        except Exception as err:  # never crash vLLM: recompute instead
+            log.warning("request %s: load failed, recomputing: %s: %s", t.req_id, type(err).__name__, err)
+            return self._fail(t, meta, 0)
+        finally:
+            if self.engine is not None:
+                self.engine.unpin(t.req_id)
+
+    def _load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> set[int]:
+        """Copy the chunks into vLLM's blocks: the blocks that failed to load."""
         assert self.engine is not None and self.layout is not None and not isinstance(self.layout, GroupedLayout)
         t0 = time.perf_counter()
         loaded = 0
+        failed: set[int] = set()
         for i, h in enumerate(t.hashes):
             lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
             buf = self.engine.retrieve_buffer(h, self.layout.chunk_shape(hi - lo), self.layout.dtype)
             if buf is None:
-                self._fail(t, meta, i)
+                failed = self._fail(t, meta, i)
                 break
             try:
                 self.layout.load_chunk(buf.tensor, t.block_ids, lo, hi, t.write_from)
@@ -279,6 +310,7 @@ class WorkerSide:
             self.load_seconds += dt
         metrics.LOADED_TOKENS.inc(loaded)
         metrics.TIER_LATENCY.labels("connector", "load_request").observe(dt)
+        return failed
 
     def _load_grouped(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         """All chunks and the boundary, or nothing: a recurrent state resumes exactly at
@@ -315,23 +347,27 @@ class WorkerSide:
         metrics.LOADED_TOKENS.inc(loaded)
         metrics.TIER_LATENCY.labels("connector", "load_request").observe(dt)
 
-    def _fail(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> None:
+    def _fail(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> set[int]:
         """Report the blocks of chunks ``from_chunk..`` so vLLM recomputes them (the
-        whole request, for asynchronous loads of multi-group models)."""
-        if t.async_load:
+        whole request, for asynchronous loads of multi-group models). Returns the
+        blocks of a background load instead: the load thread reports them with the
+        request's completion."""
+        if t.async_load and t.group_block_ids is not None:
             with self._lock:
                 self._recv_failed.add(t.req_id)
                 self._recv_done.add(t.req_id)
                 self.failed_loads += 1
             self._count_load_errors(len(t.hashes) - from_chunk)
-            return
+            return set()
         lo = max(meta.chunk_start(t, from_chunk), t.write_from)
         hi = t.chunk_ends[-1]
-        blocks = t.block_ids[lo // self.block_size : -(-hi // self.block_size)]
+        blocks = set(t.block_ids[lo // self.block_size : -(-hi // self.block_size)])
         with self._lock:
-            self._errors.update(blocks)
+            if not self._in_background(t):
+                self._errors.update(blocks)
             self.failed_loads += 1
         self._count_load_errors(len(t.hashes) - from_chunk)
+        return blocks
 
     def _count_load_errors(self, n_chunks: int) -> None:
         if self.engine is not None:
@@ -352,6 +388,15 @@ class WorkerSide:
         with self._lock:
             done, failed = self._recv_done, self._recv_failed
             self._recv_done, self._recv_failed = set(), set()
+        if self.loads is not None:
+            if self._step_idle:
+                self.loads.wait_idle(IDLE_WAIT_S)
+            # A background load's failed blocks go out in this step's
+            # get_block_ids_with_load_errors, with (never after) its completion.
+            bg_done, bg_errors = self.loads.take()
+            done |= bg_done
+            with self._lock:
+                self._errors |= bg_errors
         return done, failed
 
     # -- saves --------------------------------------------------------------------------
@@ -514,12 +559,16 @@ class WorkerSide:
             "load_policy": self.load_policy,
             "verified_chunks": self.verified_chunks,
             "verify_inexact": self.verify_inexact,
+            "async_loads": self.loads.submitted if self.loads is not None else 0,
         }
         if self.engine is not None:
             out["engine"] = self.engine.stats()
         return out
 
     def close(self) -> None:
+        if self.loads is not None:
+            self.loads.close()
+            self.loads = None
         if self.saves is not None:
             self.saves.close()
             self.saves = None

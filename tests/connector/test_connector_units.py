@@ -72,6 +72,48 @@ def test_async_saves_option():
         load_settings({"async_saves": "yes"})
 
 
+def test_async_loads_option():
+    assert load_settings({}).async_loads is False
+    assert load_settings({"async_loads": True}).async_loads is True
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.async_loads: must be true or false"):
+        load_settings({"async_loads": 1})
+
+
+def test_load_queue_reports_completions_with_their_failed_blocks():
+    """take() hands back finished loads together with their failed blocks; a load
+    that raises fails the blocks it was to write (from write_from on), never the
+    request's blocks below it (vLLM's own prefix cache); wait_idle waits, bounded."""
+    import threading
+
+    from lmcache_connector.async_loads import LoadQueue
+    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    gate = threading.Event()
+
+    def load(t, meta):
+        if t.req_id == "slow":
+            gate.wait(5)
+        if t.req_id == "raises":
+            raise RuntimeError("tier gone")
+        return {7} if t.req_id == "partial" else set()
+
+    q = LoadQueue(load, block_size=128)
+    meta = LMCacheConnectorMetadata()
+    # blocks 1..4 hold tokens 0..511; tokens below 256 are vLLM's own (write_from)
+    transfers = [ChunkTransfer(r, [b"h" * 16], 1, [512], [1, 2, 3, 4], write_from=256) for r in ("slow", "partial", "raises")]
+    q.submit(meta, transfers)
+    try:
+        assert not q.wait_idle(0.05)  # "slow" holds the thread: bounded wait, nothing done
+        assert q.take() == (set(), set())
+        gate.set()
+        assert q.wait_idle(5)
+        assert q.take() == ({"slow", "partial", "raises"}, {7, 3, 4})
+        assert q.take() == (set(), set())  # each once
+        assert (q.submitted, q.completed, q.failed) == (3, 3, 2)
+    finally:
+        q.close()
+
+
 def test_save_queue_reports_exactly_the_saved_requests_once_done():
     """finished_sending names a request only if it saved through the queue, only
     once its saves are done (a failing save counts as done), and only once."""

@@ -285,3 +285,48 @@ def test_close_that_gives_up_waiting_leaves_the_directory_to_the_scan(tmp_path: 
         os.close(fd)
     time.sleep(0.3)
     assert _files(root) == before
+
+
+def test_count_only_listing_counts_exactly_what_the_full_listing_does(tmp_path: Path) -> None:
+    """The recount at the end of the scan lists without making keys; it must count
+    the same chunk files (and keep the same foreign ones) as the listing that does."""
+    from lmcache_backend_disk.directory import parse_chunk_name
+    from lmcache_backend_disk.scan import _CHUNK_NAME, _SHARD_AT, scan
+
+    root = tmp_path / "t"
+    fill(root, OURS, 60)
+    fill(root, THEIRS, 20)
+    probe = open_disk(root)
+    good = probe.directory.chunk_path(key(OURS, 10))  # hex letters in both parts
+    probe.close()
+    shard = good.parent
+    odd = [
+        good.name.upper(),  # uppercase: not a name the tier writes
+        good.name[:3] + good.name[3:35].upper() + good.name[35:],  # uppercase namespace hex only
+        good.name[:36] + good.name[36:].upper(),  # uppercase chunk hex only
+        good.name[:38] + "AB" + good.name[40:],  # uppercase after the shard's two characters
+        good.name[:-1],  # too short
+        good.name[:-2],
+        good.name + "0",
+        good.name.replace("v1-", "v2-"),
+        good.name[:10] + " " + good.name[11:],  # bytes.fromhex would skip the space
+        good.name[:3] + "-" + good.name[3:],  # an extra part
+        "notes.txt",
+    ]
+    for name in odd:
+        (shard / name).write_bytes(good.read_bytes())
+    other = next(p for p in root.iterdir() if p.is_dir() and p.name != shard.name)
+    (other / good.name).write_bytes(good.read_bytes())  # a chunk under the wrong shard
+    for name in odd + [good.name]:
+        for where in (shard.name, other.name):
+            by_regex = _CHUNK_NAME.fullmatch(name) is not None and name[_SHARD_AT : _SHARD_AT + 2] == where
+            assert by_regex == (parse_chunk_name(where, name) is not None), (name, where)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        full = scan(fd, str(root), verify=False, clean=False, pool=None)
+        count = scan(fd, str(root), verify=False, clean=False, pool=None, keys=False)
+    finally:
+        os.close(fd)
+    assert len(full.entries) == 80 and not count.entries
+    assert count.chunk_bytes == full.chunk_bytes > 0
+    assert count.foreign_kept == full.foreign_kept == len(odd) + 1

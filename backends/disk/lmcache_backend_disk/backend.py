@@ -383,8 +383,14 @@ class DiskBackend(StorageBackend):
         ``max_size``. Corrects whatever a process that died mid-write left."""
         assert self._budget is not None and self._root_fd is not None
         try:
-            with self._budget.locked(self._scan_stop) as budget:
-                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None, stop=self._scan_stop)
+            with (
+                self._budget.locked(self._scan_stop) as budget,
+                ThreadPoolExecutor(max_workers=self.cfg.io_threads, thread_name_prefix="lmcache-disk-scan") as pool,
+            ):
+                # a count, no keys made (the index is built): the lock is held for a stat per file
+                listing = scan(
+                    self._root_fd, str(self.root), verify=False, clean=False, pool=pool, stop=self._scan_stop, keys=False
+                )
                 if self._scan_stop.is_set():  # closing: a partial listing is no count
                     return
                 budget.set(listing.chunk_bytes + listing.reserved_bytes)

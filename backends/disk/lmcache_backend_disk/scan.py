@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -26,7 +27,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from lmcache_core.keys import ChunkKey
+from lmcache_core.keys import KEY_FORMAT_VERSION, ChunkKey
 from lmcache_core.serde import FrameError
 
 from .frames import check_frame_file
@@ -35,6 +36,10 @@ from .directory import FANOUT, TMP_PREFIX, open_dir, parse_chunk_name, pid_alive
 log = logging.getLogger(__name__)
 
 STALE_TEMP_S = 3600.0
+# exactly the names ChunkKey.parse accepts (lowercase hex, 16 + 16 bytes); the
+# shard is the chunk hash's first byte (the two characters at _SHARD_AT)
+_CHUNK_NAME = re.compile(rf"v{KEY_FORMAT_VERSION}-[0-9a-f]{{32}}-[0-9a-f]{{32}}")
+_SHARD_AT = len(f"v{KEY_FORMAT_VERSION}-") + 33
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ScanResult:
     foreign_kept: int = 0
     shards_refused: int = 0
     reserved_bytes: int = 0  # frames being written by live processes (from temp names)
+    counted_bytes: int = 0  # chunk file bytes of a count-only listing (no entries)
 
     def merge(self, other: "ScanResult") -> None:
         self.entries.extend(other.entries)
@@ -53,10 +59,11 @@ class ScanResult:
         self.foreign_kept += other.foreign_kept
         self.shards_refused += other.shards_refused
         self.reserved_bytes += other.reserved_bytes
+        self.counted_bytes += other.counted_bytes
 
     @property
     def chunk_bytes(self) -> int:
-        return sum(size for _, size, _ in self.entries)
+        return self.counted_bytes + sum(size for _, size, _ in self.entries)
 
 
 def _unlink(name: str, dir_fd: int, where: str, why: str) -> bool:
@@ -106,6 +113,7 @@ def _scan_shard(
     stop: threading.Event | None = None,
     pace: Callable[[], None] | None = None,
     since: float | None = None,
+    keys: bool = True,
 ) -> ScanResult:
     res = ScanResult()
     where = os.path.join(root, shard)
@@ -148,6 +156,12 @@ def _scan_shard(
                 if clean and _unlink(name, dfd, where, "unfinished write left by a process that is gone"):
                     res.stale_temps += 1
                 continue
+            if not keys:  # a count: the same names as parse_chunk_name, without making keys
+                if _CHUNK_NAME.fullmatch(name) is None or name[_SHARD_AT : _SHARD_AT + 2] != shard:
+                    res.foreign_kept += 1
+                else:
+                    res.counted_bytes += st.st_size
+                continue
             key = parse_chunk_name(shard, name)
             if key is None:
                 res.foreign_kept += 1
@@ -175,23 +189,34 @@ def scan_shards(
     stop: threading.Event | None = None,
     pace: Callable[[], None] | None = None,
     since: float | None = None,
+    keys: bool = True,
 ) -> Iterator[ScanResult]:
     """Scan the shards of the tier directory open as ``root_fd`` (on ``pool``'s
     threads, if given), yielding one result per shard in shard order; see the
     module docstring. ``stop`` ends the scan early (between files); ``pace`` is
     called before each file; temps of this process written since ``since`` (a
-    ``time.time()``) are live. With ``clean=False`` nothing is removed."""
+    ``time.time()``) are live. With ``clean=False`` nothing is removed. With
+    ``keys=False`` no entries are made, only the chunk files' bytes counted
+    (``counted_bytes``; no ``verify`` then)."""
     now = time.time()
-    work = lambda s: _scan_shard(root_fd, root, s, verify, clean, now, stop, pace, since)  # noqa: E731
+    work = lambda s: _scan_shard(root_fd, root, s, verify and keys, clean, now, stop, pace, since, keys)  # noqa: E731
     return pool.map(work, FANOUT) if pool is not None else map(work, FANOUT)
 
 
 def scan(
-    root_fd: int, root: str, *, verify: bool, clean: bool = True, pool: Executor | None, stop: threading.Event | None = None
+    root_fd: int,
+    root: str,
+    *,
+    verify: bool,
+    clean: bool = True,
+    pool: Executor | None,
+    stop: threading.Event | None = None,
+    keys: bool = True,
 ) -> ScanResult:
     """All of :func:`scan_shards` in one result (a listing for the budget count
-    with ``clean=False``); partial if ``stop`` was set meanwhile."""
+    with ``clean=False``; a count only with ``keys=False``); partial if ``stop``
+    was set meanwhile."""
     total = ScanResult()
-    for part in scan_shards(root_fd, root, verify=verify, clean=clean, pool=pool, stop=stop):
+    for part in scan_shards(root_fd, root, verify=verify, clean=clean, pool=pool, stop=stop, keys=keys):
         total.merge(part)
     return total

@@ -88,3 +88,36 @@ def test_corrupt_disk_chunk_is_recomputed_not_loaded(tmp_path: Path) -> None:
         assert e2.lookup(tokens) == CHUNK
     finally:
         e2.close()
+
+
+def test_engine_close_during_the_start_up_scan_leaves_no_scan_thread(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    disk = tmp_path / "disk"
+    e1 = engine(disk)
+    try:
+        tokens = list(range(40 * CHUNK))
+        g = torch.Generator().manual_seed(3)
+        assert e1.store(tokens, [torch.randn(SHAPE, generator=g) for _ in range(40)]) == 40
+        assert e1.flush(timeout=60)
+    finally:
+        e1.close()
+    cfg = load_config(
+        overrides={
+            "chunk_size": CHUNK,
+            "backends": [{"name": "local_cpu", "max_size": "64MiB"}, {"name": "disk", "path": str(disk), "scan_rate": 4}],
+        }
+    )
+    e2 = CacheEngine(cfg, namespace=KeyNamespace(model="m"))  # about 10 s to scan 40 files
+    dsk = e2.tiers[1]
+    try:
+        assert dsk.stats().extra["scan_state"] == "indexing"
+        scan = dsk._scan_thread
+        assert scan is not None and scan in threading.enumerate(), "negative control: the scan runs"
+    finally:
+        t0 = time.perf_counter()
+        e2.close()
+    assert time.perf_counter() - t0 < 5
+    assert not scan.is_alive() and scan not in threading.enumerate()
+    assert dsk.stats().extra["scan_state"] == "stopped"

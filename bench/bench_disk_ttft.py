@@ -15,85 +15,40 @@ Target: lmcache-core's warm TTFT from disk below ExampleConnector's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-SPEC_KW = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096)
-
-
-def ttft(llm: Any, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
-    """Time to first token of each prompt, one request at a time, and its cached tokens."""
-    import time
-
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(max_tokens=1, temperature=0)
-    times, cached = [], []
-    for p in prompts:
-        t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-        cached.append(out[0].num_cached_tokens)
-    return times, cached
+sys.path.insert(0, str(Path(__file__).parent))
+from ttft_engine import finish, make_llm, run_child, run_if_child, tiny_model, ttft  # noqa: E402
 
 
 def child(model: str, system: str, store: str, prompts: list[list[int]]) -> None:
     """One vLLM process: TTFT of each prompt, as a JSON line."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from lmcache_connector.transfer_config import kv_transfer_config
-    from vllm.inputs import TokensPrompt
 
-    kw: dict[str, Any] = dict(
-        model=model,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=8192,
-        max_num_batched_tokens=8192,
-        kv_cache_memory_bytes=512 << 20,
-        enable_prefix_caching=False,
-        seed=0,
-    )
+    config: Any = None
     if system == "example":
-        kw["kv_transfer_config"] = KVTransferConfig(
+        config = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": store}
         )
     elif system == "lmcache-disk":
-        kw["kv_transfer_config"] = kv_transfer_config(
+        config = kv_transfer_config(
             {"backends": [{"name": "local_cpu", "max_size": "1GiB"}, {"name": "disk", "path": store, "max_size": "8GiB"}]}
         )
-    llm = LLM(**kw)
-    llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up, no reuse
+    llm = make_llm(model, config)
     times, cached = ttft(llm, prompts)
-    if system == "lmcache-disk":
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        get_kv_transfer_group()._worker.engine.flush(120)
-    print("RESULT " + json.dumps({"times": times, "cached": cached}), flush=True)
-    llm.llm_engine.engine_core.shutdown()
+    finish(llm, {"times": times, "cached": cached}, flush=system == "lmcache-disk")
 
 
-def run_child(model: Path, system: str, store: Path, prompts: list[list[int]]) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", str(model), system, str(store), f.name],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"{system} process failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+def run_system(model: Path, system: str, store: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    job = {"model": str(model), "system": system, "store": str(store), "prompts": prompts}
+    result: dict[str, Any] = run_child(__file__, job, system)
+    return result
 
 
 def drop_caches() -> bool:
@@ -106,17 +61,15 @@ def drop_caches() -> bool:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], sys.argv[4], json.loads(Path(sys.argv[5]).read_text()))
+    if run_if_child(child):
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each reading process (root)")
     args = ap.parse_args()
-    from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random_prompt
+    from lmcache_connector.tiny_model import random_prompt
 
-    spec = TinyModelSpec(**SPEC_KW)
-    model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / spec.tag(), spec)
+    spec, model = tiny_model()
     n, tokens = (3, 2048) if args.quick else (6, 4096)
     prompts = [random_prompt(tokens, 700 + i, spec.vocab_size) for i in range(n)]
     tmp = Path(tempfile.mkdtemp(prefix="lmcache-disk-ttft-"))
@@ -124,16 +77,16 @@ def main() -> int:
         f"model {spec.tag()} (float32), {n} prompts x {tokens} tokens; each system: writer process, then a fresh reader process",
         flush=True,
     )
-    cold = run_child(model, "recompute", tmp / "none", prompts)
+    cold = run_system(model, "recompute", tmp / "none", prompts)
     res: dict[str, dict[str, Any]] = {}
     for system in ("example", "lmcache-disk"):
         store = tmp / system
         store.mkdir()
         print(f"  {system}: writer ...", flush=True)
-        run_child(model, system, store, prompts)
+        run_system(model, system, store, prompts)
         dropped = drop_caches() if args.drop_caches else False
         print(f"  {system}: fresh reader{' (page cache dropped)' if dropped else ''} ...", flush=True)
-        res[system] = run_child(model, system, store, prompts)
+        res[system] = run_system(model, system, store, prompts)
         res[system]["dropped"] = dropped
     base = statistics.median(cold["times"])
     print(f"\n{'system':<16}{'TTFT ms (median)':>18}{'vs recompute':>14}{'cached tok':>12}  note")

@@ -61,7 +61,10 @@ def main() -> int:
                 "flushed": flushed,
                 "loaded_tokens": stats["loaded_tokens"],
                 "hma_off": bool(llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager),
-                "tiers": [{k: t[k] for k in ("name", "hits", "puts")} for t in stats["engine"]["tiers"]],
+                "tiers": [
+                    {"name": t["name"], "hits": t["hits"], "puts": t["puts"], "shm_hits": t["extra"].get("shm_hits", 0)}
+                    for t in stats["engine"]["tiers"]
+                ],
             }
         ),
         flush=True,

@@ -192,3 +192,39 @@ def test_two_engines_share_one_cache_node(tiny_model, tmp_path):
         _check(a, b, "peer")
     finally:
         node.stop()
+
+
+def test_two_engines_share_one_cache_node_through_shared_memory(tiny_model, tmp_path):
+    """The same on one host through the node's Unix socket: engine A pushes over the
+    socket; a fresh engine B loads every hit straight from the node's shared memory
+    (its peer tier counts shm hits), token-identical. The control: engine C on the
+    same socket with ``shm: false`` hits the same through the socket, with no shm hit."""
+    pytest.importorskip("lmcache_backend_peer")
+    from lmcache_backend_peer.shm import SHM_SUPPORTED
+
+    if not SHM_SUPPORTED:
+        pytest.skip("the shared-memory fast path is x86-64 Linux only")
+    sys.path.insert(0, str(ROOT / "tests" / "backends"))
+    from peer_node import PeerNode
+
+    secret = tmp_path / "secret"
+    secret.write_text("node-secret-0123456789abcdef")
+    sock = tmp_path / "node.sock"
+    node = PeerNode(["--max-size", "128MiB", "--unix-socket", str(sock)], secret_file=secret)
+    try:
+
+        def cfg(shm: bool, push: bool) -> dict[str, Any]:
+            peer = {"name": "peer", "unix_socket": str(sock), "shm": shm, "secret_file": str(secret), "push": push, "max_size": 0}
+            return {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, peer]}
+
+        a = _run(tiny_model, cfg(True, True))
+        assert a["flushed"] and a["cached"] == [0, 0]
+        b = _run(tiny_model, cfg(True, False))
+        _check(a, b, "peer")
+        chunks = sum(HITS) // 256
+        assert {t["name"]: t["shm_hits"] for t in b["tiers"]}["peer"] == chunks
+        c = _run(tiny_model, cfg(False, False))
+        _check(a, c, "peer")
+        assert {t["name"]: t["shm_hits"] for t in c["tiers"]}["peer"] == 0
+    finally:
+        node.stop()

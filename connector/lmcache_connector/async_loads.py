@@ -30,12 +30,12 @@ request (vLLM cannot take block-level errors for several groups).
 
 from __future__ import annotations
 
-import queue
 import threading
 from typing import Callable
 
 from .log import get_logger
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
+from .transfer_queue import TransferQueue
 
 log = get_logger(__name__)
 
@@ -45,15 +45,16 @@ IDLE_WAIT_S = 0.02
 LoadFn = Callable[[ChunkTransfer, LMCacheConnectorMetadata], set[int]]
 
 
-class LoadQueue:
+class LoadQueue(TransferQueue):
     """One background thread running ``load(transfer, meta)`` in submission order;
     :meth:`take` hands back the finished requests and their failed blocks together."""
 
+    thread_name = "lmcache-async-loads"
+
     def __init__(self, load: LoadFn, block_size: int) -> None:
+        super().__init__()
         self._load = load
         self._block_size = block_size
-        self._q: queue.Queue[tuple[ChunkTransfer, LMCacheConnectorMetadata] | None] = queue.Queue()
-        self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._inflight = 0
         self._done: set[str] = set()
@@ -61,38 +62,26 @@ class LoadQueue:
         self.submitted = 0  # loads handed to the thread (tests: the async path was taken)
         self.completed = 0
         self.failed = 0
-        self._thread = threading.Thread(target=self._run, name="lmcache-async-loads", daemon=True)
-        self._thread.start()
+        self._start()
 
-    def submit(self, meta: LMCacheConnectorMetadata, transfers: list[ChunkTransfer]) -> None:
+    def _submitted(self, transfers: list[ChunkTransfer]) -> None:
+        self._inflight += len(transfers)
+        self.submitted += len(transfers)
+
+    def _handle(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
+        try:
+            errors = self._load(t, meta)
+        except Exception as err:  # never lose the thread: every block of the load is recomputed
+            log.warning("request %s: background load failed: %s: %s", t.req_id, type(err).__name__, err)
+            errors = set(t.block_ids[t.write_from // self._block_size : -(-t.chunk_ends[-1] // self._block_size)])
         with self._lock:
-            self._inflight += len(transfers)
-        for t in transfers:
-            self.submitted += 1
-            self._q.put((t, meta))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            try:
-                if item is None:
-                    return
-                t, meta = item
-                try:
-                    errors = self._load(t, meta)
-                except Exception as err:  # never lose the thread: every block of the load is recomputed
-                    log.warning("request %s: background load failed: %s: %s", t.req_id, type(err).__name__, err)
-                    errors = set(t.block_ids[t.write_from // self._block_size : -(-t.chunk_ends[-1] // self._block_size)])
-                with self._lock:
-                    self._done.add(t.req_id)
-                    self._errors |= errors
-                    self.completed += 1
-                    self.failed += bool(errors)
-                    self._inflight -= 1
-                    if not self._inflight:
-                        self._idle.notify_all()
-            finally:
-                self._q.task_done()
+            self._done.add(t.req_id)
+            self._errors |= errors
+            self.completed += 1
+            self.failed += bool(errors)
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.notify_all()
 
     def take(self) -> tuple[set[str], set[int]]:
         """(requests whose loads finished, blocks that failed to load) since the last
@@ -110,9 +99,4 @@ class LoadQueue:
 
     def drain(self) -> None:
         """Wait until every submitted load is done (tests, shutdown)."""
-        self._q.join()
-
-    def close(self) -> None:
-        """Finish the queued loads, then stop the thread."""
-        self._q.put(None)
-        self._thread.join()
+        self._join()

@@ -21,67 +21,55 @@ so ``finished_sending`` names exactly the requests vLLM holds blocks for.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections import Counter
 from typing import Callable
 
 from .log import get_logger
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
+from .transfer_queue import TransferQueue
 
 log = get_logger(__name__)
 
 SaveFn = Callable[[ChunkTransfer, LMCacheConnectorMetadata], None]
 
 
-class SaveQueue:
+class SaveQueue(TransferQueue):
     """One background thread running ``save(transfer, meta)`` in submission order.
     ``save`` must not raise for a failed save (it counts it and returns); an
     exception that escapes it is logged and the save counts as done."""
 
+    thread_name = "lmcache-async-saves"
+
     def __init__(self, save: SaveFn) -> None:
+        super().__init__()
         self._save = save
-        self._q: queue.Queue[tuple[ChunkTransfer, LMCacheConnectorMetadata] | None] = queue.Queue()
-        self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()  # saves queued or running, per request
         self._seen: set[str] = set()  # requests with a save submitted (delayed by the scheduler)
         self._finishing: set[str] = set()  # finished in vLLM, saves maybe still pending
         self.reported = 0  # requests reported in finished_sending
         self.drains = 0  # drains asked for by a preemption
-        self._thread = threading.Thread(target=self._run, name="lmcache-async-saves", daemon=True)
-        self._thread.start()
+        self._start()
 
-    def submit(self, meta: LMCacheConnectorMetadata, transfers: list[ChunkTransfer]) -> None:
-        with self._lock:
-            for t in transfers:
-                self._pending[t.req_id] += 1
-                self._seen.add(t.req_id)
+    def _submitted(self, transfers: list[ChunkTransfer]) -> None:
         for t in transfers:
-            self._q.put((t, meta))
+            self._pending[t.req_id] += 1
+            self._seen.add(t.req_id)
 
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            try:
-                if item is None:
-                    return
-                t, meta = item
-                try:
-                    self._save(t, meta)
-                except Exception as err:  # never lose the thread: the save is a future miss
-                    log.warning("request %s: background save failed: %s: %s", t.req_id, type(err).__name__, err)
-                finally:
-                    with self._lock:
-                        self._pending[t.req_id] -= 1
-                        if self._pending[t.req_id] <= 0:
-                            del self._pending[t.req_id]
-            finally:
-                self._q.task_done()
+    def _handle(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
+        try:
+            self._save(t, meta)
+        except Exception as err:  # never lose the thread: the save is a future miss
+            log.warning("request %s: background save failed: %s: %s", t.req_id, type(err).__name__, err)
+        finally:
+            with self._lock:
+                self._pending[t.req_id] -= 1
+                if self._pending[t.req_id] <= 0:
+                    del self._pending[t.req_id]
 
     def drain(self) -> None:
         """Wait until every submitted save is done (before blocks may be reused)."""
         self.drains += 1
-        self._q.join()
+        self._join()
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests to report in ``finished_sending``: finished in vLLM (this call's
@@ -94,8 +82,3 @@ class SaveQueue:
             self._seen -= done
             self.reported += len(done)
         return done
-
-    def close(self) -> None:
-        """Finish the queued saves, then stop the thread."""
-        self._q.put(None)
-        self._thread.join()

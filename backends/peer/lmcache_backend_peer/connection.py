@@ -7,10 +7,11 @@ left on the request, never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from .protocol import HEADER_SIZE, Buffer, Header, PeerError, decode_header, message_parts
 
@@ -54,11 +55,24 @@ class Connection:
             raise PeerTimeout(f"{self.peer}: timed out")
         return left
 
+    @contextlib.contextmanager
+    def _socket_errors(self, doing: str) -> Iterator[None]:
+        """Turn what the socket raises while ``doing`` (reading, sending) into the peer
+        errors callers handle: a timeout, or a closed/broken connection."""
+        try:
+            yield
+        except socket.timeout:
+            raise PeerTimeout(f"{self.peer}: timed out {doing}") from None
+        except PeerError:
+            raise
+        except OSError as err:
+            raise PeerClosed(f"{self.peer}: {doing} failed: {err}") from None
+
     def send(self, mtype: int, request_id: int, body_parts: Sequence[Buffer], deadline: float) -> None:
         """Send one message; large parts are written without being joined."""
         parts = message_parts(mtype, request_id, body_parts)
         small = bytearray()
-        try:
+        with self._socket_errors("sending"):
             for p in parts:
                 mv = memoryview(p).cast("B")
                 if mv.nbytes <= 64 * 1024:
@@ -73,24 +87,16 @@ class Connection:
             if small:
                 self.sock.settimeout(self._remaining(deadline))
                 self.sock.sendall(small)
-        except socket.timeout:
-            raise PeerTimeout(f"{self.peer}: timed out sending") from None
-        except OSError as err:
-            raise PeerClosed(f"{self.peer}: send failed: {err}") from None
 
     def send_fd(self, mtype: int, request_id: int, body_parts: Sequence[Buffer], fd: int, deadline: float) -> None:
         """Send one small message with ``fd`` attached (SCM_RIGHTS; Unix sockets only)."""
         data = b"".join(bytes(p) for p in message_parts(mtype, request_id, body_parts))
-        try:
+        with self._socket_errors("sending"):
             self.sock.settimeout(self._remaining(deadline))
             n = socket.send_fds(self.sock, [data], [fd])
             if n < len(data):
                 self.sock.settimeout(self._remaining(deadline))
                 self.sock.sendall(data[n:])
-        except socket.timeout:
-            raise PeerTimeout(f"{self.peer}: timed out sending") from None
-        except OSError as err:
-            raise PeerClosed(f"{self.peer}: send failed: {err}") from None
 
     def recv_fds(self, deadline: float, max_body: int) -> tuple[Header, memoryview, list[int]]:
         """Read one message and the file descriptors that came with its header (the
@@ -99,7 +105,7 @@ class Connection:
         got = 0
         fds: list[int] = []
         try:
-            try:
+            with self._socket_errors("reading"):
                 while got < HEADER_SIZE:
                     self.sock.settimeout(self._remaining(deadline))
                     data, new, _, _ = socket.recv_fds(self.sock, HEADER_SIZE - got, MAX_FDS)
@@ -108,12 +114,6 @@ class Connection:
                         raise PeerClosed(f"{self.peer}: connection closed after {got} of {HEADER_SIZE} bytes")
                     hbuf[got : got + len(data)] = data
                     got += len(data)
-            except socket.timeout:
-                raise PeerTimeout(f"{self.peer}: timed out reading") from None
-            except PeerError:
-                raise
-            except OSError as err:
-                raise PeerClosed(f"{self.peer}: read failed: {err}") from None
             header = decode_header(hbuf, max_body)
             return header, self.recv_body(header, deadline), fds
         except BaseException:
@@ -124,19 +124,13 @@ class Connection:
     def _recv_exact(self, buf: memoryview, deadline: float) -> None:
         got = 0
         n = buf.nbytes
-        try:
+        with self._socket_errors("reading"):
             while got < n:
                 self.sock.settimeout(self._remaining(deadline))
                 r = self.sock.recv_into(buf[got:], n - got)
                 if r == 0:
                     raise PeerClosed(f"{self.peer}: connection closed after {got} of {n} bytes")
                 got += r
-        except socket.timeout:
-            raise PeerTimeout(f"{self.peer}: timed out reading") from None
-        except PeerError:
-            raise
-        except OSError as err:
-            raise PeerClosed(f"{self.peer}: read failed: {err}") from None
 
     def recv(
         self, header_deadline: float, max_body: int, body_timeout: float | None = None, *, reuse: bool = False

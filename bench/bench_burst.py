@@ -20,12 +20,16 @@ jobs hits all of them alike:
 Printed: single-request warm TTFT (one user's next question at a time, median) and
 burst time (all users' next questions submitted at once, wall time until every first
 token, median over rounds) for each, the ratios lmc/ref and lmc/same; greedy tokens of the last
-burst (8 tokens each) compared across the three engines; a no-reuse overhead ratio
-(bursts of all-unique prompts, connector on vs off, alternating); and a profile of
-one extra burst on ``lmc`` (time inside the connector's hooks, by part). Bars: burst
-<= 1.1x ref, single <= 1.0x ref, identical tokens, no-reuse overhead <= 5%.
+burst (8 tokens each) compared across the three engines; the no-reuse overhead
+(bursts of all-unique prompts on ``lmc`` saving them vs the same process told not
+to save, ``lmcache.skip_save``, plus the share of the connector's hooks in such a
+burst; next to it lmc vs ``small`` and ``small2`` vs ``small``, two identical vLLM
+engines, whose ratio shows how far apart two processes of the same engine run: the
+spread every cross-process ratio here carries); and a profile of one extra burst on
+``lmc`` (time inside the connector's hooks, by part). Bars: burst <= 1.1x ref,
+single <= 1.0x ref, identical tokens, no-reuse overhead <= 5%.
 
-    python bench/bench_burst.py [--quick] [--rounds N] [--ratio R] [--variant k=v,...]
+    python bench/bench_burst.py [--quick] [--rounds N] [--repeat K] [--ratio R] [--variant k=v,...]
 """
 
 from __future__ import annotations
@@ -55,15 +59,17 @@ QUESTION = 32
 Result = tuple[float, list[list[int]], list[int], float]
 
 
-def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 1) -> Result:
-    """Submit ``prompts`` at once; (wall seconds, greedy tokens, cached tokens, CPU
-    seconds of this process). CPU time is what the engine itself spent, all threads:
-    on a machine shared with other jobs it swings less than wall time (time spent
-    waiting for a core is not counted; spinning OpenMP threads are)."""
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 1, params: dict[str, Any] | None = None) -> Result:
+    """Submit ``prompts`` at once (with ``params`` as their ``kv_transfer_params``);
+    (wall seconds, greedy tokens, cached tokens, CPU seconds of this process). CPU
+    time is what the engine itself spent, all threads: on a machine shared with other
+    jobs it swings less than wall time (time spent waiting for a core is not counted;
+    spinning OpenMP threads are)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    extra = {"kv_transfer_params": params} if params else None
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=extra)
     c, t = time.process_time(), time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     dt, cpu = time.perf_counter() - t, time.process_time() - c
@@ -134,6 +140,11 @@ class Profile:
                 undo()
             self._undo.clear()
 
+    def hooks(self) -> float:
+        """Seconds inside the connector's own hooks (the top-level ``sched:`` and
+        ``worker:`` rows; what they contain is inside them)."""
+        return sum(v for k, v in self.seconds.items() if k.startswith(("  sched:", "  worker:")))
+
     def table(self, wall: float) -> str:
         lines = [f"{'part':<48}{'ms':>9}{'calls':>8}{'% of burst':>12}"]
         for label in self.seconds:
@@ -146,21 +157,21 @@ class Profile:
 
 
 def _serve(conn: Any, model: Path, tmp: Path, max_len: int, spec: dict[str, Any]) -> None:
-    """Child process: one engine, answering ``(op, prompts, max_tokens)`` messages."""
+    """Child process: one engine, answering ``(op, prompts, max_tokens, params)`` messages."""
     spec = dict(spec)
     llm = engine(model, spec.pop("system"), tmp, max_len, **spec)
     conn.send("ready")
     try:
         while True:
-            op, prompts, max_tokens = conn.recv()
+            op, prompts, max_tokens, params = conn.recv()
             if op == "close":
                 break
             if op == "profile":
                 with Profile().active() as prof:
                     dt = generate(llm, prompts)[0]
-                conn.send((prof.table(dt), dt))
+                conn.send((prof.table(dt), dt, prof.hooks()))
             else:
-                conn.send(generate(llm, prompts, max_tokens))
+                conn.send(generate(llm, prompts, max_tokens, params))
     finally:
         close(llm)
         conn.send("closed")
@@ -182,18 +193,18 @@ class Remote:
         if self.conn.recv() != "ready":
             raise RuntimeError(f"engine {self.name} did not start")
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 1) -> Result:
-        self.conn.send(("generate", prompts, max_tokens))
+    def generate(self, prompts: list[list[int]], max_tokens: int = 1, params: dict[str, Any] | None = None) -> Result:
+        self.conn.send(("generate", prompts, max_tokens, params))
         return self.conn.recv()
 
-    def profile(self, prompts: list[list[int]]) -> tuple[str, float]:
-        self.conn.send(("profile", prompts, 1))
+    def profile(self, prompts: list[list[int]]) -> tuple[str, float, float]:
+        self.conn.send(("profile", prompts, 1, None))
         return self.conn.recv()
 
     def close(self) -> None:
         if self.proc.is_alive():
             try:
-                self.conn.send(("close", None, 0))
+                self.conn.send(("close", None, 0, None))
                 self.conn.recv()
             except (EOFError, OSError):
                 pass
@@ -223,13 +234,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="timed burst rounds (default 5, --quick 1)")
     ap.add_argument("--extra", default="", help="connector options for lmc, key=value,... (e.g. chunk_size=512)")
     ap.add_argument("--variant", default="", help="add engine lmc2: lmc with these options on top (e.g. async_saves=true)")
+    ap.add_argument("--repeat", type=int, default=1, help="run everything this many times on fresh engine processes")
     ap.add_argument(
         "--ratio", type=float, default=1 / 3, help="vLLM's own KV cache for lmc and small, as a fraction of the working set"
     )
     args = ap.parse_args()
     users, ctx_tokens = (4, 1024) if args.quick else (8, 2048)
     rounds = args.rounds or (1 if args.quick else 5)
-    nr_tokens, nr_rounds = (512, 2) if args.quick else (1024, 4)
+    nr_tokens, nr_rounds = (512, 2) if args.quick else (1024, 6)
     extra = parse_options(args.extra)
 
     tmp = Path(tempfile.mkdtemp(prefix="lmcache-burst-"))
@@ -267,68 +279,87 @@ def main() -> int:
         print(f"lmc2 = lmc with {specs['lmc2']['extra']}", flush=True)
     # One process per engine (vLLM keeps its connector in a process-wide global, so
     # engines with and without one cannot share a process); they take turns.
-    llms: dict[str, Remote] = {}
-    try:
-        for name in names:
-            llms[name] = Remote(name, model, tmp, max_len, specs[name])
-        for name in names:
-            llms[name].ready()
-            llms[name].generate([random_prompt(64, 7, SPEC.vocab_size)])  # warm-up
+    # small2: a second engine identical to small, in the no-reuse runs only: the spread
+    # between two processes of the same engine, which every cross-process ratio carries.
+    specs["small2"] = specs["small"]
+    single: dict[str, list[float]] = defaultdict(list)
+    cpu: dict[tuple[str, str], list[float]] = defaultdict(list)  # (workload, engine)
+    cached_single: dict[str, list[int]] = defaultdict(list)
+    burst: dict[str, list[float]] = defaultdict(list)
+    cached_burst: dict[str, list[int]] = defaultdict(list)
+    nr: dict[str, list[float]] = defaultdict(list)
+    profiles: dict[str, tuple[str, float, float]] = {}  # the last repeat's
+    identical = True
+    # --repeat K: the whole run K times, each on fresh processes (ratios pooled over
+    # all rounds of all repeats), as two processes of the same engine can run a few
+    # percent (up to ~15% seen here) apart for their whole life.
+    for rep in range(args.repeat):
+        llms: dict[str, Remote] = {}
+        try:
+            if args.repeat > 1:
+                print(f"repeat {rep + 1} of {args.repeat}: fresh engine processes", flush=True)
+            for name in (*names, "small2"):
+                llms[name] = Remote(name, model, tmp, max_len, specs[name])
+            for name in (*names, "small2"):
+                llms[name].ready()
+                llms[name].generate([random_prompt(64, 7, SPEC.vocab_size)])  # warm-up
 
-        print("history: each user's context once, cold ...", flush=True)
-        for u in range(users):
-            for name in names:
-                llms[name].generate([contexts[u]])
+            print("history: each user's context once, cold ...", flush=True)
+            for u in range(users):
+                for name in names:
+                    llms[name].generate([contexts[u]])
 
-        single: dict[str, list[float]] = defaultdict(list)
-        cpu: dict[tuple[str, str], list[float]] = defaultdict(list)  # (workload, engine)
-        cached_single: dict[str, list[int]] = defaultdict(list)
-        for u in range(users):
-            for name in names:
-                dt, _, cached, c = llms[name].generate([contexts[u] + question(u, 0)])
-                single[name].append(dt)
-                cpu["single", name].append(c)
-                cached_single[name] += cached
+            for u in range(users):
+                for name in names:
+                    dt, _, cached, c = llms[name].generate([contexts[u] + question(u, 0)])
+                    single[name].append(dt)
+                    cpu["single", name].append(c)
+                    cached_single[name] += cached
 
-        burst: dict[str, list[float]] = defaultdict(list)
-        cached_burst: dict[str, list[int]] = defaultdict(list)
-        for r in range(1, rounds + 1):
-            order = names if r % 2 else tuple(reversed(names))
-            for name in order:
-                dt, _, cached, c = llms[name].generate([contexts[u] + question(u, r) for u in range(users)])
-                burst[name].append(dt)
-                cpu["burst", name].append(c)
-                cached_burst[name] += cached
+            for r in range(1, rounds + 1):
+                order = names if r % 2 else tuple(reversed(names))
+                for name in order:
+                    dt, _, cached, c = llms[name].generate([contexts[u] + question(u, r) for u in range(users)])
+                    burst[name].append(dt)
+                    cpu["burst", name].append(c)
+                    cached_burst[name] += cached
 
-        # Greedy identity: 8 tokens per user, all at once, on every engine.
-        final = [contexts[u] + question(u, rounds + 1) for u in range(users)]
-        tokens = {name: llms[name].generate(final, max_tokens=8)[1] for name in names}
+            # Greedy identity: 8 tokens per user, all at once, on every engine.
+            final = [contexts[u] + question(u, rounds + 1) for u in range(users)]
+            tokens = {name: llms[name].generate(final, max_tokens=8)[1] for name in names}
+            identical = identical and all(tokens[n] == tokens["ref"] for n in names)
 
-        # Profile one more burst and one more single request on lmc and ref.
-        prof_prompts = [contexts[u] + question(u, rounds + 2) for u in range(users)]
-        profiles = {f"burst on {name}": llms[name].profile(prof_prompts) for name in (*lmcs, "ref", "same")}
-        for name in (*lmcs, "ref"):
-            profiles[f"single request on {name}"] = llms[name].profile([contexts[0] + question(0, rounds + 3)])
+            # Profile one more burst and one more single request on lmc and ref.
+            prof_prompts = [contexts[u] + question(u, rounds + 2) for u in range(users)]
+            for name in (*lmcs, "ref", "same"):
+                profiles[f"burst on {name}"] = llms[name].profile(prof_prompts)
+            for name in (*lmcs, "ref"):
+                profiles[f"single request on {name}"] = llms[name].profile([contexts[0] + question(0, rounds + 3)])
 
-        # No-reuse: bursts of unique prompts, connector on vs off (both at 1/3), alternating.
-        nr: dict[str, list[float]] = defaultdict(list)
-        seed = 900_000
-        for r in range(nr_rounds):
-            for name in (*lmcs, "small") if r % 2 == 0 else ("small", *lmcs):
-                prompts = []
-                for _ in range(users):
-                    seed += 1
-                    prompts.append(random_prompt(nr_tokens, seed, SPEC.vocab_size))
-                dt, _, cached, c = llms[name].generate(prompts)
-                assert not any(cached), f"no-reuse prompts must not hit ({name}: {cached})"
-                nr[name].append(dt)
-                cpu["no-reuse", name].append(c)
-        prompts = [random_prompt(nr_tokens, seed + 1 + u, SPEC.vocab_size) for u in range(users)]
-        for name in lmcs:
-            profiles[f"no-reuse burst on {name}"] = llms[name].profile(prompts)
-    finally:
-        for llm in llms.values():
-            llm.close()
+            # No-reuse: bursts of unique prompts on each lmc engine saving them, on the same
+            # process told not to (lmcache.skip_save: the same process, so free of the
+            # spread between processes), on small (vLLM alone at the same ratio) and on
+            # small2; the order rotates every round.
+            arms: list[tuple[str, str, dict[str, Any] | None]] = [(n, n, None) for n in lmcs]
+            arms += [(f"{n} skip_save", n, {"lmcache.skip_save": True}) for n in lmcs]
+            arms += [("small", "small", None), ("small2", "small2", None)]
+            seed = 900_000 + 100_000 * rep
+            for r in range(nr_rounds):
+                for label, name, params in arms[r % len(arms) :] + arms[: r % len(arms)]:
+                    prompts = []
+                    for _ in range(users):
+                        seed += 1
+                        prompts.append(random_prompt(nr_tokens, seed, SPEC.vocab_size))
+                    dt, _, cached, c = llms[name].generate(prompts, params=params)
+                    assert not any(cached), f"no-reuse prompts must not hit ({label}: {cached})"
+                    nr[label].append(dt)
+                    cpu["no-reuse", label].append(c)
+            prompts = [random_prompt(nr_tokens, seed + 1 + u, SPEC.vocab_size) for u in range(users)]
+            for name in lmcs:
+                profiles[f"no-reuse burst on {name}"] = llms[name].profile(prompts)
+        finally:
+            for llm in llms.values():
+                llm.close()
 
     med = {k: statistics.median(v) for k, v in single.items()}
     bmed = {k: statistics.median(v) for k, v in burst.items()}
@@ -339,7 +370,7 @@ def main() -> int:
         rounds_ms = " ".join(f"{x * 1000:.0f}" for x in burst[name])
         print(
             f"{name:<8}{med[name] * 1000:>21.1f}{statistics.median(cached_single[name]):>12.0f}"
-            f"{bmed[name] * 1000:>11.1f}{sum(cached_burst[name]) / rounds:>18.0f}{rounds_ms:>40}"
+            f"{bmed[name] * 1000:>11.1f}{sum(cached_burst[name]) / len(burst[name]):>18.0f}{rounds_ms:>40}"
         )
     # Bars on the median of paired ratios: each round's engines ran back to back, so
     # a slow spell of the machine (other jobs) lands on both sides of a pair.
@@ -364,18 +395,36 @@ def main() -> int:
             f"{' '.join(f'{p:.2f}' for p in same_pairs)}; single vs same {statistics.median(ssame):.2f}x; "
             f"ratio of medians {bmed[name] / bmed['same']:.2f}x"
         )
-        over = statistics.median(a / b for a, b in zip(nr[name], nr["small"]))
+        # The bar's ratio: this engine saving every chunk vs the same process saving
+        # nothing; what the connector costs beyond its saves is its hooks' time.
+        own = statistics.median(a / b for a, b in zip(nr[name], nr[f"{name} skip_save"]))
+        _, wall, hooks = profiles[f"no-reuse burst on {name}"]
         print(
-            f"{name}: no-reuse bursts ({users} unique x {nr_tokens} tokens, {nr_rounds} rounds) vs no connector: "
-            f"{over:.3f}, median of per-round ratios (bar <= 1.05: {'met' if over <= 1.05 else 'NOT met'}); "
-            f"medians {statistics.median(nr[name]) * 1000:.0f} ms vs {statistics.median(nr['small']) * 1000:.0f} ms"
+            f"{name}: no-reuse bursts ({users} unique x {nr_tokens} tokens, {nr_rounds} rounds), saving vs the same "
+            f"engine not saving (lmcache.skip_save): {own:.3f}, median of per-round ratios; the connector's hooks "
+            f"take {100 * hooks / wall:.1f}% of one such burst (saves included); overhead bar <= 1.05: "
+            f"{'met' if own <= 1.05 and hooks / wall <= 0.05 else 'NOT met'}"
+        )
+        vs_small = statistics.median(a / b for a, b in zip(nr[name], nr["small"]))
+        spread = statistics.median(a / b for a, b in zip(nr["small2"], nr["small"]))
+        print(
+            f"{name}: no-reuse vs vLLM alone (small, another process) {vs_small:.3f}; small2 vs small, two identical "
+            f"vLLM engines, {spread:.3f}: the spread between processes in every cross-process ratio here; medians "
+            + ", ".join(f"{k} {statistics.median(v) * 1000:.0f} ms" for k, v in nr.items())
         )
     print("\nCPU seconds of the engine process (all its threads), median of paired ratios:")
     for name in lmcs:
         row = []
-        for work, base in (("single", "ref"), ("burst", "ref"), ("burst", "same"), ("no-reuse", "small")):
-            ratios = [a / b for a, b in zip(cpu[work, name], cpu[work, base]) if b > 0]
-            row.append(f"{work} vs {base} {statistics.median(ratios):.2f}x")
+        for work, base, against in (
+            ("single", name, "ref"),
+            ("burst", name, "ref"),
+            ("burst", name, "same"),
+            ("no-reuse", name, f"{name} skip_save"),
+            ("no-reuse", name, "small"),
+            ("no-reuse", "small2", "small"),
+        ):
+            ratios = [a / b for a, b in zip(cpu[work, base], cpu[work, against]) if b > 0]
+            row.append(f"{work} {base} vs {against} {statistics.median(ratios):.2f}x")
         print(f"  {name}: {', '.join(row)}")
     print(
         f"vLLM alone at the ratio (small) vs ref: single {med['small'] / med['ref']:.2f}x, burst {bmed['small'] / bmed['ref']:.2f}x"
@@ -385,12 +434,11 @@ def main() -> int:
         f"same (ref limited to {fit} requests at once) vs ref: burst {floor:.2f}x, median of per-round ratios: "
         f"the scheduling floor at this ratio"
     )
-    identical = all(tokens[n] == tokens["ref"] for n in names)
     print(f"greedy tokens (8 per user, {users} users at once) identical across {', '.join(names)}: {identical}")
     if not identical:
         for name in names:
             print(f"  {name}: {tokens[name]}")
-    for name, (table, dt) in profiles.items():
+    for name, (table, dt, _) in profiles.items():
         print(f"\nprofile of one {name}: {dt * 1000:.1f} ms wall")
         print(table)
     return 0

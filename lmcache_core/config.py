@@ -125,6 +125,11 @@ class CoreConfig(StrictModel):
         256 * 2**20,
         description="pool memory beyond the CPU tier for chunks in flight (saves, write-behind to slower tiers, loads)",
     )
+    populate_pool: bool = Field(
+        True,
+        description="fault in the memory pool's pages on a background thread at start (Linux), so the first saves "
+        "copy at memory speed instead of taking page faults; resident memory reaches the pool's size soon after start",
+    )
     load_policy: Literal["always", "faster_than_recompute"] = Field(
         "always",
         description="always: load every hit; faster_than_recompute: load a hit prefix only when its measured "

@@ -232,7 +232,7 @@ def _make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:
     avail = available_memory()
     if avail is None or size <= avail:
         try:
-            return MemoryPool(size)
+            return MemoryPool(size, populate=cfg.populate_pool)
         except (RuntimeError, MemoryError) as err:
             reason = f"allocating it failed: {err}"
     else:
@@ -800,13 +800,14 @@ class CacheEngine:
                 tiers.append({"name": t.name, "error": str(err)})
         out["tiers"] = tiers
         out["quarantined"] = self.quarantine.quarantined()
-        out["pool"] = {"capacity": self.pool.capacity, "used": self.pool.used}
+        out["pool"] = {"capacity": self.pool.capacity, "used": self.pool.used, "populated": self.pool.populated_bytes}
         return out
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self.pool.stop_populate()
         self.quarantine.close()
         for w in self._writers:
             w.stop()

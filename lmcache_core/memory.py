@@ -9,14 +9,25 @@ so a tier can drop a chunk while a background writer still reads it.
 from __future__ import annotations
 
 import bisect
+import ctypes
+import ctypes.util
+import logging
 import math
+import sys
 import threading
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 ALIGN = 256
+
+log = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in as if written, contents untouched
+POPULATE_STEP = 64 << 20  # bytes per madvise call: a pool being closed stops within one step
+_PAGE = 4096
 
 
 _CGROUP_LIMITS = (
@@ -53,6 +64,47 @@ def available_memory() -> int | None:
             avail = headroom if avail is None else min(avail, headroom)
             break
     return avail
+
+
+def _madvise() -> Any:
+    """libc's ``madvise`` on Linux, else ``None``. Called through ctypes, so the GIL is
+    released while the kernel faults the pages in."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def populate(
+    data: torch.Tensor, stop: threading.Event | None = None, progress: Callable[[int], None] | None = None
+) -> tuple[int, str | None]:
+    """Fault in the pages of ``data`` (a contiguous CPU tensor) without changing its
+    bytes (``MADV_POPULATE_WRITE``), ``POPULATE_STEP`` at a time, so later writes into
+    it run at memory speed instead of taking a page fault every 4 KiB. Safe while
+    other threads read and write it. ``progress(bytes so far)`` after each step.
+    (bytes populated, why it stopped early or ``None``)."""
+    fn = _madvise()
+    if fn is None:
+        return 0, "madvise is not available on this platform"
+    start = (data.data_ptr() + _PAGE - 1) // _PAGE * _PAGE
+    end = (data.data_ptr() + data.numel() * data.element_size()) // _PAGE * _PAGE
+    done = 0
+    for a in range(start, end, POPULATE_STEP):
+        if stop is not None and stop.is_set():
+            return done, "stopped"
+        n = min(POPULATE_STEP, end - a)
+        if fn(a, n, MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            return done, f"madvise(MADV_POPULATE_WRITE) failed: errno {err}"
+        done += n
+        if progress is not None:
+            progress(done)
+    return done, None
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -144,9 +196,16 @@ class MemoryBuffer:
 
 
 class MemoryPool:
-    """First-fit allocator over one preallocated byte tensor, with coalescing."""
+    """First-fit allocator over one preallocated byte tensor, with coalescing.
 
-    def __init__(self, capacity: int, *, pin: bool | None = None) -> None:
+    ``populate``: fault the pool's pages in on a background thread (unpinned pools;
+    pinned memory is resident already), so the first chunks saved into it are copied
+    at memory speed rather than at page-fault speed (96 MiB: 5 ms instead of 17-20 ms
+    measured here); the process's resident memory reaches the pool's size soon after
+    start (about 0.3 s per GiB). Without it pages are faulted in as chunks first use
+    them."""
+
+    def __init__(self, capacity: int, *, pin: bool | None = None, populate: bool = False) -> None:
         if capacity <= 0:
             raise ValueError("pool capacity must be positive")
         self.capacity = _round_up(capacity)
@@ -154,6 +213,13 @@ class MemoryPool:
             pin = torch.cuda.is_available()
         self.pinned = bool(pin)
         self._data = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pinned)
+        self.populated = threading.Event()  # set when the background populate ended (done or not)
+        self.populated_bytes = 0
+        self._stop_populate = threading.Event()
+        if populate and not self.pinned:
+            threading.Thread(target=self._populate, name="lmcache-pool-populate", daemon=True).start()
+        else:
+            self.populated.set()
         self._lock = threading.Lock()
         self._free_offsets: list[int] = [0]
         self._free_sizes: dict[int, int] = {0: self.capacity}
@@ -161,6 +227,28 @@ class MemoryPool:
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
         self._layouts: dict[tuple[tuple[int, ...], torch.dtype], _Layout] = {}  # one per distinct shape and dtype
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # contiguous strides per shape
+
+    def _populate(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            # The thread holds ``self`` (and so the tensor) until it ends: the memory
+            # it advises is never freed under it.
+            self.populated_bytes, why = populate(self._data, self._stop_populate, self._populate_progress)
+        except Exception as err:  # never fatal: pages then fault in on first use
+            why = f"{type(err).__name__}: {err}"
+        finally:
+            self.populated.set()
+        if why is None:
+            log.debug("memory pool: %.1f GiB faulted in in %.2f s", self.populated_bytes / 2**30, time.perf_counter() - t0)
+        elif why != "stopped":
+            log.info("memory pool: pages not faulted in ahead (%s); they fault in on first use", why)
+
+    def _populate_progress(self, done: int) -> None:
+        self.populated_bytes = done
+
+    def stop_populate(self) -> None:
+        """Stop a background populate within one step (close)."""
+        self._stop_populate.set()
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The pool's bytes at ``offset`` (a multiple of :data:`ALIGN`) as a

@@ -100,3 +100,20 @@ def test_engine_populates_its_pool_by_default_and_not_when_told() -> None:
         assert eng.stats()["pool"]["populated"] >= eng.pool.capacity - 2 * PAGE
     with _engine(populate_pool=False) as eng:
         assert eng.pool.populated.is_set() and eng.stats()["pool"]["populated"] == 0
+
+
+def test_populate_runs_at_idle_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's populate thread never competes with the engine's threads for a core
+    (SCHED_IDLE), while the thread that made the pool keeps its own policy."""
+    seen: list[int] = []
+    real = memory.populate
+
+    def spy(data: torch.Tensor, *a: Any) -> tuple[int, str | None]:
+        seen.append(os.sched_getscheduler(0))
+        return real(data, *a)
+
+    monkeypatch.setattr(memory, "populate", spy)
+    pool = MemoryPool(4 * MiB, populate=True)
+    assert pool.populated.wait(30)
+    assert seen == [os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE

@@ -126,9 +126,10 @@ class CoreConfig(StrictModel):
         description="pool memory beyond the CPU tier for chunks in flight (saves, write-behind to slower tiers, loads)",
     )
     populate_pool: bool = Field(
-        True,
+        False,
         description="fault in the memory pool's pages on a background thread at start (Linux), so the first saves "
-        "copy at memory speed instead of taking page faults; resident memory reaches the pool's size soon after start",
+        "copy at memory speed instead of taking page faults; off by default: while it runs, the engine's own "
+        "memory mappings (shared-memory loads from a node) wait on it",
     )
     load_policy: Literal["always", "faster_than_recompute"] = Field(
         "always",

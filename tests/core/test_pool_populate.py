@@ -94,11 +94,11 @@ def _engine(**cfg: Any) -> CacheEngine:
 
 
 @needs_populate
-def test_engine_populates_its_pool_by_default_and_not_when_told() -> None:
-    with _engine() as eng:
+def test_engine_populates_its_pool_only_when_told() -> None:
+    with _engine(populate_pool=True) as eng:
         assert eng.pool.populated.wait(30)
         assert eng.stats()["pool"]["populated"] >= eng.pool.capacity - 2 * PAGE
-    with _engine(populate_pool=False) as eng:
+    with _engine() as eng:  # the default: off
         assert eng.pool.populated.is_set() and eng.stats()["pool"]["populated"] == 0
 
 

@@ -217,6 +217,9 @@ class MemoryPool:
     measured here). The thread runs at idle priority (``SCHED_IDLE``): it uses cores
     the engine leaves idle (about 0.3 s of one per GiB) and none while the engine's
     threads keep every core busy; resident memory grows to the pool's size as it goes.
+    Each step holds the process's memory-map lock, and at idle priority a step can wait
+    for a core while holding it: the process's own mappings (shared-memory loads) stall
+    meanwhile, which is why the engine leaves it off unless ``populate_pool`` is set.
     Without it pages are faulted in as chunks first use them."""
 
     def __init__(self, capacity: int, *, pin: bool | None = None, populate: bool = False) -> None:

@@ -164,10 +164,17 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv (or in the background: async_loads)
+        # Loads complete in start_load_kv (or in the background: async_loads), except
+        # with layerwise on a GPU: the compute stream then waits for this layer's copies.
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return  # saves gather every layer at once in wait_for_save
+        # Saves gather every layer at once in wait_for_save, except with layerwise:
+        # this layer's gather is enqueued now (on a side stream on GPUs).
+        if self._worker is not None and self._worker.pipeline is not None:
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            self._worker.save_kv_layer(layer_name, meta if isinstance(meta, LMCacheConnectorMetadata) else None)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

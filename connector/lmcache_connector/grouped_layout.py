@@ -29,12 +29,23 @@ from .kv_adapters import LayoutError, isa_tag
 NULL_BLOCK = 0  # vLLM's null block (a placeholder in freed or skipped table slots)
 
 
-def page_view(kv: Any, page_bytes: int) -> torch.Tensor:
+def page_view(kv: Any, page_bytes: int, ratio: int = 1) -> torch.Tensor:
     """``[num_blocks, page_bytes]`` uint8 view of a layer's cache (a tensor, or the
-    list of state tensors a mamba layer has, all views of one page per block)."""
+    list of state tensors a mamba layer has, all views of one page per block).
+
+    ``ratio``: kernel blocks per page, where the attention kernels' block is a fraction
+    of vLLM's (hybrid models on GPU); vLLM allows that only for dense, unpadded pages,
+    so a page is then ``ratio`` consecutive kernel blocks."""
     first = kv if isinstance(kv, torch.Tensor) else kv[0]
     item = first.element_size()
     stride, offset, nb = first.stride(0) * item, first.storage_offset() * item, first.shape[0]
+    if ratio > 1:
+        if stride * ratio != page_bytes or nb % ratio:
+            raise LayoutError(
+                f"KV tensor {first.dtype}{list(first.shape)} (block stride {stride} B): {ratio} kernel blocks "
+                f"do not make one dense page of {page_bytes} B"
+            )
+        nb, stride = nb // ratio, page_bytes
     storage = first.untyped_storage()
     if stride < page_bytes or offset + (nb - 1) * stride + page_bytes > storage.nbytes():
         raise LayoutError(
@@ -42,6 +53,19 @@ def page_view(kv: Any, page_bytes: int) -> torch.Tensor:
         )
     base = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
     return base.as_strided((nb, page_bytes), (stride, 1), offset)
+
+
+def _kernel_ratio(kv: Any, g: Any) -> int:
+    """Kernel blocks per vLLM block for an attention layer ``[B, H, N, C]`` whose
+    kernels use blocks of N < the group's block size (1 otherwise, and for states)."""
+    if g.kind == STATE or not isinstance(kv, torch.Tensor) or kv.dim() != 4:
+        return 1
+    n = int(kv.shape[2])
+    return g.block_size // n if 0 < n < g.block_size and g.block_size % n == 0 else 1
+
+
+def _on(src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return src if src.device == device else src.to(device, non_blocking=src.device.type == "cpu" and src.is_pinned())
 
 
 def _describe(kv: Any) -> str:
@@ -71,7 +95,7 @@ class GroupedLayout:
             for name in g.layer_names:
                 if name not in kv_caches:
                     raise LayoutError(f"layer {name} of KV-cache group {g.index} was not registered by vLLM")
-                self.views[name] = page_view(kv_caches[name], page_bytes[g.index])
+                self.views[name] = page_view(kv_caches[name], page_bytes[g.index], _kernel_ratio(kv_caches[name], g))
                 shapes.append(f"{name}={_describe(kv_caches[name])}")
         first = next(iter(self.views.values()))
         self.device = first.device
@@ -118,8 +142,15 @@ class GroupedLayout:
             ids = block_ids[g.index][start:last]
             if ids:
                 src = buf[off : off + n * pb].view(n, pb)[start - first : start - first + len(ids)]
-                view.index_copy_(0, self._index(ids), src)
+                view.index_copy_(0, self._index(ids), _on(src, view.device))
             off += n * pb
+        self.finish()
+
+    def finish(self) -> None:
+        """Wait for the copies enqueued on the current CUDA stream (no-op on CPU), so
+        the host buffers they read or write may be stored or reused."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- boundary objects: window pages and states -----------------------------------
     def boundary_shape(self, end: int) -> tuple[int, ...]:
@@ -169,7 +200,7 @@ class GroupedLayout:
             floor = write_from // g.block_size
             pairs = [(j, table[i]) for j, i in enumerate(rng) if i >= floor and i < len(table) and table[i] != NULL_BLOCK]
             if pairs:
-                src = buf[off : off + len(rng) * pb].view(len(rng), pb)
+                src = _on(buf[off : off + len(rng) * pb].view(len(rng), pb), view.device)
                 rows = self._index([j for j, _ in pairs])
                 view.index_copy_(0, self._index([b for _, b in pairs]), src.index_select(0, rows))
             off += len(rng) * pb
@@ -179,5 +210,6 @@ class GroupedLayout:
             slot = g.state_slot(end)
             if slot >= len(table) or table[slot] == NULL_BLOCK:
                 raise LayoutError(f"group {g.index}: no state block at slot {slot} for a hit of {end} tokens")
-            view[table[slot], :real].copy_(buf[off : off + real])
+            view[table[slot], :real].copy_(buf[off : off + real], non_blocking=True)
             off += real
+        self.finish()

@@ -1,21 +1,34 @@
 """Layout adapters: move KV between vLLM's paged per-layer tensors and chunk buffers.
 
-vLLM 0.32 hands connectors one tensor per layer, logically
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]``.
+vLLM 0.32 hands connectors one tensor per attention layer with the logical shape
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (``[B, H, N, C]``: K is the
+first ``head_size`` of C, V the second; MLA has H = 1 and C = the latent width, e.g.
+576). The physical order behind it is one of vLLM's ``KVCacheLayout`` stride
+permutations (``VLLM_KV_CACHE_LAYOUT``; the GPU default ``LBNHC`` stores each block as
+``[N, H, C]``, the CPU backend ``LBHNC`` as ``[H, N, C]``; the ``BL..`` layouts put one
+block of every layer side by side). The attention kernels' block may also be a fraction
+of the scheduler's (hybrid models on GPU): ``N`` then divides ``block_size``.
 
-* :class:`BlockLayout` copies whole blocks as opaque data: chunk buffer
-  ``[num_layers, n_blocks, *block_shape]``. Correct for every attention backend,
-  including vLLM's CPU backend whose in-block layout is ISA-dependent (K stored
-  transposed), because it never looks inside a block. Its fingerprint therefore
-  includes the CPU's ISA: blocks written on an AVX-512 machine are not readable on
-  an AVX2 one.
+* :class:`BlockLayout` copies whole blocks as opaque memory: chunk buffer
+  ``[num_layers, n_blocks, *block]`` holding each block's bytes in memory order, the
+  same on the torch path and the CUDA kernels. Correct for every attention backend,
+  including vLLM's CPU backend whose in-block layout is ISA-dependent, because it
+  never looks inside a block. Its fingerprint therefore includes the CPU's ISA and the
+  in-block memory order: blocks written under another layout miss instead of loading
+  bytes in the wrong order. Needs each block to be one dense region (not so for
+  ``LHBNC``/``BHLNC``: use the token adapter there).
 * :class:`TokenLayout` gathers per-token K and V through the slot mapping into the
   canonical ``[num_layers, 2, n_tokens, num_kv_heads, head_size]``: portable across
-  block sizes, valid only where the logical shape is the physical one (GPU
-  FlashAttention layouts). Refused on CPU.
+  block sizes and stride orders, valid only where the logical shape is what the
+  attention kernels read (GPU backends). Refused on CPU.
 
 The fingerprint goes into the key namespace, so caches written with another adapter,
 shape, dtype or block size miss instead of loading garbage.
+
+On CUDA, copies between the KV tensors and host (pool) buffers are enqueued on the
+current stream and finished (``finish``) before a buffer is handed to the cache or
+given back to the pool; :mod:`lmcache_connector.layerwise` overlaps them with the
+forward pass instead.
 """
 
 from __future__ import annotations
@@ -42,7 +55,9 @@ def _check_layers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
                 f"{first.dtype}{list(first.shape)} on {first.device}: mixed layouts are not supported"
             )
         if t.dim() != 4:
-            raise LayoutError(f"layer {name}: expected a 4-d paged KV tensor, got shape {list(t.shape)}")
+            raise LayoutError(f"layer {name}: expected a 4-d paged KV tensor [blocks, heads, tokens, content], got shape {list(t.shape)}")
+        if t.stride() != first.stride():
+            raise LayoutError(f"layer {name} has strides {t.stride()}, the first layer {first.stride()}: mixed layouts are not supported")
     return layers
 
 
@@ -88,6 +103,24 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]] | None:
     return runs if runs and 2 * len(runs) <= len(block_ids) + 1 else None
 
 
+_DIMS = "hnc"  # the names of dims 1, 2, 3 of a [B, H, N, C] layer tensor
+
+
+def block_memory_order(t: torch.Tensor) -> str | None:
+    """The memory order of one block's dims, outermost first, over ``"hnc"`` (size-1
+    dims left out: ``"hnc"`` for vLLM's ``LBHNC``, ``"nhc"`` for ``LBNHC``, ``"nc"`` for
+    MLA), or None when a block is not one dense region (``LHBNC``, ``BHLNC``)."""
+    dims = sorted((d for d in (1, 2, 3) if t.shape[d] != 1), key=lambda d: t.stride(d), reverse=True)
+    expected = 1
+    for d in reversed(dims):
+        if t.stride(d) != expected:
+            return None
+        expected *= t.shape[d]
+    if t.shape[0] > 1 and abs(t.stride(0)) < expected:
+        return None
+    return "".join(_DIMS[d - 1] for d in dims)
+
+
 class _PagedLayers:
     """What both adapters know of vLLM's per-layer KV tensors."""
 
@@ -99,6 +132,33 @@ class _PagedLayers:
         self.device = first.device
         self.num_layers = len(self.layers)
         self._ops = _cuda_ops(self.device)
+        # The attention kernels' block (N) may be a fraction of the scheduler's block.
+        self.kernel_block = int(first.shape[2])
+        if self.kernel_block <= 0 or block_size % self.kernel_block:
+            raise LayoutError(
+                f"KV tensors hold blocks of {self.kernel_block} tokens, which does not divide vLLM's block size {block_size}"
+            )
+        self.ratio = block_size // self.kernel_block
+        self._idx: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        """``ids`` as a long tensor on the KV device (cached: layer-by-layer copies reuse it)."""
+        key = tuple(ids)
+        idx = self._idx.get(key)
+        if idx is None:
+            if len(self._idx) >= 256:
+                self._idx.clear()
+            idx = self._idx[key] = torch.tensor(key, dtype=torch.long, device=self.device)
+        return idx
+
+    def finish(self) -> None:
+        """Wait until the copies enqueued on the current CUDA stream are done, so host
+        buffers may be read, stored or reused (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _which(self, layer: int | None) -> range:
+        return range(self.num_layers) if layer is None else range(layer, layer + 1)
 
 
 class BlockLayout(_PagedLayers):
@@ -106,73 +166,103 @@ class BlockLayout(_PagedLayers):
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         super().__init__(kv_caches, block_size)
-        self.block_shape = tuple(self.layers[0].shape[1:])
+        first = self.layers[0]
+        order = block_memory_order(first)
+        if order is None:
+            raise LayoutError(
+                f"layout: block needs each KV block to be one dense region; these tensors (shape {list(first.shape)}, "
+                f"strides {first.stride()}) are not (vLLM's LHBNC/BHLNC layouts): use layout: token"
+            )
+        logical = "".join(_DIMS[d - 1] for d in (1, 2, 3) if first.shape[d] != 1)
+        self.order_tag = "" if order == logical else f"/mem-{order}"
+        self.block_shape = (
+            tuple(first.shape[1:]) if not self.order_tag else tuple(first.shape[1 + _DIMS.index(c)] for c in order)
+        )
+        self.block_numel = int(first[0].numel()) if first.shape[0] else 0
+        # Each layer as [kernel blocks, block_numel]: a block's elements in memory order.
+        self.pages = [t.as_strided((t.shape[0], self.block_numel), (t.stride(0), 1), t.storage_offset()) for t in self.layers]
 
     def fingerprint(self) -> str:
         return (
             f"block/v1/{isa_tag(self.device)}/{str(self.dtype).removeprefix('torch.')}/"
-            f"L{self.num_layers}/bs{self.block_size}/{'x'.join(map(str, self.block_shape))}"
+            f"L{self.num_layers}/bs{self.block_size}/{'x'.join(map(str, self.block_shape))}{self.order_tag}"
         )
 
     def chunk_shape(self, n_tokens: int) -> tuple[int, ...]:
-        n_blocks = -(-n_tokens // self.block_size)
+        n_blocks = -(-n_tokens // self.block_size) * self.ratio
         return (self.num_layers, n_blocks, *self.block_shape)
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+    def _kernel_ids(self, block_ids: Sequence[int]) -> list[int]:
+        if self.ratio == 1:
+            return list(block_ids)
+        return [b * self.ratio + j for b in block_ids for j in range(self.ratio)]
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Copy blocks ``block_ids`` of every layer into ``out[:, :len(block_ids)]``."""
-        n = len(block_ids)
-        runs = block_runs(block_ids) if self._ops is None else None
-        if runs is not None:
-            for layer, kv in enumerate(self.layers):
-                for pos, first, count in runs:
-                    out[layer, pos : pos + count].copy_(kv[first : first + count], non_blocking=True)
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor, layer: int | None = None) -> None:
+        """Copy blocks ``block_ids`` (vLLM's) of every layer (or of ``layer``) into
+        ``out[:, :n]``, each block's elements in memory order."""
+        ids = self._kernel_ids(block_ids)
+        n = len(ids)
+        if n == 0:
             return
-        idx = self._index(block_ids)
         if self._ops is not None:
-            self._ops.gather_blocks(self.layers, idx, out[:, :n])
+            which = self._which(layer)
+            self._ops.gather_blocks(self.layers[which.start : which.stop], self._index(ids), out[which.start : which.stop, :n])
             return
-        for layer, kv in enumerate(self.layers):
-            if kv.device == out.device:
-                torch.index_select(kv, 0, idx, out=out[layer, :n])
+        runs = block_runs(ids)
+        for i in self._which(layer):
+            pages, dst = self.pages[i], out[i, :n].view(n, self.block_numel)
+            if runs is not None:
+                for pos, first, count in runs:
+                    dst[pos : pos + count].copy_(pages[first : first + count], non_blocking=True)
+            elif pages.device == dst.device:
+                torch.index_select(pages, 0, self._index(ids), out=dst)
             else:
-                out[layer, :n].copy_(kv.index_select(0, idx), non_blocking=True)
+                dst.copy_(pages.index_select(0, self._index(ids)), non_blocking=True)
 
-    def save_chunk(self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor) -> None:
-        """Gather the blocks holding tokens ``lo..hi`` of a request into ``out``."""
+    def save_chunk(self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None) -> None:
+        """Gather the blocks holding tokens ``lo..hi`` of a request into ``out``. All
+        layers: finished on return; one ``layer``: left enqueued (see layerwise.py)."""
         bs = self.block_size
-        self.gather(block_ids[lo // bs : -(-hi // bs)], out)
+        self.gather(block_ids[lo // bs : -(-hi // bs)], out, layer)
+        if layer is None:
+            self.finish()
 
-    def load_chunk(self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int) -> None:
+    def load_chunk(
+        self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int, layer: int | None = None
+    ) -> None:
         """Write chunk ``buf`` (tokens ``lo..hi``) into the request's blocks, skipping
         blocks before token ``write_from`` (vLLM's own prefix-cache blocks, which may be
-        shared with other requests and must never be written)."""
+        shared with other requests and must never be written). All layers: finished on
+        return (``buf`` may be reused); one ``layer``: left enqueued."""
         bs = self.block_size
         first_block = max(lo, write_from) // bs
         last_block = min(-(-hi // bs), len(block_ids))
         if last_block > first_block:
-            self.scatter(buf, block_ids[first_block:last_block], first=first_block - lo // bs)
+            self.scatter(buf, block_ids[first_block:last_block], first=(first_block - lo // bs) * self.ratio, layer=layer)
+        if layer is None:
+            self.finish()
 
-    def scatter(self, buf: torch.Tensor, block_ids: Sequence[int], first: int = 0) -> None:
-        """Write ``buf[:, first:first+len(block_ids)]`` into blocks ``block_ids``."""
-        n = len(block_ids)
-        runs = block_runs(block_ids) if self._ops is None else None
-        if runs is not None:
-            for layer, kv in enumerate(self.layers):
-                for pos, start, count in runs:
-                    kv[start : start + count].copy_(buf[layer, first + pos : first + pos + count], non_blocking=True)
+    def scatter(self, buf: torch.Tensor, block_ids: Sequence[int], first: int = 0, layer: int | None = None) -> None:
+        """Write ``buf[:, first:first+n]`` (``n`` kernel blocks) into blocks ``block_ids``."""
+        ids = self._kernel_ids(block_ids)
+        n = len(ids)
+        if n == 0:
             return
-        idx = self._index(block_ids)
+        which = self._which(layer)
         if self._ops is not None:
-            self._ops.scatter_blocks(self.layers, idx, buf[:, first : first + n].contiguous())
+            src = buf[which.start : which.stop, first : first + n]
+            self._ops.scatter_blocks(self.layers[which.start : which.stop], self._index(ids), src.contiguous())
             return
-        for layer, kv in enumerate(self.layers):
-            src = buf[layer, first : first + n]
-            if src.device != kv.device:
-                src = src.to(kv.device, non_blocking=True)
-            kv.index_copy_(0, idx, src)
+        runs = block_runs(ids)
+        for i in which:
+            pages, src = self.pages[i], buf[i, first : first + n].reshape(n, self.block_numel)
+            if runs is not None:
+                for pos, start, count in runs:
+                    pages[start : start + count].copy_(src[pos : pos + count], non_blocking=True)
+                continue
+            if src.device != pages.device:
+                src = src.to(pages.device, non_blocking=True)
+            pages.index_copy_(0, self._index(ids), src)
 
 
 class TokenLayout(_PagedLayers):
@@ -187,9 +277,12 @@ class TokenLayout(_PagedLayers):
                 "layout: token needs a KV layout whose logical shape is physical (GPU FlashAttention); "
                 "vLLM's CPU backend stores blocks in an ISA-dependent layout: use layout: block"
             )
-        nb, heads, bs, two_d = self.layers[0].shape
-        if bs != block_size or two_d % 2:
-            raise LayoutError(f"unexpected KV shape {list(self.layers[0].shape)} for block size {block_size}")
+        nb, heads, _, two_d = self.layers[0].shape
+        if two_d % 2 or self.layers[0].stride(3) != 1:
+            raise LayoutError(
+                f"unexpected KV shape {list(self.layers[0].shape)} (strides {self.layers[0].stride()}): "
+                "the last dim must be dense and hold K then V"
+            )
         self.num_heads = heads
         self.head_size = two_d // 2
 
@@ -200,40 +293,63 @@ class TokenLayout(_PagedLayers):
     def chunk_shape(self, n_tokens: int) -> tuple[int, ...]:
         return (self.num_layers, 2, n_tokens, self.num_heads, self.head_size)
 
-    def slots(self, block_ids: Sequence[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block index, offset) of token positions ``start..end`` of a request."""
+    def slot_mapping(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Slots (in the KV tensors' own blocks) of token positions ``start..end``."""
         pos = torch.arange(start, end, device=self.device)
-        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return table[pos // self.block_size], pos % self.block_size
+        table = self._index(block_ids)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def save_chunk(self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor) -> None:
-        self.gather_tokens(block_ids, lo, hi, out)
+    def slots(self, block_ids: Sequence[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel block index, offset) of token positions ``start..end`` of a request."""
+        s = self.slot_mapping(block_ids, start, end)
+        return s // self.kernel_block, s % self.kernel_block
 
-    def load_chunk(self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int) -> None:
+    def save_chunk(
+        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None
+    ) -> None:
+        self.gather_tokens(block_ids, lo, hi, out, layer)
+        if layer is None:
+            self.finish()
+
+    def load_chunk(
+        self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int, layer: int | None = None
+    ) -> None:
         start = max(lo, write_from)
         if hi > start:
-            self.scatter_tokens(buf, block_ids, start, hi, first=start - lo)
+            self.scatter_tokens(buf, block_ids, start, hi, first=start - lo, layer=layer)
+        if layer is None:
+            self.finish()
 
-    def gather_tokens(self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
-        blk, off = self.slots(block_ids, start, end)
-        if self._ops is not None:
-            self._ops.gather_tokens(self.layers, blk * self.block_size + off, out[:, :, : end - start])
-            return
-        d = self.head_size
-        for layer, kv in enumerate(self.layers):
-            per_tok = kv.transpose(1, 2)[blk, off]  # [T, H, 2D]
-            out[layer, 0, : end - start].copy_(per_tok[..., :d], non_blocking=True)
-            out[layer, 1, : end - start].copy_(per_tok[..., d:], non_blocking=True)
-
-    def scatter_tokens(self, buf: torch.Tensor, block_ids: Sequence[int], start: int, end: int, first: int = 0) -> None:
-        blk, off = self.slots(block_ids, start, end)
+    def gather_tokens(
+        self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor, layer: int | None = None
+    ) -> None:
+        which = self._which(layer)
         n = end - start
         if self._ops is not None:
-            self._ops.scatter_tokens(self.layers, blk * self.block_size + off, buf[:, :, first : first + n].contiguous())
+            dst = out[which.start : which.stop, :, :n]
+            self._ops.gather_tokens(self.layers[which.start : which.stop], self.slot_mapping(block_ids, start, end), dst)
             return
-        for layer, kv in enumerate(self.layers):
-            k = buf[layer, 0, first : first + n].to(kv.device, non_blocking=True)
-            v = buf[layer, 1, first : first + n].to(kv.device, non_blocking=True)
+        blk, off = self.slots(block_ids, start, end)
+        d = self.head_size
+        for i in which:
+            per_tok = self.layers[i].transpose(1, 2)[blk, off]  # [T, H, 2D]
+            out[i, 0, :n].copy_(per_tok[..., :d], non_blocking=True)
+            out[i, 1, :n].copy_(per_tok[..., d:], non_blocking=True)
+
+    def scatter_tokens(
+        self, buf: torch.Tensor, block_ids: Sequence[int], start: int, end: int, first: int = 0, layer: int | None = None
+    ) -> None:
+        which = self._which(layer)
+        n = end - start
+        if self._ops is not None:
+            src = buf[which.start : which.stop, :, first : first + n].contiguous()
+            self._ops.scatter_tokens(self.layers[which.start : which.stop], self.slot_mapping(block_ids, start, end), src)
+            return
+        blk, off = self.slots(block_ids, start, end)
+        for i in which:
+            kv = self.layers[i]
+            k = buf[i, 0, first : first + n].to(kv.device, non_blocking=True)
+            v = buf[i, 1, first : first + n].to(kv.device, non_blocking=True)
             kv.transpose(1, 2)[blk, off] = torch.cat([k, v], dim=-1)
 
 

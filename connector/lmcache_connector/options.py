@@ -2,7 +2,7 @@
 
 Configuration: the core's YAML/env config, then ``kv_connector_extra_config``
 overrides: ``config_file`` (a YAML path) and any core key (``chunk_size``,
-``backends``, ...), plus connector keys (``model_id``, ``async_saves``, ``async_loads``). Errors name
+``backends``, ...), plus connector keys (``model_id``, ``async_saves``, ``async_loads``, ``layerwise``). Errors name
 ``kv_connector_extra_config.<key>``.
 
 Per-request options come in ``kv_transfer_params`` (``SamplingParams.extra_args``):
@@ -24,7 +24,7 @@ from .log import get_logger
 
 log = get_logger(__name__)
 
-CONNECTOR_KEYS = {"config_file", "model_id", "async_saves", "async_loads"}
+CONNECTOR_KEYS = {"config_file", "model_id", "async_saves", "async_loads", "layerwise"}
 SKIP_SAVE = "lmcache.skip_save"
 VERIFY = "lmcache.verify"
 TAG_PREFIX = "lmcache.tag."
@@ -36,6 +36,7 @@ class ConnectorSettings:
     model_id: str | None = None
     async_saves: bool = False  # see async_saves.py
     async_loads: bool = False  # see async_loads.py
+    layerwise: bool = False  # see layerwise.py
 
     @property
     def core(self) -> CoreConfig:
@@ -57,7 +58,7 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         from lmcache_core.config import ConfigError
 
         raise ConfigError("kv_connector_extra_config.model_id: must be a string (from kv_connector_extra_config)")
-    switches = {key: extra.pop(key, False) for key in ("async_saves", "async_loads")}
+    switches = {key: extra.pop(key, False) for key in ("async_saves", "async_loads", "layerwise")}
     for key, value in switches.items():
         if not isinstance(value, bool):
             from lmcache_core.config import ConfigError
@@ -66,7 +67,7 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
                 f"kv_connector_extra_config.{key}: must be true or false, got {value!r} (from kv_connector_extra_config)"
             )
     loaded = load_config(path, overrides=extra, overrides_source="kv_connector_extra_config")
-    return ConnectorSettings(loaded, model_id, switches["async_saves"], switches["async_loads"])
+    return ConnectorSettings(loaded, model_id, switches["async_saves"], switches["async_loads"], switches["layerwise"])
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .grouped_layout import GroupedLayout
 from .kv_events import RawEvent, TierEventBuffer
 from .groups import FULL, GroupPlan, boundary_hash
 from .kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
+from .layerwise import LayerPipeline, LoadItem, SaveItem
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
 from .lookup_ipc import LookupServer
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
@@ -120,6 +121,7 @@ class WorkerSide:
         self._value_dtype: torch.dtype | None = None  # element type behind grouped (byte) chunks
         self.saves: SaveQueue | None = None  # async_saves (dense models)
         self.loads: LoadQueue | None = None  # async_loads (dense models)
+        self.pipeline: LayerPipeline | None = None  # layerwise (dense models)
         self._step_idle = False  # this step computes nothing (async_loads: wait for loads instead of spinning)
         _active.add(self)
 
@@ -170,6 +172,14 @@ class WorkerSide:
             self.saves = SaveQueue(self._save_logged)
         if self.settings.async_loads and not isinstance(self.layout, GroupedLayout):
             self.loads = LoadQueue(self._load_background, self.block_size)
+        if self.settings.layerwise:
+            if isinstance(self.layout, GroupedLayout):
+                log.info("lmcache-core: layerwise has no effect with several KV-cache groups (whole-step copies)")
+            else:
+                self.pipeline = LayerPipeline(self.layout, list(kv_caches))
+
+    def _pipelined(self) -> LayerPipeline | None:
+        return self.pipeline if self.pipeline is not None and self.pipeline.active else None
 
     def _lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
         assert self.engine is not None
@@ -255,12 +265,16 @@ class WorkerSide:
         if self.engine is None:
             return
         t_start = time.perf_counter()
+        pipe = self._pipelined()
+        items: list[LoadItem] = []
         for t in meta.loads:
             if self._in_background(t):
                 continue  # handed to the load thread in step_started
             try:
                 if t.group_block_ids is not None:
                     self._load_grouped(t, meta)
+                elif pipe is not None:
+                    items += self._read_for_pipeline(t, meta)
                 else:
                     self._load(t, meta)
             except Exception as err:  # never crash vLLM: recompute instead
@@ -269,6 +283,14 @@ class WorkerSide:
             finally:
                 self.engine.unpin(t.req_id)
                 self.engine.unpin(_boundary_pin(t.req_id) or "")
+        if pipe is not None and items:
+            try:
+                pipe.load(items)
+            except Exception as err:  # never crash vLLM: recompute every chunk of the step
+                log.warning("layerwise load failed, recomputing: %s: %s", type(err).__name__, err)
+                for t in meta.loads:
+                    if not self._in_background(t) and t.group_block_ids is None:
+                        self._fail(t, meta, 0)
         for rid in meta.unpins:
             self.engine.unpin(rid)
             self.engine.unpin(_boundary_pin(rid) or "")
@@ -311,6 +333,82 @@ class WorkerSide:
         metrics.LOADED_TOKENS.inc(loaded)
         metrics.TIER_LATENCY.labels("connector", "load_request").observe(dt)
         return failed
+
+    def _read_for_pipeline(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> list[LoadItem]:
+        """layerwise: read a transfer's chunks from the cache (a miss fails the chunks
+        from it on, as in ``_load``); the copies are enqueued by the pipeline."""
+        assert self.engine is not None and self.layout is not None and not isinstance(self.layout, GroupedLayout)
+        t0 = time.perf_counter()
+        items: list[LoadItem] = []
+        loaded = 0
+        for i, h in enumerate(t.hashes):
+            lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
+            buf = self.engine.retrieve_buffer(h, self.layout.chunk_shape(hi - lo), self.layout.dtype)
+            if buf is None:
+                self._fail(t, meta, i)
+                break
+            items.append(LoadItem(buf, t.block_ids, lo, hi, t.write_from))
+            loaded += hi - max(lo, t.write_from)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.loaded_tokens += loaded
+            self.load_seconds += dt
+        metrics.LOADED_TOKENS.inc(loaded)
+        return items
+
+    # -- layer by layer (layerwise) ------------------------------------------------------
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.pipeline is not None:
+            self.pipeline.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, meta: LMCacheConnectorMetadata | None) -> None:
+        pipe = self._pipelined()
+        if pipe is None or meta is None or self.engine is None:
+            return
+        if not pipe.pending_saves() and not any(t.group_block_ids is None for t in meta.saves):
+            return
+        try:
+            pipe.save_layer(layer_name, lambda: self._plan_saves(meta))
+        except Exception as err:  # the step's dense saves are gathered in wait_for_save instead
+            log.warning("layerwise save failed, gathering at the end of the step: %s: %s", type(err).__name__, err)
+            for s in pipe.end_saves():
+                s.buf.release()
+            pipe._disable(f"save_kv_layer raised {type(err).__name__}")
+
+    def _plan_saves(self, meta: LMCacheConnectorMetadata) -> list[SaveItem]:
+        """layerwise: one pool buffer per chunk this step saves (dense transfers); a
+        transfer whose buffers run out keeps the chunks before (a future miss after)."""
+        assert self.engine is not None and self.layout is not None and not isinstance(self.layout, GroupedLayout)
+        items: list[SaveItem] = []
+        for t in meta.saves:
+            if t.group_block_ids is not None:
+                continue
+            for i, h in enumerate(t.hashes):
+                lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
+                buf = self.engine.allocate(self.layout.chunk_shape(hi - lo), self.layout.dtype)
+                if buf is None:
+                    with self._lock:
+                        self.skipped_saves += 1
+                    break
+                items.append(SaveItem(buf, t.block_ids, lo, hi, payload=(h, t.first_chunk + i < t.verify_below)))
+        return items
+
+    def _store_pipelined(self, pipe: LayerPipeline) -> None:
+        """wait_for_save (layerwise): the chunks gathered layer by layer, stored."""
+        t0 = time.perf_counter()
+        saved = 0
+        items = pipe.end_saves()
+        try:
+            for s in items:
+                h, verify = s.payload
+                if self._verify_or_store(h, s.buf, s.hi - s.lo, verify):
+                    saved += s.hi - s.lo
+        finally:
+            for s in items:
+                s.buf.release()
+            with self._lock:
+                self.saved_tokens += saved
+                self.save_seconds += time.perf_counter() - t0
 
     def _load_grouped(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         """All chunks and the boundary, or nothing: a recurrent state resumes exactly at
@@ -407,6 +505,14 @@ class WorkerSide:
             self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start - self._step_load_s)
         self._fwd_start = None
         transfers = meta.saves
+        if self.pipeline is not None:
+            self.pipeline.end_loads()
+            if self.pipeline.pending_saves():
+                try:
+                    self._store_pipelined(self.pipeline)
+                except Exception as err:  # a failed save is a future miss
+                    log.warning("layerwise saves failed, skipped: %s: %s", type(err).__name__, err)
+                transfers = [t for t in transfers if t.group_block_ids is not None]
         if self.saves is not None:
             self.saves.submit(meta, [t for t in transfers if t.group_block_ids is None])
             transfers = [t for t in transfers if t.group_block_ids is not None]
@@ -561,11 +667,21 @@ class WorkerSide:
             "verify_inexact": self.verify_inexact,
             "async_loads": self.loads.submitted if self.loads is not None else 0,
         }
+        if self.pipeline is not None:
+            out["layerwise"] = {
+                "active": self.pipeline.active,
+                "loaded_chunks": self.pipeline.pipelined_loads,
+                "saved_chunks": self.pipeline.pipelined_saves,
+                "late_save_layers": self.pipeline.late_save_layers,
+            }
         if self.engine is not None:
             out["engine"] = self.engine.stats()
         return out
 
     def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
         if self.loads is not None:
             self.loads.close()
             self.loads = None

@@ -1,0 +1,190 @@
+"""Layer-by-layer KV transfers (``layerwise: true`` in ``kv_connector_extra_config``).
+
+Without it a step's synchronous loads finish in ``start_load_kv`` before the forward
+pass starts, and its saves gather every layer in ``wait_for_save`` after the forward.
+With it, on a CUDA device (dense layouts: block and token adapters):
+
+* loads: the chunks are read from the cache on the host first (a miss fails the
+  same chunks as before, before anything is enqueued), then every layer's copies are
+  enqueued on a side CUDA stream with one event per layer; vLLM calls
+  ``wait_for_layer_load(layer)`` before each attention layer and the compute stream
+  waits for that layer's event on the GPU (the host never blocks), so layer ``i``
+  loads while layers ``< i`` compute;
+* saves: ``save_kv_layer(layer)``, called after each attention layer, enqueues that
+  layer's gather into the chunk buffers on the side stream, ordered after the
+  compute already queued; ``wait_for_save`` waits for the side stream and stores.
+
+Safety nets: a layer that vLLM never handed to ``save_kv_layer`` is gathered in
+``wait_for_save`` (the KV is final then), so a stored chunk always has every layer.
+A step whose loads were not waited for layer by layer (an unknown layer name, or a
+step that ended with layers never waited for) turns the pipeline off for the
+engine's lifetime, with a warning: later steps load everything before the forward.
+
+On CPU the same calls run synchronously (loads all at once before the forward, saves
+layer by layer as vLLM hands them over): nothing overlaps, nothing changes in what is
+stored or loaded; the CPU tests run this path to keep it correct.
+
+The module needs torch only (no vLLM), so the GPU check can drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class LoadItem:
+    """One chunk to write into vLLM's blocks: ``buf`` has ``.tensor`` and ``.release()``."""
+
+    buf: Any
+    block_ids: Sequence[int]
+    lo: int
+    hi: int
+    write_from: int
+
+
+@dataclass
+class SaveItem:
+    """One chunk to gather from vLLM's blocks into ``buf``; ``payload`` is the caller's."""
+
+    buf: Any
+    block_ids: Sequence[int]
+    lo: int
+    hi: int
+    payload: Any = None
+    layers: set[int] = field(default_factory=set)
+
+
+class LayerPipeline:
+    def __init__(self, layout: Any, layer_names: Sequence[str]) -> None:
+        """``layout``: a BlockLayout or TokenLayout over the same layers, in the same
+        order as ``layer_names`` (vLLM's ``register_kv_caches`` order)."""
+        self.layout = layout
+        self.index = {name: i for i, name in enumerate(layer_names)}
+        self.num_layers = len(layer_names)
+        self.device = layout.device
+        self.cuda = self.device.type == "cuda"
+        self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.disabled = False
+        self._load_events: list[torch.cuda.Event] = []
+        self._load_bufs: list[Any] = []
+        self._waited = -1  # highest layer the compute stream waited for this step
+        self._saves: list[SaveItem] | None = None
+        # counters (stats)
+        self.pipelined_loads = 0
+        self.pipelined_saves = 0
+        self.late_save_layers = 0
+
+    @property
+    def active(self) -> bool:
+        return not self.disabled
+
+    # -- loads ------------------------------------------------------------------------
+    def load(self, items: list[LoadItem]) -> None:
+        """Start this step's loads (call once per step, before the forward pass)."""
+        if not items:
+            return
+        self._load_bufs.extend(it.buf for it in items)
+        if self.stream is None:
+            for it in items:
+                self.layout.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from)
+            return
+        ready = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for layer in range(self.num_layers):
+                for it in items:
+                    self.layout.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, layer=layer)
+                self._load_events.append(self.stream.record_event())
+        self._waited = -1
+        self.pipelined_loads += len(items)
+
+    def wait_layer(self, name: str) -> None:
+        """``wait_for_layer_load``: the compute stream waits (on the GPU) until this
+        layer's loads, and every earlier layer's, are in place."""
+        if not self._load_events:
+            return
+        i = self.index.get(name)
+        if i is None:  # not a layer we registered: wait for everything, then stop pipelining
+            self._disable(f"wait_for_layer_load({name!r}) names no registered KV layer")
+            i = self.num_layers - 1
+        if i > self._waited:
+            torch.cuda.current_stream(self.device).wait_event(self._load_events[i])
+            self._waited = i
+
+    def end_loads(self) -> None:
+        """After the forward (``wait_for_save``) or before the next step: wait for the
+        side stream and give the chunk buffers back."""
+        if self._load_events:
+            self._load_events[-1].synchronize()
+            if self._waited < self.num_layers - 1:
+                self._disable(
+                    f"the forward pass waited for {self._waited + 1} of {self.num_layers} layers' loads "
+                    "(wait_for_layer_load was not called for every layer)"
+                )
+            self._load_events = []
+        bufs, self._load_bufs = self._load_bufs, []
+        for b in bufs:
+            b.release()
+
+    # -- saves ------------------------------------------------------------------------
+    def save_layer(self, name: str, plan: Callable[[], list[SaveItem]]) -> None:
+        """``save_kv_layer``: gather this layer of every chunk this step saves.
+        ``plan`` (called at the first layer of a step) allocates the chunk buffers."""
+        i = self.index.get(name)
+        if i is None:
+            return
+        if self._saves is None:
+            self._saves = plan()
+        if not self._saves:
+            return
+        if self.stream is None:
+            for s in self._saves:
+                self.layout.save_chunk(s.block_ids, s.lo, s.hi, s.buf.tensor, layer=i)
+                s.layers.add(i)
+            return
+        ready = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for s in self._saves:
+                self.layout.save_chunk(s.block_ids, s.lo, s.hi, s.buf.tensor, layer=i)
+                s.layers.add(i)
+
+    def end_saves(self) -> list[SaveItem]:
+        """``wait_for_save``: the chunks gathered this step, every layer in place (a
+        layer not handed over is gathered now). The caller stores and releases them."""
+        saves, self._saves = self._saves or [], None
+        if self.stream is not None:
+            self.stream.synchronize()
+        late = 0
+        for s in saves:
+            for i in range(self.num_layers):
+                if i not in s.layers:
+                    self.layout.save_chunk(s.block_ids, s.lo, s.hi, s.buf.tensor, layer=i)
+                    late += 1
+        if late:
+            self.layout.finish()
+            self.late_save_layers += late
+        self.pipelined_saves += len(saves)
+        return saves
+
+    def pending_saves(self) -> bool:
+        return self._saves is not None
+
+    def _disable(self, why: str) -> None:
+        if not self.disabled:
+            log.warning("lmcache-core: layerwise transfers turned off: %s", why)
+        self.disabled = True
+
+    def close(self) -> None:
+        """Finish whatever is in flight and give its buffers back."""
+        self.end_loads()
+        for s in self.end_saves():
+            s.buf.release()

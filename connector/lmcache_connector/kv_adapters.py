@@ -103,6 +103,15 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]] | None:
     return runs if runs and 2 * len(runs) <= len(block_ids) + 1 else None
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the integer dtype of its element size: copies through it are bit-exact
+    and work for every dtype (fp8 has no indexed copies on CPU)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
 _DIMS = "hnc"  # the names of dims 1, 2, 3 of a [B, H, N, C] layer tensor
 
 
@@ -139,17 +148,31 @@ class _PagedLayers:
                 f"KV tensors hold blocks of {self.kernel_block} tokens, which does not divide vLLM's block size {block_size}"
             )
         self.ratio = block_size // self.kernel_block
-        self._idx: dict[tuple[int, ...], torch.Tensor] = {}
+        self._idx: dict[tuple[int, ...], torch.Tensor] | None = None
+        self._idx_users = 0
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
-        """``ids`` as a long tensor on the KV device (cached: layer-by-layer copies reuse it)."""
+        """``ids`` as a long tensor on the KV device, copied from pinned memory without
+        blocking the host (a blocking copy would wait for everything queued on the
+        stream). Cached while :meth:`cache_indices` is on (layer-by-layer copies reuse
+        one table per chunk): every use is then on the stream that made it."""
         key = tuple(ids)
-        idx = self._idx.get(key)
-        if idx is None:
-            if len(self._idx) >= 256:
-                self._idx.clear()
-            idx = self._idx[key] = torch.tensor(key, dtype=torch.long, device=self.device)
+        if self._idx is not None and key in self._idx:
+            return self._idx[key]
+        idx = torch.tensor(key, dtype=torch.long)
+        if self.device.type == "cuda":
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        if self._idx is not None:
+            self._idx[key] = idx
         return idx
+
+    def cache_indices(self, on: bool) -> None:
+        """Keep index tables between calls (on) or drop them (off); see ``_index``."""
+        self._idx_users = max(0, self._idx_users + (1 if on else -1))
+        if self._idx_users and self._idx is None:
+            self._idx = {}
+        elif not self._idx_users:
+            self._idx = None
 
     def finish(self) -> None:
         """Wait until the copies enqueued on the current CUDA stream are done, so host
@@ -180,7 +203,9 @@ class BlockLayout(_PagedLayers):
         )
         self.block_numel = int(first[0].numel()) if first.shape[0] else 0
         # Each layer as [kernel blocks, block_numel]: a block's elements in memory order.
-        self.pages = [t.as_strided((t.shape[0], self.block_numel), (t.stride(0), 1), t.storage_offset()) for t in self.layers]
+        self.pages = [
+            bits(t).as_strided((t.shape[0], self.block_numel), (t.stride(0), 1), t.storage_offset()) for t in self.layers
+        ]
 
     def fingerprint(self) -> str:
         return (
@@ -210,7 +235,7 @@ class BlockLayout(_PagedLayers):
             return
         runs = block_runs(ids)
         for i in self._which(layer):
-            pages, dst = self.pages[i], out[i, :n].view(n, self.block_numel)
+            pages, dst = self.pages[i], bits(out[i, :n]).view(n, self.block_numel)
             if runs is not None:
                 for pos, first, count in runs:
                     dst[pos : pos + count].copy_(pages[first : first + count], non_blocking=True)
@@ -255,7 +280,7 @@ class BlockLayout(_PagedLayers):
             return
         runs = block_runs(ids)
         for i in which:
-            pages, src = self.pages[i], buf[i, first : first + n].reshape(n, self.block_numel)
+            pages, src = self.pages[i], bits(buf[i, first : first + n]).reshape(n, self.block_numel)
             if runs is not None:
                 for pos, start, count in runs:
                     pages[start : start + count].copy_(src[pos : pos + count], non_blocking=True)
@@ -294,10 +319,17 @@ class TokenLayout(_PagedLayers):
         return (self.num_layers, 2, n_tokens, self.num_heads, self.head_size)
 
     def slot_mapping(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Slots (in the KV tensors' own blocks) of token positions ``start..end``."""
+        """Slots (in the KV tensors' own blocks) of token positions ``start..end``
+        (cached with the index tables: one per chunk for every layer)."""
+        key = (-1, start, end, *block_ids)
+        if self._idx is not None and key in self._idx:
+            return self._idx[key]
         pos = torch.arange(start, end, device=self.device)
         table = self._index(block_ids)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        if self._idx is not None:
+            self._idx[key] = slots
+        return slots
 
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kernel block index, offset) of token positions ``start..end`` of a request."""
@@ -331,10 +363,11 @@ class TokenLayout(_PagedLayers):
             return
         blk, off = self.slots(block_ids, start, end)
         d = self.head_size
+        o = bits(out)
         for i in which:
-            per_tok = self.layers[i].transpose(1, 2)[blk, off]  # [T, H, 2D]
-            out[i, 0, :n].copy_(per_tok[..., :d], non_blocking=True)
-            out[i, 1, :n].copy_(per_tok[..., d:], non_blocking=True)
+            per_tok = bits(self.layers[i]).transpose(1, 2)[blk, off]  # [T, H, 2D]
+            o[i, 0, :n].copy_(per_tok[..., :d], non_blocking=True)
+            o[i, 1, :n].copy_(per_tok[..., d:], non_blocking=True)
 
     def scatter_tokens(
         self, buf: torch.Tensor, block_ids: Sequence[int], start: int, end: int, first: int = 0, layer: int | None = None
@@ -346,10 +379,11 @@ class TokenLayout(_PagedLayers):
             self._ops.scatter_tokens(self.layers[which.start : which.stop], self.slot_mapping(block_ids, start, end), src)
             return
         blk, off = self.slots(block_ids, start, end)
+        b = bits(buf)
         for i in which:
-            kv = self.layers[i]
-            k = buf[i, 0, first : first + n].to(kv.device, non_blocking=True)
-            v = buf[i, 1, first : first + n].to(kv.device, non_blocking=True)
+            kv = bits(self.layers[i])
+            k = b[i, 0, first : first + n].to(kv.device, non_blocking=True)
+            v = b[i, 1, first : first + n].to(kv.device, non_blocking=True)
             kv.transpose(1, 2)[blk, off] = torch.cat([k, v], dim=-1)
 
 

@@ -5,10 +5,12 @@ pass starts, and its saves gather every layer in ``wait_for_save`` after the for
 With it, on a CUDA device (dense layouts: block and token adapters):
 
 * loads: the chunks are read from the cache on the host first (a miss fails the
-  same chunks as before, before anything is enqueued), then every layer's copies are
-  enqueued on a side CUDA stream with one event per layer; vLLM calls
-  ``wait_for_layer_load(layer)`` before each attention layer and the compute stream
-  waits for that layer's event on the GPU (the host never blocks), so layer ``i``
+  same chunks as before, before anything is enqueued); the copies of the first
+  ``LOOKAHEAD`` layers are enqueued on a side CUDA stream at once, one event per
+  layer; vLLM calls ``wait_for_layer_load(layer)`` before each attention layer, which
+  enqueues the copies up to ``LOOKAHEAD`` layers further (so the host's enqueueing is
+  spread over the forward pass instead of delaying its start) and makes the compute
+  stream wait for that layer's event on the GPU (the host never blocks): layer ``i``
   loads while layers ``< i`` compute;
 * saves: ``save_kv_layer(layer)``, called after each attention layer, enqueues that
   layer's gather into the chunk buffers on the side stream, ordered after the
@@ -37,6 +39,8 @@ import torch
 from .log import get_logger
 
 log = get_logger(__name__)
+
+LOOKAHEAD = 3  # layers whose copies are enqueued ahead of the layer being waited for
 
 
 @dataclass
@@ -75,6 +79,9 @@ class LayerPipeline:
         self.disabled = False
         self._load_events: list[torch.cuda.Event] = []
         self._load_bufs: list[Any] = []
+        self._items: list[LoadItem] = []  # this step's loads (CUDA), enqueued layer by layer
+        self._next = 0  # the next layer to enqueue
+        self._ready: torch.cuda.Event | None = None
         self._waited = -1  # highest layer the compute stream waited for this step
         self._saves: list[SaveItem] | None = None
         # counters (stats)
@@ -96,25 +103,39 @@ class LayerPipeline:
             for it in items:
                 self.layout.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from)
             return
-        ready = torch.cuda.current_stream(self.device).record_event()
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for layer in range(self.num_layers):
-                for it in items:
-                    self.layout.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, layer=layer)
-                self._load_events.append(self.stream.record_event())
+        self._items = items
+        self._next = 0
         self._waited = -1
+        self._ready = torch.cuda.current_stream(self.device).record_event()
+        self.layout.cache_indices(True)
+        self._enqueue_until(LOOKAHEAD - 1)
         self.pipelined_loads += len(items)
+
+    def _enqueue_until(self, last: int) -> None:
+        """Enqueue the loads of layers up to ``last`` on the side stream."""
+        last = min(last, self.num_layers - 1)
+        if not self._items or self._next > last:
+            return
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            if self._next == 0:
+                self.stream.wait_event(self._ready)  # after the work queued before the step (block zeroing)
+            while self._next <= last:
+                for it in self._items:
+                    self.layout.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, layer=self._next)
+                self._load_events.append(self.stream.record_event())
+                self._next += 1
 
     def wait_layer(self, name: str) -> None:
         """``wait_for_layer_load``: the compute stream waits (on the GPU) until this
         layer's loads, and every earlier layer's, are in place."""
-        if not self._load_events:
+        if not self._items:
             return
         i = self.index.get(name)
         if i is None:  # not a layer we registered: wait for everything, then stop pipelining
             self._disable(f"wait_for_layer_load({name!r}) names no registered KV layer")
             i = self.num_layers - 1
+        self._enqueue_until(i + LOOKAHEAD)
         if i > self._waited:
             torch.cuda.current_stream(self.device).wait_event(self._load_events[i])
             self._waited = i
@@ -122,7 +143,9 @@ class LayerPipeline:
     def end_loads(self) -> None:
         """After the forward (``wait_for_save``) or before the next step: wait for the
         side stream and give the chunk buffers back."""
-        if self._load_events:
+        if self._items:
+            self._enqueue_until(self.num_layers - 1)
+            self._items = []
             self._load_events[-1].synchronize()
             if self._waited < self.num_layers - 1:
                 self._disable(
@@ -130,6 +153,7 @@ class LayerPipeline:
                     "(wait_for_layer_load was not called for every layer)"
                 )
             self._load_events = []
+            self.layout.cache_indices(False)
         bufs, self._load_bufs = self._load_bufs, []
         for b in bufs:
             b.release()
@@ -143,6 +167,8 @@ class LayerPipeline:
             return
         if self._saves is None:
             self._saves = plan()
+            if self._saves and self.stream is not None:
+                self.layout.cache_indices(True)
         if not self._saves:
             return
         if self.stream is None:
@@ -163,6 +189,8 @@ class LayerPipeline:
         saves, self._saves = self._saves or [], None
         if self.stream is not None:
             self.stream.synchronize()
+            if saves:
+                self.layout.cache_indices(False)
         late = 0
         for s in saves:
             for i in range(self.num_layers):

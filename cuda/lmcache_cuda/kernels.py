@@ -25,7 +25,7 @@ import torch
 from lmcache_cuda.dispatch import load_kernels
 from lmcache_cuda.paged_layout import PagedLayout, check_index
 
-_TABLE_CACHE_SIZE = 64
+_TABLE_CACHE_SIZE = 1024  # per-layer tables (layer-by-layer copies) plus whole-model ones
 
 
 @dataclass(frozen=True)

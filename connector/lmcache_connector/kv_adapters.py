@@ -55,9 +55,13 @@ def _check_layers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
                 f"{first.dtype}{list(first.shape)} on {first.device}: mixed layouts are not supported"
             )
         if t.dim() != 4:
-            raise LayoutError(f"layer {name}: expected a 4-d paged KV tensor [blocks, heads, tokens, content], got shape {list(t.shape)}")
+            raise LayoutError(
+                f"layer {name}: expected a 4-d paged KV tensor [blocks, heads, tokens, content], got shape {list(t.shape)}"
+            )
         if t.stride() != first.stride():
-            raise LayoutError(f"layer {name} has strides {t.stride()}, the first layer {first.stride()}: mixed layouts are not supported")
+            raise LayoutError(
+                f"layer {name} has strides {t.stride()}, the first layer {first.stride()}: mixed layouts are not supported"
+            )
     return layers
 
 
@@ -183,6 +187,30 @@ class _PagedLayers:
     def _which(self, layer: int | None) -> range:
         return range(self.num_layers) if layer is None else range(layer, layer + 1)
 
+    # -- one layer of several chunks (layerwise.py) ---------------------------------------
+    def load_layer(self, items: Sequence[Any], layer: int) -> None:
+        """Enqueue layer ``layer`` of every chunk in ``items`` (``.buf.tensor``,
+        ``.block_ids``, ``.lo``, ``.hi``, ``.write_from``); nothing is waited for. With
+        the CUDA kernels: the chunks' slices go to one device staging buffer (one DMA
+        each) and one kernel writes them all, so the host's cost per layer does not
+        grow with a kernel call per chunk."""
+        if self._ops is None:
+            for it in items:
+                self.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, layer=layer)
+            return
+        self._layer_batch(items, layer, load=True)
+
+    def save_layer(self, items: Sequence[Any], layer: int) -> None:
+        """Enqueue the gather of layer ``layer`` of every chunk in ``items``."""
+        if self._ops is None:
+            for it in items:
+                self.save_chunk(it.block_ids, it.lo, it.hi, it.buf.tensor, layer=layer)
+            return
+        self._layer_batch(items, layer, load=False)
+
+    def _layer_batch(self, items: Sequence[Any], layer: int, load: bool) -> None:
+        raise NotImplementedError
+
 
 class BlockLayout(_PagedLayers):
     kind = "block"
@@ -198,9 +226,7 @@ class BlockLayout(_PagedLayers):
             )
         logical = "".join(_DIMS[d - 1] for d in (1, 2, 3) if first.shape[d] != 1)
         self.order_tag = "" if order == logical else f"/mem-{order}"
-        self.block_shape = (
-            tuple(first.shape[1:]) if not self.order_tag else tuple(first.shape[1 + _DIMS.index(c)] for c in order)
-        )
+        self.block_shape = tuple(first.shape[1:]) if not self.order_tag else tuple(first.shape[1 + _DIMS.index(c)] for c in order)
         self.block_numel = int(first[0].numel()) if first.shape[0] else 0
         # Each layer as [kernel blocks, block_numel]: a block's elements in memory order.
         self.pages = [
@@ -244,27 +270,38 @@ class BlockLayout(_PagedLayers):
             else:
                 dst.copy_(pages.index_select(0, self._index(ids)), non_blocking=True)
 
-    def save_chunk(self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None) -> None:
+    def save_chunk(
+        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None, wait: bool = True
+    ) -> None:
         """Gather the blocks holding tokens ``lo..hi`` of a request into ``out``. All
-        layers: finished on return; one ``layer``: left enqueued (see layerwise.py)."""
+        layers: finished on return unless ``wait`` is false (then call ``finish``
+        before reading ``out``); one ``layer``: left enqueued (see layerwise.py)."""
         bs = self.block_size
         self.gather(block_ids[lo // bs : -(-hi // bs)], out, layer)
-        if layer is None:
+        if layer is None and wait:
             self.finish()
 
     def load_chunk(
-        self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int, layer: int | None = None
+        self,
+        buf: torch.Tensor,
+        block_ids: Sequence[int],
+        lo: int,
+        hi: int,
+        write_from: int,
+        layer: int | None = None,
+        wait: bool = True,
     ) -> None:
         """Write chunk ``buf`` (tokens ``lo..hi``) into the request's blocks, skipping
         blocks before token ``write_from`` (vLLM's own prefix-cache blocks, which may be
         shared with other requests and must never be written). All layers: finished on
-        return (``buf`` may be reused); one ``layer``: left enqueued."""
+        return (``buf`` may be reused) unless ``wait`` is false; one ``layer``: left
+        enqueued."""
         bs = self.block_size
         first_block = max(lo, write_from) // bs
         last_block = min(-(-hi // bs), len(block_ids))
         if last_block > first_block:
             self.scatter(buf, block_ids[first_block:last_block], first=(first_block - lo // bs) * self.ratio, layer=layer)
-        if layer is None:
+        if layer is None and wait:
             self.finish()
 
     def scatter(self, buf: torch.Tensor, block_ids: Sequence[int], first: int = 0, layer: int | None = None) -> None:
@@ -288,6 +325,39 @@ class BlockLayout(_PagedLayers):
             if src.device != pages.device:
                 src = src.to(pages.device, non_blocking=True)
             pages.index_copy_(0, self._index(ids), src)
+
+    def _segments(self, items: Sequence[Any], load: bool) -> list[tuple[torch.Tensor, int, list[int]]]:
+        """(chunk tensor, first kernel block in it, kernel block ids) per item."""
+        bs, segs = self.block_size, []
+        for it in items:
+            lo, hi = it.lo, it.hi
+            first_block = max(lo, it.write_from) // bs if load else lo // bs
+            last_block = min(-(-hi // bs), len(it.block_ids))
+            if last_block > first_block:
+                ids = self._kernel_ids(it.block_ids[first_block:last_block])
+                segs.append((it.buf.tensor, (first_block - lo // bs) * self.ratio, ids))
+        return segs
+
+    def _layer_batch(self, items: Sequence[Any], layer: int, load: bool) -> None:
+        segs = self._segments(items, load)
+        total = sum(len(ids) for _, _, ids in segs)
+        if not total:
+            return
+        idx = self._index([b for _, _, ids in segs for b in ids])
+        staging = torch.empty((1, total, *self.block_shape), dtype=self.dtype, device=self.device)
+        kv = self.layers[layer : layer + 1]
+        if not load:
+            self._ops.gather_blocks(kv, idx, staging)
+        off = 0
+        for t, first, ids in segs:
+            n = len(ids)
+            if load:
+                staging[0, off : off + n].copy_(t[layer, first : first + n], non_blocking=True)
+            else:
+                t[layer, first : first + n].copy_(staging[0, off : off + n], non_blocking=True)
+            off += n
+        if load:
+            self._ops.scatter_blocks(kv, idx, staging)
 
 
 class TokenLayout(_PagedLayers):
@@ -337,24 +407,29 @@ class TokenLayout(_PagedLayers):
         return s // self.kernel_block, s % self.kernel_block
 
     def save_chunk(
-        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None
+        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None, wait: bool = True
     ) -> None:
         self.gather_tokens(block_ids, lo, hi, out, layer)
-        if layer is None:
+        if layer is None and wait:
             self.finish()
 
     def load_chunk(
-        self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int, layer: int | None = None
+        self,
+        buf: torch.Tensor,
+        block_ids: Sequence[int],
+        lo: int,
+        hi: int,
+        write_from: int,
+        layer: int | None = None,
+        wait: bool = True,
     ) -> None:
         start = max(lo, write_from)
         if hi > start:
             self.scatter_tokens(buf, block_ids, start, hi, first=start - lo, layer=layer)
-        if layer is None:
+        if layer is None and wait:
             self.finish()
 
-    def gather_tokens(
-        self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor, layer: int | None = None
-    ) -> None:
+    def gather_tokens(self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor, layer: int | None = None) -> None:
         which = self._which(layer)
         n = end - start
         if self._ops is not None:
@@ -385,6 +460,36 @@ class TokenLayout(_PagedLayers):
             k = b[i, 0, first : first + n].to(kv.device, non_blocking=True)
             v = b[i, 1, first : first + n].to(kv.device, non_blocking=True)
             kv.transpose(1, 2)[blk, off] = torch.cat([k, v], dim=-1)
+
+    def _layer_batch(self, items: Sequence[Any], layer: int, load: bool) -> None:
+        segs = []
+        for it in items:
+            start = max(it.lo, it.write_from) if load else it.lo
+            if it.hi > start:
+                segs.append((it.buf.tensor, start - it.lo, it.hi - start, it.block_ids, start))
+        total = sum(n for _, _, n, _, _ in segs)
+        if not total:
+            return
+        key = (-2, *((start, n, *ids) for _, _, n, ids, start in segs))
+        slots = self._idx.get(key) if self._idx is not None else None
+        if slots is None:
+            slots = torch.cat([self.slot_mapping(ids, start, start + n) for _, _, n, ids, start in segs])
+            if self._idx is not None:
+                self._idx[key] = slots
+        staging = torch.empty((1, 2, total, self.num_heads, self.head_size), dtype=self.dtype, device=self.device)
+        kv = self.layers[layer : layer + 1]
+        if not load:
+            self._ops.gather_tokens(kv, slots, staging)
+        off = 0
+        for t, first, n, _, _ in segs:
+            for part in (0, 1):
+                if load:
+                    staging[0, part, off : off + n].copy_(t[layer, part, first : first + n], non_blocking=True)
+                else:
+                    t[layer, part, first : first + n].copy_(staging[0, part, off : off + n], non_blocking=True)
+            off += n
+        if load:
+            self._ops.scatter_tokens(kv, slots, staging)
 
 
 def make_layout(kind: str, kv_caches: dict[str, torch.Tensor], block_size: int) -> BlockLayout | TokenLayout:

@@ -99,9 +99,9 @@ class LayerPipeline:
         if not items:
             return
         self._load_bufs.extend(it.buf for it in items)
-        if self.stream is None:
-            for it in items:
-                self.layout.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from)
+        if self.stream is None:  # synchronous: every layer now, the same copies as on a GPU
+            for layer in range(self.num_layers):
+                self.layout.load_layer(items, layer)
             return
         self._items = items
         self._next = 0
@@ -121,8 +121,7 @@ class LayerPipeline:
             if self._next == 0:
                 self.stream.wait_event(self._ready)  # after the work queued before the step (block zeroing)
             while self._next <= last:
-                for it in self._items:
-                    self.layout.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, layer=self._next)
+                self.layout.load_layer(self._items, self._next)
                 self._load_events.append(self.stream.record_event())
                 self._next += 1
 
@@ -172,16 +171,16 @@ class LayerPipeline:
         if not self._saves:
             return
         if self.stream is None:
+            self.layout.save_layer(self._saves, i)
             for s in self._saves:
-                self.layout.save_chunk(s.block_ids, s.lo, s.hi, s.buf.tensor, layer=i)
                 s.layers.add(i)
             return
         ready = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            for s in self._saves:
-                self.layout.save_chunk(s.block_ids, s.lo, s.hi, s.buf.tensor, layer=i)
-                s.layers.add(i)
+            self.layout.save_layer(self._saves, i)
+        for s in self._saves:
+            s.layers.add(i)
 
     def end_saves(self) -> list[SaveItem]:
         """``wait_for_save``: the chunks gathered this step, every layer in place (a

@@ -315,17 +315,30 @@ class WorkerSide:
         t0 = time.perf_counter()
         loaded = 0
         failed: set[int] = set()
-        for i, h in enumerate(t.hashes):
-            lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
-            buf = self.engine.retrieve_buffer(h, self.layout.chunk_shape(hi - lo), self.layout.dtype)
-            if buf is None:
-                failed = self._fail(t, meta, i)
-                break
-            try:
-                self.layout.load_chunk(buf.tensor, t.block_ids, lo, hi, t.write_from)
-            finally:
-                buf.release()
-            loaded += hi - max(lo, t.write_from)
+        # On a GPU the chunks' copies are enqueued one after another and waited for
+        # once; their buffers are held until then.
+        batch = self.layout.device.type == "cuda"
+        held: list[Any] = []
+        try:
+            for i, h in enumerate(t.hashes):
+                lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
+                buf = self.engine.retrieve_buffer(h, self.layout.chunk_shape(hi - lo), self.layout.dtype)
+                if buf is None:
+                    failed = self._fail(t, meta, i)
+                    break
+                try:
+                    self.layout.load_chunk(buf.tensor, t.block_ids, lo, hi, t.write_from, wait=not batch)
+                finally:
+                    if batch:
+                        held.append(buf)
+                    else:
+                        buf.release()
+                loaded += hi - max(lo, t.write_from)
+        finally:
+            if held:
+                self.layout.finish()
+                for buf in held:
+                    buf.release()
         dt = time.perf_counter() - t0
         with self._lock:
             self.loaded_tokens += loaded
@@ -537,25 +550,42 @@ class WorkerSide:
         return self.saves.finished(finished_req_ids) if self.saves is not None else set()
 
     def _save(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
-        """Gather and store chunk by chunk: one pool buffer in flight at a time."""
+        """Gather and store chunk by chunk: one pool buffer in flight at a time (on a
+        GPU: the transfer's gathers enqueued together, waited for once, then stored)."""
         assert self.engine is not None and self.layout is not None and not isinstance(self.layout, GroupedLayout)
         t0 = time.perf_counter()
         saved = 0
+        batch = self.layout.device.type == "cuda"
+        gathered: list[tuple[bytes, Any, int, bool]] = []
         try:
-            for i, h in enumerate(t.hashes):
-                lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
-                buf = self.engine.allocate(self.layout.chunk_shape(hi - lo), self.layout.dtype)
-                if buf is None:  # pool exhausted by chunks in flight: a future miss
-                    with self._lock:
-                        self.skipped_saves += 1
-                    break
-                try:
-                    self.layout.save_chunk(t.block_ids, lo, hi, buf.tensor)
-                    if self._verify_or_store(h, buf, hi - lo, t.first_chunk + i < t.verify_below):
-                        saved += hi - lo
-                finally:
-                    buf.release()
+            try:
+                for i, h in enumerate(t.hashes):
+                    lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
+                    buf = self.engine.allocate(self.layout.chunk_shape(hi - lo), self.layout.dtype)
+                    if buf is None:  # pool exhausted by chunks in flight: a future miss
+                        with self._lock:
+                            self.skipped_saves += 1
+                        break
+                    verify = t.first_chunk + i < t.verify_below
+                    if batch:
+                        gathered.append((h, buf, hi - lo, verify))
+                        self.layout.save_chunk(t.block_ids, lo, hi, buf.tensor, wait=False)
+                        continue
+                    try:
+                        self.layout.save_chunk(t.block_ids, lo, hi, buf.tensor)
+                        if self._verify_or_store(h, buf, hi - lo, verify):
+                            saved += hi - lo
+                    finally:
+                        buf.release()
+            finally:
+                if gathered:
+                    self.layout.finish()  # before any buffer is read, stored or reused
+            for h, buf, n, verify in gathered:
+                if self._verify_or_store(h, buf, n, verify):
+                    saved += n
         finally:
+            for _, buf, _, _ in gathered:
+                buf.release()
             with self._lock:
                 self.saved_tokens += saved
                 self.save_seconds += time.perf_counter() - t0

@@ -144,6 +144,10 @@ def poison_like(kv_caches: dict[str, torch.Tensor], seed: int) -> dict[str, torc
     for name, t in kv_caches.items():
         dst = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         storage = int_view(dst).as_strided((dst.untyped_storage().nbytes() // dst.element_size(),), (1,), 0)
-        storage.copy_(torch.randint(0, 256, (storage.numel() * dst.element_size(),), dtype=torch.uint8, generator=g).view(storage.dtype).to(first.device))
+        storage.copy_(
+            torch.randint(0, 256, (storage.numel() * dst.element_size(),), dtype=torch.uint8, generator=g)
+            .view(storage.dtype)
+            .to(first.device)
+        )
         out[name] = dst
     return out

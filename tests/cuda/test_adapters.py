@@ -18,6 +18,7 @@ from lmcache_connector.grouped_layout import NULL_BLOCK, GroupedLayout
 from lmcache_connector.groups import FULL, STATE, WINDOW, GroupInfo, GroupPlan
 from lmcache_connector.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout
 from lmcache_connector.layerwise import LayerPipeline, LoadItem, SaveItem
+import lmcache_cuda.ops
 from lmcache_cuda.paged_layout import int_view
 from lmcache_cuda.testing import VLLM_LAYOUTS, poison_like, vllm_kv_caches
 
@@ -30,10 +31,14 @@ DENSE_BLOCKS = {"LBHNC", "LBNHC", "BLHNC", "BLNHC"}  # each block one dense regi
 L, NB, H, BS, D = 3, 12, 4, 16, 32
 
 
-def _layout(kind: str, kv: dict, block_size: int):
-    if kind == "token":
-        return TokenLayout(kv, block_size, allow_cpu=True)
-    return BlockLayout(kv, block_size)
+def _layout(kind: str, kv: dict, block_size: int, ops: bool = False):
+    """``ops``: route copies through lmcache_cuda.ops even for CPU tensors (its torch
+    reference then runs them), so the code paths the kernels take on a GPU (batched
+    layers, staging buffers) are exercised on CPU too."""
+    lay = TokenLayout(kv, block_size, allow_cpu=True) if kind == "token" else BlockLayout(kv, block_size)
+    if ops:
+        lay._ops = lmcache_cuda.ops
+    return lay
 
 
 def _buf(shape, dtype, device, seed):
@@ -59,7 +64,7 @@ def _tokens(table, lo, hi, block_size, kernel_block):
     return out
 
 
-def _check_round_trip(kind, src, dst, block_size, kernel_block, *, seed, lo=0, hi=None, write_from=BS):
+def _check_round_trip(kind, src, dst, block_size, kernel_block, *, seed, lo=0, hi=None, write_from=BS, ops=False):
     """Save tokens lo..hi of a request with one random block table, load them into
     another; exactly the right tokens (whole blocks, for the block adapter) land."""
     g = torch.Generator().manual_seed(seed)
@@ -68,7 +73,7 @@ def _check_round_trip(kind, src, dst, block_size, kernel_block, *, seed, lo=0, h
     n_blocks = -(-hi // block_size)
     src_table = torch.randperm(nb, generator=g)[:n_blocks].tolist()
     dst_table = torch.randperm(nb, generator=g)[:n_blocks].tolist()
-    a, b = _layout(kind, src, block_size), _layout(kind, dst, block_size)
+    a, b = _layout(kind, src, block_size, ops), _layout(kind, dst, block_size, ops)
     device = "cuda" if a.device.type == "cuda" else "cpu"
     buf = _buf(a.chunk_shape(hi - lo), a.dtype, device, seed + 1)
     before = _host(dst)
@@ -84,7 +89,9 @@ def _check_round_trip(kind, src, dst, block_size, kernel_block, *, seed, lo=0, h
     first = write_from if kind == "token" else (write_from // block_size) * block_size
     last = hi if kind == "token" else n_blocks * block_size
     written = set()
-    for (sb, so), (db, do) in zip(_tokens(src_table, first, last, block_size, kernel_block), _tokens(dst_table, first, last, block_size, kernel_block)):
+    for (sb, so), (db, do) in zip(
+        _tokens(src_table, first, last, block_size, kernel_block), _tokens(dst_table, first, last, block_size, kernel_block)
+    ):
         written.add((db, do))
         for name in src:
             assert torch.equal(d_host[name][db, :, do], s_host[name][sb, :, so]), f"{name}: token at block {db} offset {do}"
@@ -95,19 +102,25 @@ def _check_round_trip(kind, src, dst, block_size, kernel_block, *, seed, lo=0, h
     return a
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# (device, route): CPU through the torch path and through lmcache_cuda.ops' reference;
+# CUDA through whatever the machine has (the kernels when built).
+ROUTES = [("cpu", False), ("cpu", True)] + ([("cuda", False)] if GPU else [])
+ROUTE_IDS = [f"{d}-{'ops' if o else 'default'}" for d, o in ROUTES]
+
+
+@pytest.mark.parametrize("device,ops", ROUTES, ids=ROUTE_IDS)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("vllm_layout", list(VLLM_LAYOUTS))
 @pytest.mark.parametrize("kind", ["block", "token"])
-def test_adapters_round_trip_on_vllm_layouts(device, dtype_name, vllm_layout, kind):
-    seed = hash((device, dtype_name, vllm_layout, kind)) % 10_000
+def test_adapters_round_trip_on_vllm_layouts(device, ops, dtype_name, vllm_layout, kind):
+    seed = (sum(map(ord, dtype_name + vllm_layout + kind)) + 7 * ops) % 10_000
     src = vllm_kv_caches(vllm_layout, L, NB, H, BS, 2 * D, DTYPES[dtype_name], device, seed=seed)
     dst = poison_like(src, seed + 7)
     if kind == "block" and vllm_layout not in DENSE_BLOCKS:
         with pytest.raises(LayoutError, match="layout: token"):
             BlockLayout(src, BS)
         return
-    a = _check_round_trip(kind, src, dst, BS, BS, seed=seed)
+    a = _check_round_trip(kind, src, dst, BS, BS, seed=seed, ops=ops)
     if kind == "block":
         fp = a.fingerprint()
         assert ("/mem-" in fp) == (vllm_layout in ("LBNHC", "BLNHC")), fp
@@ -222,15 +235,15 @@ class _Buf:
         self.released = True
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,ops", ROUTES, ids=ROUTE_IDS)
 @pytest.mark.parametrize("kind", ["block", "token"])
-def test_layer_pipeline_loads_and_saves_layer_by_layer(device, kind):
+def test_layer_pipeline_loads_and_saves_layer_by_layer(device, ops, kind):
     """A simulated forward: wait for layer i, read it (the first thing layer i's
     attention does), write it, hand it to save_layer. Each layer's reads see the loaded
     KV; saved chunks equal the KV after the forward; buffers come back."""
     src = vllm_kv_caches("LBNHC", 4, NB, H, BS, 2 * D, torch.bfloat16, device, seed=51)
     kv = poison_like(src, 52)
-    a, lay = _layout(kind, src, BS), _layout(kind, kv, BS)
+    a, lay = _layout(kind, src, BS), _layout(kind, kv, BS, ops)
     names = list(kv)
     pipe = LayerPipeline(lay, names)
     src_table, dst_table = [3, 7, 1, 9], [2, 5, 11, 4]
@@ -241,7 +254,10 @@ def test_layer_pipeline_loads_and_saves_layer_by_layer(device, kind):
         bufs.append(_Buf(t))
     pipe.load([LoadItem(bufs[c], dst_table, c * 2 * BS, (c + 1) * 2 * BS, 0) for c in range(2)])
     want = {n: int_view(src[n]).cpu()[src_table] for n in names}
-    save = [SaveItem(_Buf(_buf(lay.chunk_shape(2 * BS), lay.dtype, device, 60 + c)), dst_table, c * 2 * BS, (c + 1) * 2 * BS) for c in range(2)]
+    save = [
+        SaveItem(_Buf(_buf(lay.chunk_shape(2 * BS), lay.dtype, device, 60 + c)), dst_table, c * 2 * BS, (c + 1) * 2 * BS)
+        for c in range(2)
+    ]
     for i, n in enumerate(names):
         pipe.wait_layer(n)
         seen = int_view(kv[n][dst_table]).clone()  # on the compute stream

@@ -592,7 +592,9 @@ def profile() -> None:
         for _ in range(5):
             step()
         pr.disable()
-        log(f"\n--- layer pipeline ({kind}), 8 chunks x 32 layers: {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms per step (under cProfile) ---")
+        log(
+            f"\n--- layer pipeline ({kind}), 8 chunks x 32 layers: {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms per step (under cProfile) ---"
+        )
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
         log("\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip())[-2600:])
@@ -604,7 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--pytest-timeout", type=float, default=300)
     p.add_argument("--skip-pytest", action="store_true")
-    p.add_argument("--only", nargs="+", choices=["pytest", "engine", "speed", "layerwise", "profile"], help="run these sections only")
+    p.add_argument(
+        "--only", nargs="+", choices=["pytest", "engine", "speed", "layerwise", "profile"], help="run these sections only"
+    )
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     if not torch.cuda.is_available():

@@ -154,6 +154,7 @@ class _PagedLayers:
         self.ratio = block_size // self.kernel_block
         self._idx: dict[tuple[int, ...], torch.Tensor] | None = None
         self._idx_users = 0
+        self._sets: dict[tuple[int, int], Sequence[torch.Tensor]] = {}
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         """``ids`` as a long tensor on the KV device, copied from pinned memory without
@@ -187,28 +188,55 @@ class _PagedLayers:
     def _which(self, layer: int | None) -> range:
         return range(self.num_layers) if layer is None else range(layer, layer + 1)
 
+    def _set(self, which: range) -> Sequence[torch.Tensor]:
+        """The layers ``which`` for lmcache_cuda: prepared once (validated, their
+        address table built) so each copy skips that work."""
+        key = (which.start, which.stop)
+        got = self._sets.get(key)
+        if got is None:
+            layers = self.layers[which.start : which.stop]
+            try:
+                from lmcache_cuda.paged_layout import PreparedLayers
+
+                got = PreparedLayers(layers)
+            except (ImportError, ValueError):  # an older lmcache_cuda, or a layout its checks refuse
+                got = layers
+            self._sets[key] = got
+        return got
+
     # -- one layer of several chunks (layerwise.py) ---------------------------------------
-    def load_layer(self, items: Sequence[Any], layer: int) -> None:
-        """Enqueue layer ``layer`` of every chunk in ``items`` (``.buf.tensor``,
-        ``.block_ids``, ``.lo``, ``.hi``, ``.write_from``); nothing is waited for. With
-        the CUDA kernels: the chunks' slices go to one device staging buffer (one DMA
-        each) and one kernel writes them all, so the host's cost per layer does not
-        grow with a kernel call per chunk."""
+    def plan_layers(self, items: Sequence[Any], load: bool) -> Any:
+        """What every layer of ``items`` needs, worked out once per step: chunks with
+        ``.buf.tensor``, ``.block_ids``, ``.lo``, ``.hi`` (and ``.write_from`` for loads)."""
         if self._ops is None:
+            return (list(items), load)
+        return self._plan(items, load)
+
+    def run_layer(self, plan: Any, layer: int) -> None:
+        """Enqueue layer ``layer`` of a planned step; nothing is waited for. With the
+        CUDA kernels the chunks' slices meet in one device staging buffer (one DMA
+        each) and one kernel call moves them all, so the host's cost per layer does
+        not grow with a kernel call per chunk."""
+        if self._ops is None:
+            items, load = plan
             for it in items:
-                self.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, layer=layer)
+                if load:
+                    self.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, layer=layer)
+                else:
+                    self.save_chunk(it.block_ids, it.lo, it.hi, it.buf.tensor, layer=layer)
             return
-        self._layer_batch(items, layer, load=True)
+        self._run(plan, layer)
+
+    def load_layer(self, items: Sequence[Any], layer: int) -> None:
+        self.run_layer(self.plan_layers(items, True), layer)
 
     def save_layer(self, items: Sequence[Any], layer: int) -> None:
-        """Enqueue the gather of layer ``layer`` of every chunk in ``items``."""
-        if self._ops is None:
-            for it in items:
-                self.save_chunk(it.block_ids, it.lo, it.hi, it.buf.tensor, layer=layer)
-            return
-        self._layer_batch(items, layer, load=False)
+        self.run_layer(self.plan_layers(items, False), layer)
 
-    def _layer_batch(self, items: Sequence[Any], layer: int, load: bool) -> None:
+    def _plan(self, items: Sequence[Any], load: bool) -> Any:
+        raise NotImplementedError
+
+    def _run(self, plan: Any, layer: int) -> None:
         raise NotImplementedError
 
 
@@ -257,7 +285,7 @@ class BlockLayout(_PagedLayers):
             return
         if self._ops is not None:
             which = self._which(layer)
-            self._ops.gather_blocks(self.layers[which.start : which.stop], self._index(ids), out[which.start : which.stop, :n])
+            self._ops.gather_blocks(self._set(which), self._index(ids), out[which.start : which.stop, :n])
             return
         runs = block_runs(ids)
         for i in self._which(layer):
@@ -313,7 +341,7 @@ class BlockLayout(_PagedLayers):
         which = self._which(layer)
         if self._ops is not None:
             src = buf[which.start : which.stop, first : first + n]
-            self._ops.scatter_blocks(self.layers[which.start : which.stop], self._index(ids), src.contiguous())
+            self._ops.scatter_blocks(self._set(which), self._index(ids), src.contiguous())
             return
         runs = block_runs(ids)
         for i in which:
@@ -338,19 +366,21 @@ class BlockLayout(_PagedLayers):
                 segs.append((it.buf.tensor, (first_block - lo // bs) * self.ratio, ids))
         return segs
 
-    def _layer_batch(self, items: Sequence[Any], layer: int, load: bool) -> None:
+    def _plan(self, items: Sequence[Any], load: bool) -> Any:
         segs = self._segments(items, load)
-        total = sum(len(ids) for _, _, ids in segs)
+        idx = self._index([b for _, _, ids in segs for b in ids]) if segs else None
+        return (load, [(t, first, len(ids)) for t, first, ids in segs], idx, sum(len(ids) for _, _, ids in segs))
+
+    def _run(self, plan: Any, layer: int) -> None:
+        load, segs, idx, total = plan
         if not total:
             return
-        idx = self._index([b for _, _, ids in segs for b in ids])
         staging = torch.empty((1, total, *self.block_shape), dtype=self.dtype, device=self.device)
-        kv = self.layers[layer : layer + 1]
+        kv = self._set(range(layer, layer + 1))
         if not load:
             self._ops.gather_blocks(kv, idx, staging)
         off = 0
-        for t, first, ids in segs:
-            n = len(ids)
+        for t, first, n in segs:
             if load:
                 staging[0, off : off + n].copy_(t[layer, first : first + n], non_blocking=True)
             else:
@@ -389,14 +419,22 @@ class TokenLayout(_PagedLayers):
         return (self.num_layers, 2, n_tokens, self.num_heads, self.head_size)
 
     def slot_mapping(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Slots (in the KV tensors' own blocks) of token positions ``start..end``
-        (cached with the index tables: one per chunk for every layer)."""
-        key = (-1, start, end, *block_ids)
+        """Slots (in the KV tensors' own blocks) of token positions ``start..end``,
+        worked out on the host and copied over once (cached with the index tables)."""
+        return self._slots_many([(block_ids, start, end)])
+
+    def _slots_many(self, ranges: Sequence[tuple[Sequence[int], int, int]]) -> torch.Tensor:
+        key = (-1, *((start, end, *ids) for ids, start, end in ranges))
         if self._idx is not None and key in self._idx:
             return self._idx[key]
-        pos = torch.arange(start, end, device=self.device)
-        table = self._index(block_ids)
-        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        bs = self.block_size
+        parts = []
+        for ids, start, end in ranges:
+            pos = torch.arange(start, end)
+            parts.append(torch.tensor(list(ids), dtype=torch.long)[pos // bs] * bs + pos % bs)
+        slots = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.device.type == "cuda":
+            slots = slots.pin_memory().to(self.device, non_blocking=True)
         if self._idx is not None:
             self._idx[key] = slots
         return slots
@@ -434,7 +472,7 @@ class TokenLayout(_PagedLayers):
         n = end - start
         if self._ops is not None:
             dst = out[which.start : which.stop, :, :n]
-            self._ops.gather_tokens(self.layers[which.start : which.stop], self.slot_mapping(block_ids, start, end), dst)
+            self._ops.gather_tokens(self._set(which), self.slot_mapping(block_ids, start, end), dst)
             return
         blk, off = self.slots(block_ids, start, end)
         d = self.head_size
@@ -451,7 +489,7 @@ class TokenLayout(_PagedLayers):
         n = end - start
         if self._ops is not None:
             src = buf[which.start : which.stop, :, first : first + n].contiguous()
-            self._ops.scatter_tokens(self.layers[which.start : which.stop], self.slot_mapping(block_ids, start, end), src)
+            self._ops.scatter_tokens(self._set(which), self.slot_mapping(block_ids, start, end), src)
             return
         blk, off = self.slots(block_ids, start, end)
         b = bits(buf)
@@ -461,27 +499,26 @@ class TokenLayout(_PagedLayers):
             v = b[i, 1, first : first + n].to(kv.device, non_blocking=True)
             kv.transpose(1, 2)[blk, off] = torch.cat([k, v], dim=-1)
 
-    def _layer_batch(self, items: Sequence[Any], layer: int, load: bool) -> None:
-        segs = []
+    def _plan(self, items: Sequence[Any], load: bool) -> Any:
+        segs, ids_all = [], []
         for it in items:
             start = max(it.lo, it.write_from) if load else it.lo
             if it.hi > start:
-                segs.append((it.buf.tensor, start - it.lo, it.hi - start, it.block_ids, start))
-        total = sum(n for _, _, n, _, _ in segs)
+                segs.append((it.buf.tensor, start - it.lo, it.hi - start))
+                ids_all.append((it.block_ids, start, it.hi))
+        slots = self._slots_many(ids_all) if segs else None
+        return (load, segs, slots, sum(n for _, _, n in segs))
+
+    def _run(self, plan: Any, layer: int) -> None:
+        load, segs, slots, total = plan
         if not total:
             return
-        key = (-2, *((start, n, *ids) for _, _, n, ids, start in segs))
-        slots = self._idx.get(key) if self._idx is not None else None
-        if slots is None:
-            slots = torch.cat([self.slot_mapping(ids, start, start + n) for _, _, n, ids, start in segs])
-            if self._idx is not None:
-                self._idx[key] = slots
         staging = torch.empty((1, 2, total, self.num_heads, self.head_size), dtype=self.dtype, device=self.device)
-        kv = self.layers[layer : layer + 1]
+        kv = self._set(range(layer, layer + 1))
         if not load:
             self._ops.gather_tokens(kv, slots, staging)
         off = 0
-        for t, first, n, _, _ in segs:
+        for t, first, n in segs:
             for part in (0, 1):
                 if load:
                     staging[0, part, off : off + n].copy_(t[layer, part, first : first + n], non_blocking=True)

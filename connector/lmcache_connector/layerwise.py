@@ -82,6 +82,8 @@ class LayerPipeline:
         self._items: list[LoadItem] = []  # this step's loads (CUDA), enqueued layer by layer
         self._next = 0  # the next layer to enqueue
         self._ready: torch.cuda.Event | None = None
+        self._load_plan: Any = None
+        self._save_plan: Any = None
         self._waited = -1  # highest layer the compute stream waited for this step
         self._saves: list[SaveItem] | None = None
         # counters (stats)
@@ -100,14 +102,18 @@ class LayerPipeline:
             return
         self._load_bufs.extend(it.buf for it in items)
         if self.stream is None:  # synchronous: every layer now, the same copies as on a GPU
+            plan = self.layout.plan_layers(items, True)
             for layer in range(self.num_layers):
-                self.layout.load_layer(items, layer)
+                self.layout.run_layer(plan, layer)
             return
         self._items = items
         self._next = 0
         self._waited = -1
-        self._ready = torch.cuda.current_stream(self.device).record_event()
         self.layout.cache_indices(True)
+        # The plan's index tables are copied on the compute stream: the side stream
+        # waits for them, and for the work queued before the step (block zeroing).
+        self._load_plan = self.layout.plan_layers(items, True)
+        self._ready = torch.cuda.current_stream(self.device).record_event()
         self._enqueue_until(LOOKAHEAD - 1)
         self.pipelined_loads += len(items)
 
@@ -119,9 +125,9 @@ class LayerPipeline:
         assert self.stream is not None
         with torch.cuda.stream(self.stream):
             if self._next == 0:
-                self.stream.wait_event(self._ready)  # after the work queued before the step (block zeroing)
+                self.stream.wait_event(self._ready)
             while self._next <= last:
-                self.layout.load_layer(self._items, self._next)
+                self.layout.run_layer(self._load_plan, self._next)
                 self._load_events.append(self.stream.record_event())
                 self._next += 1
 
@@ -145,6 +151,7 @@ class LayerPipeline:
         if self._items:
             self._enqueue_until(self.num_layers - 1)
             self._items = []
+            self._load_plan = None
             self._load_events[-1].synchronize()
             if self._waited < self.num_layers - 1:
                 self._disable(
@@ -168,17 +175,18 @@ class LayerPipeline:
             self._saves = plan()
             if self._saves and self.stream is not None:
                 self.layout.cache_indices(True)
+            self._save_plan = self.layout.plan_layers(self._saves, False) if self._saves else None
         if not self._saves:
             return
         if self.stream is None:
-            self.layout.save_layer(self._saves, i)
+            self.layout.run_layer(self._save_plan, i)
             for s in self._saves:
                 s.layers.add(i)
             return
         ready = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            self.layout.save_layer(self._saves, i)
+            self.layout.run_layer(self._save_plan, i)
         for s in self._saves:
             s.layers.add(i)
 
@@ -186,6 +194,7 @@ class LayerPipeline:
         """``wait_for_save``: the chunks gathered this step, every layer in place (a
         layer not handed over is gathered now). The caller stores and releases them."""
         saves, self._saves = self._saves or [], None
+        self._save_plan = None
         if self.stream is not None:
             self.stream.synchronize()
             if saves:

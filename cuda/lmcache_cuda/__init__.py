@@ -13,12 +13,13 @@ the kernels are built.
 """
 
 from lmcache_cuda.dispatch import available, backend_name, backend_reason, load_kernels
-from lmcache_cuda.paged_layout import PagedLayout
+from lmcache_cuda.paged_layout import PagedLayout, PreparedLayers
 from lmcache_cuda.ops import gather_blocks, gather_tokens, scatter_blocks, scatter_tokens
 from lmcache_cuda.transfer import TransferEvent, TransferStream
 
 __all__ = [
     "PagedLayout",
+    "PreparedLayers",
     "TransferEvent",
     "TransferStream",
     "available",

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from lmcache_cuda.dispatch import load_kernels
-from lmcache_cuda.paged_layout import PagedLayout, check_index
+from lmcache_cuda.paged_layout import PagedLayout, PreparedLayers, check_index
 
 _TABLE_CACHE_SIZE = 1024  # per-layer tables (layer-by-layer copies) plus whole-model ones
 
@@ -89,11 +89,17 @@ def _paged_layout(kv_caches: Sequence[torch.Tensor]) -> PagedLayout:
 
 
 def _prepare(kv_caches: Sequence[torch.Tensor], index: torch.Tensor, what: str):
-    layout = _paged_layout(kv_caches)
+    prepared = isinstance(kv_caches, PreparedLayers)
+    layout = kv_caches.layout if prepared else _paged_layout(kv_caches)
     if layout.device.type != "cuda":
         raise ValueError(f"the CUDA kernels need CUDA KV tensors, got {layout.device}")
     check_index(index, what)
-    table = layer_table(kv_caches)
+    if prepared:
+        if kv_caches.table is None:
+            kv_caches.table = layer_table(kv_caches)
+        table = kv_caches.table
+    else:
+        table = layer_table(kv_caches)
     stream = torch.cuda.current_stream(layout.device)
     table.ptrs.record_stream(stream)
     idx = index.to(layout.device, torch.int64).contiguous()

@@ -137,6 +137,29 @@ class PagedLayout:
             raise ValueError(f"{what} must be contiguous")
 
 
+class PreparedLayers(tuple):
+    """Layer tensors validated once: a tuple of the tensors (usable wherever a list of
+    layers is) that carries its :class:`PagedLayout` and, once a kernel has run on it,
+    its device address table. For callers that copy the same layers many times (the
+    connector's adapters): each call then skips the checks and the address lookup,
+    which cost more than a small copy. The tensors must not be resized or moved."""
+
+    layout: PagedLayout
+
+    def __new__(cls, kv_caches: Sequence[torch.Tensor]) -> "PreparedLayers":
+        self = super().__new__(cls, kv_caches)
+        self.layout = PagedLayout.from_layers(self)
+        self.table = None  # kernels.LayerTable, set on first use
+        return self
+
+
+def layout_of(kv_caches: Sequence[torch.Tensor]) -> PagedLayout:
+    """The layout of ``kv_caches``: prepared once, or validated now."""
+    if isinstance(kv_caches, PreparedLayers):
+        return kv_caches.layout
+    return PagedLayout.from_layers(kv_caches)
+
+
 def check_index(index: torch.Tensor, what: str) -> None:
     """Slot mappings and block ids: 1-D integer tensors on any device."""
     if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):

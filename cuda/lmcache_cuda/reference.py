@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from lmcache_cuda.paged_layout import PagedLayout, check_index, int_view
+from lmcache_cuda.paged_layout import PagedLayout, check_index, int_view, layout_of
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def gather_tokens(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Copy K and V of ``slot_mapping``'s tokens from every layer into ``out``."""
-    layout = PagedLayout.from_layers(kv_caches)
+    layout = layout_of(kv_caches)
     check_index(slot_mapping, "slot_mapping")
     num_tokens = slot_mapping.numel()
     layout.check_token_buffer(out, num_tokens, "out")
@@ -61,7 +61,7 @@ def scatter_tokens(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor
     Dropping invalid slots uses a boolean mask (one host sync on CUDA); the kernels
     have no such sync.
     """
-    layout = PagedLayout.from_layers(kv_caches)
+    layout = layout_of(kv_caches)
     check_index(slot_mapping, "slot_mapping")
     layout.check_token_buffer(src, slot_mapping.numel(), "src")
     slots = slot_mapping.to(layout.device, torch.int64)
@@ -84,7 +84,7 @@ def _flat_blocks(kv: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
 
 def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Copy whole blocks ``block_ids`` of every layer into ``out`` ``[layers, n, ...]``."""
-    layout = PagedLayout.from_layers(kv_caches)
+    layout = layout_of(kv_caches)
     check_index(block_ids, "block_ids")
     n = block_ids.numel()
     layout.check_block_buffer(out, n, "out")
@@ -104,7 +104,7 @@ def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, ou
 
 def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor) -> None:
     """Write whole blocks from ``src`` ``[layers, n, ...]`` into ``block_ids`` of every layer."""
-    layout = PagedLayout.from_layers(kv_caches)
+    layout = layout_of(kv_caches)
     check_index(block_ids, "block_ids")
     n = block_ids.numel()
     layout.check_block_buffer(src, n, "src")

@@ -239,6 +239,33 @@ class _PagedLayers:
     def _run(self, plan: Any, layer: int) -> None:
         raise NotImplementedError
 
+    def _move(self, pieces: list[tuple[torch.Tensor, int, int, int, int]], staging: torch.Tensor, layer: int, load: bool) -> None:
+        """Copy byte ranges between the chunk buffers and ``staging`` for ``layer``:
+        ``pieces`` are (chunk tensor, its byte offset at layer 0, its bytes per layer,
+        the staging byte offset, the length); loads copy chunk -> staging."""
+        chunk_off = [base + layer * per_layer for _, base, per_layer, _, _ in pieces]
+        tensors = [t for t, _, _, _, _ in pieces]
+        stage = [staging] * len(pieces)
+        stage_off = [o for _, _, _, o, _ in pieces]
+        nbytes = [n for _, _, _, _, n in pieces]
+        copy = getattr(self._ops, "copy_segments", _copy_pieces)  # an older lmcache_cuda: one copy per piece
+        if load:
+            copy(stage, stage_off, tensors, chunk_off, nbytes)
+        else:
+            copy(tensors, chunk_off, stage, stage_off, nbytes)
+
+
+def _copy_pieces(
+    dsts: Sequence[torch.Tensor],
+    dst_off: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    src_off: Sequence[int],
+    nbytes: Sequence[int],
+) -> None:
+    for d, a, s, b, k in zip(dsts, dst_off, srcs, src_off, nbytes):
+        if k:
+            d.view(-1).view(torch.uint8)[a : a + k].copy_(s.view(-1).view(torch.uint8)[b : b + k], non_blocking=True)
+
 
 class BlockLayout(_PagedLayers):
     kind = "block"
@@ -369,23 +396,24 @@ class BlockLayout(_PagedLayers):
     def _plan(self, items: Sequence[Any], load: bool) -> Any:
         segs = self._segments(items, load)
         idx = self._index([b for _, _, ids in segs for b in ids]) if segs else None
-        return (load, [(t, first, len(ids)) for t, first, ids in segs], idx, sum(len(ids) for _, _, ids in segs))
+        es = torch.empty((), dtype=self.dtype).element_size()
+        row = self.block_numel * es
+        pieces, off = [], 0
+        for t, first, ids in segs:
+            n = len(ids)
+            pieces.append((t, first * t.stride(1) * es, t.stride(0) * es, off * row, n * row))
+            off += n
+        return (load, pieces, idx, off)
 
     def _run(self, plan: Any, layer: int) -> None:
-        load, segs, idx, total = plan
+        load, pieces, idx, total = plan
         if not total:
             return
         staging = torch.empty((1, total, *self.block_shape), dtype=self.dtype, device=self.device)
         kv = self._set(range(layer, layer + 1))
         if not load:
             self._ops.gather_blocks(kv, idx, staging)
-        off = 0
-        for t, first, n in segs:
-            if load:
-                staging[0, off : off + n].copy_(t[layer, first : first + n], non_blocking=True)
-            else:
-                t[layer, first : first + n].copy_(staging[0, off : off + n], non_blocking=True)
-            off += n
+        self._move(pieces, staging, layer, load)
         if load:
             self._ops.scatter_blocks(kv, idx, staging)
 
@@ -506,25 +534,27 @@ class TokenLayout(_PagedLayers):
             if it.hi > start:
                 segs.append((it.buf.tensor, start - it.lo, it.hi - start))
                 ids_all.append((it.block_ids, start, it.hi))
+        total = sum(n for _, _, n in segs)
         slots = self._slots_many(ids_all) if segs else None
-        return (load, segs, slots, sum(n for _, _, n in segs))
+        es = torch.empty((), dtype=self.dtype).element_size()
+        row = self.num_heads * self.head_size * es  # one token's K (or V) of one layer
+        pieces, off = [], 0
+        for t, first, n in segs:
+            for part in (0, 1):  # K, then V: [layers, 2, tokens, heads, head_size]
+                chunk = (part * t.stride(1) + first * t.stride(2)) * es
+                pieces.append((t, chunk, t.stride(0) * es, (part * total + off) * row, n * row))
+            off += n
+        return (load, pieces, slots, total)
 
     def _run(self, plan: Any, layer: int) -> None:
-        load, segs, slots, total = plan
+        load, pieces, slots, total = plan
         if not total:
             return
         staging = torch.empty((1, 2, total, self.num_heads, self.head_size), dtype=self.dtype, device=self.device)
         kv = self._set(range(layer, layer + 1))
         if not load:
             self._ops.gather_tokens(kv, slots, staging)
-        off = 0
-        for t, first, n in segs:
-            for part in (0, 1):
-                if load:
-                    staging[0, part, off : off + n].copy_(t[layer, part, first : first + n], non_blocking=True)
-                else:
-                    t[layer, part, first : first + n].copy_(staging[0, part, off : off + n], non_blocking=True)
-            off += n
+        self._move(pieces, staging, layer, load)
         if load:
             self._ops.scatter_tokens(kv, slots, staging)
 

@@ -192,3 +192,15 @@ def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, s
         layout.block_numel,
         layout.stride_block,
     )
+
+
+def copy_segments(
+    dsts: Sequence[torch.Tensor],
+    dst_off: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    src_off: Sequence[int],
+    nbytes: Sequence[int],
+) -> None:
+    """Byte-range copies (see reference.copy_segments), one native call: a
+    ``cudaMemcpyAsync`` per segment on the current stream."""
+    load_kernels().copy_segments(list(dsts), list(dst_off), list(srcs), list(src_off), list(nbytes))

@@ -42,3 +42,20 @@ def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, ou
 def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor) -> None:
     """``src`` ``[layers, n_blocks, ...]`` -> whole blocks ``block_ids`` of every layer."""
     implementation(kv_caches).scatter_blocks(kv_caches, block_ids, src)
+
+
+def copy_segments(
+    dsts: Sequence[torch.Tensor],
+    dst_off: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    src_off: Sequence[int],
+    nbytes: Sequence[int],
+) -> None:
+    """Byte-range copies between contiguous tensors on the current stream: one native
+    call when the kernels are loaded and a CUDA tensor is involved, else a loop."""
+    if available() and any(t.is_cuda for t in (*dsts[:1], *srcs[:1])):
+        from lmcache_cuda import kernels
+
+        kernels.copy_segments(dsts, dst_off, srcs, src_off, nbytes)
+        return
+    reference.copy_segments(dsts, dst_off, srcs, src_off, nbytes)

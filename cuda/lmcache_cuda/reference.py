@@ -114,3 +114,29 @@ def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, s
     src_i = _to_device(int_view(src).view(layout.num_layers, n, layout.block_numel), layout.device)
     for layer, kv in enumerate(kv_caches):
         _flat_blocks(kv, layout)[ids] = src_i[layer][keep]
+
+
+def copy_segments(
+    dsts: Sequence[torch.Tensor],
+    dst_off: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    src_off: Sequence[int],
+    nbytes: Sequence[int],
+) -> None:
+    """Segment ``i``: ``nbytes[i]`` bytes from contiguous ``srcs[i]`` at byte
+    ``src_off[i]`` to contiguous ``dsts[i]`` at byte ``dst_off[i]``, enqueued on the
+    current stream (asynchronous where pinned host memory is involved)."""
+    n = len(nbytes)
+    if not len(dsts) == len(dst_off) == len(srcs) == len(src_off) == n:
+        raise ValueError(f"copy_segments: {len(dsts)} destinations, {len(srcs)} sources, {n} sizes")
+    for i in range(n):
+        d, s = dsts[i], srcs[i]
+        if not (d.is_contiguous() and s.is_contiguous()):
+            raise ValueError(f"copy_segments: segment {i} has a non-contiguous tensor")
+        db, sb = d.view(-1).view(torch.uint8), s.view(-1).view(torch.uint8)
+        k, a, b = nbytes[i], dst_off[i], src_off[i]
+        if min(k, a, b) < 0 or a + k > db.numel() or b + k > sb.numel():
+            raise ValueError(f"copy_segments: segment {i} ({k} bytes at {b} -> {a}) is outside its tensors")
+        if k:
+            pinned = (s.device.type == "cpu" and s.is_pinned()) or (d.device.type == "cpu" and d.is_pinned())
+            db[a : a + k].copy_(sb[b : b + k], non_blocking=pinned)

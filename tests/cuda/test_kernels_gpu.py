@@ -183,3 +183,20 @@ def test_side_stream_blocks_and_all_layer_load():
     torch.cuda.current_stream().synchronize()
     for a, b in zip(dst, kv):
         assert bits_equal(a[[1, 4, 6]], b[[1, 4, 6]])
+
+
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_copy_segments_native_matches_reference(where):
+    g = torch.Generator().manual_seed(12)
+    src_host = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+    src = src_host.pin_memory() if where == "pinned" else src_host.to(DEV)
+    dst_k = torch.zeros(1 << 20, dtype=torch.uint8, device=DEV)
+    dst_r = torch.zeros_like(dst_k)
+    offs, sizes = [0, 4096, 99_999, 500_000], [4096, 1, 65_536, 0]
+    src_offs = [1000, 0, 300_000, 5]
+    kernels.copy_segments([dst_k] * 4, offs, [src] * 4, src_offs, sizes)
+    reference.copy_segments([dst_r] * 4, offs, [src] * 4, src_offs, sizes)
+    torch.cuda.synchronize()
+    assert torch.equal(dst_k.cpu(), dst_r.cpu()) and dst_k.count_nonzero() > 0
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.copy_segments([dst_k], [(1 << 20) - 4], [src], [0], [8])

@@ -182,3 +182,18 @@ def test_block_copy_refuses_non_dense_blocks():
     with pytest.raises(ValueError, match="dense region"):
         reference.gather_blocks(kv, torch.tensor([0]), out)
     reference.gather_tokens(kv, torch.tensor([3]), torch.empty(layout.token_buffer_shape(1), dtype=torch.float16))
+
+
+def test_copy_segments_moves_byte_ranges_and_refuses_out_of_range():
+    from lmcache_cuda import ops
+
+    src = torch.arange(64, dtype=torch.int16)
+    dst = torch.zeros(32, dtype=torch.float32)  # other dtype: byte ranges only
+    ops.copy_segments([dst, dst], [0, 100], [src, src], [10, 0], [20, 8])
+    db, sb = dst.view(torch.uint8), src.view(torch.uint8)
+    assert torch.equal(db[:20], sb[10:30]) and torch.equal(db[100:108], sb[:8])
+    assert db[20:100].eq(0).all() and db[108:].eq(0).all()
+    with pytest.raises(ValueError, match="outside"):
+        ops.copy_segments([dst], [120], [src], [0], [16])
+    with pytest.raises(ValueError, match="non-contiguous"):
+        ops.copy_segments([dst], [0], [src.view(8, 8).t()], [0], [4])

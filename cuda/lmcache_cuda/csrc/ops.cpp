@@ -98,6 +98,51 @@ void scatter_blocks(torch::Tensor layer_ptrs, int64_t ptr_align, torch::Tensor b
              stride_block);
 }
 
+// Byte-range copies between contiguous tensors (host and/or device), all enqueued on
+// the current stream in one call: segment i copies nbytes[i] bytes from
+// srcs[i] + src_off[i] to dsts[i] + dst_off[i]. For callers that move many small
+// slices per step (one layer of several chunks), where a Python-level copy per slice
+// costs more host time than the copy engine takes.
+void copy_segments(const std::vector<torch::Tensor>& dsts, const std::vector<int64_t>& dst_off,
+                   const std::vector<torch::Tensor>& srcs, const std::vector<int64_t>& src_off,
+                   const std::vector<int64_t>& nbytes) {
+  const size_t n = nbytes.size();
+  TORCH_CHECK(dsts.size() == n && dst_off.size() == n && srcs.size() == n && src_off.size() == n,
+              "copy_segments: ", dsts.size(), " destinations, ", dst_off.size(), " offsets, ",
+              srcs.size(), " sources, ", src_off.size(), " offsets, ", n, " sizes");
+  if (n == 0) return;
+  int device = -1;
+  for (size_t i = 0; i < n; ++i) {
+    for (const torch::Tensor* t : {&dsts[i], &srcs[i]}) {
+      TORCH_CHECK(t->is_contiguous(), "copy_segments: segment ", i, " has a non-contiguous tensor");
+      if (t->is_cuda()) {
+        TORCH_CHECK(device < 0 || device == t->get_device(),
+                    "copy_segments: tensors on several CUDA devices");
+        device = t->get_device();
+      } else {
+        TORCH_CHECK(t->is_cpu(), "copy_segments: segment ", i, " is neither CPU nor CUDA");
+      }
+    }
+    const int64_t dn = static_cast<int64_t>(dsts[i].nbytes());
+    const int64_t sn = static_cast<int64_t>(srcs[i].nbytes());
+    TORCH_CHECK(nbytes[i] >= 0 && dst_off[i] >= 0 && src_off[i] >= 0 &&
+                    dst_off[i] + nbytes[i] <= dn && src_off[i] + nbytes[i] <= sn,
+                "copy_segments: segment ", i, " (", nbytes[i], " bytes at ", src_off[i], " -> ",
+                dst_off[i], ") is outside its tensors (", sn, " -> ", dn, " bytes)");
+  }
+  TORCH_CHECK(device >= 0, "copy_segments: no CUDA tensor among the segments");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  for (size_t i = 0; i < n; ++i) {
+    if (nbytes[i] == 0) continue;
+    char* dst = static_cast<char*>(dsts[i].data_ptr()) + dst_off[i];
+    const char* src = static_cast<const char*>(srcs[i].data_ptr()) + src_off[i];
+    const cudaError_t err =
+        cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes[i]), cudaMemcpyDefault, stream);
+    TORCH_CHECK(err == cudaSuccess, "copy_segments: segment ", i, ": ", cudaGetErrorString(err));
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -106,4 +151,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_tokens", &scatter_tokens, "[L, 2, T, H, D] buffer (device) -> paged KV");
   m.def("gather_blocks", &gather_blocks, "paged KV blocks -> [L, N, block_numel] buffer");
   m.def("scatter_blocks", &scatter_blocks, "[L, N, block_numel] buffer -> paged KV blocks");
+  m.def("copy_segments", &copy_segments, "byte-range copies between tensors, one call, current stream");
 }

@@ -202,5 +202,8 @@ def copy_segments(
     nbytes: Sequence[int],
 ) -> None:
     """Byte-range copies (see reference.copy_segments), one native call: a
-    ``cudaMemcpyAsync`` per segment on the current stream."""
-    load_kernels().copy_segments(list(dsts), list(dst_off), list(srcs), list(src_off), list(nbytes))
+    ``cudaMemcpyAsync`` per segment on the current stream. The native side reports a
+    bad segment as a message (raised here as ValueError), never by throwing."""
+    err = load_kernels().copy_segments(list(dsts), list(dst_off), list(srcs), list(src_off), list(nbytes))
+    if err:
+        raise ValueError(err)

@@ -103,34 +103,37 @@ void scatter_blocks(torch::Tensor layer_ptrs, int64_t ptr_align, torch::Tensor b
 // srcs[i] + src_off[i] to dsts[i] + dst_off[i]. For callers that move many small
 // slices per step (one layer of several chunks), where a Python-level copy per slice
 // costs more host time than the copy engine takes.
-void copy_segments(const std::vector<torch::Tensor>& dsts, const std::vector<int64_t>& dst_off,
-                   const std::vector<torch::Tensor>& srcs, const std::vector<int64_t>& src_off,
-                   const std::vector<int64_t>& nbytes) {
+std::string copy_segments(const std::vector<torch::Tensor>& dsts,
+                          const std::vector<int64_t>& dst_off,
+                          const std::vector<torch::Tensor>& srcs,
+                          const std::vector<int64_t>& src_off,
+                          const std::vector<int64_t>& nbytes) {
+  // Returns "" or what is wrong (the Python wrapper raises it): an exception thrown
+  // out of this extension was seen to crash the process (torch 2.11, JIT build).
   const size_t n = nbytes.size();
-  TORCH_CHECK(dsts.size() == n && dst_off.size() == n && srcs.size() == n && src_off.size() == n,
-              "copy_segments: ", dsts.size(), " destinations, ", dst_off.size(), " offsets, ",
-              srcs.size(), " sources, ", src_off.size(), " offsets, ", n, " sizes");
-  if (n == 0) return;
+  if (dsts.size() != n || dst_off.size() != n || srcs.size() != n || src_off.size() != n) {
+    return "copy_segments: lists of different lengths";
+  }
+  if (n == 0) return "";
   int device = -1;
   for (size_t i = 0; i < n; ++i) {
     for (const torch::Tensor* t : {&dsts[i], &srcs[i]}) {
-      TORCH_CHECK(t->is_contiguous(), "copy_segments: segment ", i, " has a non-contiguous tensor");
+      if (!t->is_contiguous()) return "copy_segments: segment " + std::to_string(i) + " has a non-contiguous tensor";
       if (t->is_cuda()) {
-        TORCH_CHECK(device < 0 || device == t->get_device(),
-                    "copy_segments: tensors on several CUDA devices");
+        if (device >= 0 && device != t->get_device()) return "copy_segments: tensors on several CUDA devices";
         device = t->get_device();
-      } else {
-        TORCH_CHECK(t->is_cpu(), "copy_segments: segment ", i, " is neither CPU nor CUDA");
+      } else if (!t->is_cpu()) {
+        return "copy_segments: segment " + std::to_string(i) + " is neither CPU nor CUDA";
       }
     }
     const int64_t dn = static_cast<int64_t>(dsts[i].nbytes());
     const int64_t sn = static_cast<int64_t>(srcs[i].nbytes());
-    TORCH_CHECK(nbytes[i] >= 0 && dst_off[i] >= 0 && src_off[i] >= 0 &&
-                    dst_off[i] + nbytes[i] <= dn && src_off[i] + nbytes[i] <= sn,
-                "copy_segments: segment ", i, " (", nbytes[i], " bytes at ", src_off[i], " -> ",
-                dst_off[i], ") is outside its tensors (", sn, " -> ", dn, " bytes)");
+    if (nbytes[i] < 0 || dst_off[i] < 0 || src_off[i] < 0 || dst_off[i] + nbytes[i] > dn ||
+        src_off[i] + nbytes[i] > sn) {
+      return "copy_segments: segment " + std::to_string(i) + " is outside its tensors";
+    }
   }
-  TORCH_CHECK(device >= 0, "copy_segments: no CUDA tensor among the segments");
+  if (device < 0) return "copy_segments: no CUDA tensor among the segments";
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   for (size_t i = 0; i < n; ++i) {
@@ -139,8 +142,11 @@ void copy_segments(const std::vector<torch::Tensor>& dsts, const std::vector<int
     const char* src = static_cast<const char*>(srcs[i].data_ptr()) + src_off[i];
     const cudaError_t err =
         cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes[i]), cudaMemcpyDefault, stream);
-    TORCH_CHECK(err == cudaSuccess, "copy_segments: segment ", i, ": ", cudaGetErrorString(err));
+    if (err != cudaSuccess) {
+      return "copy_segments: segment " + std::to_string(i) + ": " + cudaGetErrorString(err);
+    }
   }
+  return "";
 }
 
 }  // namespace

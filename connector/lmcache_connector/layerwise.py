@@ -82,6 +82,7 @@ class LayerPipeline:
         self._items: list[LoadItem] = []  # this step's loads (CUDA), enqueued layer by layer
         self._next = 0  # the next layer to enqueue
         self._ready: torch.cuda.Event | None = None
+        self._step_loads = False  # this step loaded something (wait_layer calls are checked)
         self._load_plan: Any = None
         self._save_plan: Any = None
         self._waited = -1  # highest layer the compute stream waited for this step
@@ -101,6 +102,9 @@ class LayerPipeline:
         if not items:
             return
         self._load_bufs.extend(it.buf for it in items)
+        self._step_loads = True
+        self._waited = -1
+        self.pipelined_loads += len(items)
         if self.stream is None:  # synchronous: every layer now, the same copies as on a GPU
             plan = self.layout.plan_layers(items, True)
             for layer in range(self.num_layers):
@@ -108,14 +112,12 @@ class LayerPipeline:
             return
         self._items = items
         self._next = 0
-        self._waited = -1
         self.layout.cache_indices(True)
         # The plan's index tables are copied on the compute stream: the side stream
         # waits for them, and for the work queued before the step (block zeroing).
         self._load_plan = self.layout.plan_layers(items, True)
         self._ready = torch.cuda.current_stream(self.device).record_event()
         self._enqueue_until(LOOKAHEAD - 1)
-        self.pipelined_loads += len(items)
 
     def _enqueue_until(self, last: int) -> None:
         """Enqueue the loads of layers up to ``last`` on the side stream."""
@@ -133,17 +135,20 @@ class LayerPipeline:
 
     def wait_layer(self, name: str) -> None:
         """``wait_for_layer_load``: the compute stream waits (on the GPU) until this
-        layer's loads, and every earlier layer's, are in place."""
-        if not self._items:
+        layer's loads, and every earlier layer's, are in place. On CPU the loads are
+        done already; the calls are still counted, so a forward that skips layers
+        turns the pipeline off here as it would on a GPU."""
+        if not self._step_loads:
             return
         i = self.index.get(name)
         if i is None:  # not a layer we registered: wait for everything, then stop pipelining
             self._disable(f"wait_for_layer_load({name!r}) names no registered KV layer")
             i = self.num_layers - 1
-        self._enqueue_until(i + LOOKAHEAD)
-        if i > self._waited:
-            torch.cuda.current_stream(self.device).wait_event(self._load_events[i])
-            self._waited = i
+        if self._items:
+            self._enqueue_until(i + LOOKAHEAD)
+            if i > self._waited:
+                torch.cuda.current_stream(self.device).wait_event(self._load_events[i])
+        self._waited = max(self._waited, i)
 
     def end_loads(self) -> None:
         """After the forward (``wait_for_save``) or before the next step: wait for the
@@ -153,13 +158,14 @@ class LayerPipeline:
             self._items = []
             self._load_plan = None
             self._load_events[-1].synchronize()
-            if self._waited < self.num_layers - 1:
-                self._disable(
-                    f"the forward pass waited for {self._waited + 1} of {self.num_layers} layers' loads "
-                    "(wait_for_layer_load was not called for every layer)"
-                )
             self._load_events = []
             self.layout.cache_indices(False)
+        if self._step_loads and self._waited < self.num_layers - 1:
+            self._disable(
+                f"the forward pass waited for {self._waited + 1} of {self.num_layers} layers' loads "
+                "(wait_for_layer_load was not called for every layer)"
+            )
+        self._step_loads = False
         bufs, self._load_bufs = self._load_bufs, []
         for b in bufs:
             b.release()

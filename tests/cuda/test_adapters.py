@@ -290,13 +290,20 @@ def test_layer_pipeline_gathers_layers_never_handed_over(device):
     assert torch.equal(int_view(out.buf.tensor), int_view(ref)) and pipe.late_save_layers == 2
 
 
-@pytest.mark.skipif(not GPU, reason="the side stream exists on CUDA only")
-def test_layer_pipeline_turns_off_when_layers_are_not_waited_for():
-    kv = vllm_kv_caches("LBNHC", 3, NB, H, BS, 2 * D, torch.float16, "cuda", seed=91)
-    lay = TokenLayout(kv, BS)
-    pipe = LayerPipeline(lay, list(kv))
-    t = _buf(lay.chunk_shape(BS), lay.dtype, "cuda", 92)
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_pipeline_turns_off_when_layers_are_not_waited_for(device):
+    kv = vllm_kv_caches("LBNHC", 3, NB, H, BS, 2 * D, torch.float16, device, seed=91)
+    lay = _layout("token", kv, BS)
+    names = list(kv)
+    pipe = LayerPipeline(lay, names)
+    t = _buf(lay.chunk_shape(BS), lay.dtype, device, 92)
+    # every layer waited for: stays on (the negative control)
     pipe.load([LoadItem(_Buf(t), [4], 0, BS, 0)])
-    pipe.wait_layer(next(iter(kv)))  # layer 0 only
+    for n in names:
+        pipe.wait_layer(n)
+    pipe.end_loads()
+    assert pipe.active
+    pipe.load([LoadItem(_Buf(t), [4], 0, BS, 0)])
+    pipe.wait_layer(names[0])  # layer 0 only
     pipe.end_loads()
     assert not pipe.active

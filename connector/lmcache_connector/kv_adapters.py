@@ -152,7 +152,7 @@ class _PagedLayers:
                 f"KV tensors hold blocks of {self.kernel_block} tokens, which does not divide vLLM's block size {block_size}"
             )
         self.ratio = block_size // self.kernel_block
-        self._idx: dict[tuple[int, ...], torch.Tensor] | None = None
+        self._idx: dict[tuple[Any, ...], torch.Tensor] | None = None
         self._idx_users = 0
         self._sets: dict[tuple[int, int], Sequence[torch.Tensor]] = {}
 
@@ -232,6 +232,23 @@ class _PagedLayers:
 
     def save_layer(self, items: Sequence[Any], layer: int) -> None:
         self.run_layer(self.plan_layers(items, False), layer)
+
+    def load_chunk(
+        self,
+        buf: torch.Tensor,
+        block_ids: Sequence[int],
+        lo: int,
+        hi: int,
+        write_from: int,
+        layer: int | None = None,
+        wait: bool = True,
+    ) -> None:
+        raise NotImplementedError
+
+    def save_chunk(
+        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None, wait: bool = True
+    ) -> None:
+        raise NotImplementedError
 
     def _plan(self, items: Sequence[Any], load: bool) -> Any:
         raise NotImplementedError

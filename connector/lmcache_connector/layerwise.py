@@ -126,7 +126,7 @@ class LayerPipeline:
             return
         assert self.stream is not None
         with torch.cuda.stream(self.stream):
-            if self._next == 0:
+            if self._next == 0 and self._ready is not None:
                 self.stream.wait_event(self._ready)
             while self._next <= last:
                 self.layout.run_layer(self._load_plan, self._next)

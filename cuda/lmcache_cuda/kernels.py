@@ -89,15 +89,15 @@ def _paged_layout(kv_caches: Sequence[torch.Tensor]) -> PagedLayout:
 
 
 def _prepare(kv_caches: Sequence[torch.Tensor], index: torch.Tensor, what: str):
-    prepared = isinstance(kv_caches, PreparedLayers)
-    layout = kv_caches.layout if prepared else _paged_layout(kv_caches)
+    prepared = kv_caches if isinstance(kv_caches, PreparedLayers) else None
+    layout = prepared.layout if prepared is not None else _paged_layout(kv_caches)
     if layout.device.type != "cuda":
         raise ValueError(f"the CUDA kernels need CUDA KV tensors, got {layout.device}")
     check_index(index, what)
-    if prepared:
-        if kv_caches.table is None:
-            kv_caches.table = layer_table(kv_caches)
-        table = kv_caches.table
+    if prepared is not None:
+        if prepared.table is None:
+            prepared.table = layer_table(prepared)
+        table = prepared.table
     else:
         table = layer_table(kv_caches)
     stream = torch.cuda.current_stream(layout.device)

@@ -12,7 +12,7 @@ Slot ``s`` names token offset ``s % block_size`` in block ``s // block_size``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -145,6 +145,7 @@ class PreparedLayers(tuple):
     which cost more than a small copy. The tensors must not be resized or moved."""
 
     layout: PagedLayout
+    table: Any  # kernels.LayerTable once a kernel has run on these layers, else None
 
     def __new__(cls, kv_caches: Sequence[torch.Tensor]) -> "PreparedLayers":
         self = super().__new__(cls, kv_caches)

@@ -40,6 +40,9 @@ from lmcache_connector.layerwise import LayerPipeline, LoadItem, SaveItem  # noq
 from lmcache_cuda.paged_layout import int_view  # noqa: E402
 from lmcache_cuda.testing import poison_like, vllm_kv_caches  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_cuda import _time_cuda  # noqa: E402  (CUDA-event timing, shared)
+
 BAR = 0.8
 HIDE_GOAL = 0.8
 RESULTS: dict[str, Any] = {"sections": {}}
@@ -279,18 +282,7 @@ def speed(quick: bool) -> None:
     rows = []
 
     def events(fn: Callable[[], object]) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(iters):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) / 1e3)
-        return statistics.median(ts)
+        return _time_cuda(fn, iters)
 
     def add(mib: float, kind: str, what: str, secs: float, base: float, timing: str) -> None:
         nonlocal worst

@@ -233,6 +233,17 @@ class _PagedLayers:
     def save_layer(self, items: Sequence[Any], layer: int) -> None:
         self.run_layer(self.plan_layers(items, False), layer)
 
+    def save_chunk(
+        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None, wait: bool = True
+    ) -> None:
+        """Gather tokens ``lo..hi`` of a request (the blocks holding them, for the block
+        adapter) into ``out``. All layers: finished on return unless ``wait`` is false
+        (then call ``finish`` before reading ``out``); one ``layer``: left enqueued
+        (see layerwise.py)."""
+        self._save_range(block_ids, lo, hi, out, layer)
+        if layer is None and wait:
+            self.finish()
+
     def load_chunk(
         self,
         buf: torch.Tensor,
@@ -243,10 +254,19 @@ class _PagedLayers:
         layer: int | None = None,
         wait: bool = True,
     ) -> None:
+        """Write chunk ``buf`` (tokens ``lo..hi``) into the request's blocks, never
+        before token ``write_from`` (vLLM's own prefix-cache blocks, which may be shared
+        with other requests and must never be written). All layers: finished on return
+        (``buf`` may be reused) unless ``wait`` is false; one ``layer``: left enqueued."""
+        self._load_range(buf, block_ids, lo, hi, write_from, layer)
+        if layer is None and wait:
+            self.finish()
+
+    def _save_range(self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None) -> None:
         raise NotImplementedError
 
-    def save_chunk(
-        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None, wait: bool = True
+    def _load_range(
+        self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int, layer: int | None
     ) -> None:
         raise NotImplementedError
 
@@ -265,23 +285,11 @@ class _PagedLayers:
         stage = [staging] * len(pieces)
         stage_off = [o for _, _, _, o, _ in pieces]
         nbytes = [n for _, _, _, _, n in pieces]
-        copy = getattr(self._ops, "copy_segments", _copy_pieces)  # an older lmcache_cuda: one copy per piece
+        copy = self._ops.copy_segments
         if load:
             copy(stage, stage_off, tensors, chunk_off, nbytes)
         else:
             copy(tensors, chunk_off, stage, stage_off, nbytes)
-
-
-def _copy_pieces(
-    dsts: Sequence[torch.Tensor],
-    dst_off: Sequence[int],
-    srcs: Sequence[torch.Tensor],
-    src_off: Sequence[int],
-    nbytes: Sequence[int],
-) -> None:
-    for d, a, s, b, k in zip(dsts, dst_off, srcs, src_off, nbytes):
-        if k:
-            d.view(-1).view(torch.uint8)[a : a + k].copy_(s.view(-1).view(torch.uint8)[b : b + k], non_blocking=True)
 
 
 class BlockLayout(_PagedLayers):
@@ -342,39 +350,18 @@ class BlockLayout(_PagedLayers):
             else:
                 dst.copy_(pages.index_select(0, self._index(ids)), non_blocking=True)
 
-    def save_chunk(
-        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None, wait: bool = True
-    ) -> None:
-        """Gather the blocks holding tokens ``lo..hi`` of a request into ``out``. All
-        layers: finished on return unless ``wait`` is false (then call ``finish``
-        before reading ``out``); one ``layer``: left enqueued (see layerwise.py)."""
+    def _save_range(self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None) -> None:
         bs = self.block_size
         self.gather(block_ids[lo // bs : -(-hi // bs)], out, layer)
-        if layer is None and wait:
-            self.finish()
 
-    def load_chunk(
-        self,
-        buf: torch.Tensor,
-        block_ids: Sequence[int],
-        lo: int,
-        hi: int,
-        write_from: int,
-        layer: int | None = None,
-        wait: bool = True,
+    def _load_range(
+        self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int, layer: int | None
     ) -> None:
-        """Write chunk ``buf`` (tokens ``lo..hi``) into the request's blocks, skipping
-        blocks before token ``write_from`` (vLLM's own prefix-cache blocks, which may be
-        shared with other requests and must never be written). All layers: finished on
-        return (``buf`` may be reused) unless ``wait`` is false; one ``layer``: left
-        enqueued."""
         bs = self.block_size
         first_block = max(lo, write_from) // bs
         last_block = min(-(-hi // bs), len(block_ids))
         if last_block > first_block:
             self.scatter(buf, block_ids[first_block:last_block], first=(first_block - lo // bs) * self.ratio, layer=layer)
-        if layer is None and wait:
-            self.finish()
 
     def scatter(self, buf: torch.Tensor, block_ids: Sequence[int], first: int = 0, layer: int | None = None) -> None:
         """Write ``buf[:, first:first+n]`` (``n`` kernel blocks) into blocks ``block_ids``."""
@@ -489,28 +476,15 @@ class TokenLayout(_PagedLayers):
         s = self.slot_mapping(block_ids, start, end)
         return s // self.kernel_block, s % self.kernel_block
 
-    def save_chunk(
-        self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None = None, wait: bool = True
-    ) -> None:
+    def _save_range(self, block_ids: Sequence[int], lo: int, hi: int, out: torch.Tensor, layer: int | None) -> None:
         self.gather_tokens(block_ids, lo, hi, out, layer)
-        if layer is None and wait:
-            self.finish()
 
-    def load_chunk(
-        self,
-        buf: torch.Tensor,
-        block_ids: Sequence[int],
-        lo: int,
-        hi: int,
-        write_from: int,
-        layer: int | None = None,
-        wait: bool = True,
+    def _load_range(
+        self, buf: torch.Tensor, block_ids: Sequence[int], lo: int, hi: int, write_from: int, layer: int | None
     ) -> None:
         start = max(lo, write_from)
         if hi > start:
             self.scatter_tokens(buf, block_ids, start, hi, first=start - lo, layer=layer)
-        if layer is None and wait:
-            self.finish()
 
     def gather_tokens(self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor, layer: int | None = None) -> None:
         which = self._which(layer)

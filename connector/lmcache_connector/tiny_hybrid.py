@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .tiny_model import random_prompt, write_tokenizer
+from .tiny_model import TOKENIZER_VERSION, random_prompt, write_tokenizer
 
 __all__ = ["FAMILIES", "HybridSpec", "build_hybrid_model", "random_prompt"]
 
@@ -171,7 +171,8 @@ def build_hybrid_model(path: str | Path, family: str | HybridSpec) -> Path:
     spec = FAMILIES[family] if isinstance(family, str) else family
     path = Path(path)
     marker = path / "lmcache_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+    identity = {**asdict(spec), "tokenizer": TOKENIZER_VERSION}
+    if marker.exists() and json.loads(marker.read_text()) == identity:
         return path
     path.mkdir(parents=True, exist_ok=True)
     write_tokenizer(path, spec.vocab_size)
@@ -185,5 +186,5 @@ def build_hybrid_model(path: str | Path, family: str | HybridSpec) -> Path:
             if p.dim() >= 2:
                 p.normal_(0.0, spec.std)
     model.save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(asdict(spec)))
+    marker.write_text(json.dumps(identity))
     return path

@@ -1,8 +1,11 @@
 """Build a small Llama-style model locally: a transformers config, random weights and
-a word-level tokenizer trained here. No download; deterministic for a given seed.
+a byte-level BPE tokenizer trained here on text that ships with Python. No download;
+deterministic for a given seed and Python installation.
 
 Used by the tests, the demo and the benchmarks: vLLM runs it like any checkpoint, so
-prefill cost and KV shapes are real even though the text it writes is noise.
+prefill cost and KV shapes are real even though the text it writes is noise. The
+tokenizer reads any text (a standard OpenAI-API client's documents become distinct
+token sequences), and token-id prompts (:func:`random_prompt`) work as before.
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-WORDS_SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -44,24 +45,49 @@ DEMO_SPEC = TinyModelSpec(
 )
 
 
-def vocabulary(size: int) -> list[str]:
-    """``size - 3`` pseudo-words plus the special tokens, the same in every process."""
-    rng = random.Random(WORDS_SEED)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    words: set[str] = set()
-    while len(words) < size - 3:
-        words.add("".join(rng.choice(letters) for _ in range(rng.randint(2, 8))))
-    return ["<unk>", "<s>", "</s>"] + sorted(words)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the model config's bos/eos
+TOKENIZER_VERSION = "bpe-bytelevel-stdlib-v1"
+CORPUS_BYTES = 3 << 20
+
+
+def corpus(limit: int = CORPUS_BYTES) -> list[str]:
+    """English-heavy text that ships with every CPython: its standard library's source
+    files (docstrings and comments), read in sorted order up to ``limit`` bytes."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for f in sorted(root.glob("*.py")):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= limit:
+            break
+    return texts
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer over :func:`vocabulary`, saved as a fast tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens trained on :func:`corpus`,
+    saved as a fast tokenizer; ids 0-2 are ``<unk>``, ``<s>``, ``</s>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = vocabulary(vocab_size)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:  # a corpus too small for this many merges
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, the model {vocab_size}")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
 
@@ -73,7 +99,8 @@ def build_tiny_model(path: str | Path, spec: TinyModelSpec = TEST_SPEC) -> Path:
 
     path = Path(path)
     marker = path / "lmcache_tiny_model.json"
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+    identity = {**asdict(spec), "tokenizer": TOKENIZER_VERSION}
+    if marker.exists() and json.loads(marker.read_text()) == identity:
         return path
     path.mkdir(parents=True, exist_ok=True)
     write_tokenizer(path, spec.vocab_size)
@@ -97,7 +124,7 @@ def build_tiny_model(path: str | Path, spec: TinyModelSpec = TEST_SPEC) -> Path:
         for p in model.parameters():
             p.normal_(0.0, 0.05)  # drawn in float32, then rounded once to the saved dtype
     model.to(getattr(torch, spec.dtype)).save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(asdict(spec)))
+    marker.write_text(json.dumps(identity))
     return path
 
 

@@ -295,3 +295,20 @@ def test_token_layout_refuses_cpu_backend_and_round_trips_logical_layout():
     TokenLayout(dst, 16, allow_cpu=True).load_chunk(buf, [0, 5, 6], 0, 40, write_from=0)
     assert torch.equal(dst["l0"][5, :, 1], src["l0"][2, :, 1])
     assert torch.equal(dst["l2"][6, :, 7], src["l2"][8, :, 7])
+
+
+def test_cpu_core_reservation_advice():
+    """vLLM-CPU reserves a core per rank more when any KV connector is configured; the
+    connector says how to give it back, and says nothing once the count is set."""
+    from types import SimpleNamespace
+
+    from lmcache_connector.cpu_cores import ENV, reservation_advice
+
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(local_world_size=1, world_size=1))
+    two = reservation_advice(cfg, env={}, cores=2)
+    assert two is not None and f"{ENV}=1" in two and "reserves none" in two
+    eight = reservation_advice(cfg, env={}, cores=8)
+    assert eight is not None and "leaving the model 6" in eight
+    tp2 = SimpleNamespace(parallel_config=SimpleNamespace(local_world_size=2, world_size=2))
+    assert f"{ENV}=2" in (reservation_advice(tp2, env={}, cores=4) or "")
+    assert reservation_advice(cfg, env={ENV: "1"}, cores=2) is None

@@ -151,6 +151,22 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM >= 0.33 asks before enabling sleep mode with a connector."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33, before sleep: every copy touching vLLM's blocks finished, none
+        started until :meth:`restore_kv_caches`."""
+        if self._worker is not None:
+            self._worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM >= 0.33, after wake-up."""
+        if self._worker is not None:
+            self._worker.resume()
+
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None

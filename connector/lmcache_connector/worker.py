@@ -41,6 +41,8 @@ from .log import get_logger
 
 log = get_logger(__name__)
 
+# The per-layer KV layout contract the fingerprint is relative to: vLLM 0.32's [B, H, N, C]
+# views in a KVCacheLayout order (0.33 keeps it). Change it when vLLM changes what they hold.
 VLLM_TAG = "vllm-0.32"
 _active: "weakref.WeakSet[WorkerSide]" = weakref.WeakSet()
 
@@ -123,6 +125,7 @@ class WorkerSide:
         self.loads: LoadQueue | None = None  # async_loads (dense models)
         self.pipeline: LayerPipeline | None = None  # layerwise (dense models)
         self._step_idle = False  # this step computes nothing (async_loads: wait for loads instead of spinning)
+        self.suspended = False  # vLLM's sleep mode: the KV tensors are released; no copy touches them
         _active.add(self)
 
     # -- set-up -----------------------------------------------------------------------
@@ -250,7 +253,7 @@ class WorkerSide:
         if self.saves is not None and meta is not None and meta.drain_saves:
             self.saves.drain()
         self._step_idle = meta is not None and meta.step_tokens == 0
-        if self.loads is not None and meta is not None:
+        if self.loads is not None and meta is not None and not self.suspended:
             # Asynchronous loads start now, before the forward pass they may overlap.
             background = [t for t in meta.loads if self._in_background(t)]
             if background:
@@ -263,6 +266,16 @@ class WorkerSide:
 
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         if self.engine is None:
+            return
+        if self.suspended:  # vLLM's KV memory is released: report every load failed (recompute)
+            for t in meta.loads:
+                blocks = self._fail(t, meta, 0)
+                if self._in_background(t):  # reported as a finished, failed load
+                    with self._lock:
+                        self._errors |= blocks
+                        self._recv_done.add(t.req_id)
+                self.engine.unpin(t.req_id)
+                self.engine.unpin(_boundary_pin(t.req_id) or "")
             return
         t_start = time.perf_counter()
         pipe = self._pipelined()
@@ -376,7 +389,7 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str, meta: LMCacheConnectorMetadata | None) -> None:
         pipe = self._pipelined()
-        if pipe is None or meta is None or self.engine is None:
+        if pipe is None or meta is None or self.engine is None or self.suspended:
             return
         if not pipe.pending_saves() and not any(t.group_block_ids is None for t in meta.saves):
             return
@@ -512,7 +525,7 @@ class WorkerSide:
 
     # -- saves --------------------------------------------------------------------------
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
-        if self.engine is None:
+        if self.engine is None or self.suspended:
             return
         if self._fwd_start is not None and meta.step_tokens > 0:
             self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start - self._step_load_s)
@@ -682,6 +695,27 @@ class WorkerSide:
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         return {k: v for k, v in delta.items() if v}
+
+    # -- sleep mode (vLLM >= 0.33: unregister_kv_caches / restore_kv_caches) ------------
+    def suspend(self) -> None:
+        """Before vLLM releases the KV cache memory: finish every copy that reads or
+        writes vLLM's blocks (background loads and saves, the layer pipeline), then
+        touch no block until :meth:`resume`. Steps in between load and save nothing
+        (a hit is then recomputed). What the tiers hold stays valid. Idempotent."""
+        if self.loads is not None:
+            self.loads.drain()
+        if self.saves is not None:
+            self.saves.drain()
+        if self.pipeline is not None:
+            self.pipeline.end_loads()
+            for s in self.pipeline.end_saves():
+                s.buf.release()
+        self.suspended = True
+
+    def resume(self) -> None:
+        """After wake-up: vLLM's KV tensors are the same objects at the same addresses
+        (vLLM's sleep allocator keeps them), so the layouts stay valid. Idempotent."""
+        self.suspended = False
 
     # -- housekeeping -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -312,3 +312,85 @@ def test_cpu_core_reservation_advice():
     tp2 = SimpleNamespace(parallel_config=SimpleNamespace(local_world_size=2, world_size=2))
     assert f"{ENV}=2" in (reservation_advice(tp2, env={}, cores=4) or "")
     assert reservation_advice(cfg, env={ENV: "1"}, cores=2) is None
+
+
+def _worker(tmp_path, **extra):
+    from lmcache_connector.options import load_settings
+    from lmcache_connector.worker import WorkerSide
+
+    settings = load_settings({"chunk_size": 16, "backends": [{"name": "local_cpu", "max_size": "64MiB"}], **extra})
+    w = WorkerSide(settings, model_id="m", block_size=16, rank=0, world_size=1, lookup_address=None)
+    g = torch.Generator().manual_seed(5)
+    w.register_kv_caches({f"l{i}": torch.randn(16, 2, 16, 16, generator=g) for i in range(2)})
+    return w
+
+
+def test_async_saves_with_vllm_033_call_order(tmp_path):
+    """vLLM 0.33's GPU runner asks for transfer results before wait_for_save (and, with
+    a draft model, calls wait_for_save after the next results): a finished request is
+    reported in finished_sending only once the saves planned for it are done, whatever
+    the order."""
+    import threading
+
+    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    w = _worker(tmp_path, async_saves=True)
+    gate = threading.Event()
+    real = w.saves._save
+    w.saves._save = lambda t, meta: (gate.wait(10), real(t, meta))
+    try:
+        step = LMCacheConnectorMetadata(
+            chunk_size=16, saves=[ChunkTransfer("R", [b"a" * 16, b"b" * 16], 0, [16, 32], [3, 4])], step_tokens=32
+        )
+        w.step_started(step)
+        w.start_load_kv(step)
+        assert w.take_finished_saves(set()) == set()  # 0.33: results first...
+        w.wait_for_save(step)  # ...then this step's saves are handed over
+        nxt = LMCacheConnectorMetadata(chunk_size=16)
+        w.step_started(nxt)
+        assert w.take_finished_saves({"R"}) == set(), "reported while its save was still pending"
+        gate.set()
+        w.saves.drain()
+        assert w.take_finished_saves(set()) == {"R"}
+        assert w.take_finished_saves(set()) == set()  # once
+        assert w.engine.lookup_hashes([b"a" * 16, b"b" * 16]) == 2
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_sleep_mode_drains_and_touches_no_block(tmp_path):
+    """unregister_kv_caches (vLLM >= 0.33, before sleep) returns once queued saves are
+    done; until restore_kv_caches no copy touches vLLM's blocks (loads are reported
+    failed, saves skipped); afterwards the cache serves as before."""
+    import threading
+
+    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    w = _worker(tmp_path, async_saves=True)
+    gate = threading.Event()
+    real = w.saves._save
+    w.saves._save = lambda t, meta: (gate.wait(10), real(t, meta))
+    save = LMCacheConnectorMetadata(chunk_size=16, saves=[ChunkTransfer("R", [b"c" * 16], 0, [16], [5])], step_tokens=16)
+    w.step_started(save)
+    w.wait_for_save(save)
+    threading.Timer(0.3, gate.set).start()
+    w.suspend()  # waits for the queued save
+    assert w.suspended and w.saves._pending == {} and w.engine.lookup_hashes([b"c" * 16]) == 1
+    layer = w.layout.layers[0]
+    before = layer.clone()
+    load = LMCacheConnectorMetadata(chunk_size=16, loads=[ChunkTransfer("S", [b"c" * 16], 0, [16], [9])])
+    w.step_started(load)
+    w.start_load_kv(load)
+    assert torch.equal(layer, before), "a load wrote vLLM's blocks during sleep"
+    assert w.get_block_ids_with_load_errors() == {9}
+    more = LMCacheConnectorMetadata(chunk_size=16, saves=[ChunkTransfer("T", [b"d" * 16], 0, [16], [6])], step_tokens=16)
+    w.step_started(more)
+    w.wait_for_save(more)
+    w.saves.drain()
+    assert w.engine.lookup_hashes([b"d" * 16]) == 0
+    w.resume()
+    w.step_started(load)
+    w.start_load_kv(load)
+    assert torch.equal(layer[9], layer[5]) and w.get_block_ids_with_load_errors() == set()
+    w.close()

@@ -36,9 +36,12 @@ TIER_COUNTERS = {
     "tier_evictions": ("tier_evictions", "Chunks evicted per tier"),
     "verify_mismatches": ("verify_mismatches", MEANINGS["verify_mismatches"]),
 }
-# per-tier gauges, shipped as deltas (+1 when quarantined, -1 when released)
+# per-tier gauges, shipped as deltas (+1 when quarantined, -1 when released; bytes
+# held: the change since the last report)
 TIER_GAUGES = {
     "tier_quarantined": ("tier_quarantined", MEANINGS["tier_quarantined"]),
+    "tier_used_bytes": ("tier_used_bytes", "Bytes a tier holds now (this engine's view; shared tiers count every writer)"),
+    "tier_capacity_bytes": ("tier_capacity_bytes", "A tier's byte budget (0: none)"),
 }
 
 

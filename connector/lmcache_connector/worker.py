@@ -684,6 +684,8 @@ class WorkerSide:
                 out[f"tier_put_bytes/{tier.name}"] = s.put_bytes
                 out[f"tier_get_bytes/{tier.name}"] = s.get_bytes
                 out[f"tier_evictions/{tier.name}"] = s.evictions
+                out[f"tier_used_bytes/{tier.name}"] = s.bytes_used
+                out[f"tier_capacity_bytes/{tier.name}"] = s.bytes_capacity or 0
                 out[f"tier_errors/{tier.name}"] = c["backend_errors"].get(tier.name, 0)
                 out[f"verify_mismatches/{tier.name}"] = c["verify_mismatches"].get(tier.name, 0)
                 out[f"tier_quarantined/{tier.name}"] = int(self.engine.quarantine.is_quarantined(tier.name))

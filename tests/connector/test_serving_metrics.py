@@ -113,6 +113,9 @@ def test_vllm_serve_exports_connector_metrics(tiny_model, tmp_path):
         assert _metric(text, "lmcache_core:lookups_total") >= 2
         assert _metric(text, "lmcache_core:tier_put_bytes_total") > 0
         assert 'tier="local_cpu"' in text
+        # occupancy gauges: the 3 stored chunks, against the embedded default's budget
+        assert _metric(text, "lmcache_core:tier_used_bytes") == _metric(text, "lmcache_core:tier_put_bytes_total")
+        assert _metric(text, "lmcache_core:tier_capacity_bytes") > _metric(text, "lmcache_core:tier_used_bytes") > 0
         assert _metric(text, "lmcache_core:verified_chunks_total") == 3
         assert _metric(text, "lmcache_core:verify_mismatches_total") == 0
     finally:

@@ -1,0 +1,743 @@
+"""The OpenAI server as the unit under test: lmcache-core's benchmark of record.
+
+    python bench/bench_serving.py [--quick] [--arms vllm lmc-cpu limit floor ...]
+                                  [--concurrency 1 4 16] [--workloads docqa chat unique vllm-bench]
+                                  [--repeat N] [--out bench/results/serving]
+
+Each arm is a fresh ``python -m vllm.entrypoints.openai.api_server`` (API process,
+engine-core process; vLLM's default multiprocessing) on 127.0.0.1 serving the same
+locally built model (random weights, a byte-level BPE tokenizer trained on the spot, so
+text clients work), every arm with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (see
+docs/deployment.md). Arms, run in turn and, with ``--repeat``, in a rotating order:
+
+- ``vllm``: vLLM alone, its prefix cache on, a small KV cache (``--small-kv``);
+- ``lmc-cpu``: the same plus lmcache-core, CPU tier;
+- ``lmc-disk``: a small CPU tier in front of a disk tier;
+- ``lmc-node``: a node-local ``lmcache-core serve`` node loaded through shared memory;
+- ``lmc-redis``: a small CPU tier in front of a ``redis-server`` on loopback;
+- ``limit``: vLLM alone with a KV cache that holds everything (nothing to load);
+- ``floor``: the limit limited to as many running requests as the small cache holds
+  (``--max-num-seqs``): the scheduling floor of the small cache.
+
+Workloads (text prompts; temperature 0; streamed, so first-token and inter-token times
+are the client's):
+
+- ``docqa``: long-document QA, as LMCache's long-doc-QA client: ``--docs`` documents of
+  ``--doc-tokens`` tokens, ``--questions`` questions each, asked round-robin (every
+  document once, then every document again), at each ``--concurrency``; the KV volume
+  is several times the small cache ("pressure").
+- ``chat``: multi-turn chat: users sharing a system prompt, each turn the history plus
+  the last answer plus a new message; ``--concurrency`` users at a time.
+- ``unique``: no reuse: unique prompts at the highest concurrency.
+- ``vllm-bench``: vLLM's own serving benchmark (``vllm.benchmarks.serve``, run through
+  Python because ``vllm bench`` fails on the CPU build), ``prefix_repetition`` dataset.
+
+Printed per workload and concurrency: req/s, output tok/s, TTFT p50/p90/p99, ITL
+p50/p99, tokens vLLM's prefix cache hit, tokens lmcache-core loaded, RSS of the
+server's processes, ratios to ``limit`` and ``floor`` (and to ``vllm`` for ``unique``),
+and whether every arm's greedy outputs are identical. Outputs in ``--out``:
+``results.json``, ``results.md``, ``ttft.png``. Never part of the test pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_KW = dict(hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048, vocab_size=4096)
+"""The demo's model: 6 layers, 4 KV heads of 64, bf16: 6 KiB of KV per token."""
+KV_PER_TOKEN = 6 * 2 * 4 * 64 * 2
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+# -- the model and the prompts ----------------------------------------------------------
+def build_model() -> Path:
+    from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(**MODEL_KW)
+    return build_tiny_model(Path.home() / ".cache" / "lmcache-core" / f"serving-{spec.tag()}", spec)
+
+
+class Texts:
+    """Text of exact token lengths for the model's tokenizer: random words from the
+    tokenizer's own training text (so the prompts look like prose to it)."""
+
+    def __init__(self, model: Path, seed: int = 0) -> None:
+        from transformers import AutoTokenizer
+
+        from lmcache_connector.tiny_model import corpus
+
+        self.tok = AutoTokenizer.from_pretrained(model)
+        words = sorted(set(re.findall(r"[A-Za-z]{3,12}", " ".join(corpus(1 << 20)))))
+        self.words = words
+        self.rng = random.Random(seed)
+
+    def text(self, n_tokens: int) -> str:
+        """About ``n_tokens`` tokens of text (exact after encoding and decoding)."""
+        words = " ".join(self.rng.choice(self.words) for _ in range(n_tokens))
+        ids = self.tok(words, add_special_tokens=False)["input_ids"][:n_tokens]
+        return self.tok.decode(ids)
+
+    def count(self, text: str) -> int:
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+
+
+# -- servers ------------------------------------------------------------------------------
+@dataclass
+class Arm:
+    name: str
+    connector: bool = False
+    kv_bytes: int = 0
+    max_num_seqs: int | None = None
+    tiers: str = "cpu"  # cpu | disk | node | redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+        return r.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+            if m:
+                total += float(m.group(2))
+    return total
+
+
+@contextmanager
+def helper_services(arm: Arm, tmp: Path, config: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """The tier configuration for ``arm`` (``config`` when given) and whatever process
+    it needs (a cache node, a redis-server), stopped afterwards."""
+    procs: list[subprocess.Popen] = []
+    cfg: dict[str, Any] = dict(config) if config is not None else {"chunk_size": 256}
+    small_cpu = {"name": "local_cpu", "max_size": "64MiB"}
+    try:
+        if config is not None:
+            pass
+        elif arm.tiers == "cpu":
+            cfg["backends"] = [{"name": "local_cpu", "max_size": "2GiB"}]
+        elif arm.tiers == "disk":
+            cfg["backends"] = [small_cpu, {"name": "disk", "path": str(tmp / "disk"), "max_size": "4GiB"}]
+        elif arm.tiers == "node":
+            secret = tmp / "secret"
+            secret.write_text(os.urandom(24).hex())
+            sock = str(tmp / "node.sock")
+            exe = shutil.which("lmcache-core", path=os.path.dirname(sys.executable)) or "lmcache-core"
+            p = subprocess.Popen(
+                [
+                    exe,
+                    "serve",
+                    "--unix-socket",
+                    sock,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--secret-file",
+                    str(secret),
+                    "--max-size",
+                    "2GiB",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            procs.append(p)
+            line = p.stdout.readline() if p.stdout else ""
+            if "shared memory" not in line:
+                raise RuntimeError(f"cache node did not offer shared memory: {line!r}")
+            cfg["backends"] = [
+                small_cpu,
+                {
+                    "name": "peer",
+                    "unix_socket": sock,
+                    "shm": True,
+                    "secret_file": str(secret),
+                    "max_size": 0,
+                    "timeout_ms": 30_000,
+                },
+            ]
+        elif arm.tiers == "redis":
+            binary = shutil.which("redis-server")
+            if not binary:
+                raise RuntimeError("lmc-redis needs redis-server on PATH (apt-get install redis-server)")
+            port = free_port()
+            p = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
+                stdout=subprocess.DEVNULL,
+            )
+            procs.append(p)
+            for _ in range(100):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            cfg["backends"] = [small_cpu, {"name": "redis", "url": f"redis://127.0.0.1:{port}/0", "max_size": "2GiB"}]
+        yield cfg
+    finally:
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@contextmanager
+def server(
+    arm: Arm, model: Path, args: argparse.Namespace, tmp: Path, config: dict[str, Any] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A fresh OpenAI server for ``arm`` (lmcache-core's tiers from ``config`` when
+    given); yields (base URL, process)."""
+    with helper_services(arm, tmp, config) as cfg:
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--max-model-len",
+            str(args.max_model_len),
+            "--max-num-batched-tokens",
+            str(args.max_batched),
+            "--kv-cache-memory-bytes",
+            str(arm.kv_bytes),
+            "--seed",
+            "0",
+            "--enable-prefix-caching",
+        ]
+        if arm.max_num_seqs:
+            cmd += ["--max-num-seqs", str(arm.max_num_seqs)]
+        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as users run it
+        if arm.connector:
+            yaml_path = tmp / f"{arm.name}.yaml"
+            yaml_path.write_text(json.dumps(cfg))  # JSON is YAML
+            ktc = {
+                "kv_connector": "LMCacheCoreConnector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"config_file": str(yaml_path)},
+            }
+            cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        logf = open(tmp / f"{arm.name}.server.log", "w")
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + args.start_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{arm.name}: server exited ({proc.returncode}); see {logf.name}")
+                try:
+                    http_get(base + "/health", timeout=2)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{arm.name}: server not up after {args.start_timeout} s; see {logf.name}") from None
+                    time.sleep(1)
+            yield base, proc
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+                proc.wait(30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(10)
+            logf.close()
+
+
+def rss_mib(proc: subprocess.Popen) -> dict[str, float]:
+    """Resident memory of the server's processes, by role."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                name = (
+                    "api"
+                    if p.pid == root.pid
+                    else ("engine-core" if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") else p.name())
+                )
+                out[name] = out.get(name, 0.0) + p.memory_info().rss / 2**20
+            except psutil.Error:
+                continue
+    except psutil.Error:
+        pass
+    return out
+
+
+# -- the client ---------------------------------------------------------------------------
+@dataclass
+class Result:
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    output_tokens: int = 0
+    text: str = ""
+    error: str | None = None
+
+
+async def complete(session: Any, base: str, model: str, prompt: str, max_tokens: int) -> Result:
+    """One streamed /v1/completions request."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    r = Result()
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with session.post(base + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return r
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if msg.get("usage"):
+                    r.output_tokens = msg["usage"].get("completion_tokens", r.output_tokens)
+                for ch in msg.get("choices", []):
+                    if ch.get("text"):
+                        now = time.perf_counter()
+                        if not r.text and r.ttft == 0.0:
+                            r.ttft = now - t0
+                        else:
+                            r.itl.append(now - last)
+                        last = now
+                        r.text += ch["text"]
+    except Exception as err:  # a failed request is counted, never fatal
+        r.error = f"{type(err).__name__}: {err}"
+    r.latency = time.perf_counter() - t0
+    return r
+
+
+async def run_requests(base: str, model: str, prompts: list[tuple[str, int]], concurrency: int) -> tuple[list[Result], float]:
+    """Send ``prompts`` (text, max_tokens) in order, ``concurrency`` in flight."""
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(p: tuple[str, int]) -> Result:
+            async with sem:
+                return await complete(session, base, model, p[0], p[1])
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        return list(results), time.perf_counter() - t0
+
+
+async def run_chat(
+    base: str, model: str, users: list[list[str]], system: str, answer_tokens: int, concurrency: int
+) -> tuple[list[Result], float]:
+    """Multi-turn chat: each user's turns in order (history + answer + new message),
+    ``concurrency`` users at a time."""
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    results: list[Result] = []
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def user(turns: list[str]) -> None:
+            async with sem:
+                history = system
+                for msg in turns:
+                    history += "\nUser: " + msg + "\nAssistant:"
+                    r = await complete(session, base, model, history, answer_tokens)
+                    results.append(r)
+                    history += r.text
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(t) for t in users))
+        return results, time.perf_counter() - t0
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+def summarize(results: list[Result], wall: float) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    itl = [x for r in ok for x in r.itl]
+    ttft = [r.ttft for r in ok]
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "wall_s": round(wall, 2),
+        "req_per_s": round(len(ok) / wall, 3) if wall else 0.0,
+        "out_tok_per_s": round(sum(r.output_tokens for r in ok) / wall, 1) if wall else 0.0,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p90": pct(ttft, 90),
+        "ttft_p99": pct(ttft, 99),
+        "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"),
+        "itl_p50": pct(itl, 50),
+        "itl_p99": pct(itl, 99),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+    }
+
+
+# -- workloads ----------------------------------------------------------------------------
+def docqa_prompts(texts: Texts, args: argparse.Namespace) -> list[tuple[str, int]]:
+    docs = [texts.text(args.doc_tokens) for _ in range(args.docs)]
+    questions = [[texts.text(12) + "?" for _ in range(args.questions)] for _ in docs]
+    out = []
+    for q in range(args.questions):  # round-robin: every document once, then again
+        for d, doc in enumerate(docs):
+            out.append((doc + "\nQuestion: " + questions[d][q] + "\nAnswer:", args.output_tokens))
+    return out
+
+
+def chat_users(texts: Texts, args: argparse.Namespace, n_users: int) -> tuple[str, list[list[str]]]:
+    system = "System: " + texts.text(args.chat_system_tokens)
+    users = [[texts.text(args.chat_message_tokens) for _ in range(args.chat_turns)] for _ in range(n_users)]
+    return system, users
+
+
+def unique_prompts(texts: Texts, args: argparse.Namespace) -> list[tuple[str, int]]:
+    return [(texts.text(args.doc_tokens), args.output_tokens) for _ in range(args.unique)]
+
+
+def vllm_bench(base: str, model: Path, args: argparse.Namespace, concurrency: int, tmp: Path) -> dict[str, Any]:
+    """vLLM's own serving benchmark (prefix_repetition), through Python: the ``vllm``
+    CLI fails on the CPU build."""
+    n_prompts = max(8, args.bench_prompts)
+    code = (
+        "import json,sys\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "from vllm.benchmarks.serve import add_cli_args, main\n"
+        "p = FlexibleArgumentParser(); add_cli_args(p)\n"
+        "r = main(p.parse_args(sys.argv[1:]))\n"
+        "print('VLLM_BENCH ' + json.dumps({k: v for k, v in r.items() if isinstance(v, (int, float))}))\n"
+    )
+    cmd = [
+        sys.executable,
+        "-c",
+        code,
+        "--backend",
+        "vllm",
+        "--base-url",
+        base,
+        "--model",
+        str(model),
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        str(args.doc_tokens),
+        "--prefix-repetition-suffix-len",
+        "64",
+        "--prefix-repetition-num-prefixes",
+        str(args.docs),
+        "--prefix-repetition-output-len",
+        str(args.output_tokens),
+        "--num-prompts",
+        str(n_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,itl",
+        "--metric-percentiles",
+        "50,90,99",
+        "--disable-tqdm",
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("VLLM_BENCH ")), None)
+    if line is None:
+        (tmp / "vllm-bench.err").write_text(p.stdout[-5000:] + p.stderr[-5000:])
+        return {"error": f"vllm bench failed (exit {p.returncode}); see {tmp / 'vllm-bench.err'}"}
+    r = json.loads(line[len("VLLM_BENCH ") :])
+    return {
+        "requests": r.get("completed"),
+        "failed": r.get("failed", 0),
+        "req_per_s": r.get("request_throughput"),
+        "out_tok_per_s": r.get("output_throughput"),
+        "ttft_p50": (r.get("p50_ttft_ms") or float("nan")) / 1e3,
+        "ttft_p90": (r.get("p90_ttft_ms") or float("nan")) / 1e3,
+        "ttft_p99": (r.get("p99_ttft_ms") or float("nan")) / 1e3,
+        "ttft_mean": (r.get("mean_ttft_ms") or float("nan")) / 1e3,
+        "itl_p50": (r.get("p50_itl_ms") or float("nan")) / 1e3,
+        "itl_p99": (r.get("p99_itl_ms") or float("nan")) / 1e3,
+    }
+
+
+# -- one arm ------------------------------------------------------------------------------
+def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    texts = Texts(model, seed=texts_seed)  # the same prompts for every arm
+    out: dict[str, Any] = {"arm": arm.name, "runs": {}}
+    with server(arm, model, args, tmp) as (base, proc):
+        name = str(model)
+
+        def counters() -> tuple[float, float]:
+            m = http_get(base + "/metrics", timeout=10)
+            return metric(m, "vllm:prefix_cache_hits_total"), metric(m, "lmcache_core:loaded_tokens_total")
+
+        # one warm-up request no workload reuses
+        asyncio.run(run_requests(base, name, [(texts.text(64), 4)], 1))
+        for wl in args.workloads:
+            levels = [max(args.concurrency)] if wl == "unique" else args.concurrency
+            for c in levels:
+                texts.rng.seed(hash((wl, c)) & 0xFFFF)  # the same prompts per (workload, concurrency)
+                h0, l0 = counters()
+                key = f"{wl}@{c}"
+                if wl == "docqa":
+                    results, wall = asyncio.run(run_requests(base, name, docqa_prompts(texts, args), c))
+                    summary = summarize(results, wall)
+                elif wl == "chat":
+                    system, users = chat_users(texts, args, max(c, args.chat_users))
+                    results, wall = asyncio.run(run_chat(base, name, users, system, args.output_tokens, c))
+                    summary = summarize(results, wall)
+                elif wl == "unique":
+                    results, wall = asyncio.run(run_requests(base, name, unique_prompts(texts, args), c))
+                    summary = summarize(results, wall)
+                elif wl == "vllm-bench":
+                    results = []
+                    summary = vllm_bench(base, model, args, c, tmp)
+                else:
+                    raise SystemExit(f"unknown workload {wl}")
+                h1, l1 = counters()
+                summary["vllm_hit_tokens"] = int(h1 - h0)
+                summary["loaded_tokens"] = int(l1 - l0)
+                summary["rss_mib"] = {k: round(v) for k, v in rss_mib(proc).items()}
+                summary["outputs"] = [r.text for r in results]
+                out["runs"][key] = summary
+                log(
+                    f"  {arm.name:10} {key:14} TTFT p50 {summary.get('ttft_p50', float('nan')):.3f} s  "
+                    f"p90 {summary.get('ttft_p90', float('nan')):.3f}  {summary.get('req_per_s') or 0:.2f} req/s  "
+                    f"{summary.get('out_tok_per_s') or 0:.1f} tok/s  ITL p99 {summary.get('itl_p99', float('nan')) * 1e3:.1f} ms  "
+                    f"hits vLLM {summary['vllm_hit_tokens']} / ours {summary['loaded_tokens']}  failed {summary.get('failed')}"
+                )
+    return out
+
+
+# -- report -------------------------------------------------------------------------------
+def merge(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """arm -> workload@c -> the median over rounds of each figure (outputs from round 1)."""
+    by: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in rounds:
+        for key, s in r["runs"].items():
+            by.setdefault(r["arm"], {}).setdefault(key, []).append(s)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for arm, runs in by.items():
+        for key, ss in runs.items():
+            m: dict[str, Any] = {}
+            for f, v in ss[0].items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    vals = [s[f] for s in ss if isinstance(s.get(f), (int, float))]
+                    m[f] = statistics.median(vals) if vals else v
+                else:
+                    m[f] = v
+            m["rounds"] = len(ss)
+            out.setdefault(arm, {})[key] = m
+    return out
+
+
+def report(merged: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace, machine: str) -> list[str]:
+    keys = sorted({k for runs in merged.values() for k in runs}, key=lambda k: (k.split("@")[0], int(k.split("@")[1])))
+    lines = [f"# bench_serving ({machine})", ""]
+    for key in keys:
+        lines += [
+            f"## {key}",
+            "",
+            "| arm | TTFT p50 s | p90 | p99 | req/s | out tok/s | ITL p50 ms | ITL p99 ms | vLLM hits | loaded | failed | TTFT p50 / limit | / floor | tok/s / limit | RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lim = merged.get("limit", {}).get(key)
+        flo = merged.get("floor", {}).get(key)
+        van = merged.get("vllm", {}).get(key)
+        for arm in args.arms:
+            s = merged.get(arm, {}).get(key)
+            if not s or "error" in s:
+                if s:
+                    lines.append(f"| {arm} | {s['error']} |")
+                continue
+
+            def ratio(a: dict[str, Any] | None, f: str, s: dict[str, Any] = s) -> str:
+                if not a or not a.get(f):
+                    return ""
+                return f"{s[f] / a[f]:.2f}x"
+
+            rss = "+".join(str(v) for v in s.get("rss_mib", {}).values())
+            lines.append(
+                f"| {arm} | {s['ttft_p50']:.3f} | {s['ttft_p90']:.3f} | {s['ttft_p99']:.3f} | {s['req_per_s']:.2f} | "
+                f"{s['out_tok_per_s']:.1f} | {s['itl_p50'] * 1e3:.1f} | {s['itl_p99'] * 1e3:.1f} | {s['vllm_hit_tokens']} | "
+                f"{s['loaded_tokens']} | {s['failed']} | {ratio(lim, 'ttft_p50')} | {ratio(flo, 'ttft_p50')} | "
+                f"{ratio(lim, 'out_tok_per_s')} | {rss} |"
+            )
+            if key.startswith("unique") and van and arm != "vllm":
+                lines.append(
+                    f"|  vs vllm | | | | | {s['out_tok_per_s'] / van['out_tok_per_s']:.3f}x | | {s['itl_p99'] / van['itl_p99']:.3f}x | | | | | | | |"
+                )
+        outs = {arm: merged[arm][key].get("outputs") for arm in args.arms if key in merged.get(arm, {})}
+        outs = {a: o for a, o in outs.items() if o}
+        if len(outs) > 1:
+            ref_arm, ref = next(iter(outs.items()))
+            same = {a: sum(x == y for x, y in zip(o, ref)) for a, o in outs.items()}
+            n = len(ref)
+            lines += ["", "greedy outputs identical to " + ref_arm + ": " + ", ".join(f"{a} {k}/{n}" for a, k in same.items())]
+        lines.append("")
+    return lines
+
+
+def plot(merged: dict[str, dict[str, dict[str, Any]]], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = sorted({k for runs in merged.values() for k in runs if not k.startswith("unique")})
+    if not keys:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(keys)), 4))
+    arms = list(merged)
+    width = 0.8 / max(1, len(arms))
+    for i, arm in enumerate(arms):
+        ys = [merged[arm].get(k, {}).get("ttft_p50", float("nan")) for k in keys]
+        ax.bar([j + i * width for j in range(len(keys))], ys, width, label=arm)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys, rotation=20)
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png", dpi=120)
+
+
+ARMS = {
+    "vllm": lambda a: Arm("vllm", kv_bytes=a.small_kv),
+    "lmc-cpu": lambda a: Arm("lmc-cpu", connector=True, kv_bytes=a.small_kv, tiers="cpu"),
+    "lmc-disk": lambda a: Arm("lmc-disk", connector=True, kv_bytes=a.small_kv, tiers="disk"),
+    "lmc-node": lambda a: Arm("lmc-node", connector=True, kv_bytes=a.small_kv, tiers="node"),
+    "lmc-redis": lambda a: Arm("lmc-redis", connector=True, kv_bytes=a.small_kv, tiers="redis"),
+    "limit": lambda a: Arm("limit", kv_bytes=a.large_kv),
+    "floor": lambda a: Arm("floor", kv_bytes=a.large_kv, max_num_seqs=a.floor_seqs),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", nargs="+", default=["vllm", "lmc-cpu", "limit", "floor"], choices=sorted(ARMS))
+    p.add_argument("--workloads", nargs="+", default=["docqa", "chat", "unique", "vllm-bench"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--docs", type=int, default=10)
+    p.add_argument("--doc-tokens", type=int, default=2000)
+    p.add_argument("--questions", type=int, default=2)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--chat-users", type=int, default=8)
+    p.add_argument("--chat-turns", type=int, default=4)
+    p.add_argument("--chat-system-tokens", type=int, default=600)
+    p.add_argument("--chat-message-tokens", type=int, default=150)
+    p.add_argument("--unique", type=int, default=24)
+    p.add_argument("--bench-prompts", type=int, default=20)
+    p.add_argument("--small-kv", type=int, default=120 << 20, help="vLLM's KV cache in the small arms (bytes)")
+    p.add_argument("--large-kv", type=int, default=1 << 30, help="vLLM's KV cache in limit/floor (bytes)")
+    p.add_argument("--floor-seqs", type=int, default=0, help="floor's --max-num-seqs (default: what the small cache holds)")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-batched", type=int, default=2048)
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--repeat", type=int, default=1, help="rounds, the arms' order rotating")
+    p.add_argument("--quick", action="store_true", help="fewer, shorter requests; concurrency 1 and 4")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"))
+    a = p.parse_args(argv)
+    if a.quick:
+        a.docs, a.doc_tokens, a.unique, a.chat_users, a.chat_turns, a.bench_prompts = 6, 1000, 8, 4, 3, 8
+        a.concurrency = [c for c in a.concurrency if c <= 4] or [4]
+    working_set = a.docs * (a.doc_tokens + 40) * KV_PER_TOKEN
+    if not a.floor_seqs:
+        a.floor_seqs = max(1, int(a.small_kv // ((a.doc_tokens + 60) * KV_PER_TOKEN)))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model()
+    import platform
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    log(
+        f"bench_serving: {machine}; model {model.name}; docqa KV volume {working_set / 2**20:.0f} MiB = "
+        f"{working_set / a.small_kv:.1f}x the small cache ({a.small_kv >> 20} MiB); floor --max-num-seqs {a.floor_seqs}; "
+        f"VLLM_CPU_NUM_OF_RESERVED_CPU=1 in every arm"
+    )
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmpdir:
+        tmp = Path(tmpdir)
+        for r in range(a.repeat):
+            order = a.arms[r % len(a.arms) :] + a.arms[: r % len(a.arms)]
+            for name in order:
+                arm = ARMS[name](a)
+                log(f"round {r + 1}/{a.repeat}: {name}")
+                try:
+                    rounds.append(run_arm(arm, model, 0, a, tmp))
+                except Exception as err:
+                    log(f"  {name}: FAILED: {type(err).__name__}: {err}")
+                    logs = sorted(tmp.glob(f"{name}.server.log"))
+                    if logs:
+                        log("\n".join(logs[0].read_text(errors="replace").splitlines()[-15:]))
+        if (tmp / "vllm-bench.err").exists():
+            shutil.copy(tmp / "vllm-bench.err", out / "vllm-bench.err")
+    merged = merge(rounds)
+    lines = report(merged, a, machine)
+    (out / "results.md").write_text("\n".join(lines))
+    (out / "results.json").write_text(json.dumps({"args": vars(a), "rounds": rounds}, default=str, indent=1))
+    plot(merged, out)
+    log("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Serving soak: vLLM's OpenAI server with lmcache-core (CPU + disk tiers, together a
+quarter of the working set) under ``--concurrency`` clients for ``--duration`` seconds,
+half the requests reusing one of ``--docs`` documents, half unique.
+
+    python bench/bench_serving_soak.py [--duration 1800] [--concurrency 8] [--quick]
+
+Every ``--sample-every`` seconds it records the RSS of every server process, each
+tier's bytes against its budget (``lmcache_core:tier_used_bytes`` /
+``tier_capacity_bytes``, and the disk directory's size on disk), requests done and
+failed, tier errors. At the end a fresh vLLM-alone server answers a sample of the
+reused prompts one at a time; the soak's greedy answers to them must be identical.
+
+Verdicts (printed, exit status 1 on a miss): RSS of every process grows at most 2% per
+10 minutes after the first 5 (least-squares slope over the samples); no tier over its
+budget; 0 failed requests; every sampled output identical. Never part of the test pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving as bs  # noqa: E402
+
+
+def slope_per_10min(points: list[tuple[float, float]]) -> float:
+    """Least-squares growth of ``points`` (seconds, MiB) per 10 minutes, relative to the
+    first value (0.02 = 2%)."""
+    if len(points) < 3:
+        return 0.0
+    n = len(points)
+    mx = sum(t for t, _ in points) / n
+    my = sum(v for _, v in points) / n
+    var = sum((t - mx) ** 2 for t, _ in points)
+    if not var:
+        return 0.0
+    b = sum((t - mx) * (v - my) for t, v in points) / var
+    return b * 600 / max(points[0][1], 1e-9)
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def tier_gauges(text: str) -> dict[str, tuple[float, float]]:
+    """tier -> (used bytes, capacity bytes) from /metrics."""
+    import re
+
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = re.match(r'^lmcache_core:tier_(used|capacity)_bytes\{[^}]*tier="([^"]+)"[^}]*\} ([0-9.e+-]+)$', line)
+        if m:
+            out.setdefault(m.group(2), [0.0, 0.0])[0 if m.group(1) == "used" else 1] += float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+async def load(
+    base: str,
+    model: str,
+    docs: list[str],
+    texts: bs.Texts,
+    args: argparse.Namespace,
+    stop: float,
+    log: list[dict[str, Any]],
+    answers: dict[int, list[str]],
+) -> None:
+    import aiohttp
+
+    rng = random.Random(7)
+    sample = set(range(min(args.sample, len(docs))))
+    lock = asyncio.Lock()
+
+    async def client(i: int, session: Any) -> None:
+        while time.monotonic() < stop:
+            if rng.random() < args.reuse:
+                d = rng.randrange(len(docs))
+                prompt = docs[d] + "\nQuestion: what does it say?\nAnswer:"
+            else:
+                d = -1
+                prompt = texts.text(args.doc_tokens)
+            r = await bs.complete(session, base, model, prompt, args.output_tokens)
+            async with lock:
+                log.append({"t": time.monotonic(), "ok": r.error is None, "ttft": r.ttft, "doc": d, "error": r.error})
+                if r.error is None and d in sample:
+                    answers.setdefault(d, []).append(r.text)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        await asyncio.gather(*(client(i, session) for i in range(args.concurrency)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=1800)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--docs", type=int, default=40)
+    p.add_argument("--doc-tokens", type=int, default=2000)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--reuse", type=float, default=0.5, help="share of requests that reuse a document")
+    p.add_argument("--sample", type=int, default=8, help="documents whose answers are checked against vLLM alone")
+    p.add_argument("--sample-every", type=float, default=60)
+    p.add_argument("--small-kv", type=int, default=120 << 20)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-batched", type=int, default=2048)
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--quick", action="store_true", help="3 minutes, 12 documents")
+    p.add_argument("--json", default=None, help="write the samples and verdicts here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.duration, a.docs, a.sample_every, a.sample = 180, 12, 20, 4
+    model = bs.build_model()
+    working_set = a.docs * (a.doc_tokens + 20) * bs.KV_PER_TOKEN
+    quarter = working_set // 4
+    cpu_budget, disk_budget = quarter // 4, quarter - quarter // 4
+    samples: list[dict[str, Any]] = []
+    requests: list[dict[str, Any]] = []
+    answers: dict[int, list[str]] = {}
+    with tempfile.TemporaryDirectory(prefix="serving-soak-") as tmpdir:
+        tmp = Path(tmpdir)
+        disk = tmp / "disk"
+        arm = bs.Arm("lmc-soak", connector=True, kv_bytes=a.small_kv, tiers="custom")
+        cfg = {
+            "chunk_size": 256,
+            "backends": [
+                {"name": "local_cpu", "max_size": cpu_budget},
+                {"name": "disk", "path": str(disk), "max_size": disk_budget},
+            ],
+        }
+        texts = bs.Texts(model, seed=3)
+        docs = [texts.text(a.doc_tokens) for _ in range(a.docs)]
+        bs.log(
+            f"soak: {a.duration:.0f} s at concurrency {a.concurrency}, {a.docs} documents of {a.doc_tokens} tokens "
+            f"({working_set / 2**20:.0f} MiB of KV), reuse {a.reuse:.0%}; CPU tier {cpu_budget / 2**20:.0f} MiB + "
+            f"disk {disk_budget / 2**20:.0f} MiB (a quarter of the working set)"
+        )
+        with bs.server(arm, model, a, tmp, config=cfg) as (base, proc):
+            t0 = time.monotonic()
+            stop = t0 + a.duration
+            done = threading.Event()
+
+            def sampler() -> None:
+                while not done.wait(a.sample_every):
+                    try:
+                        m = bs.http_get(base + "/metrics", timeout=10)
+                    except OSError as err:
+                        samples.append({"t": time.monotonic() - t0, "error": str(err)})
+                        continue
+                    samples.append(
+                        {
+                            "t": round(time.monotonic() - t0, 1),
+                            "rss_mib": bs.rss_mib(proc),
+                            "tiers": tier_gauges(m),
+                            "disk_on_disk": disk_bytes(disk),
+                            "tier_errors": bs.metric(m, "lmcache_core:tier_errors_total"),
+                            "loaded_tokens": bs.metric(m, "lmcache_core:loaded_tokens_total"),
+                            "requests": len(requests),
+                            "failed": sum(1 for r in requests if not r["ok"]),
+                        }
+                    )
+                    s = samples[-1]
+                    bs.log(
+                        f"  t={s['t']:6.0f} s  requests {s['requests']} (failed {s['failed']})  RSS "
+                        + " ".join(f"{k} {v:.0f}" for k, v in s["rss_mib"].items())
+                        + "  tiers "
+                        + " ".join(f"{k} {u / 2**20:.0f}/{c / 2**20:.0f} MiB" for k, (u, c) in s["tiers"].items())
+                        + f"  loaded {s['loaded_tokens']:.0f}"
+                    )
+
+            th = threading.Thread(target=sampler, daemon=True)
+            th.start()
+            asyncio.run(load(base, str(model), docs, texts, a, stop, requests, answers))
+            done.set()
+            th.join()
+        # the reference: vLLM alone, one request at a time
+        ref: dict[int, str] = {}
+        with bs.server(bs.Arm("vllm-ref", kv_bytes=a.small_kv), model, a, tmp) as (base, _):
+
+            async def refs() -> None:
+                import aiohttp
+
+                async with aiohttp.ClientSession() as session:
+                    for d in sorted(answers):
+                        r = await bs.complete(
+                            session, base, str(model), docs[d] + "\nQuestion: what does it say?\nAnswer:", a.output_tokens
+                        )
+                        ref[d] = r.text
+
+            asyncio.run(refs())
+    # verdicts
+    lines = ["", "## serving soak", ""]
+    after = [s for s in samples if "rss_mib" in s and s["t"] >= min(300, a.duration / 3)]
+    growth = {}
+    for name in sorted({k for s in after for k in s["rss_mib"]}):
+        growth[name] = slope_per_10min([(s["t"], s["rss_mib"][name]) for s in after if name in s["rss_mib"]])
+    over = []
+    for s in samples:
+        for tier, (used, cap) in s.get("tiers", {}).items():
+            if cap and used > cap:
+                over.append((s["t"], tier, used, cap))
+        if s.get("disk_on_disk", 0) > disk_budget * 1.05:  # file system overhead aside
+            over.append((s["t"], "disk (on disk)", s["disk_on_disk"], disk_budget))
+    failed = sum(1 for r in requests if not r["ok"])
+    same = sum(1 for d, outs in answers.items() for o in outs if o == ref.get(d))
+    total_sampled = sum(len(o) for o in answers.values())
+    ok_rss = all(g <= 0.02 for g in growth.values())
+    verdicts = {
+        "rss_growth_per_10min": {k: round(v, 4) for k, v in growth.items()},
+        "rss_ok": ok_rss,
+        "over_budget": over[:5],
+        "failed_requests": failed,
+        "requests": len(requests),
+        "sampled_identical": f"{same}/{total_sampled}",
+        "pass": ok_rss and not over and failed == 0 and same == total_sampled,
+    }
+    lines += [
+        f"- requests: {len(requests)} in {a.duration:.0f} s at concurrency {a.concurrency}, failed {failed}",
+        f"- RSS growth per 10 min after the first {min(300, a.duration / 3):.0f} s: "
+        + ", ".join(f"{k} {v:+.2%}" for k, v in growth.items())
+        + f" ({'PASS' if ok_rss else 'MISS'}: <= 2%)",
+        f"- tiers over budget: {len(over)} samples ({'PASS' if not over else 'MISS'})",
+        f"- sampled greedy outputs identical to vLLM alone: {same}/{total_sampled} "
+        f"({'PASS' if same == total_sampled else 'MISS'})",
+    ]
+    bs.log("\n".join(lines))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"samples": samples, "verdicts": verdicts}, default=str, indent=1))
+    return 0 if verdicts["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -111,6 +111,7 @@ class Arm:
     kv_bytes: int = 0
     max_num_seqs: int | None = None
     tiers: str = "cpu"  # cpu | disk | node | redis
+    chunk_size: int = 256
 
 
 def free_port() -> int:
@@ -139,7 +140,7 @@ def helper_services(arm: Arm, tmp: Path, config: dict[str, Any] | None = None) -
     """The tier configuration for ``arm`` (``config`` when given) and whatever process
     it needs (a cache node, a redis-server), stopped afterwards."""
     procs: list[subprocess.Popen] = []
-    cfg: dict[str, Any] = dict(config) if config is not None else {"chunk_size": 256}
+    cfg: dict[str, Any] = dict(config) if config is not None else {"chunk_size": arm.chunk_size}
     small_cpu = {"name": "local_cpu", "max_size": "64MiB"}
     try:
         if config is not None:
@@ -283,8 +284,18 @@ def server(
             logf.close()
 
 
-def rss_mib(proc: subprocess.Popen) -> dict[str, float]:
-    """Resident memory of the server's processes, by role."""
+def _role(p: Any, root_pid: int) -> str:
+    if p.pid == root_pid:
+        return "api"
+    name = p.name()
+    if "EngineCore" in name:
+        return "engine-core"
+    if "Worker" in name:
+        return "worker"
+    return name
+
+
+def _per_role(proc: subprocess.Popen, measure: Any) -> dict[str, float]:
     import psutil
 
     out: dict[str, float] = {}
@@ -292,17 +303,24 @@ def rss_mib(proc: subprocess.Popen) -> dict[str, float]:
         root = psutil.Process(proc.pid)
         for p in [root, *root.children(recursive=True)]:
             try:
-                name = (
-                    "api"
-                    if p.pid == root.pid
-                    else ("engine-core" if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") else p.name())
-                )
-                out[name] = out.get(name, 0.0) + p.memory_info().rss / 2**20
+                role = _role(p, root.pid)
+                out[role] = out.get(role, 0.0) + measure(p)
             except psutil.Error:
                 continue
     except psutil.Error:
         pass
     return out
+
+
+def rss_mib(proc: subprocess.Popen) -> dict[str, float]:
+    """Resident memory of the server's processes, by role (api, engine-core, worker)."""
+    return _per_role(proc, lambda p: p.memory_info().rss / 2**20)
+
+
+def cpu_seconds(proc: subprocess.Popen) -> dict[str, float]:
+    """CPU time (user + system) the server's processes have used, by role: a measure
+    of work done that the machine's noise moves far less than wall-clock figures."""
+    return _per_role(proc, lambda p: p.cpu_times().user + p.cpu_times().system)
 
 
 # -- the client ---------------------------------------------------------------------------
@@ -525,9 +543,17 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
     with server(arm, model, args, tmp) as (base, proc):
         name = str(model)
 
-        def counters() -> tuple[float, float]:
+        def counters() -> dict[str, float]:
             m = http_get(base + "/metrics", timeout=10)
-            return metric(m, "vllm:prefix_cache_hits_total"), metric(m, "lmcache_core:loaded_tokens_total")
+            names = {
+                "vllm_hit_tokens": "vllm:prefix_cache_hits_total",
+                "loaded_tokens": "lmcache_core:loaded_tokens_total",
+                "saved_tokens": "lmcache_core:saved_tokens_total",
+                "load_s": "lmcache_core:load_seconds_total",
+                "save_s": "lmcache_core:save_seconds_total",
+                "prompt_tokens": "vllm:prompt_tokens_total",
+            }
+            return {k: metric(m, v) for k, v in names.items()}
 
         # one warm-up request no workload reuses
         asyncio.run(run_requests(base, name, [(texts.text(64), 4)], 1))
@@ -535,11 +561,16 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
             levels = [max(args.concurrency)] if wl == "unique" else args.concurrency
             for c in levels:
                 texts.rng.seed(hash((wl, c)) & 0xFFFF)  # the same prompts per (workload, concurrency)
-                h0, l0 = counters()
+                c0 = counters()
+                cpu0 = cpu_seconds(proc)
                 key = f"{wl}@{c}"
                 if wl == "docqa":
                     results, wall = asyncio.run(run_requests(base, name, docqa_prompts(texts, args), c))
                     summary = summarize(results, wall)
+                    # the first round of questions meets every document for the first time
+                    cold, warm = results[: args.docs], results[args.docs :]
+                    summary["ttft_p50_cold"] = pct([r.ttft for r in cold if r.error is None], 50)
+                    summary["ttft_p50_warm"] = pct([r.ttft for r in warm if r.error is None], 50)
                 elif wl == "chat":
                     system, users = chat_users(texts, args, max(c, args.chat_users))
                     results, wall = asyncio.run(run_chat(base, name, users, system, args.output_tokens, c))
@@ -552,9 +583,11 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
                     summary = vllm_bench(base, model, args, c, tmp)
                 else:
                     raise SystemExit(f"unknown workload {wl}")
-                h1, l1 = counters()
-                summary["vllm_hit_tokens"] = int(h1 - h0)
-                summary["loaded_tokens"] = int(l1 - l0)
+                c1 = counters()
+                cpu1 = cpu_seconds(proc)
+                summary["cpu_s"] = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
+                for k in c0:
+                    summary[k] = round(c1[k] - c0[k], 3) if k.endswith("_s") else int(c1[k] - c0[k])
                 summary["rss_mib"] = {k: round(v) for k, v in rss_mib(proc).items()}
                 summary["outputs"] = [r.text for r in results]
                 out["runs"][key] = summary
@@ -563,6 +596,14 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
                     f"p90 {summary.get('ttft_p90', float('nan')):.3f}  {summary.get('req_per_s') or 0:.2f} req/s  "
                     f"{summary.get('out_tok_per_s') or 0:.1f} tok/s  ITL p99 {summary.get('itl_p99', float('nan')) * 1e3:.1f} ms  "
                     f"hits vLLM {summary['vllm_hit_tokens']} / ours {summary['loaded_tokens']}  failed {summary.get('failed')}"
+                    + (
+                        f"  cold/warm TTFT p50 {summary['ttft_p50_cold']:.3f}/{summary['ttft_p50_warm']:.3f} s"
+                        if "ttft_p50_cold" in summary
+                        else ""
+                    )
+                    + f"  load {summary['load_s']:.2f} s save {summary['save_s']:.2f} s  prompt tokens {summary['prompt_tokens']}"
+                    + "  CPU s "
+                    + " ".join(f"{k} {v:.1f}" for k, v in summary["cpu_s"].items())
                 )
     return out
 
@@ -596,8 +637,8 @@ def report(merged: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespac
         lines += [
             f"## {key}",
             "",
-            "| arm | TTFT p50 s | p90 | p99 | req/s | out tok/s | ITL p50 ms | ITL p99 ms | vLLM hits | loaded | failed | TTFT p50 / limit | / floor | tok/s / limit | RSS MiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| arm | TTFT p50 s | p90 | p99 | req/s | out tok/s | ITL p50 ms | ITL p99 ms | vLLM hits | loaded | failed | TTFT p50 / limit | / floor | tok/s / limit | CPU s api/core/worker | RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lim = merged.get("limit", {}).get(key)
         flo = merged.get("floor", {}).get(key)
@@ -615,15 +656,17 @@ def report(merged: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespac
                 return f"{s[f] / a[f]:.2f}x"
 
             rss = "+".join(str(v) for v in s.get("rss_mib", {}).values())
+            cpu = s.get("cpu_s", {})
+            cpu_txt = "/".join(f"{cpu.get(k, 0):.1f}" for k in ("api", "engine-core", "worker"))
             lines.append(
                 f"| {arm} | {s['ttft_p50']:.3f} | {s['ttft_p90']:.3f} | {s['ttft_p99']:.3f} | {s['req_per_s']:.2f} | "
                 f"{s['out_tok_per_s']:.1f} | {s['itl_p50'] * 1e3:.1f} | {s['itl_p99'] * 1e3:.1f} | {s['vllm_hit_tokens']} | "
                 f"{s['loaded_tokens']} | {s['failed']} | {ratio(lim, 'ttft_p50')} | {ratio(flo, 'ttft_p50')} | "
-                f"{ratio(lim, 'out_tok_per_s')} | {rss} |"
+                f"{ratio(lim, 'out_tok_per_s')} | {cpu_txt} | {rss} |"
             )
             if key.startswith("unique") and van and arm != "vllm":
                 lines.append(
-                    f"|  vs vllm | | | | | {s['out_tok_per_s'] / van['out_tok_per_s']:.3f}x | | {s['itl_p99'] / van['itl_p99']:.3f}x | | | | | | | |"
+                    f"|  vs vllm | | | | | {s['out_tok_per_s'] / van['out_tok_per_s']:.3f}x | | {s['itl_p99'] / van['itl_p99']:.3f}x | | | | | | | | |"
                 )
         outs = {arm: merged[arm][key].get("outputs") for arm in args.arms if key in merged.get(arm, {})}
         outs = {a: o for a, o in outs.items() if o}
@@ -662,10 +705,11 @@ def plot(merged: dict[str, dict[str, dict[str, Any]]], out: Path) -> None:
 
 ARMS = {
     "vllm": lambda a: Arm("vllm", kv_bytes=a.small_kv),
-    "lmc-cpu": lambda a: Arm("lmc-cpu", connector=True, kv_bytes=a.small_kv, tiers="cpu"),
-    "lmc-disk": lambda a: Arm("lmc-disk", connector=True, kv_bytes=a.small_kv, tiers="disk"),
-    "lmc-node": lambda a: Arm("lmc-node", connector=True, kv_bytes=a.small_kv, tiers="node"),
-    "lmc-redis": lambda a: Arm("lmc-redis", connector=True, kv_bytes=a.small_kv, tiers="redis"),
+    "lmc-cpu": lambda a: Arm("lmc-cpu", connector=True, kv_bytes=a.small_kv, tiers="cpu", chunk_size=a.chunk_size),
+    "lmc-disk": lambda a: Arm("lmc-disk", connector=True, kv_bytes=a.small_kv, tiers="disk", chunk_size=a.chunk_size),
+    "lmc-node": lambda a: Arm("lmc-node", connector=True, kv_bytes=a.small_kv, tiers="node", chunk_size=a.chunk_size),
+    "lmc-redis": lambda a: Arm("lmc-redis", connector=True, kv_bytes=a.small_kv, tiers="redis", chunk_size=a.chunk_size),
+    "lmc-cpu-128": lambda a: Arm("lmc-cpu-128", connector=True, kv_bytes=a.small_kv, tiers="cpu", chunk_size=128),
     "limit": lambda a: Arm("limit", kv_bytes=a.large_kv),
     "floor": lambda a: Arm("floor", kv_bytes=a.large_kv, max_num_seqs=a.floor_seqs),
 }
@@ -689,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small-kv", type=int, default=120 << 20, help="vLLM's KV cache in the small arms (bytes)")
     p.add_argument("--large-kv", type=int, default=1 << 30, help="vLLM's KV cache in limit/floor (bytes)")
     p.add_argument("--floor-seqs", type=int, default=0, help="floor's --max-num-seqs (default: what the small cache holds)")
+    p.add_argument("--chunk-size", type=int, default=256, help="lmcache-core's chunk_size in the lmc arms")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-batched", type=int, default=2048)
     p.add_argument("--start-timeout", type=float, default=600)

@@ -32,6 +32,7 @@ ZERO_COPY = "zero_copy"  # get_buffer()/put_buffer(): chunks live in the shared 
 PINNING = "pinning"  # pin()/unpin(): pinned chunks are never evicted
 PERSISTENT = "persistent"  # survives restarts
 SHARED = "shared"  # visible to other processes or machines
+BATCHED = "batched"  # get_many()/put_many() cost about one round trip per batch, not one per chunk
 
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,23 @@ class StorageBackend(abc.ABC):
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
         """Fill ``out`` (dtype and shape as stored) with the chunk. False on a miss,
         including corrupt or mismatched data; ``out`` may then hold anything."""
+
+    # -- batches (every tier; native and declared ``BATCHED`` on remote tiers) -------
+    def get_many(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill each ``outs[i]`` with ``keys[i]``'s chunk; per key, True for a hit and
+        False for a miss, a corrupt or foreign frame or another shape (``outs[i]`` may
+        then hold anything). A result for one key never depends on another key's
+        outcome. This default calls :meth:`get` per key; a tier that declares
+        ``BATCHED`` answers the whole batch in about one round trip (pipelined or
+        parallel requests). May raise: the engine then counts the batch as missed."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output tensors")
+        return [self.get(k, o) for k, o in zip(keys, outs)]
+
+    def put_many(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
+        """Store each ``(key, data)``; per item, True if the chunk is now stored. The
+        default calls :meth:`put` per item; ``BATCHED`` tiers use about one round trip."""
+        return [self.put(k, d) for k, d in items]
 
     @abc.abstractmethod
     def remove(self, key: ChunkKey) -> bool:

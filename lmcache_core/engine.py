@@ -18,14 +18,16 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Mapping, NamedTuple, Sequence, overload
+from typing import Callable, Generator, Iterator, Literal, Mapping, NamedTuple, Sequence, overload
 
 import torch
 
 from . import metrics
 from .backend import PINNING, SHARED, ZERO_COPY, BackendContext, StorageBackend
 from .config import ConfigError, CoreConfig, LoadedConfig, load_config
+from .fetch import fetch_run
 from .loadcost import TierReadModel
 from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
 from .memory import MemoryBuffer, MemoryPool, available_memory
@@ -314,6 +316,8 @@ class CacheEngine:
         self.read_models = [TierReadModel() for _ in self.tiers]
         self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey]]]] = {}
         self._pin_lock = threading.Lock()
+        # reads the next window of a long load while the caller copies this one
+        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-fetch")
         self._closed = False
 
     # -- listeners --------------------------------------------------------------------
@@ -607,20 +611,10 @@ class CacheEngine:
         start = 0
         if tier0 is not None and ZERO_COPY in tier0.capabilities and not self._out(tier0):
             start = 1
-            t0 = time.perf_counter()
-            try:
-                buf = tier0.get_buffer(key)
-            except Exception as err:
-                self._tier_error(tier0, "get", err)
-                buf = None
-            if buf is not None:
-                if buf.dtype == dtype and buf.shape == shape:
-                    self.read_models[0].record(buf.nbytes, time.perf_counter() - t0)
-                    metrics.labeled(metrics.TIER_BYTES, tier0.name, "get").inc(buf.nbytes)
-                    self.counters.add(retrieved_chunks=1)
-                    return buf
-                buf.release()
-                self._tier_error(tier0, "get", ValueError(f"stored chunk has shape {list(buf.shape)}, expected {list(shape)}"))
+            got = self._tier0_buffer(tier0, key, shape, dtype)
+            if got is not None:
+                self.counters.add(retrieved_chunks=1)
+                return got
         buf = self.allocate(shape, dtype)
         if buf is None:
             return None
@@ -628,6 +622,37 @@ class CacheEngine:
             self.counters.add(retrieved_chunks=1)
             return buf
         buf.release()
+        return None
+
+    def iter_chunks(
+        self, hashes: Sequence[bytes], shapes: Sequence[Sequence[int]], dtype: torch.dtype
+    ) -> Generator[MemoryBuffer, None, None]:
+        """Chunks ``hashes[0], hashes[1], ...`` as pool buffers, in order, until the first
+        one no tier holds (the caller releases each): the memory tier key by key, every
+        other tier once per window of chunks (``get_many``: about one round trip on
+        ``BATCHED`` tiers), the next window read while the caller copies this one.
+        See :mod:`lmcache_core.fetch`."""
+        return fetch_run(self, hashes, shapes, dtype, pool=self._fetch_pool)
+
+    def _tier0_buffer(
+        self, tier0: StorageBackend, key: ChunkKey, shape: Sequence[int], dtype: torch.dtype
+    ) -> MemoryBuffer | None:
+        """The zero-copy first tier's own buffer for ``key`` (one reference for the
+        caller), or None on a miss or a chunk of another shape (counted as an error)."""
+        t0 = time.perf_counter()
+        try:
+            buf = tier0.get_buffer(key)
+        except Exception as err:
+            self._tier_error(tier0, "get", err)
+            return None
+        if buf is None:
+            return None
+        if buf.dtype == dtype and buf.shape == tuple(shape):
+            self.read_models[0].record(buf.nbytes, time.perf_counter() - t0)
+            metrics.labeled(metrics.TIER_BYTES, tier0.name, "get").inc(buf.nbytes)
+            return buf
+        buf.release()
+        self._tier_error(tier0, "get", ValueError(f"stored chunk has shape {list(buf.shape)}, expected {list(shape)}"))
         return None
 
     def _retrieve_one(self, key: ChunkKey, out: torch.Tensor, *, start: int = 0, buf: MemoryBuffer | None = None) -> bool:
@@ -807,6 +832,7 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
+        self._fetch_pool.shutdown(wait=True)
         self.pool.stop_populate()
         self.quarantine.close()
         for w in self._writers:

@@ -326,19 +326,17 @@ class WorkerSide:
         """Copy the chunks into vLLM's blocks: the blocks that failed to load."""
         assert self.engine is not None and self.layout is not None and not isinstance(self.layout, GroupedLayout)
         t0 = time.perf_counter()
-        loaded = 0
+        loaded = got = 0
         failed: set[int] = set()
-        # On a GPU the chunks' copies are enqueued one after another and waited for
-        # once; their buffers are held until then.
+        # Chunks come in order from every tier in batches (lmcache_core.fetch); on a
+        # GPU their copies are enqueued one after another and waited for once, their
+        # buffers held until then.
         batch = self.layout.device.type == "cuda"
         held: list[Any] = []
+        chunks = self.engine.iter_chunks(t.hashes, self._chunk_shapes(t, meta), self.layout.dtype)
         try:
-            for i, h in enumerate(t.hashes):
+            for i, buf in enumerate(chunks):
                 lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
-                buf = self.engine.retrieve_buffer(h, self.layout.chunk_shape(hi - lo), self.layout.dtype)
-                if buf is None:
-                    failed = self._fail(t, meta, i)
-                    break
                 try:
                     self.layout.load_chunk(buf.tensor, t.block_ids, lo, hi, t.write_from, wait=not batch)
                 finally:
@@ -347,11 +345,15 @@ class WorkerSide:
                     else:
                         buf.release()
                 loaded += hi - max(lo, t.write_from)
+                got += 1
         finally:
+            chunks.close()
             if held:
                 self.layout.finish()
                 for buf in held:
                     buf.release()
+        if got < len(t.hashes):
+            failed = self._fail(t, meta, got)
         dt = time.perf_counter() - t0
         with self._lock:
             self.loaded_tokens += loaded
@@ -360,6 +362,10 @@ class WorkerSide:
         metrics.TIER_LATENCY.labels("connector", "load_request").observe(dt)
         return failed
 
+    def _chunk_shapes(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> list[tuple[int, ...]]:
+        assert self.layout is not None
+        return [self.layout.chunk_shape(t.chunk_ends[i] - meta.chunk_start(t, i)) for i in range(len(t.hashes))]
+
     def _read_for_pipeline(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> list[LoadItem]:
         """layerwise: read a transfer's chunks from the cache (a miss fails the chunks
         from it on, as in ``_load``); the copies are enqueued by the pipeline."""
@@ -367,14 +373,12 @@ class WorkerSide:
         t0 = time.perf_counter()
         items: list[LoadItem] = []
         loaded = 0
-        for i, h in enumerate(t.hashes):
+        for i, buf in enumerate(self.engine.iter_chunks(t.hashes, self._chunk_shapes(t, meta), self.layout.dtype)):
             lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
-            buf = self.engine.retrieve_buffer(h, self.layout.chunk_shape(hi - lo), self.layout.dtype)
-            if buf is None:
-                self._fail(t, meta, i)
-                break
             items.append(LoadItem(buf, t.block_ids, lo, hi, t.write_from))
             loaded += hi - max(lo, t.write_from)
+        if len(items) < len(t.hashes):
+            self._fail(t, meta, len(items))
         dt = time.perf_counter() - t0
         with self._lock:
             self.loaded_tokens += loaded
@@ -443,25 +447,30 @@ class WorkerSide:
         assert self.engine is not None and isinstance(self.layout, GroupedLayout)
         assert t.group_block_ids is not None
         t0 = time.perf_counter()
-        loaded = 0
-        for i, h in enumerate(t.hashes):
-            lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
-            buf = self.engine.retrieve_buffer(h, self.layout.chunk_shape(hi - lo), torch.uint8)
-            if buf is None:
-                raise LookupError(f"chunk {t.first_chunk + i} is no longer in the cache")
-            try:
-                self.layout.load_chunk(buf.tensor, t.group_block_ids, lo, hi, t.write_from)
-            finally:
-                buf.release()
-            loaded += hi - max(lo, t.write_from)
+        loaded = got = 0
+        shapes = [self.layout.chunk_shape(t.chunk_ends[i] - meta.chunk_start(t, i)) for i in range(len(t.hashes))]
+        chunks = self.engine.iter_chunks(t.hashes, shapes, torch.uint8)
+        try:
+            for i, buf in enumerate(chunks):
+                lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
+                try:
+                    self.layout.load_chunk(buf.tensor, t.group_block_ids, lo, hi, t.write_from)
+                finally:
+                    buf.release()
+                loaded += hi - max(lo, t.write_from)
+                got += 1
+        finally:
+            chunks.close()
+        if got < len(t.hashes):
+            raise LookupError(f"chunk {t.first_chunk + got} is no longer in the cache")
         for bh, end in t.boundaries:
-            buf = self.engine.retrieve_buffer(bh, self.layout.boundary_shape(end), torch.uint8)
-            if buf is None:
+            bbuf = self.engine.retrieve_buffer(bh, self.layout.boundary_shape(end), torch.uint8)
+            if bbuf is None:
                 raise LookupError(f"the boundary object at token {end} is no longer in the cache")
             try:
-                self.layout.load_boundary(buf.tensor, t.group_block_ids, end, t.write_from)
+                self.layout.load_boundary(bbuf.tensor, t.group_block_ids, end, t.write_from)
             finally:
-                buf.release()
+                bbuf.release()
         dt = time.perf_counter() - t0
         with self._lock:
             self.loaded_tokens += loaded

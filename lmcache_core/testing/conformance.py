@@ -234,6 +234,49 @@ class IntegrityTests(BackendFixtures):
         assert backend.get(other, out2) and torch.equal(out2, theirs)  # the frame itself is valid
 
 
+class BatchTests(BackendFixtures):
+    """``get_many``/``put_many``: one result per key, each key's independent of the
+    others (a miss, a corrupt or another key's frame in the middle of a batch is a
+    miss for that key only), the outputs of hits filled; ``BATCHED`` is a promise about
+    cost, not behaviour, so every tier passes these."""
+
+    def test_put_many_then_get_many_round_trip(self, backend: StorageBackend) -> None:
+        keys = [random_key() for _ in range(6)]
+        chunks = [random_chunk(shape=(16, 64), seed=40 + i) for i in range(6)]
+        assert backend.put_many(list(zip(keys, chunks))) == [True] * 6
+        outs = [torch.zeros_like(c) for c in chunks]
+        assert backend.get_many(keys, outs) == [True] * 6
+        for o, c in zip(outs, chunks):
+            assert torch.equal(o, c)
+        with pytest.raises(ValueError):
+            backend.get_many(keys, outs[:-1])
+
+    def test_get_many_judges_each_key_alone(
+        self, backend: StorageBackend, corrupt: Optional[Corrupt], replace_with: Optional[ReplaceWith]
+    ) -> None:
+        keys = [random_key("batch") for _ in range(7)]
+        chunks = [random_chunk(shape=(16, 64), seed=60 + i) for i in range(7)]
+        for i in (0, 1, 3, 4, 5, 6):  # 2 is never stored
+            assert backend.put(keys[i], chunks[i])
+        bad = {2}
+        if corrupt is not None or replace_with is not None or self.stores_frames:
+            damage = self._storage_hook(corrupt, "corrupt")
+            replace = self._storage_hook(replace_with, "replace_with")
+            damage(keys[4])  # a corrupt frame in the middle
+            other = KeyNamespace(model="someone-else").key(keys[5].chunk_hash)
+            assert backend.put(other, random_chunk(shape=(16, 64), seed=99))
+            replace(keys[5], other)  # another key's valid frame in this key's place
+            bad |= {4, 5}
+        outs = [torch.zeros_like(c) for c in chunks]
+        outs[6] = torch.zeros(8, 64, dtype=torch.float16)  # the caller asks for another shape
+        bad.add(6)
+        got = backend.get_many(keys, outs)
+        assert got == [i not in bad for i in range(7)], got
+        for i in range(7):
+            if i not in bad:
+                assert torch.equal(outs[i], chunks[i]), f"chunk {i} served with wrong bytes"
+
+
 class StatsTests(BackendFixtures):
     """``stats()`` counts what happened: puts and their bytes, hits and their bytes,
     misses, chunks held (where the tier knows them)."""
@@ -395,6 +438,7 @@ class BackendConformance(
     RoundTripTests,
     IndexTests,
     IntegrityTests,
+    BatchTests,
     StatsTests,
     ConcurrencyTests,
     LifecycleTests,

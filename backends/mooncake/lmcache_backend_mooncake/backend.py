@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence, TypeVar
 import numpy as np
 import torch
 
-from lmcache_core.backend import SHARED, BackendError, BackendStats, StorageBackend
+from lmcache_core.backend import BATCHED, SHARED, BackendError, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.memory import MemoryBuffer
 from lmcache_core.serde import Codec, try_decode
@@ -64,7 +64,7 @@ def _groups(things: list[T], nbytes: Callable[[T], int]) -> list[list[T]]:
 
 class MooncakeBackend(StorageBackend):
     name = "mooncake"
-    capabilities = frozenset({SHARED})
+    capabilities = frozenset({SHARED, BATCHED})
 
     def __init__(
         self,
@@ -264,14 +264,18 @@ class MooncakeBackend(StorageBackend):
 
     # -- reads ----------------------------------------------------------------------
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        return self.get_batch([key], [out])[0]
+        return self.get_many([key], [out])[0]
 
     def get_batch(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Deprecated name of :meth:`get_many`."""
+        return self.get_many(keys, outs)
+
+    def get_many(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Fill each ``outs[i]`` with chunk ``keys[i]``; per-key hit flags. The chunks go
         in ``batch_get_into`` calls of about :data:`PIPELINE_BYTES`, one at a time;
         verifying one group overlaps the transfer of the next."""
         if len(keys) != len(outs):
-            raise ValueError(f"get_batch: {len(keys)} keys but {len(outs)} output tensors")
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output tensors")
         hits = [False] * len(keys)
         client = self._ready()
         if client is None:
@@ -347,9 +351,13 @@ class MooncakeBackend(StorageBackend):
 
     # -- writes ---------------------------------------------------------------------
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        return self.put_batch([(key, data)])[0]
+        return self.put_many([(key, data)])[0]
 
     def put_batch(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
+        """Deprecated name of :meth:`put_many`."""
+        return self.put_many(items)
+
+    def put_many(self, items: Sequence[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
         """Store each ``(key, tensor)``; per-item success flags. Existing keys are
         successes (no-op); a put rejected for space is skipped. The chunks go in
         ``batch_put_from_multi_buffers`` calls of about :data:`PIPELINE_BYTES`: framing

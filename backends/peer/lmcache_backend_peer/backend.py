@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from lmcache_core.backend import SHARED, BackendStats, StorageBackend
+from lmcache_core.backend import BATCHED, SHARED, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import Codec, encode, try_decode
 
@@ -75,7 +75,7 @@ class _Peer:
 
 class PeerBackend(StorageBackend):
     name = "peer"
-    capabilities = frozenset({SHARED})
+    capabilities = frozenset({SHARED, BATCHED})
 
     def __init__(
         self,
@@ -381,9 +381,11 @@ class PeerBackend(StorageBackend):
             self._stats.misses += 1
         return False
 
-    def get_many(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> int:
-        """Fill ``outs[i]`` with ``keys[i]``, one batched GET per peer round; returns
-        the count of leading chunks filled (like the engine's retrieve)."""
+    def get_many(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill ``outs[i]`` with ``keys[i]``, one batched GET per peer round (shared
+        memory where a node offers it); per key, True for a hit."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output tensors")
         keys = list(keys)
         done = [False] * len(keys)
         for i, k in enumerate(keys):
@@ -406,10 +408,9 @@ class PeerBackend(StorageBackend):
                     done[i] = True
 
             self._call(peer, "get", peer.client.fetch, [keys[i] for i in todo], sink)
-        n = 0
-        while n < len(done) and done[n]:
-            n += 1
-        return n
+        with self._lock:
+            self._stats.misses += done.count(False)
+        return done
 
     def _decode(self, key: ChunkKey, frame: bytes | memoryview, out: torch.Tensor, where: str) -> bool:
         _, reason = try_decode(frame, self.codecs, expect_key=key, out=out)

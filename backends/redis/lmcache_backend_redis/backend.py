@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import redis
 import torch
 
-from lmcache_core.backend import PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
+from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import (
     DTYPE_NAMES,
@@ -77,7 +77,7 @@ def _join(header: bytes, payload: memoryview) -> memoryview:
 
 class RedisBackend(StorageBackend):
     name = "redis"
-    capabilities = frozenset({PERSISTENT, SHARED})
+    capabilities = frozenset({PERSISTENT, SHARED, BATCHED})
 
     def __init__(
         self,

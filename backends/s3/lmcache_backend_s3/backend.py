@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from botocore.exceptions import ClientError
 
-from lmcache_core.backend import PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend, prefix_count
+from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend, prefix_count
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import DTYPE_NAMES, MAX_HEADER_BYTES, Codec, FrameError, encode, parse_header, try_decode
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 class S3Backend(StorageBackend):
     name = "s3"
-    capabilities = frozenset({PERSISTENT, SHARED})
+    capabilities = frozenset({PERSISTENT, SHARED, BATCHED})
 
     def __init__(self, cfg: S3Config, *, codec: Codec, codecs: Mapping[str, Codec], client: Any | None = None) -> None:
         self.cfg = cfg
@@ -58,6 +58,8 @@ class S3Backend(StorageBackend):
         # Whole operations run here (their parts on _pool), so the caller can stop
         # waiting at the deadline; tasks here submit to _pool, never to _ops.
         self._ops = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="lmcache-s3-op")
+        # get_many's parallel GETs (each a whole bounded get: they submit to _ops)
+        self._batch = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="lmcache-s3-batch")
         self._watchdog = Watchdog()
         self.write_concurrency = cfg.max_concurrency  # the engine's write-behind overlaps PUTs
         self._gate = HealthGate(cfg.down_cooldown_s)
@@ -293,6 +295,24 @@ class S3Backend(StorageBackend):
         self._add(hits=1, get_bytes=out.nbytes)
         return True
 
+    def get_many(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """GETs in parallel (``max_concurrency`` at a time, each bounded by the operation
+        deadline): a batch costs about one round trip per ``max_concurrency`` chunks.
+        A key whose GET fails is a miss; the others are unaffected."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output tensors")
+        if len(keys) <= 1:
+            return [self.get(k, o) for k, o in zip(keys, outs)]
+
+        def one(k: ChunkKey, o: torch.Tensor) -> bool:
+            try:
+                return self.get(k, o)
+            except BackendError as err:
+                log.debug("s3 get %s in a batch: %s", self._object(k), err)
+                return False
+
+        return list(self._batch.map(one, keys, outs))
+
     def _bad_frame(self, key: ChunkKey, frame: bytes | bytearray, out: torch.Tensor, reason: str) -> None:
         """A frame that did not decode into ``out``: either the caller asked for another
         shape/dtype (the object is fine) or the object is corrupt or not ours."""
@@ -349,6 +369,7 @@ class S3Backend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        self._batch.shutdown(wait=False, cancel_futures=True)
         self._ops.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._watchdog.close()

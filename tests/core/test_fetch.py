@@ -1,0 +1,144 @@
+"""Loading a run of chunks from the tiers in batches (``CacheEngine.iter_chunks``,
+lmcache_core.fetch): one ``get_many`` per tier per window, chunks in order, promoted
+to the memory tier, the run cut at the first chunk no tier holds, windows read ahead
+while the caller copies, and no pool memory left behind."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from lmcache_core import fetch
+from lmcache_core.engine import CacheEngine
+from lmcache_core.local_cpu import LocalCpuBackend
+
+from .helpers import DictTier, TierPlugin
+from .test_engine import CHUNK_BYTES, SHAPE, chunks_for, engine, prompt
+
+
+class CountingTier(DictTier):
+    """A DictTier that counts batch calls (what one round trip each would cost)."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def get_many(self, keys: Any, outs: Any) -> list[bool]:
+        self.batches.append(len(keys))
+        return super().get_many(keys, outs)
+
+
+@pytest.fixture
+def tiers() -> Iterator[tuple[CacheEngine, LocalCpuBackend, CountingTier]]:
+    from lmcache_core.hookspecs import hookimpl
+
+    class P(TierPlugin):
+        @hookimpl
+        def register_backends(self, register: Any) -> None:
+            register("counting", self._make(CountingTier))
+
+    with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "counting"}], P()) as eng:
+        tier0, tier1 = eng.tiers
+        assert isinstance(tier0, LocalCpuBackend) and isinstance(tier1, CountingTier)
+        yield eng, tier0, tier1
+
+
+def _only_in_tier1(eng: CacheEngine, tier1: CountingTier, seed: int, n: int) -> tuple[list[bytes], list[torch.Tensor]]:
+    toks = prompt(seed, n)
+    data = chunks_for(toks)
+    hashes = eng.hashes(toks)
+    for k, d in zip(eng.keys(hashes), data):
+        assert tier1.put(k, d)
+    return hashes, data
+
+
+def _take(eng: CacheEngine, hashes: list[bytes]) -> list[torch.Tensor]:
+    out = []
+    for buf in eng.iter_chunks(hashes, [SHAPE] * len(hashes), torch.float16):
+        out.append(buf.tensor.clone())
+        buf.release()
+    return out
+
+
+def test_a_run_from_a_slower_tier_is_one_batch_and_is_promoted(tiers: Any) -> None:
+    eng, tier0, tier1 = tiers
+    hashes, data = _only_in_tier1(eng, tier1, 1, 12)
+    free = eng.pool.free_bytes
+    got = _take(eng, hashes)
+    assert len(got) == 12 and all(torch.equal(a, b) for a, b in zip(got, data))
+    assert tier1.batches == [12], "one get_many for the whole run, not one get per chunk"
+    assert tier0.contains(eng.keys(hashes)) == 12  # promoted
+    tier1.batches.clear()
+    assert len(_take(eng, hashes)) == 12 and tier1.batches == []  # now from memory
+    assert eng.pool.free_bytes == free - 12 * CHUNK_BYTES  # only the promoted copies remain
+
+
+def test_chunks_split_across_tiers_and_a_gap_cuts_the_run(tiers: Any) -> None:
+    eng, tier0, tier1 = tiers
+    hashes, data = _only_in_tier1(eng, tier1, 2, 10)
+    keys = eng.keys(hashes)
+    assert eng.store_hashes(hashes[:3], data[:3]) == 3  # 0-2 also in memory
+    tier1.remove(keys[6])  # 6 is nowhere
+    tier0.remove(keys[6])
+    free = eng.pool.free_bytes
+    got = _take(eng, hashes)
+    assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(got, data[:6]))
+    assert tier1.batches == [7], "the chunks memory did not hold, in one batch"
+    # 3-5 promoted; nothing of 7-9 kept in the pool (read, but after the gap)
+    assert tier0.contains(keys) == 6 and tier0.contains(keys[7:]) == 0
+    assert eng.pool.free_bytes == free - 3 * CHUNK_BYTES
+
+
+def test_windows_are_read_ahead_in_order(tiers: Any) -> None:
+    eng, tier0, tier1 = tiers
+    hashes, data = _only_in_tier1(eng, tier1, 3, 10)
+    threads = []
+    real = tier1.get_many
+
+    def spy(keys: Any, outs: Any) -> list[bool]:
+        threads.append(threading.current_thread().name)
+        return real(keys, outs)
+
+    tier1.get_many = spy  # type: ignore[method-assign]
+    chunks = fetch.fetch_run(eng, hashes, [SHAPE] * 10, torch.float16, window_bytes=3 * CHUNK_BYTES, pool=eng._fetch_pool)
+    got = []
+    for buf in chunks:
+        got.append(buf.tensor.clone())
+        buf.release()
+    assert all(torch.equal(a, b) for a, b in zip(got, data)) and len(got) == 10
+    assert tier1.batches == [3, 3, 3, 1]
+    # the first window on the caller's thread, the next ones read ahead on the helper
+    assert threads[0] == threading.current_thread().name
+    assert all(t.startswith("lmcache-fetch") for t in threads[1:])
+
+
+def test_stopping_early_leaves_no_pool_memory(tiers: Any) -> None:
+    eng, tier0, tier1 = tiers
+    hashes, data = _only_in_tier1(eng, tier1, 4, 8)
+    free = eng.pool.free_bytes
+    chunks = fetch.fetch_run(eng, hashes, [SHAPE] * 8, torch.float16, window_bytes=2 * CHUNK_BYTES, pool=eng._fetch_pool)
+    first = next(chunks)
+    assert torch.equal(first.tensor, data[0])
+    first.release()
+    chunks.close()  # the caller gives up (a failed copy, an abort)
+    promoted = tier0.contains(eng.keys(hashes))  # what was read before giving up stays cached
+    assert eng.pool.free_bytes == free - promoted * CHUNK_BYTES
+
+
+def test_a_failing_batch_is_a_miss_for_its_chunks(tiers: Any) -> None:
+    eng, tier0, tier1 = tiers
+    hashes, _ = _only_in_tier1(eng, tier1, 5, 4)
+
+    def down(keys: Any, outs: Any) -> list[bool]:
+        raise ConnectionError("server gone")
+
+    tier1.get_many = down  # type: ignore[method-assign]
+    free = eng.pool.free_bytes
+    assert _take(eng, hashes) == []
+    assert eng.pool.free_bytes == free
+    assert eng.counters.snapshot()["backend_errors"].get("counting", 0) >= 1

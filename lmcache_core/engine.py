@@ -41,6 +41,8 @@ ChunkData = torch.Tensor | MemoryBuffer
 
 #: keys in a tier's lookup window after it answered short of its window (see lookup_runs)
 LOOKUP_WINDOW = 16
+#: chunks one background write hands a slower tier at most (``put_many``)
+BATCH_WRITES = 16
 
 
 class KeyWindow(Sequence[ChunkKey]):
@@ -146,23 +148,41 @@ class _TierWriter:
                 continue
             if item is None:
                 return
-            key, buf = item
-            t0 = time.perf_counter()
-            try:
-                if not self.in_service():  # quarantined while the write was queued
-                    continue
-                ok = self.tier.put(key, buf.tensor)
-                if ok:
+            batch = [item]
+            # What else is queued goes in the same call (put_many: one round trip on a
+            # BATCHED tier), up to BATCH_WRITES chunks; a stop marker is put back.
+            while len(batch) < BATCH_WRITES:
+                try:
+                    more = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self.q.put(None)
+                    break
+                batch.append(more)
+            self._write(batch)
+
+    def _write(self, batch: list[tuple[ChunkKey, MemoryBuffer]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if not self.in_service():  # quarantined while the writes were queued
+                return
+            ok = self.tier.put_many([(key, buf.tensor) for key, buf in batch])
+            if len(ok) != len(batch):
+                raise ValueError(f"put_many answered {len(ok)} results for {len(batch)} chunks")
+            for (key, buf), stored in zip(batch, ok):
+                if stored:
                     metrics.labeled(metrics.TIER_BYTES, self.tier.name, "put").inc(buf.nbytes)
                     self.stored(self.tier, key)
                 else:
                     metrics.labeled(metrics.TIER_DROPPED, self.tier.name).inc()
-            except Exception as err:
-                log.warning("tier %s: background put failed: %s", self.tier.name, err)
-                self.counters.error(self.tier.name)
-                metrics.labeled(metrics.TIER_ERRORS, self.tier.name, "put").inc()
-            finally:
-                metrics.labeled(metrics.TIER_LATENCY, self.tier.name, "put").observe(time.perf_counter() - t0)
+        except Exception as err:
+            log.warning("tier %s: background put of %d chunks failed: %s", self.tier.name, len(batch), err)
+            self.counters.error(self.tier.name)
+            metrics.labeled(metrics.TIER_ERRORS, self.tier.name, "put").inc()
+        finally:
+            metrics.labeled(metrics.TIER_LATENCY, self.tier.name, "put").observe(time.perf_counter() - t0)
+            for _, buf in batch:
                 buf.release()
                 self._done()
 

@@ -142,3 +142,37 @@ def test_a_failing_batch_is_a_miss_for_its_chunks(tiers: Any) -> None:
     assert _take(eng, hashes) == []
     assert eng.pool.free_bytes == free
     assert eng.counters.snapshot()["backend_errors"].get("counting", 0) >= 1
+
+
+def test_background_writes_are_batched() -> None:
+    """Chunks queued for a slower tier while it is busy go to it in one put_many."""
+    from lmcache_core.hookspecs import hookimpl
+
+    gate = threading.Event()
+
+    class Gated(CountingTier):
+        name = "gated"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.put_batches: list[int] = []
+
+        def put_many(self, items: Any) -> list[bool]:
+            self.put_batches.append(len(items))
+            gate.wait(10)
+            return super().put_many(items)
+
+    class P(TierPlugin):
+        @hookimpl
+        def register_backends(self, register: Any) -> None:
+            register("gated", self._make(Gated))
+
+    with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "gated"}], P()) as eng:
+        tier1 = eng.tiers[1]
+        toks = prompt(9, 10)
+        for i, d in enumerate(chunks_for(toks)):  # one store per step, as saves come
+            eng.store_hashes([eng.hashes(toks)[i]], [d])
+        gate.set()
+        assert eng.flush(10)
+        assert sum(tier1.put_batches) == 10 and len(tier1.put_batches) <= 3, tier1.put_batches
+        assert tier1.contains(eng.keys(eng.hashes(toks))) == 10

@@ -137,7 +137,10 @@ def fetch_run(
     windows = _windows(sizes, window_bytes)
 
     def read(w: range) -> list[MemoryBuffer | None]:
-        return read_window(engine, keys[w.start : w.stop], shapes_t[w.start : w.stop], dtype)
+        # Pool views made under an engine's inference mode are inference tensors: the
+        # helper thread writes them in inference mode too.
+        with torch.inference_mode():
+            return read_window(engine, keys[w.start : w.stop], shapes_t[w.start : w.stop], dtype)
 
     pending: Future[list[MemoryBuffer | None]] | None = None
     current: list[MemoryBuffer | None] = []

@@ -33,6 +33,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+import torch
+
 from .log import get_logger
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .transfer_queue import TransferQueue
@@ -70,7 +72,10 @@ class LoadQueue(TransferQueue):
 
     def _handle(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         try:
-            errors = self._load(t, meta)
+            # vLLM's tensors (and the pool's views made under them) are inference
+            # tensors: writing them from this thread needs inference mode too.
+            with torch.inference_mode():
+                errors = self._load(t, meta)
         except Exception as err:  # never lose the thread: every block of the load is recomputed
             log.warning("request %s: background load failed: %s: %s", t.req_id, type(err).__name__, err)
             errors = set(t.block_ids[t.write_from // self._block_size : -(-t.chunk_ends[-1] // self._block_size)])

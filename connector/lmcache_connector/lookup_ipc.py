@@ -4,7 +4,9 @@ The cache lives in the worker process(es); vLLM's scheduler may run in another
 process. The scheduler side sends a request's chunk hashes to every worker rank and
 takes the smallest hit count. A reply that does not arrive within the timeout is a
 miss (0): the scheduler never blocks on a stuck worker. Messages are raw bytes (no
-pickle): ``[b"L1", seq, request_id, pin_flag, hashes...]`` and ``[b"L1", seq, count]``.
+pickle): ``[b"L1", seq, request_id, pin_flag, hashes...]`` and ``[b"L1", seq, count]``,
+the count followed by ``,s`` when loading the hit needs a tier slower than memory
+(the scheduler then loads it off the forward path: ``async_loads: auto``).
 
 When the worker answering an address lives in the scheduler's own process (vLLM's
 single-process executor: one worker, in the engine core process) and declared its
@@ -35,6 +37,26 @@ PROTO = b"L1"
 def socket_path(engine_id: str, rank: int) -> str:
     safe = "".join(c for c in engine_id if c.isalnum())[:16] or "default"
     return f"ipc://{tempfile.gettempdir()}/lmcc-{safe}-{rank}.ipc"
+
+
+class Hit(int):
+    """A lookup's answer: the chunks hit (it is that int), and ``slow``: loading them
+    needs a tier slower than memory (see the worker's ``async_loads: auto``)."""
+
+    slow: bool
+
+    def __new__(cls, chunks: int, slow: bool = False) -> "Hit":
+        hit = super().__new__(cls, chunks)
+        hit.slow = bool(slow) and chunks > 0
+        return hit
+
+    def encode(self) -> bytes:
+        return str(int(self)).encode() + (b",s" if self.slow else b"")
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Hit":
+        count, _, flag = raw.partition(b",")
+        return cls(max(0, int(count)), flag == b"s")
 
 
 LookupFn = Callable[[Sequence[bytes], str | None], int]
@@ -93,16 +115,17 @@ class LookupServer:
         if len(blob) % HASH_BYTES:
             return [PROTO, seq, b"0"]
         hashes = [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
-        n = self.answer(hashes, req_id.decode() if pin == b"1" else None)
-        return [PROTO, seq, str(n).encode()]
+        hit = self.answer(hashes, req_id.decode() if pin == b"1" else None)
+        return [PROTO, seq, hit.encode()]
 
-    def answer(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
+    def answer(self, hashes: Sequence[bytes], pin_id: str | None) -> Hit:
         """Chunks hit (0 when the lookup fails: a failing cache is a miss, never a crash)."""
         try:
-            return max(0, int(self._lookup(hashes, pin_id)))
+            got = self._lookup(hashes, pin_id)
+            return Hit(max(0, int(got)), getattr(got, "slow", False))
         except Exception as err:
             log.warning("lookup failed, reporting a miss: %s", err)
-            return 0
+            return Hit(0)
 
     def close(self) -> None:
         with _inline_lock:
@@ -112,6 +135,13 @@ class LookupServer:
         self._thread.join(timeout=5)
         self._sock.close(0)
         self._ctx.term()
+
+
+def _combine(answers: Sequence[Hit]) -> Hit:
+    """Ranks answer for their own shards: the request hits what every rank holds."""
+    if not answers:
+        return Hit(0)
+    return Hit(min(int(a) for a in answers), any(a.slow for a in answers))
 
 
 class LookupClient:
@@ -135,14 +165,15 @@ class LookupClient:
         s.connect(addr)
         return s
 
-    def lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
+    def lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> Hit:
+        """The smallest hit over the ranks; slow when any rank's hit needs a slow tier."""
         if not hashes:
-            return 0
+            return Hit(0)
         with _inline_lock:
             local = [_inline.get(a) for a in self.addresses]
         if all(srv is not None for srv in local):
             self.inline_lookups += 1
-            return min(srv.answer(hashes, pin_id) for srv in local)  # type: ignore[union-attr]
+            return _combine([srv.answer(hashes, pin_id) for srv in local if srv is not None])
         with self._lock:
             self._seq += 1
             seq = str(self._seq).encode()
@@ -151,7 +182,7 @@ class LookupClient:
             for s in self._socks:
                 s.send_multipart(msg)
             deadline = time.monotonic() + self.timeout_ms / 1000
-            best = len(hashes)
+            answers: list[Hit] = []
             for i, s in enumerate(self._socks):
                 got = self._recv(s, seq, deadline)
                 if got is None:
@@ -160,13 +191,13 @@ class LookupClient:
                     # Drop late replies by starting over with a fresh socket.
                     s.close(0)
                     self._socks[i] = self._connect(self.addresses[i])
-                    best = 0
+                    answers.append(Hit(0))
                 else:
-                    best = min(best, got)
-            return best
+                    answers.append(got)
+            return _combine(answers)
 
     @staticmethod
-    def _recv(s: zmq.Socket, seq: bytes, deadline: float) -> int | None:
+    def _recv(s: zmq.Socket, seq: bytes, deadline: float) -> Hit | None:
         while True:
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0 or not s.poll(left):
@@ -174,9 +205,9 @@ class LookupClient:
             frames = s.recv_multipart()
             if len(frames) == 3 and frames[0] == PROTO and frames[1] == seq:
                 try:
-                    return max(0, int(frames[2]))
+                    return Hit.decode(frames[2])
                 except ValueError:
-                    return 0
+                    return Hit(0)
 
     def close(self) -> None:
         for s in self._socks:

@@ -25,6 +25,7 @@ from .log import get_logger
 log = get_logger(__name__)
 
 CONNECTOR_KEYS = {"config_file", "model_id", "async_saves", "async_loads", "layerwise"}
+AUTO = "auto"  # async_loads: in the background only when a tier slower than memory serves the hit
 SKIP_SAVE = "lmcache.skip_save"
 VERIFY = "lmcache.verify"
 TAG_PREFIX = "lmcache.tag."
@@ -35,7 +36,7 @@ class ConnectorSettings:
     loaded: LoadedConfig
     model_id: str | None = None
     async_saves: bool = False  # see async_saves.py
-    async_loads: bool = False  # see async_loads.py
+    async_loads: bool | str = AUTO  # True, False or "auto"; see async_loads.py
     layerwise: bool = False  # see layerwise.py
 
     @property
@@ -58,13 +59,18 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         from lmcache_core.config import ConfigError
 
         raise ConfigError("kv_connector_extra_config.model_id: must be a string (from kv_connector_extra_config)")
-    switches = {key: extra.pop(key, False) for key in ("async_saves", "async_loads", "layerwise")}
+    switches = {key: extra.pop(key, False) for key in ("async_saves", "layerwise")}
+    switches["async_loads"] = extra.pop("async_loads", AUTO)
     for key, value in switches.items():
+        if key == "async_loads" and value == AUTO:
+            continue
         if not isinstance(value, bool):
             from lmcache_core.config import ConfigError
 
             raise ConfigError(
-                f"kv_connector_extra_config.{key}: must be true or false, got {value!r} (from kv_connector_extra_config)"
+                f"kv_connector_extra_config.{key}: must be true or false"
+                + (" or auto" if key == "async_loads" else "")
+                + f", got {value!r} (from kv_connector_extra_config)"
             )
     loaded = load_config(path, overrides=extra, overrides_source="kv_connector_extra_config")
     return ConnectorSettings(loaded, model_id, switches["async_saves"], switches["async_loads"], switches["layerwise"])

@@ -18,7 +18,7 @@ from .kv_events import EventTranslator
 from .load_policy import step_pairs
 from .lookup_ipc import LookupClient
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
-from .options import ConnectorSettings, RequestOptions, parse_request_options
+from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
 from .verify import sample
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ class _Req:
     # Chunks hit by this request's lookup while it waits for blocks: vLLM asks again
     # every step until it allocates, and the hit stays pinned meanwhile.
     looked_up: int | None = None
+    slow: bool = False  # the looked-up hit needs a tier slower than memory (async_loads: auto)
+    load_async: bool = False  # this request's load runs on the workers' load thread
     saved_async: bool = False  # async_saves: a save was planned, so vLLM holds its blocks at finish
 
 
@@ -113,9 +115,10 @@ class SchedulerSide:
         # Saves run in the background on the workers (dense models; see async_saves.py).
         self.async_saves = settings.async_saves and not self.hybrid
         self.held_requests = 0  # finished requests whose blocks vLLM held for background saves
-        # Loads on the workers' load thread (dense models; see async_loads.py): the
-        # blocks each request in flight is loading into, until vLLM hears it finished.
-        self.async_loads = settings.async_loads and not self.hybrid
+        # Loads on the workers' load thread (dense models; see async_loads.py): every
+        # hit (true) or the hits a slower tier than memory serves (auto); the blocks
+        # each request in flight is loading into, until vLLM hears it finished.
+        self.async_loads = False if self.hybrid else settings.async_loads
         self._loading: dict[str, set[int]] = {}
         self.async_load_requests = 0
 
@@ -188,7 +191,9 @@ class SchedulerSide:
         hashes = self._lookup_hashes(st)
         if st.looked_up is None:
             # A producer looks up too (without pinning), so it never re-saves what is cached.
-            st.looked_up = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else 0
+            answer = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else None
+            st.looked_up = int(answer or 0)
+            st.slow = bool(getattr(answer, "slow", False))
         n = st.looked_up or 0
         full = st.prompt_len // self.cs
         if n > full:
@@ -205,7 +210,8 @@ class SchedulerSide:
         if ext <= 0:
             return 0, False
         st.load_start, st.load_end = num_computed_tokens, hit
-        return ext, self.hybrid or self.async_loads
+        st.load_async = self.async_loads is True or (self.async_loads == AUTO and st.slow)
+        return ext, self.hybrid or st.load_async
 
     def _verify_hit(self, st: _Req, last_hit: bytes, n_full: int) -> bool:
         """Whether this request's hit of ``n_full`` full chunks is recomputed and
@@ -246,7 +252,7 @@ class SchedulerSide:
             if self.plan is not None and self.plan.has_boundary and hashes:
                 st.load.boundaries = [(boundary_hash(hashes[-1]), c1 * self.cs)]
             self._async_loads.append(st)
-        elif self.async_loads:
+        elif st.load_async:
             st.load.async_load = True
             bs = self.block_size
             self._loading[st.req_id] = set(block_ids[start // bs : -(-end // bs)])

@@ -32,9 +32,9 @@ from .groups import FULL, GroupPlan, boundary_hash
 from .kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
 from .layerwise import LayerPipeline, LoadItem, SaveItem
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
-from .lookup_ipc import LookupServer
+from .lookup_ipc import Hit, LookupServer
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
-from .options import ConnectorSettings
+from .options import AUTO, ConnectorSettings
 from .verify import compare
 
 from .log import get_logger
@@ -48,6 +48,9 @@ _active: "weakref.WeakSet[WorkerSide]" = weakref.WeakSet()
 
 
 MAX_BOUNDARY_PROBES = 64
+#: async_loads: auto loads a hit in the background when reading it from a tier slower
+#: than memory is predicted to take longer than this (or has not been measured yet)
+ASYNC_LOAD_S = 0.005
 
 
 def _boundary_pin(pin_id: str | None) -> str | None:
@@ -187,7 +190,8 @@ class WorkerSide:
     def _lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
         assert self.engine is not None
         boundary = self.plan is not None and self.plan.has_boundary
-        if not boundary and (self.load_policy == ALWAYS or pin_id is None):
+        auto = self.settings.async_loads == AUTO and self.loads is not None
+        if not boundary and not auto and (self.load_policy == ALWAYS or pin_id is None):
             return self.engine.lookup_hashes(hashes, pin_id=pin_id)
         runs = self.engine.lookup_runs(hashes, pin_id=pin_id, record=False)
         n = sum(c for _, c in runs)
@@ -195,7 +199,27 @@ class WorkerSide:
         if boundary and k:
             k = n = self._restorable(hashes, k, pin_id)
         self.engine.record_lookup(len(hashes), n)
-        return k
+        return Hit(k, auto and self._slow(runs, k))
+
+    def _slow(self, runs: Sequence[tuple[int, int]], k: int) -> bool:
+        """Whether loading the first ``k`` chunks needs a tier slower than memory: one
+        that is not the zero-copy CPU tier and whose measured reads of that many bytes
+        take longer than ``ASYNC_LOAD_S`` (or have not been measured yet). Such a load
+        goes to the load thread (``async_loads: auto``), off vLLM's forward path."""
+        assert self.engine is not None
+        left = k
+        for level, count in runs:
+            if left <= 0:
+                break
+            take = min(count, left)
+            left -= take
+            tier = self.engine.tiers[level]
+            if ZERO_COPY in tier.capabilities:
+                continue
+            predicted = self.engine.predict_read_seconds(level, take * self._chunk_bytes)
+            if predicted is None or predicted > ASYNC_LOAD_S:
+                return True
+        return False
 
     def _worth_loading(self, hashes: Sequence[bytes], runs: list[tuple[int, int]], pin_id: str) -> int:
         """``faster_than_recompute``: the hit prefix worth loading; the chunks past it

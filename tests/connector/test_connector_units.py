@@ -73,10 +73,26 @@ def test_async_saves_option():
 
 
 def test_async_loads_option():
-    assert load_settings({}).async_loads is False
+    assert load_settings({}).async_loads == "auto"  # background loads for hits a slower tier serves
     assert load_settings({"async_loads": True}).async_loads is True
-    with pytest.raises(ConfigError, match="kv_connector_extra_config.async_loads: must be true or false"):
+    assert load_settings({"async_loads": False}).async_loads is False
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.async_loads: must be true or false or auto"):
         load_settings({"async_loads": 1})
+
+
+def test_lookup_hit_carries_slow_over_the_socket(tmp_path):
+    from lmcache_connector.lookup_ipc import Hit
+
+    addr = f"ipc://{tmp_path}/slow.ipc"
+    server = LookupServer(addr, lambda hashes, pin: Hit(len(hashes) - 1, slow=pin == "far"))
+    client = LookupClient([addr], timeout_ms=2000)
+    try:
+        near, far = client.lookup([b"x" * 16] * 4, "near"), client.lookup([b"x" * 16] * 4, "far")
+        assert (int(near), near.slow) == (3, False) and (int(far), far.slow) == (3, True)
+        assert not Hit(0, slow=True).slow  # nothing to load is never slow
+    finally:
+        client.close()
+        server.close()
 
 
 def test_load_queue_reports_completions_with_their_failed_blocks():

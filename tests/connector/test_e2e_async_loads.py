@@ -78,7 +78,8 @@ def test_async_loads_token_identical_and_really_async(tiny_model, reference, rem
         warm = run(llm, prompts)
         assert token_ids(warm) == ref
         assert all(o.num_cached_tokens == 3 * CS for o in warm)
-        assert worker().loads is None and worker().stats()["async_loads"] == 0
+        # (the default, auto, loads in the background only what a slower tier than memory serves)
+        assert worker().stats()["async_loads"] == 0
         assert remote_kv_waits == []
 
 
@@ -170,3 +171,30 @@ def test_abort_during_async_load(tiny_model, reference, monkeypatch):
         assert free == total - 1
         assert w.engine._pins == {}
         assert w.loads.completed == w.loads.submitted
+
+
+def test_auto_loads_slow_tier_hits_in_the_background_and_memory_hits_in_step(tiny_model, reference, remote_kv_waits, tmp_path):
+    """async_loads: auto (the default): a hit served from the disk tier (never read
+    yet: its speed unknown) goes through WAITING_FOR_REMOTE_KVS and the load thread;
+    the same prompts again, now promoted to the CPU tier, load in the step."""
+    prompts = [random_prompt(3 * CS + 30, 650 + i) for i in range(3)]
+    ref = reference(prompts)
+    tiers = {
+        "backends": [
+            {"name": "local_cpu", "max_size": "256MiB"},
+            {"name": "disk", "path": str(tmp_path / "d"), "max_size": "1GiB"},
+        ]
+    }
+    with make_llm(tiny_model, max_num_batched_tokens=1024, extra=tiers) as llm:
+        run(llm, prompts)
+        worker().engine.flush(30)  # everything on disk too
+    remote_kv_waits.clear()
+    with make_llm(tiny_model, max_num_batched_tokens=1024, extra=tiers) as llm:  # empty CPU tier
+        w = worker()
+        warm = run(llm, prompts)
+        assert token_ids(warm) == ref and all(o.num_cached_tokens == 3 * CS for o in warm)
+        assert len(remote_kv_waits) >= 3 and w.loads.submitted >= 3, "disk hits were not loaded in the background"
+        before, waits = w.loads.submitted, len(remote_kv_waits)
+        again = run(llm, prompts)
+        assert token_ids(again) == ref and all(o.num_cached_tokens == 3 * CS for o in again)
+        assert w.loads.submitted == before and len(remote_kv_waits) == waits, "memory hits left the step"

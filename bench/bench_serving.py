@@ -201,7 +201,7 @@ def helper_services(arm: Arm, tmp: Path, config: dict[str, Any] | None = None) -
                     break
                 except OSError:
                     time.sleep(0.05)
-            cfg["backends"] = [small_cpu, {"name": "redis", "url": f"redis://127.0.0.1:{port}/0", "max_size": "2GiB"}]
+            cfg["backends"] = [small_cpu, {"name": "redis", "url": f"redis://127.0.0.1:{port}/0"}]
         yield cfg
     finally:
         for p in procs:

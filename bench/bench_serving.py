@@ -112,6 +112,7 @@ class Arm:
     max_num_seqs: int | None = None
     tiers: str = "cpu"  # cpu | disk | node | redis
     chunk_size: int = 256
+    prefix_caching: bool = True
 
 
 def free_port() -> int:
@@ -239,7 +240,7 @@ def server(
             str(arm.kv_bytes),
             "--seed",
             "0",
-            "--enable-prefix-caching",
+            "--enable-prefix-caching" if arm.prefix_caching else "--no-enable-prefix-caching",
         ]
         if arm.max_num_seqs:
             cmd += ["--max-num-seqs", str(arm.max_num_seqs)]

@@ -1,0 +1,251 @@
+"""Warm loads from Redis across a network, on real vLLM (CPU): round trips, TTFT
+against the CPU tier, and what an in-flight load does to other requests' decoding.
+
+    python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl]
+
+Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``.
+Each vLLM engine is a fresh process (a writer stores, a reader with an empty CPU tier
+loads); figures come from the reader.
+
+- ``rtt``: a 3,900-token prompt (15 chunks) at 20 ms RTT: Redis pipelines the reader
+  sent for it (lookup and loads; each one round trip) and its load time in RTTs.
+  Target: at most 4 round trips.
+- ``ttft``: a 16k-token prompt at 1 ms RTT: warm TTFT read from Redis (CPU tier
+  empty) against the same prompt served from the CPU tier right after. Target: <= 1.3x.
+- ``itl``: vLLM's OpenAI server; 4 requests decoding while a fifth loads 64 chunks
+  from Redis at 20 ms RTT (its prompt one token past the chunks, so it computes almost
+  nothing), against the same 4 alone: inter-token latency p99 of the 4. Target: <= +10%.
+
+Never part of the test pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from latency_proxy import LatencyProxy  # noqa: E402
+from ttft_engine import run_child, run_if_child, tiny_model  # noqa: E402
+
+CS = 256
+
+
+def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int, flush: bool) -> None:
+    """One vLLM process: each prompt ``passes`` times; TTFT, cached tokens, Redis
+    pipelines and connector load seconds around each request."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+
+    from lmcache_connector.transfer_config import kv_transfer_config
+
+    llm = LLM(
+        model=model,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=16_384,
+        max_num_batched_tokens=16_384,
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=False,
+        seed=0,
+        kv_transfer_config=kv_transfer_config({"chunk_size": CS, "backends": backends}),
+    )
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], sp, use_tqdm=False)
+    w = get_kv_transfer_group()._worker
+    redis_tier = next((t for t in w.engine.tiers if t.name == "redis"), None)
+
+    def pipelines() -> int:
+        return int(redis_tier.stats().extra.get("pipelines", 0)) if redis_tier is not None else 0
+
+    out: list[dict[str, Any]] = []
+    for _ in range(passes):
+        for p in prompts:
+            p0, l0 = pipelines(), w.load_seconds
+            t = time.perf_counter()
+            res = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
+            out.append(
+                {
+                    "ttft": time.perf_counter() - t,
+                    "cached": res[0].num_cached_tokens,
+                    "pipelines": pipelines() - p0,
+                    "load_s": w.load_seconds - l0,
+                }
+            )
+    if flush:
+        w.engine.flush(300)
+    print("RESULT " + json.dumps(out), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def start_redis(tmp: Path) -> tuple[subprocess.Popen, int]:
+    import socket
+
+    binary = shutil.which("redis-server")
+    if not binary:
+        raise SystemExit("redis-server not found (apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL,
+    )
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return p, port
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit("redis-server did not start")
+
+
+def redis_tier(host_port: str) -> dict[str, Any]:
+    return {"name": "redis", "url": f"redis://{host_port}/0", "socket_timeout_s": 30}
+
+
+def run(model: Path, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int = 1, flush: bool = False) -> Any:
+    job = {"model": str(model), "backends": backends, "prompts": prompts, "passes": passes, "flush": flush}
+    return run_child(__file__, job, "vLLM engine")
+
+
+def part_rtt(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
+    from lmcache_connector.tiny_model import random_prompt
+
+    prompt = random_prompt(3900, 901, vocab)
+    cpu = {"name": "local_cpu", "max_size": "1GiB"}
+    run(model, [cpu, redis_tier(f"127.0.0.1:{port}")], [prompt], flush=True)  # the writer
+    rtt = 20
+    with LatencyProxy(("127.0.0.1", port), rtt) as px:
+        (r,) = run(model, [cpu, redis_tier(px.url_host_port)], [prompt])
+    trips = r["pipelines"]
+    return [
+        f"15 chunks (3,900 tokens) from Redis at {rtt} ms RTT, CPU tier empty: {r['cached']} tokens loaded, "
+        f"{trips} Redis round trips (lookup + loads), load {r['load_s'] * 1e3:.0f} ms = {r['load_s'] / (rtt / 1000):.1f} RTT, "
+        f"TTFT {r['ttft'] * 1e3:.0f} ms -> {'PASS' if trips <= 4 else 'MISS'} (<= 4 round trips)"
+    ]
+
+
+def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
+    from lmcache_connector.tiny_model import random_prompt
+
+    tokens = 8 * 1024 if quick else 63 * CS  # 16,128: the model allows 16,384 positions
+    prompt = random_prompt(tokens + 1, 902, vocab)
+    cpu = {"name": "local_cpu", "max_size": "2GiB"}
+    run(model, [cpu, redis_tier(f"127.0.0.1:{port}")], [prompt], flush=True)
+    with LatencyProxy(("127.0.0.1", port), 1) as px:
+        results = run(model, [cpu, redis_tier(px.url_host_port)], [prompt], passes=4)
+    from_redis, from_cpu = results[0], results[1:]
+    cpu_ttft = statistics.median(r["ttft"] for r in from_cpu)
+    ratio = from_redis["ttft"] / cpu_ttft
+    return [
+        f"{tokens}-token prompt at 1 ms RTT: warm TTFT from Redis (CPU tier empty) {from_redis['ttft'] * 1e3:.0f} ms "
+        f"(load {from_redis['load_s'] * 1e3:.0f} ms, {from_redis['pipelines']} round trips) vs from the CPU tier "
+        f"{cpu_ttft * 1e3:.0f} ms (median of 3) = {ratio:.2f}x -> {'PASS' if ratio <= 1.3 else 'MISS'} (<= 1.3x)"
+    ]
+
+
+def part_itl(port: int, quick: bool) -> list[str]:
+    """vLLM's OpenAI server (prefix caching off: every reuse is the connector's), CPU
+    tier in front of Redis at 20 ms RTT. Two documents of ``n_chunks`` chunks: ``far``
+    stored first and pushed out of the CPU tier by ``near``, so ``far`` loads from Redis
+    and ``near`` from memory. Each prompt is one token past its chunks, so the request
+    computes one token (with the whole document as context) and the rest is its load."""
+    import bench_serving as bs
+
+    model = bs.build_model()
+    texts = bs.Texts(model, seed=5)
+    a = argparse.Namespace(max_model_len=16_384, max_batched=2048, start_timeout=600)
+    n_chunks = 24 if quick else 48
+    kv_doc = n_chunks * CS * bs.KV_PER_TOKEN
+
+    def doc() -> str:
+        ids = texts.tok(texts.text(n_chunks * CS + 400), add_special_tokens=False)["input_ids"]
+        return texts.tok.decode(ids[: n_chunks * CS + 1])
+
+    far, near = doc(), doc()
+    decodes = [texts.text(200) for _ in range(4)]
+    windows: dict[str, list[float]] = {}
+    ttfts: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="remote-itl-") as d:
+        tmp = Path(d)
+        with LatencyProxy(("127.0.0.1", port), 20) as px:
+            cpu = {"name": "local_cpu", "max_size": int(kv_doc * 1.5), "eviction": "lru"}
+            cfg = {"chunk_size": CS, "backends": [cpu, redis_tier(px.url_host_port)]}
+            arm = bs.Arm("lmc-redis-20ms", connector=True, kv_bytes=256 << 20, prefix_caching=False)
+            with bs.server(arm, model, a, tmp, config=cfg) as (base, _):
+                name = str(model)
+
+                async def window(fifth: str | None) -> tuple[list[float], float]:
+                    import aiohttp
+
+                    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+                        tasks = [asyncio.ensure_future(bs.complete(session, base, name, p, 160)) for p in decodes]
+                        await asyncio.sleep(2.0)  # the 4 are decoding
+                        ttft = 0.0
+                        if fifth is not None:
+                            r = await bs.complete(session, base, name, fifth, 1)
+                            assert r.error is None, r.error
+                            ttft = r.ttft
+                        done = await asyncio.gather(*tasks)
+                    return [x for r in done for x in r.itl[20:]], ttft  # past the decodes' own prefill
+
+                for text in (far, near):  # far to the CPU tier and Redis, then pushed out by near
+                    asyncio.run(bs.run_requests(base, name, [(text, 1)], 1))
+                    time.sleep(6)  # background writes through the 20 ms link
+                before = bs.metric(bs.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total")
+                windows["alone"], _ = asyncio.run(window(None))
+                windows["memory"], ttfts["memory"] = asyncio.run(window(near))
+                windows["redis"], ttfts["redis"] = asyncio.run(window(far))
+                loaded = bs.metric(bs.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total") - before
+    p99 = {k: bs.pct(v, 99) for k, v in windows.items()}
+    growth = p99["redis"] / p99["memory"] - 1
+    return [
+        f"4 decoding requests, ITL p99: {p99['alone'] * 1e3:.1f} ms alone, {p99['memory'] * 1e3:.1f} ms while a fifth "
+        f"request hits {n_chunks} chunks in memory (TTFT {ttfts['memory'] * 1e3:.0f} ms), {p99['redis'] * 1e3:.1f} ms "
+        f"while it loads them from Redis at 20 ms RTT (TTFT {ttfts['redis'] * 1e3:.0f} ms; {loaded:.0f} tokens loaded): "
+        f"the load in flight {growth:+.1%} -> {'PASS' if growth <= 0.10 else 'MISS'} (<= +10%)"
+    ]
+
+
+def main() -> int:
+    if run_if_child(child):
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", nargs="+", default=["rtt", "ttft", "itl"], choices=["rtt", "ttft", "itl"])
+    args = ap.parse_args()
+    spec, model = tiny_model()
+    lines = [f"bench_remote_ttft: model {spec.tag()} (float32, 8 KiB of KV per token), chunks of {CS} tokens"]
+    with tempfile.TemporaryDirectory(prefix="remote-redis-") as d:
+        redis_proc, port = start_redis(Path(d))
+        try:
+            if "rtt" in args.parts:
+                lines += part_rtt(model, port, spec.vocab_size, args.quick)
+                print(lines[-1], flush=True)
+            if "ttft" in args.parts:
+                lines += part_ttft(model, port, spec.vocab_size, args.quick)
+                print(lines[-1], flush=True)
+            if "itl" in args.parts:
+                lines += part_itl(port, args.quick)
+                print(lines[-1], flush=True)
+        finally:
+            redis_proc.terminate()
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

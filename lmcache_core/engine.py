@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterator, Literal, Mapping, NamedTuple, Sequence, overload
 
@@ -43,6 +43,10 @@ ChunkData = torch.Tensor | MemoryBuffer
 LOOKUP_WINDOW = 16
 #: chunks one background write hands a slower tier at most (``put_many``)
 BATCH_WRITES = 16
+#: bytes of prefetches in flight at most (see CacheEngine.prefetch)
+PREFETCH_BYTES = 512 << 20
+#: how long a load waits for a prefetch of the same run before reading it itself
+PREFETCH_WAIT_S = 30.0
 
 
 class KeyWindow(Sequence[ChunkKey]):
@@ -338,6 +342,11 @@ class CacheEngine:
         self._pin_lock = threading.Lock()
         # reads the next window of a long load while the caller copies this one
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-fetch")
+        # prefetches started at lookup (see prefetch), keyed by their first chunk
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-prefetch")
+        self._prefetch_lock = threading.Lock()
+        self._prefetching: dict[bytes, Future[None]] = {}
+        self._prefetch_bytes = 0
         self._closed = False
 
     # -- listeners --------------------------------------------------------------------
@@ -652,7 +661,53 @@ class CacheEngine:
         other tier once per window of chunks (``get_many``: about one round trip on
         ``BATCHED`` tiers), the next window read while the caller copies this one.
         See :mod:`lmcache_core.fetch`."""
+        self._await_prefetch(hashes)
         return fetch_run(self, hashes, shapes, dtype, pool=self._fetch_pool)
+
+    def prefetch(self, hashes: Sequence[bytes], shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> bool:
+        """Start reading ``hashes`` from the slower tiers into the memory tier in the
+        background (a hit found at lookup, before vLLM schedules its load), at most
+        ``PREFETCH_BYTES`` in flight. False when nothing was started (no memory tier,
+        the budget is taken, or the same run is already being read). A later
+        :meth:`iter_chunks` of the same run waits for it (bounded) instead of reading
+        the chunks a second time."""
+        tier0 = self.tiers[0] if self.tiers else None
+        if not hashes or tier0 is None or ZERO_COPY not in tier0.capabilities or self._closed:
+            return False
+        item = torch.empty((), dtype=dtype).element_size()
+        nbytes = sum(item * int(torch.Size(s).numel()) for s in shapes)
+        key = bytes(hashes[0])
+        with self._prefetch_lock:
+            if key in self._prefetching or self._prefetch_bytes + nbytes > PREFETCH_BYTES:
+                return False
+            self._prefetch_bytes += nbytes
+
+            def run() -> None:
+                try:
+                    with torch.inference_mode():
+                        for buf in fetch_run(self, hashes, shapes, dtype):
+                            buf.release()  # promoted into the memory tier by the read
+                except Exception as err:  # a prefetch that fails is a load that reads later
+                    log.debug("prefetch failed: %s: %s", type(err).__name__, err)
+                finally:
+                    with self._prefetch_lock:
+                        self._prefetch_bytes -= nbytes
+                        self._prefetching.pop(key, None)
+
+            self._prefetching[key] = self._prefetch_pool.submit(run)
+        self.counters.add(prefetches=1)
+        return True
+
+    def _await_prefetch(self, hashes: Sequence[bytes]) -> None:
+        if not hashes:
+            return
+        with self._prefetch_lock:
+            pending = self._prefetching.get(bytes(hashes[0]))
+        if pending is not None:
+            try:
+                pending.result(timeout=PREFETCH_WAIT_S)
+            except Exception:  # slow or failed: the load reads what is missing itself
+                pass
 
     def _tier0_buffer(
         self, tier0: StorageBackend, key: ChunkKey, shape: Sequence[int], dtype: torch.dtype
@@ -852,6 +907,7 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
+        self._prefetch_pool.shutdown(wait=True)
         self._fetch_pool.shutdown(wait=True)
         self.pool.stop_populate()
         self.quarantine.close()

@@ -85,6 +85,7 @@ class EngineCounters:
     stored_tokens: int = 0
     retrieved_chunks: int = 0
     retrieved_tokens: int = 0
+    prefetches: int = 0
     load_errors: int = 0
     dropped_writes: int = 0
     verified_chunks: int = 0

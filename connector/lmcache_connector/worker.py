@@ -199,7 +199,14 @@ class WorkerSide:
         if boundary and k:
             k = n = self._restorable(hashes, k, pin_id)
         self.engine.record_lookup(len(hashes), n)
-        return Hit(k, auto and self._slow(runs, k))
+        slow = auto and self._slow(runs, k)
+        if slow and pin_id is not None and self.layout is not None:
+            # Start reading the hit into the CPU tier now: vLLM schedules its load a
+            # step or more later (after allocating blocks), and the load then waits for
+            # this read instead of making its own.
+            dtype = torch.uint8 if isinstance(self.layout, GroupedLayout) else self.layout.dtype
+            self.engine.prefetch(hashes[:k], [self.layout.chunk_shape(self.cfg.chunk_size)] * k, dtype)
+        return Hit(k, slow)
 
     def _slow(self, runs: Sequence[tuple[int, int]], k: int) -> bool:
         """Whether loading the first ``k`` chunks needs a tier slower than memory: one

@@ -334,7 +334,8 @@ def _worker(tmp_path, **extra):
     from lmcache_connector.options import load_settings
     from lmcache_connector.worker import WorkerSide
 
-    settings = load_settings({"chunk_size": 16, "backends": [{"name": "local_cpu", "max_size": "64MiB"}], **extra})
+    extra.setdefault("backends", [{"name": "local_cpu", "max_size": "64MiB"}])
+    settings = load_settings({"chunk_size": 16, **extra})
     w = WorkerSide(settings, model_id="m", block_size=16, rank=0, world_size=1, lookup_address=None)
     g = torch.Generator().manual_seed(5)
     w.register_kv_caches({f"l{i}": torch.randn(16, 2, 16, 16, generator=g) for i in range(2)})
@@ -410,3 +411,27 @@ def test_sleep_mode_drains_and_touches_no_block(tmp_path):
     w.start_load_kv(load)
     assert torch.equal(layer[9], layer[5]) and w.get_block_ids_with_load_errors() == set()
     w.close()
+
+
+def test_auto_async_follows_the_tier_and_its_measured_speed(tmp_path):
+    """async_loads: auto: a hit in the CPU tier loads in the step; one a slower tier
+    serves goes to the background while that tier's speed is unknown or slow (more
+    than 5 ms for these chunks), and stays in the step once it reads them fast."""
+    backends = [{"name": "local_cpu", "max_size": "64MiB"}, {"name": "disk", "path": str(tmp_path / "d"), "max_size": "1GiB"}]
+    w = _worker(tmp_path, backends=backends)
+    try:
+        nbytes = 3 * w._chunk_bytes
+        assert not w._slow([(0, 3)], 3), "a memory hit left the step"
+        assert w._slow([(0, 1), (1, 2)], 3), "an unmeasured disk hit stayed in the step"
+        for _ in range(4):
+            w.engine.read_models[1].record(nbytes, 0.050)
+            w.engine.read_models[1].record(nbytes // 3, 0.030)
+        assert w._slow([(1, 3)], 3), "a slow tier's hit stayed in the step"
+        w.engine.read_models[1] = type(w.engine.read_models[1])()
+        for _ in range(4):
+            w.engine.read_models[1].record(nbytes, 0.0004)
+            w.engine.read_models[1].record(nbytes // 3, 0.0002)
+        assert not w._slow([(1, 3)], 3), "a fast tier's hit left the step"
+        assert not w._slow([(1, 3)], 0), "nothing to load is never slow"
+    finally:
+        w.close()

@@ -174,9 +174,11 @@ def test_abort_during_async_load(tiny_model, reference, monkeypatch):
 
 
 def test_auto_loads_slow_tier_hits_in_the_background_and_memory_hits_in_step(tiny_model, reference, remote_kv_waits, tmp_path):
-    """async_loads: auto (the default): a hit served from the disk tier (never read
-    yet: its speed unknown) goes through WAITING_FOR_REMOTE_KVS and the load thread;
-    the same prompts again, now promoted to the CPU tier, load in the step."""
+    """async_loads: auto (the default): the first hit served from the disk tier (never
+    read yet: its speed unknown) goes through WAITING_FOR_REMOTE_KVS and the load
+    thread (later ones follow the tier's measured speed: a disk in the page cache reads
+    these chunks in well under 5 ms, so they load in the step); the same prompts
+    again, now promoted to the CPU tier, all load in the step."""
     prompts = [random_prompt(3 * CS + 30, 650 + i) for i in range(3)]
     ref = reference(prompts)
     tiers = {
@@ -193,7 +195,7 @@ def test_auto_loads_slow_tier_hits_in_the_background_and_memory_hits_in_step(tin
         w = worker()
         warm = run(llm, prompts)
         assert token_ids(warm) == ref and all(o.num_cached_tokens == 3 * CS for o in warm)
-        assert len(remote_kv_waits) >= 3 and w.loads.submitted >= 3, "disk hits were not loaded in the background"
+        assert len(remote_kv_waits) >= 1 and w.loads.submitted >= 1, "the first disk hit was not loaded in the background"
         before, waits = w.loads.submitted, len(remote_kv_waits)
         again = run(llm, prompts)
         assert token_ids(again) == ref and all(o.num_cached_tokens == 3 * CS for o in again)

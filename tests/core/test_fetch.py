@@ -176,3 +176,26 @@ def test_background_writes_are_batched() -> None:
         assert eng.flush(10)
         assert sum(tier1.put_batches) == 10 and len(tier1.put_batches) <= 3, tier1.put_batches
         assert tier1.contains(eng.keys(eng.hashes(toks))) == 10
+
+
+def test_prefetch_reads_once_and_the_load_waits_for_it(tiers: Any) -> None:
+    """A prefetch started at lookup reads the run into the memory tier; a load of the
+    same run during it waits instead of reading it again, and finds it in memory."""
+    eng, tier0, tier1 = tiers
+    hashes, data = _only_in_tier1(eng, tier1, 11, 6)
+    gate = threading.Event()
+    real = tier1.get_many
+
+    def slow(keys: Any, outs: Any) -> list[bool]:
+        gate.wait(10)
+        return real(keys, outs)
+
+    tier1.get_many = slow  # type: ignore[method-assign]
+    assert eng.prefetch(hashes, [SHAPE] * 6, torch.float16)
+    assert not eng.prefetch(hashes, [SHAPE] * 6, torch.float16), "the same run read twice"
+    threading.Timer(0.3, gate.set).start()
+    got = _take(eng, hashes)  # waits for the prefetch
+    assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(got, data))
+    assert tier1.batches == [6], "the load read the run again instead of waiting for the prefetch"
+    assert tier0.contains(eng.keys(hashes)) == 6
+    assert eng.counters.snapshot()["prefetches"] == 1

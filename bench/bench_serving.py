@@ -474,7 +474,7 @@ def unique_prompts(texts: Texts, args: argparse.Namespace) -> list[tuple[str, in
 def vllm_bench(base: str, model: Path, args: argparse.Namespace, concurrency: int, tmp: Path) -> dict[str, Any]:
     """vLLM's own serving benchmark (prefix_repetition), through Python: the ``vllm``
     CLI fails on the CPU build."""
-    n_prompts = max(8, args.bench_prompts)
+    n_prompts = args.bench_prompts or 3 * args.docs  # every prefix asked about three times
     code = (
         "import json,sys\n"
         "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-system-tokens", type=int, default=600)
     p.add_argument("--chat-message-tokens", type=int, default=150)
     p.add_argument("--unique", type=int, default=24)
-    p.add_argument("--bench-prompts", type=int, default=20)
+    p.add_argument("--bench-prompts", type=int, default=0, help="vllm-bench prompts (default: 3 per document)")
     p.add_argument("--small-kv", type=int, default=120 << 20, help="vLLM's KV cache in the small arms (bytes)")
     p.add_argument("--large-kv", type=int, default=1 << 30, help="vLLM's KV cache in limit/floor (bytes)")
     p.add_argument("--floor-seqs", type=int, default=0, help="floor's --max-num-seqs (default: what the small cache holds)")
@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"))
     a = p.parse_args(argv)
     if a.quick:
-        a.docs, a.doc_tokens, a.unique, a.chat_users, a.chat_turns, a.bench_prompts = 6, 1000, 8, 4, 3, 8
+        a.docs, a.doc_tokens, a.unique, a.chat_users, a.chat_turns, a.bench_prompts = 6, 1000, 8, 4, 3, 0
         a.concurrency = [c for c in a.concurrency if c <= 4] or [4]
     working_set = a.docs * (a.doc_tokens + 40) * KV_PER_TOKEN
     if not a.floor_seqs:

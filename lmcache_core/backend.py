@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .config import CoreConfig
     from .memory import MemoryBuffer, MemoryPool
     from .plugins import PluginManager
-    from .serde import Codec
+    from .serde import Codec, FrameSeal
 
 
 # Optional capabilities a backend declares in ``capabilities`` (never probed).
@@ -112,6 +112,16 @@ class BackendContext:
     #: the engine's plugin manager (eviction policies and other registries);
     #: ``None`` means the process-wide one
     plugins: "PluginManager | None" = None
+
+    @property
+    def seal(self) -> "FrameSeal | None":
+        """The deployment's frame key (``frame_secret``), or ``None``. ``codec`` and
+        ``codecs`` already carry it, so :func:`~lmcache_core.serde.encode` and
+        :func:`~lmcache_core.serde.try_decode` seal and check frames by themselves;
+        a tier that builds frames from serde's pieces passes ``seal=`` to them."""
+        from .serde import seal_of
+
+        return seal_of(self.codec)
 
 
 class StorageBackend(abc.ABC):

@@ -9,6 +9,7 @@ cache or none at all.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -18,12 +19,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "LMCACHE_CORE_"
 ENV_CONFIG_PATH = "LMCACHE_CORE_CONFIG"
 ENV_BLOCK_PLUGINS = "LMCACHE_CORE_BLOCK_PLUGINS"
 _RESERVED_ENV = {ENV_CONFIG_PATH, ENV_BLOCK_PLUGINS}
+_RAW_ENV_KEYS = {"frame_secret"}  # taken verbatim from the environment, never parsed as YAML
+MIN_FRAME_SECRET_BYTES = 16
+MAX_SECRET_FILE_BYTES = 4096
 
 DEFAULT_YAML = """\
 # Embedded default: used when no config file is given.
@@ -155,6 +161,58 @@ class CoreConfig(StrictModel):
         description="where quarantined tiers are announced as control files (delete one to release the tier); "
         "default <tmpdir>/lmcache-core-quarantine",
     )
+    frame_secret: SecretStr | None = Field(
+        None,
+        description="deployment secret (at least 16 bytes) that seals every frame written to a tier: a keyed "
+        "BLAKE3 MAC, so nobody without it can plant KV in a shared store; every engine sharing a store needs the "
+        "same one. Prefer frame_secret_file or the env var LMCACHE_CORE_FRAME_SECRET; never logged",
+    )
+    frame_secret_file: str | None = Field(
+        None, description="file holding frame_secret (its first line, at most 4 KiB); the alternative to frame_secret"
+    )
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> "CoreConfig":
+        if self.frame_secret is not None and self.frame_secret_file is not None:
+            raise ValueError("set frame_secret or frame_secret_file, not both")
+        if self.frame_secret is not None and len(self.frame_secret.get_secret_value().encode()) < MIN_FRAME_SECRET_BYTES:
+            raise ValueError(f"frame_secret needs at least {MIN_FRAME_SECRET_BYTES} bytes")
+        return self
+
+
+def read_frame_secret(cfg: CoreConfig) -> str | None:
+    """The frame secret ``cfg`` names (``frame_secret``, or the first line of
+    ``frame_secret_file``), or ``None``. The file must be a regular file of at most
+    4 KiB (read without blocking: a FIFO is refused, not waited on); errors never
+    quote the secret."""
+    if cfg.frame_secret is not None:
+        return cfg.frame_secret.get_secret_value()
+    if cfg.frame_secret_file is None:
+        return None
+    path = cfg.frame_secret_file
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ConfigError(f"frame_secret_file: cannot open {path}: {err.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"frame_secret_file: {path} is not a regular file")
+        if st.st_size > MAX_SECRET_FILE_BYTES:
+            raise ConfigError(f"frame_secret_file: {path} is larger than {MAX_SECRET_FILE_BYTES} bytes")
+        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"frame_secret_file: {path} is not UTF-8 text") from None
+    secret = lines[0].strip() if lines else ""
+    if len(secret.encode()) < MIN_FRAME_SECRET_BYTES:
+        raise ConfigError(f"frame_secret_file: the secret in {path} is shorter than {MIN_FRAME_SECRET_BYTES} bytes")
+    if st.st_mode & 0o004:
+        log.warning("frame_secret_file %s is readable by every user: anyone who reads it can plant KV (chmod 600)", path)
+    return secret
 
 
 @dataclass
@@ -306,7 +364,10 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             raise ConfigError(
                 f"{name}: unknown setting {key!r}; known: " + ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
             )
-        value = safe_yaml(raw, f"env var {name}") if raw.strip() else None
+        if key in _RAW_ENV_KEYS:
+            value: Any = raw if raw.strip() else None
+        else:
+            value = safe_yaml(raw, f"env var {name}") if raw.strip() else None
         out[key] = (value, f"env var {name}")
     return out
 

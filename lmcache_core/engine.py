@@ -26,13 +26,14 @@ import torch
 
 from . import metrics
 from .backend import PINNING, SHARED, ZERO_COPY, BackendContext, StorageBackend
-from .config import ConfigError, CoreConfig, LoadedConfig, load_config
+from .config import ConfigError, CoreConfig, LoadedConfig, load_config, read_frame_secret
 from .fetch import fetch_run
 from .loadcost import TierReadModel
 from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
 from .quarantine import Quarantine
+from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs
 
 log = logging.getLogger(__name__)
 
@@ -293,8 +294,17 @@ class CacheEngine:
         self.namespace = namespace
         self._ns_id = namespace.id
         self.plugins = plugins or get_plugin_manager()
-        self.codecs = self.plugins.codec_map()
-        self.codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
+        codecs: Mapping[str, Codec] = self.plugins.codec_map()
+        codec: Codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
+        secret = read_frame_secret(cfg)
+        #: the deployment's frame key (``frame_secret``); tiers get it through
+        #: ``codec`` / ``codecs`` below, so every frame they write is sealed and
+        #: every frame they read must be
+        self.seal = FrameSeal(secret) if secret is not None else None
+        if self.seal is not None:
+            codec, codecs = SealedCodec(codec, self.seal), SealedCodecs(codecs, self.seal)
+        self.codecs = codecs
+        self.codec = codec
         self.pool = _make_pool(loaded, self.plugins)
         self.counters = metrics.EngineCounters()
         self.tiers: list[StorageBackend] = []
@@ -323,6 +333,15 @@ class CacheEngine:
             for t in self.tiers:
                 t.close()
             raise
+        shared = [t.name for t in self.tiers if SHARED in t.capabilities]
+        if shared and self.seal is None:
+            log.warning(
+                "tiers %s are shared and frame_secret is not set: anyone who can write to them can plant KV "
+                "that this engine serves as a hit (set frame_secret_file; see docs/security.md)",
+                ", ".join(shared),
+            )
+        elif self.seal is not None:
+            log.info("frames are sealed (frame key id %s)", self.seal.key_id)
         self._listeners: list[TierListener] = []
         self._writes = [shared_writes or SHARED not in t.capabilities for t in self.tiers]
         self.quarantine = Quarantine(

@@ -5,7 +5,20 @@ an 8-byte little-endian header length, a JSON header, then the payload. Our fiel
 live in ``__metadata__``: format version, codec, dtype, shape, key, raw length, and a
 checksum: XXH3-64 (``xxhash``) over the canonical metadata and then the payload, as
 16 hex digits (format 2; format 1 used CRC32, several times slower than a memory
-copy, and its frames are now misses like any unknown format). Decoding is our own
+copy, and its frames are now misses like any unknown format).
+
+A *sealed* frame (written with a deployment secret, see :class:`FrameSeal`) carries
+one more field, ``auth`` (the key's public id, 16 hex digits), and its ``checksum``
+is then a keyed BLAKE3 MAC (64 hex digits) over the same bytes: anyone without the
+secret can no longer make a frame that a sealed reader accepts, so a store shared
+with other clients cannot plant KV. A reader with a seal refuses unsealed frames and
+frames sealed with another key; a reader without one refuses sealed frames (each a
+miss with that reason). Tiers get the seal through the codecs in their
+:class:`~lmcache_core.backend.BackendContext` (:class:`SealedCodec` /
+:class:`SealedCodecs`), so :func:`encode` and :func:`try_decode` seal and check
+without the tier doing anything; the pieces below take ``seal=`` explicitly.
+
+Decoding is our own
 strict parser: it never runs pickle, bounds every length before allocating, and
 turns *any* inconsistency into :class:`FrameError` (a cache miss with a reason),
 never into data.
@@ -25,8 +38,9 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+import blake3
 import numpy as np
 import torch
 import xxhash
@@ -44,7 +58,14 @@ _DIGITS_RE = re.compile(r"[0-9]{1,19}")
 _U64 = struct.Struct("<Q")
 CHECKSUM_HEX_LEN = 16  # XXH3-64, lowercase hex
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{16}")
+MAC_HEX_LEN = 64  # keyed BLAKE3-256, lowercase hex
+_MAC_RE = re.compile(r"[0-9a-f]{64}")
+_KEY_ID_RE = re.compile(r"[0-9a-f]{16}")
 _META_FIELDS = frozenset({"format", "codec", "dtype", "shape", "key", "raw_len", "checksum"})
+_SEALED_FIELDS = _META_FIELDS | {"auth"}
+#: the shortest secret :class:`FrameSeal` accepts (bytes after UTF-8 encoding)
+MIN_SECRET_BYTES = 16
+_KDF_CONTEXT = "lmcache-core 2026-11-26 frame MAC key v1"
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -66,6 +87,47 @@ _ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items
 
 class FrameError(Exception):
     """The bytes are not a valid frame for the expected chunk. Always a cache miss."""
+
+
+class FrameSeal:
+    """A deployment's frame key, from its secret (``frame_secret``): seals the frames
+    it writes and checks the ones it reads (see the module docstring).
+
+    The 32-byte MAC key is derived from the secret with BLAKE3's key derivation (a
+    context string of our own), so the secret itself is never a hash key; ``key_id``
+    (16 hex digits, derived one way from the key) names the key in frames and
+    messages without revealing it. ``repr`` shows only the id.
+    """
+
+    __slots__ = ("_key", "key_id")
+
+    def __init__(self, secret: str | bytes) -> None:
+        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if len(raw) < MIN_SECRET_BYTES:
+            raise ValueError(f"a frame secret needs at least {MIN_SECRET_BYTES} bytes, got {len(raw)}")
+        self._key = blake3.blake3(raw, derive_key_context=_KDF_CONTEXT).digest()
+        self.key_id: str = blake3.blake3(b"key id", key=self._key).hexdigest()[:16]
+
+    def hasher(self) -> Any:
+        """A fresh keyed BLAKE3 hasher (``update`` / ``hexdigest``)."""
+        return blake3.blake3(key=self._key)
+
+    def __repr__(self) -> str:
+        return f"FrameSeal(key_id={self.key_id})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FrameSeal) and other.key_id == self.key_id
+
+    def __hash__(self) -> int:
+        return hash(self.key_id)
+
+
+class Hasher(Protocol):
+    """What :func:`payload_hasher` returns: XXH3-64 or keyed BLAKE3."""
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> Any: ...
+
+    def hexdigest(self) -> str: ...
 
 
 class Codec(Protocol):
@@ -111,6 +173,51 @@ class Lz4Codec:
         return out
 
 
+class SealedCodec:
+    """``codec`` with a :class:`FrameSeal`: :func:`encode` / :func:`encode_parts`
+    seal the frames they build with it. The engine hands tiers this (as
+    ``BackendContext.codec``) when ``frame_secret`` is set."""
+
+    def __init__(self, codec: Codec, seal: FrameSeal) -> None:
+        self.inner = codec
+        self.seal = seal
+        self.name = codec.name
+        ratio = getattr(codec, "max_ratio", None)
+        if ratio is not None:
+            self.max_ratio = ratio
+
+    def encode(self, raw: memoryview) -> bytes | memoryview:
+        return self.inner.encode(raw)
+
+    def decode(self, payload: memoryview, raw_len: int) -> bytes | memoryview:
+        return self.inner.decode(payload, raw_len)
+
+
+class SealedCodecs(dict[str, Codec]):
+    """The installed codecs by name, each wrapped in a :class:`SealedCodec`:
+    :func:`decode` / :func:`try_decode` given this mapping, or any copy of it (a
+    tier's ``dict(ctx.codecs)`` keeps the wrapped codecs), accept only frames sealed
+    with ``seal``. ``BackendContext.codecs`` when ``frame_secret`` is set."""
+
+    def __init__(self, codecs: Mapping[str, Codec], seal: FrameSeal) -> None:
+        super().__init__({name: SealedCodec(getattr(c, "inner", c), seal) for name, c in codecs.items()})
+        self.seal = seal
+
+
+def seal_of(codec_or_codecs: object) -> FrameSeal | None:
+    """The seal a codec or a codec mapping carries (``None`` for plain ones). A
+    mapping is sealed when it is a :class:`SealedCodecs` or holds a
+    :class:`SealedCodec` (a plain copy of one)."""
+    seal = getattr(codec_or_codecs, "seal", None)
+    if isinstance(seal, FrameSeal):
+        return seal
+    if isinstance(codec_or_codecs, Mapping):
+        for c in codec_or_codecs.values():
+            if isinstance(c, SealedCodec):
+                return c.seal
+    return None
+
+
 @dataclass(frozen=True)
 class FrameInfo:
     key: str
@@ -129,16 +236,19 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
-def frame_meta(key: ChunkKey, tensor: torch.Tensor, codec_name: str, raw_len: int) -> dict[str, str]:
+def frame_meta(
+    key: ChunkKey, tensor: torch.Tensor, codec_name: str, raw_len: int, *, seal: FrameSeal | None = None
+) -> dict[str, str]:
     """The frame metadata of ``tensor`` under ``key``, without the ``checksum`` field.
 
     Public so that a tier which writes frames in parts (header and payload
     separately, see :func:`frame_header`) builds exactly the metadata :func:`encode`
-    would. ``raw_len`` is the tensor's byte length before the codec.
+    would. ``raw_len`` is the tensor's byte length before the codec. With ``seal``
+    the metadata names its key (``auth``): the frame's checksum is then a MAC.
     """
     if tensor.dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype {tensor.dtype} cannot be framed")
-    return {
+    meta = {
         "format": FRAME_FORMAT,
         "codec": codec_name,
         "dtype": DTYPE_NAMES[tensor.dtype],
@@ -146,42 +256,70 @@ def frame_meta(key: ChunkKey, tensor: torch.Tensor, codec_name: str, raw_len: in
         "key": key.to_str(),
         "raw_len": str(raw_len),
     }
+    if seal is not None:
+        meta["auth"] = seal.key_id
+    return meta
 
 
-def payload_hasher(meta: Mapping[str, str]) -> xxhash.xxh3_64:
-    """A streaming XXH3-64 hasher already fed the frame's canonical metadata.
+def check_seal(meta: Mapping[str, str], seal: FrameSeal | None) -> None:
+    """Raise :class:`FrameError` unless ``meta`` is sealed exactly when ``seal`` is
+    given, and with ``seal``'s key: a reader with a secret takes no unsealed frame
+    (anyone could have written it), a reader without one cannot check a sealed one."""
+    auth = meta.get("auth")
+    if seal is None:
+        if auth is not None:
+            raise FrameError(f"frame is sealed (key id {auth}); this reader has no frame_secret")
+    elif auth is None:
+        raise FrameError("frame is not sealed: written without frame_secret (or planted), refused")
+    elif auth != seal.key_id:
+        raise FrameError(f"frame is sealed with another key (id {auth}, ours {seal.key_id})")
+
+
+def checksum_placeholder(meta: Mapping[str, str]) -> str:
+    """A checksum of the right length for ``meta`` (zeros): a writer reserves the
+    header's room with ``frame_header(meta, checksum_placeholder(meta), n)``."""
+    return "0" * (MAC_HEX_LEN if "auth" in meta else CHECKSUM_HEX_LEN)
+
+
+def payload_hasher(meta: Mapping[str, str], seal: FrameSeal | None = None) -> Hasher:
+    """A streaming XXH3-64 hasher (keyed BLAKE3 for a sealed frame) already fed the
+    frame's canonical metadata.
 
     The checksum covers the metadata (every field but ``checksum``, as sorted compact
     JSON, preceded by its length) and then the payload, so a header edited to claim
     another dtype, shape, codec or key fails as surely as a flipped payload byte.
     Tiers that move the payload in pieces (the disk tier reads it in segments) feed
     each piece to ``.update(chunk)`` as it arrives and, at the end, compare
-    ``.hexdigest()`` with ``meta["checksum"]`` (16 lowercase hex digits); unequal
-    means the frame is corrupt (a :class:`FrameError`, i.e. a miss). ``meta`` may or
-    may not hold the ``checksum`` field; it is left out either way.
+    ``.hexdigest()`` with ``meta["checksum"]`` (16 lowercase hex digits, 64 when
+    sealed); unequal means the frame is corrupt or forged (a :class:`FrameError`,
+    i.e. a miss). ``meta`` may or may not hold the ``checksum`` field; it is left out
+    either way. ``seal`` must match the frame (:func:`check_seal`, raised here).
     """
+    check_seal(meta, seal)
     canon = json.dumps({k: v for k, v in sorted(meta.items()) if k != "checksum"}, separators=(",", ":")).encode()
-    h = xxhash.xxh3_64()
+    h: Hasher = xxhash.xxh3_64() if seal is None else seal.hasher()
     h.update(_U64.pack(len(canon)))
     h.update(canon)
     return h
 
 
-def payload_checksum(meta: Mapping[str, str], payload: bytes | bytearray | memoryview) -> str:
-    """The ``checksum`` field value for ``payload`` under ``meta`` (16 hex digits)."""
-    h = payload_hasher(meta)
+def payload_checksum(meta: Mapping[str, str], payload: bytes | bytearray | memoryview, seal: FrameSeal | None = None) -> str:
+    """The ``checksum`` field value for ``payload`` under ``meta`` (16 hex digits;
+    a 64-digit MAC when sealed)."""
+    h = payload_hasher(meta, seal)
     h.update(payload)
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
-def verify_payload(meta: Mapping[str, str], payload: bytes | bytearray | memoryview) -> None:
-    """Raise :class:`FrameError` unless ``payload`` matches ``meta["checksum"]``.
+def verify_payload(meta: Mapping[str, str], payload: bytes | bytearray | memoryview, seal: FrameSeal | None = None) -> None:
+    """Raise :class:`FrameError` unless ``payload`` matches ``meta["checksum"]``
+    (and the frame is sealed with ``seal``, or unsealed without one).
 
     ``meta`` is the metadata returned by :func:`parse_header` or
     :func:`parse_header_prefix`; use this when the whole payload is in memory and
     :func:`payload_hasher` when it arrives in pieces."""
-    if payload_checksum(meta, payload) != meta.get("checksum"):
-        raise FrameError("checksum mismatch")
+    if payload_checksum(meta, payload, seal) != meta.get("checksum"):
+        raise FrameError("MAC mismatch: not written with our frame_secret" if seal is not None else "checksum mismatch")
 
 
 def frame_header(meta: Mapping[str, str], checksum: str, payload_len: int) -> bytes:
@@ -190,13 +328,15 @@ def frame_header(meta: Mapping[str, str], checksum: str, payload_len: int) -> by
 
     ``meta`` comes from :func:`frame_meta`, ``checksum`` from :func:`payload_checksum`
     or :func:`payload_hasher`. Its length does not depend on the checksum's value
-    (always 16 hex digits), so a writer can reserve the header's room with
-    ``len(frame_header(meta, "0" * 16, n))``, write the payload after it, and hash
-    the payload meanwhile. ``frame_header(...) + payload`` is exactly
-    :func:`encode`'s frame.
+    (16 hex digits, 64 for a sealed frame), so a writer can reserve the header's room
+    with ``len(frame_header(meta, checksum_placeholder(meta), n))``, write the
+    payload after it, and hash the payload meanwhile. ``frame_header(...) + payload``
+    is exactly :func:`encode`'s frame.
     """
-    if not _CHECKSUM_RE.fullmatch(checksum):
-        raise ValueError(f"checksum must be {CHECKSUM_HEX_LEN} lowercase hex digits, got {checksum!r}")
+    sealed = "auth" in meta
+    if not (_MAC_RE if sealed else _CHECKSUM_RE).fullmatch(checksum):
+        want = MAC_HEX_LEN if sealed else CHECKSUM_HEX_LEN
+        raise ValueError(f"checksum must be {want} lowercase hex digits, got {checksum!r}")
     full = {k: v for k, v in meta.items() if k != "checksum"}
     full["checksum"] = checksum
     header = json.dumps(
@@ -207,9 +347,10 @@ def frame_header(meta: Mapping[str, str], checksum: str, payload_len: int) -> by
     return _U64.pack(len(header)) + header
 
 
-def encode_parts(key: ChunkKey, tensor: torch.Tensor, codec: Codec) -> tuple[bytes, memoryview]:
+def encode_parts(key: ChunkKey, tensor: torch.Tensor, codec: Codec, *, seal: FrameSeal | None = None) -> tuple[bytes, memoryview]:
     """A frame as ``(header, payload)`` with ``header + payload == encode(...)`` byte
-    for byte, without building the concatenation.
+    for byte, without building the concatenation. Sealed with ``seal``, or with the
+    seal ``codec`` carries (:class:`SealedCodec`).
 
     For tiers that write the two parts separately (vectored or positioned writes):
     it saves :func:`encode`'s copies of the payload. With :class:`RawCodec` the
@@ -218,15 +359,16 @@ def encode_parts(key: ChunkKey, tensor: torch.Tensor, codec: Codec) -> tuple[byt
     """
     if tensor.dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype {tensor.dtype} cannot be framed")
+    seal = seal if seal is not None else seal_of(codec)
     raw = tensor_bytes(tensor)
-    meta = frame_meta(key, tensor, codec.name, raw.nbytes)
+    meta = frame_meta(key, tensor, codec.name, raw.nbytes, seal=seal)
     payload = memoryview(codec.encode(raw)).cast("B")
-    return frame_header(meta, payload_checksum(meta, payload), payload.nbytes), payload
+    return frame_header(meta, payload_checksum(meta, payload, seal), payload.nbytes), payload
 
 
-def encode(key: ChunkKey, tensor: torch.Tensor, codec: Codec) -> bytes:
-    """Serialize one chunk into a frame."""
-    header, payload = encode_parts(key, tensor, codec)
+def encode(key: ChunkKey, tensor: torch.Tensor, codec: Codec, *, seal: FrameSeal | None = None) -> bytes:
+    """Serialize one chunk into a frame (sealed as :func:`encode_parts` says)."""
+    header, payload = encode_parts(key, tensor, codec, seal=seal)
     out = bytearray(len(header) + payload.nbytes)
     out[: len(header)] = header
     out[len(header) :] = payload
@@ -291,13 +433,16 @@ def _parse_header_json(text: memoryview, have_payload: int) -> tuple[FrameInfo, 
     meta, entry = header["__metadata__"], header["payload"]
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise FrameError("metadata is malformed")
-    if set(meta) != _META_FIELDS:
+    sealed = "auth" in meta
+    if set(meta) != (_SEALED_FIELDS if sealed else _META_FIELDS):
         raise FrameError("metadata has the wrong fields")
     if meta["format"] != FRAME_FORMAT:
         raise FrameError(f"unknown frame format {meta['format']!r}")
     if meta["dtype"] not in DTYPES:
         raise FrameError(f"unknown dtype {meta['dtype']!r}")
-    if not _CHECKSUM_RE.fullmatch(meta["checksum"]):
+    if sealed and not _KEY_ID_RE.fullmatch(meta["auth"]):
+        raise FrameError("auth field is malformed")
+    if not (_MAC_RE if sealed else _CHECKSUM_RE).fullmatch(meta["checksum"]):
         raise FrameError("checksum field is malformed")
     try:
         shape_doc = json.loads(meta["shape"])
@@ -383,14 +528,18 @@ def decode(
     expect_key: ChunkKey | None = None,
     out: torch.Tensor | None = None,
     max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
+    seal: FrameSeal | None = None,
 ) -> torch.Tensor:
     """Decode and verify a frame. With ``out``, the data is written into it (its
     dtype and shape must match the frame) and ``out`` is returned; without it the
     raw size is capped at ``max_raw_bytes``. The header is checked against all of
-    that (:func:`check_frame`) before the payload is hashed or decompressed."""
+    that (:func:`check_frame`) and the seal (``seal``, or the one ``codecs``
+    carries: :class:`SealedCodecs`) before the payload is hashed or decompressed."""
+    seal = seal if seal is not None else seal_of(codecs)
     info, meta, payload = parse_header(frame)
+    check_seal(meta, seal)
     codec = check_frame(info, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes)
-    verify_payload(meta, payload)
+    verify_payload(meta, payload, seal)
     if out is not None:
         return codec_output(codec, info, payload, out)
     raw = _codec_decode(codec, info, payload)
@@ -434,11 +583,12 @@ def try_decode(
     expect_key: ChunkKey | None = None,
     out: torch.Tensor | None = None,
     max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
+    seal: FrameSeal | None = None,
 ) -> tuple[torch.Tensor | None, str | None]:
     """``decode`` that returns ``(None, reason)`` instead of raising."""
     if frame is None:
         return None, "missing"
     try:
-        return decode(frame, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes), None
+        return decode(frame, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes, seal=seal), None
     except FrameError as err:
         return None, str(err)

@@ -1,7 +1,7 @@
 """Test helpers for backend authors, shipped inside the package.
 
 The backend suite is one mixin per clause of the contract (round trips, index,
-integrity, stats, concurrency, lifecycle, eviction, pinning, zero-copy), all built
+integrity, seal, stats, concurrency, lifecycle, eviction, pinning, zero-copy), all built
 on :class:`BackendFixtures`. Subclass :class:`BackendConformance` for every clause,
 or the mixins you want, and supply the fixtures; pytest runs the rest::
 
@@ -23,12 +23,17 @@ or the mixins you want, and supply the fixtures; pytest runs the rest::
         def replace_with(self, backend):           # required for a tier storing frames
             return lambda key, other: copy_frame(backend, src=other, dst=key)
 
+        @pytest.fixture
+        def plant(self, backend):                  # required for a tier storing frames
+            return lambda key, frame: write_raw_bytes(backend, key, frame)
+
 Eviction policies have their own suite, :class:`EvictionPolicyConformance`
 (implement ``make_policy(capacity)``).
 """
 
 from .conformance import (
     BOUNDED_BYTES,
+    FRAME_SECRET,
     PRESSURE_CHUNK_BYTES,
     BackendConformance,
     BackendFixtures,
@@ -40,8 +45,10 @@ from .conformance import (
     IntegrityTests,
     LifecycleTests,
     PinningTests,
+    Plant,
     ReplaceWith,
     RoundTripTests,
+    SealTests,
     StatsTests,
     ZeroCopyTests,
     flip_byte,
@@ -53,6 +60,7 @@ from .policies import EvictionPolicyConformance
 
 __all__ = [
     "BOUNDED_BYTES",
+    "FRAME_SECRET",
     "PRESSURE_CHUNK_BYTES",
     "BackendConformance",
     "BackendFixtures",
@@ -65,8 +73,10 @@ __all__ = [
     "IntegrityTests",
     "LifecycleTests",
     "PinningTests",
+    "Plant",
     "ReplaceWith",
     "RoundTripTests",
+    "SealTests",
     "StatsTests",
     "ZeroCopyTests",
     "flip_byte",

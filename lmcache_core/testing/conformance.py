@@ -7,8 +7,9 @@ class supplies: ``make_backend`` (required), and optionally ``reopen_backend``
 and the fixtures ``corrupt`` and ``replace_with`` that reach into the tier's storage.
 A clause whose optional part is not supplied is skipped, with one exception: a tier
 that stores serde frames (``stores_frames = True``, the default) must supply
-``corrupt`` and ``replace_with``, or the integrity clauses fail, since a byte tier that
-cannot show a corrupt or foreign frame is a miss has not shown it is safe.
+``corrupt``, ``replace_with`` and ``plant``, or the integrity and seal clauses fail,
+since a byte tier that cannot show a corrupt, foreign or planted frame is a miss has
+not shown it is safe.
 """
 
 from __future__ import annotations
@@ -25,13 +26,21 @@ from ..backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageB
 from ..config import CoreConfig
 from ..keys import ChunkKey, KeyNamespace
 from ..memory import MemoryPool
-from ..serde import Codec, Lz4Codec, RawCodec
+from ..serde import Codec, FrameSeal, Lz4Codec, RawCodec, SealedCodec, SealedCodecs, encode
 
 #: ``corrupt(key)``: damage the stored frame of ``key`` in place (flip a payload byte).
 Corrupt = Callable[[ChunkKey], None]
 #: ``replace_with(key, other_key)``: store ``other_key``'s frame, byte for byte, where
 #: the tier keeps ``key``'s (as a shared store written by another model would).
 ReplaceWith = Callable[[ChunkKey, ChunkKey], None]
+#: ``plant(key, frame)``: store ``frame`` (bytes) where the tier keeps ``key``'s
+#: frame, bypassing the tier (as another client of a shared store could).
+Plant = Callable[[ChunkKey, bytes], None]
+
+#: the frame secret the seal clauses give the tier (``ctx`` parametrized with it)
+FRAME_SECRET = "conformance-frame-secret-0123456789"
+#: a secret of some other deployment
+OTHER_FRAME_SECRET = "another-deployment's-frame-secret"
 
 #: the chunk the pressure clauses write: 8 KiB of float16
 PRESSURE_SHAPE = (16, 256)
@@ -42,14 +51,22 @@ BOUNDED_BYTES = 16 * PRESSURE_CHUNK_BYTES
 PRESSURE_CHUNKS = 48
 
 
-def make_context(pool_bytes: int = 64 << 20, *, codec: str = "raw", key_path: str = "backends[0]") -> BackendContext:
+def make_context(
+    pool_bytes: int = 64 << 20, *, codec: str = "raw", key_path: str = "backends[0]", frame_secret: str | None = None
+) -> BackendContext:
+    """A context like the engine's; with ``frame_secret``, its codecs seal frames
+    (what the engine hands tiers when ``frame_secret`` is configured)."""
     codecs: dict[str, Codec] = {"raw": RawCodec(), "lz4": Lz4Codec()}
+    chosen: Codec = codecs[codec]
+    if frame_secret is not None:
+        seal = FrameSeal(frame_secret)
+        codecs, chosen = SealedCodecs(codecs, seal), SealedCodec(chosen, seal)
     return BackendContext(
         key_path=key_path,
         source="test",
         config=CoreConfig(serde=codec),
         pool=MemoryPool(pool_bytes),
-        codec=codecs[codec],
+        codec=chosen,
         codecs=codecs,
     )
 
@@ -99,8 +116,10 @@ class BackendFixtures:
         return None
 
     @pytest.fixture
-    def ctx(self) -> BackendContext:
-        return make_context(codec=self.codec)
+    def ctx(self, request: pytest.FixtureRequest) -> BackendContext:
+        """The tier's context; a test parametrizes it indirectly with a frame secret
+        to get a sealing one (the seal clauses do)."""
+        return make_context(codec=self.codec, frame_secret=getattr(request, "param", None))
 
     @pytest.fixture
     def backend(self, ctx: BackendContext, tmp_path: Path) -> Iterator[StorageBackend]:
@@ -116,6 +135,11 @@ class BackendFixtures:
     @pytest.fixture
     def replace_with(self, backend: StorageBackend) -> Optional[ReplaceWith]:
         """Override: return ``replace_with(key, other_key)`` for ``backend``'s storage."""
+        return None
+
+    @pytest.fixture
+    def plant(self, backend: StorageBackend) -> Optional[Plant]:
+        """Override: return ``plant(key, frame)`` for ``backend``'s storage."""
         return None
 
     def _storage_hook(self, hook: Any, name: str) -> Any:
@@ -232,6 +256,52 @@ class IntegrityTests(BackendFixtures):
         assert _delta(before, backend.stats(), "misses") == 1
         out2 = torch.empty_like(theirs)
         assert backend.get(other, out2) and torch.equal(out2, theirs)  # the frame itself is valid
+
+
+class SealTests(BackendFixtures):
+    """With a frame secret (``ctx`` built with :data:`FRAME_SECRET`), a tier serves
+    only frames sealed with it: a frame planted in its storage by someone without the
+    secret is a miss, counted as one, whether it carries a valid plain checksum or is
+    sealed with another deployment's secret; the tier's own frames round-trip. A tier
+    passes by handing ``ctx.codec`` / ``ctx.codecs`` to serde (or ``seal=ctx.seal``
+    to serde's pieces)."""
+
+    @pytest.mark.parametrize("ctx", [FRAME_SECRET], indirect=True)
+    def test_planted_frames_are_misses(self, ctx: BackendContext, backend: StorageBackend, plant: Optional[Plant]) -> None:
+        put_raw = self._storage_hook(plant, "plant")
+        assert ctx.seal is not None
+        key, data = random_key(), random_chunk(shape=(16, 64), seed=31)
+        fake = torch.full_like(data, 666.0)
+        assert backend.put(key, data)
+        out = torch.empty_like(data)
+        assert backend.get(key, out) and torch.equal(out, data), "a frame the tier sealed itself must round-trip"
+        planted = {
+            "unsealed, with a valid checksum": encode(key, fake, RawCodec()),
+            "sealed with another secret": encode(key, fake, RawCodec(), seal=FrameSeal(OTHER_FRAME_SECRET)),
+        }
+        for label, frame in planted.items():
+            put_raw(key, frame)
+            before = backend.stats()
+            hit = backend.get(key, torch.zeros_like(data))
+            assert hit is False, f"a planted frame ({label}) was served as a hit"
+            assert _delta(before, backend.stats(), "misses") == 1, f"a planted frame ({label}) must count as one miss"
+        # positive control: what `plant` writes is what the tier reads
+        put_raw(key, encode(key, fake, ctx.codec))
+        out = torch.zeros_like(data)
+        assert backend.get(key, out) and torch.equal(out, fake), "plant() does not reach the tier's storage"
+
+    @pytest.mark.parametrize("ctx", [FRAME_SECRET], indirect=True)
+    def test_planted_frame_in_a_batch_is_a_miss_for_its_key(
+        self, ctx: BackendContext, backend: StorageBackend, plant: Optional[Plant]
+    ) -> None:
+        put_raw = self._storage_hook(plant, "plant")
+        keys = [random_key("sealed-batch") for _ in range(3)]
+        chunks = [random_chunk(shape=(16, 64), seed=70 + i) for i in range(3)]
+        assert backend.put_many(list(zip(keys, chunks))) == [True] * 3
+        put_raw(keys[1], encode(keys[1], torch.full_like(chunks[1], 666.0), RawCodec()))
+        outs = [torch.zeros_like(c) for c in chunks]
+        assert backend.get_many(keys, outs) == [True, False, True]
+        assert torch.equal(outs[0], chunks[0]) and torch.equal(outs[2], chunks[2])
 
 
 class BatchTests(BackendFixtures):
@@ -438,6 +508,7 @@ class BackendConformance(
     RoundTripTests,
     IndexTests,
     IntegrityTests,
+    SealTests,
     BatchTests,
     StatsTests,
     ConcurrencyTests,

@@ -10,7 +10,7 @@ import pytest
 from lmcache_backend_disk import DiskBackend, create_disk_backend
 from lmcache_core.backend import BackendContext, StorageBackend
 from lmcache_core.keys import ChunkKey
-from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte
+from lmcache_core.testing import BackendConformance, Corrupt, Plant, ReplaceWith, flip_byte
 
 
 def scanned(backend: StorageBackend) -> StorageBackend:
@@ -44,6 +44,13 @@ class TestDiskConformance(BackendConformance):
             backend.directory.chunk_path(key).write_bytes(backend.directory.chunk_path(other).read_bytes())
 
         return replace_with
+
+    @pytest.fixture
+    def plant(self, backend: DiskBackend) -> Plant:
+        def plant(key: ChunkKey, frame: bytes) -> None:
+            backend.directory.chunk_path(key).write_bytes(frame)
+
+        return plant
 
 
 class TestDiskConformanceLz4ODirect(TestDiskConformance):

@@ -21,7 +21,7 @@ from mooncake_server import MooncakeMaster, mooncake_store  # noqa: E402,F401 - 
 from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
 from lmcache_core.backend import BackendContext, StorageBackend  # noqa: E402
 from lmcache_core.keys import ChunkKey  # noqa: E402
-from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte  # noqa: E402
+from lmcache_core.testing import BackendConformance, Corrupt, Plant, ReplaceWith, flip_byte  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,9 @@ class TestMooncakeConformance(BackendConformance):
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
         return create_mooncake_backend(self.store.options(key_prefix=f"conf/{tmp_path.name}/", staging_size="16MiB"), ctx)
 
-    def _rewrite(self, raw: Any, name: str, frame: bytes) -> None:
-        assert list(raw.batch_remove([name], True)) == [0]  # forced: a read a moment ago holds a lease
+    def _rewrite(self, raw: Any, name: str, frame: bytes, *, present: bool = True) -> None:
+        removed = list(raw.batch_remove([name], True))  # forced: a read a moment ago holds a lease
+        assert removed == [0] or not present, removed
         assert raw.put(name, frame) == 0
 
     @pytest.fixture
@@ -64,19 +65,27 @@ class TestMooncakeConformance(BackendConformance):
 
         return replace_with
 
+    @pytest.fixture
+    def plant(self, backend: Any, raw_store: Any) -> Plant:
+        def plant(key: ChunkKey, frame: bytes) -> None:
+            self._rewrite(raw_store, backend._name(key), frame, present=False)
+
+        return plant
+
     @pytest.fixture(scope="class")
     @classmethod
     def _shared(cls, mooncake_store: MooncakeMaster) -> Iterator[dict[str, Any]]:
         holder: dict[str, Any] = {}
         yield holder
-        if "backend" in holder:
-            holder["backend"].close()
+        for b in holder.values():
+            b.close()
 
     @pytest.fixture
     def backend(self, ctx: BackendContext, tmp_path: Path, _shared: dict[str, Any]) -> Any:
-        if "backend" not in _shared:
-            _shared["backend"] = self.make_backend(ctx, tmp_path)
-        yield _shared["backend"]
+        name = "backend" if ctx.seal is None else "sealed"  # the seal clauses get a tier of their own
+        if name not in _shared:
+            _shared[name] = self.make_backend(ctx, tmp_path)
+        yield _shared[name]
 
 
 def test_pool_chunks_are_put_in_place_and_staging_drains(mooncake_store: MooncakeMaster) -> None:

@@ -16,13 +16,13 @@ import pytest
 from lmcache_backend_peer import FrameStore, PeerServer, create_peer_backend
 from lmcache_core.backend import BackendContext, StorageBackend
 from lmcache_core.keys import ChunkKey
-from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte
+from lmcache_core.testing import BackendConformance, Corrupt, Plant, ReplaceWith, flip_byte
 
 SECRET = b"conformance-secret-0123456789"
 
 
-def _store_hooks(store: FrameStore) -> tuple[Corrupt, ReplaceWith]:
-    """``corrupt`` and ``replace_with`` over the frame store that holds the chunks."""
+def _store_hooks(store: FrameStore) -> tuple[Corrupt, ReplaceWith, Plant]:
+    """``corrupt``, ``replace_with`` and ``plant`` over the frame store that holds the chunks."""
 
     def rewrite(key: ChunkKey, frame: bytes) -> None:
         assert store.remove(key)
@@ -38,7 +38,11 @@ def _store_hooks(store: FrameStore) -> tuple[Corrupt, ReplaceWith]:
         assert frame is not None
         rewrite(key, bytes(frame))
 
-    return corrupt, replace_with
+    def plant(key: ChunkKey, frame: bytes) -> None:
+        store.remove(key)  # a miss a moment ago may have dropped it already
+        assert store.put_frame(key, frame)
+
+    return corrupt, replace_with, plant
 
 
 class TestPeerLocalStore(BackendConformance):
@@ -55,6 +59,10 @@ class TestPeerLocalStore(BackendConformance):
     @pytest.fixture
     def replace_with(self, backend: StorageBackend) -> ReplaceWith:
         return _store_hooks(backend.store)[1]  # type: ignore[attr-defined]
+
+    @pytest.fixture
+    def plant(self, backend: StorageBackend) -> Plant:
+        return _store_hooks(backend.store)[2]  # type: ignore[attr-defined]
 
 
 class TestPeerLocalStoreLz4(TestPeerLocalStore):
@@ -83,6 +91,10 @@ class TestPeerPushToNode(BackendConformance):
     @pytest.fixture
     def replace_with(self, backend: StorageBackend) -> ReplaceWith:
         return _store_hooks(self._node.source)[1]  # type: ignore[arg-type]
+
+    @pytest.fixture
+    def plant(self, backend: StorageBackend) -> Plant:
+        return _store_hooks(self._node.source)[2]  # type: ignore[arg-type]
 
     def test_data_lives_on_the_node(self, backend: StorageBackend) -> None:
         from lmcache_core.testing import random_chunk, random_key

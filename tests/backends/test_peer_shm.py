@@ -43,6 +43,7 @@ from lmcache_core.testing import make_context
 pytestmark = pytest.mark.skipif(not SHM_SUPPORTED, reason="the shared-memory fast path is x86-64 Linux only")
 
 SECRET = "shm-test-secret-0123456789abcdef"
+FRAME_KEY = "shm-test-frame-secret-0123456789"
 A, B = "tenant-a", "tenant-b"
 A_SECRET, B_SECRET = "tenant-a-secret-0123456789", "tenant-b-secret-9876543210"
 SHAPE = (4, 256)  # 4 KiB of float32 per chunk
@@ -472,3 +473,75 @@ def test_socket_path_errors(tmp_path: Path, sock_path: str) -> None:
             _node(FrameStore(1 << 20), sock_path)
     finally:
         first.close()
+
+
+# -- what the engine serves from an arena is verified (hardening round 2, findings 1 and 8) ---------
+def _payload_offset(store: ArenaStore, key: ChunkKey) -> int:
+    loc = store.arenas[None].locate([key])[0]
+    assert loc is not None
+    return loc.offset + SLOT_HEADER + loc.length - 1  # the frame's last payload byte
+
+
+def test_bytes_changed_in_the_arena_are_a_miss(shm_node: tuple[PeerServer, ArenaStore], sock_path: str) -> None:
+    """Any process of the node's user can write an arena (``/proc/<pid>/mem``; here the
+    node's own writable mapping stands for it): the copy is checked against the
+    frame's checksum, as the socket path checks it. Control: the intact slot hits."""
+    _, store = shm_node
+    backend = _backend(sock_path)
+    try:
+        assert backend.put(_key(0), _chunk(0)) and backend.contains([_key(0)]) == 1
+        got = _get(backend, 0)
+        assert got is not None and torch.equal(got, _chunk(0))  # control
+        at = _payload_offset(store, _key(0))
+        store.arenas[None]._mm[at] ^= 0x40  # one bit of one element
+        before = backend.stats()
+        assert _get(backend, 0) is None, "a changed arena byte was served"
+        after = backend.stats()
+        assert after.extra["shm_hits"] == before.extra["shm_hits"] and after.misses == before.misses + 1
+    finally:
+        backend.close()
+
+
+def _sealed_backend(path: str, secret: str) -> PeerBackend:
+    cfg = {"unix_socket": path, "secret": SECRET, "max_size": 0, "push": True, "timeout_ms": 5000}
+    backend = create_peer_backend(cfg, make_context(pool_bytes=1 << 20, frame_secret=secret))
+    assert isinstance(backend, PeerBackend)
+    return backend
+
+
+def test_sealed_frames_through_a_node_without_the_secret(shm_node: tuple[PeerServer, ArenaStore], sock_path: str) -> None:
+    """The node cannot check a MAC, so it keeps sealed frames after its header checks;
+    the engine checks the MAC on the shared-memory read. A plain frame planted in the
+    arena (valid checksum) is then a miss; another engine with the same secret hits."""
+    _, store = shm_node
+    writer, reader = _sealed_backend(sock_path, FRAME_KEY), _sealed_backend(sock_path, FRAME_KEY)
+    try:
+        assert writer.put(_key(0), _chunk(0)) and writer.put(_key(1), _chunk(1))
+        assert reader.contains([_key(0), _key(1)]) == 2
+        got = _get(reader, 0)
+        assert got is not None and torch.equal(got, _chunk(0)) and reader.stats().extra["shm_hits"] == 1
+        store.remove(_key(1))
+        assert store.put_frame(_key(1), encode(_key(1), torch.full(SHAPE, 666.0), RawCodec()))  # planted
+        assert reader.contains([_key(1)]) == 1
+        assert _get(reader, 1) is None, "a planted plain frame was served to a sealed engine"
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_node_with_the_secret_refuses_unsealed_pushes(sock_path: str, tmp_path: Path) -> None:
+    from lmcache_core.serde import FrameSeal
+
+    store = ArenaStore(16 << 20, [None])
+    server = _node(store, sock_path, seal=FrameSeal(FRAME_KEY))
+    client = PeerClient(sock_path, SECRET.encode(), timeout=5)
+    try:
+        assert not client.put(_key(0), _frame(0))  # plain, valid checksum
+        assert not client.put(_key(0), encode(_key(0), _chunk(0), RawCodec(), seal=FrameSeal("another-secret-0123456789")))
+        assert store.contains([_key(0)]) == 0
+        assert client.put(_key(0), encode(_key(0), _chunk(0), RawCodec(), seal=FrameSeal(FRAME_KEY)))  # control
+        assert store.contains([_key(0)]) == 1
+    finally:
+        client.close()
+        server.close()
+        store.close()

@@ -16,7 +16,7 @@ from redis_server import RedisCluster3, RedisServer, redis_cluster, redis_server
 from lmcache_backend_redis import create_redis_backend  # noqa: E402
 from lmcache_core.backend import BackendContext, StorageBackend  # noqa: E402
 from lmcache_core.keys import ChunkKey  # noqa: E402
-from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte  # noqa: E402
+from lmcache_core.testing import BackendConformance, Corrupt, Plant, ReplaceWith, flip_byte  # noqa: E402
 
 
 class RedisStorageFixtures(BackendConformance):
@@ -37,6 +37,13 @@ class RedisStorageFixtures(BackendConformance):
             backend.client.set(backend._name(key), backend.client.get(backend._name(other)))
 
         return replace_with
+
+    @pytest.fixture
+    def plant(self, backend: Any) -> Plant:
+        def plant(key: ChunkKey, frame: bytes) -> None:
+            backend.client.set(backend._name(key), frame)
+
+        return plant
 
 
 class TestRedisConformance(RedisStorageFixtures):

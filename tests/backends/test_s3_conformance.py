@@ -15,7 +15,7 @@ from s3_server import MotoS3, s3_bucket, s3_server  # noqa: E402,F401 - fixtures
 from lmcache_backend_s3 import create_s3_backend  # noqa: E402
 from lmcache_core.backend import BackendContext, StorageBackend  # noqa: E402
 from lmcache_core.keys import ChunkKey  # noqa: E402
-from lmcache_core.testing import BackendConformance, Corrupt, ReplaceWith, flip_byte  # noqa: E402
+from lmcache_core.testing import BackendConformance, Corrupt, Plant, ReplaceWith, flip_byte  # noqa: E402
 
 
 class TestS3Conformance(BackendConformance):
@@ -48,6 +48,13 @@ class TestS3Conformance(BackendConformance):
             backend.client.put_object(Bucket=backend.bucket, Key=backend._object(key), Body=body)
 
         return replace_with
+
+    @pytest.fixture
+    def plant(self, backend: Any) -> Plant:
+        def plant(key: ChunkKey, frame: bytes) -> None:
+            backend.client.put_object(Bucket=backend.bucket, Key=backend._object(key), Body=frame)
+
+        return plant
 
 
 class TestS3ConformanceLz4(TestS3Conformance):

@@ -40,6 +40,12 @@ class DictFixtures(BackendConformance):
             backend._frames[key] = backend._frames[other]
         return replace_with
 
+    @pytest.fixture
+    def plant(self, backend):
+        def plant(key, frame):
+            backend._frames[key] = frame
+        return plant
+
 
 class IgnoresExpectKey(DictBackend):
     """Checks the frame's checksum but not whose frame it is."""
@@ -55,6 +61,15 @@ class IgnoresExpectKey(DictBackend):
             self._stats.hits += 1
             self._stats.get_bytes += out.nbytes
         return True
+
+
+class IgnoresTheSecret(DictBackend):
+    """Unwraps the context's codecs: writes and reads plain frames, so its own
+    chunks round-trip and a planted frame with a valid checksum is served."""
+
+    def __init__(self, codec, codecs, max_entries):
+        plain = {n: getattr(c, "inner", c) for n, c in codecs.items()}
+        super().__init__(getattr(codec, "inner", codec), plain, max_entries)
 
 
 class CountsNothing(DictBackend):
@@ -88,6 +103,10 @@ class TestHonest(DictFixtures):
 
 class TestIgnoresExpectKey(DictFixtures):
     backend_class = IgnoresExpectKey
+
+
+class TestIgnoresTheSecret(DictFixtures):
+    backend_class = IgnoresTheSecret
 
 
 class TestCountsNothing(DictFixtures):
@@ -128,15 +147,31 @@ def test_the_suite_fails_exactly_the_broken_clauses(tmp_path: Path) -> None:
         failed.setdefault(cls, set()).add(test)
     assert failed == {
         "TestIgnoresExpectKey": {"test_foreign_frame_is_a_miss"},
-        "TestCountsNothing": {"test_stats_count_what_happened", "test_corrupt_frame_is_a_miss", "test_foreign_frame_is_a_miss"},
-        "TestBatchStopsAtFirstMiss": {"test_get_many_judges_each_key_alone"},
+        "TestCountsNothing": {
+            "test_stats_count_what_happened",
+            "test_corrupt_frame_is_a_miss",
+            "test_foreign_frame_is_a_miss",
+            "test_planted_frames_are_misses",
+        },
+        "TestBatchStopsAtFirstMiss": {
+            "test_get_many_judges_each_key_alone",
+            "test_planted_frame_in_a_batch_is_a_miss_for_its_key",
+        },
+        "TestIgnoresTheSecret": {
+            "test_planted_frames_are_misses",
+            "test_planted_frame_in_a_batch_is_a_miss_for_its_key",
+        },
         "TestNoStorageFixtures": {
             "test_corrupt_frame_is_a_miss",
             "test_foreign_frame_is_a_miss",
             "test_get_many_judges_each_key_alone",
+            "test_planted_frames_are_misses",
+            "test_planted_frame_in_a_batch_is_a_miss_for_its_key",
         },
         "TestPinIsANoOp": {"test_pinned_chunks_survive_eviction_pressure"},
     }, res.stdout[-4000:]
     assert re.search(r"\d+ passed", res.stdout), res.stdout[-2000:]  # TestHonest and the rest ran
     assert "served another key's frame" in res.stdout
     assert "supply the `corrupt` fixture" in res.stdout
+    assert "supply the `plant` fixture" in res.stdout
+    assert "was served as a hit" in res.stdout

@@ -49,16 +49,19 @@ from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendContext, Ba
 from lmcache_core.config import ConfigError, validate_section
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import (
-    CHECKSUM_HEX_LEN,
     DTYPE_NAMES,
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
     Codec,
     FrameError,
+    FrameSeal,
+    check_seal,
+    checksum_placeholder,
     frame_header,
     frame_meta,
     payload_checksum,
     payload_hasher,
+    seal_of,
     tensor_bytes,
     try_decode,
 )
@@ -105,6 +108,7 @@ class DiskBackend(StorageBackend):
         self.max_size = cfg.max_size
         self._codec = codec
         self._codecs = dict(codecs)
+        self._seal = seal_of(codec)
         self._lock = threading.Lock()
         self._index = LruIndex()
         self._last_put_error: str | None = None
@@ -669,8 +673,8 @@ class DiskBackend(StorageBackend):
         raw = tensor_bytes(data)
         payload = self._codec.encode(raw)
         mv = memoryview(payload).cast("B")
-        meta = frame_meta(key, data, self._codec.name, raw.nbytes)
-        return _PendingFrame(meta, mv)
+        meta = frame_meta(key, data, self._codec.name, raw.nbytes, seal=self._seal)
+        return _PendingFrame(meta, mv, self._seal)
 
     def _write(self, dfd: int, temp: str, frame: "_PendingFrame") -> None:
         if self._o_direct:
@@ -726,6 +730,11 @@ class DiskBackend(StorageBackend):
                 return False
             if info.key != key.to_str():
                 self._drop_corrupt(key, path, st.st_ino, f"file holds key {info.key}")
+                return False
+            try:
+                check_seal(meta, self._seal)
+            except FrameError as err:  # unsealed, or sealed with another key: not ours to serve
+                self._drop_corrupt(key, path, st.st_ino, str(err))
                 return False
             unknown_codec = info.codec not in self._codecs
             if unknown_codec or info.dtype != DTYPE_NAMES.get(out.dtype) or info.shape != tuple(out.shape):
@@ -865,14 +874,14 @@ class DiskBackend(StorageBackend):
     ) -> bool:
         """Read the payload into ``dst`` while hashing it; a short or corrupt file is
         dropped and the read is a miss."""
-        hasher = payload_hasher(meta)
+        hasher = payload_hasher(meta, self._seal)
         try:
             read_into_hasher(fd, offset, dst, hasher, pool=self._pool)
         except EOFError as err:
             self._drop_corrupt(key, path, ino, str(err))
             return False
         if hasher.hexdigest() != meta["checksum"]:
-            self._drop_corrupt(key, path, ino, "checksum mismatch")
+            self._drop_corrupt(key, path, ino, "MAC mismatch" if self._seal is not None else "checksum mismatch")
             return False
         return True
 
@@ -901,14 +910,15 @@ class _PendingFrame:
     is being written; its length is known up front (serde's header length does not
     depend on the checksum's value)."""
 
-    def __init__(self, meta: dict[str, str], payload: memoryview) -> None:
+    def __init__(self, meta: dict[str, str], payload: memoryview, seal: FrameSeal | None = None) -> None:
         self.meta = meta
         self.payload = payload
-        self.header_len = len(frame_header(meta, "0" * CHECKSUM_HEX_LEN, payload.nbytes))
+        self.seal = seal
+        self.header_len = len(frame_header(meta, checksum_placeholder(meta), payload.nbytes))
         self.size = self.header_len + payload.nbytes
 
     def header(self) -> bytes:
-        return frame_header(self.meta, payload_checksum(self.meta, self.payload), self.payload.nbytes)
+        return frame_header(self.meta, payload_checksum(self.meta, self.payload, self.seal), self.payload.nbytes)
 
 
 def create_disk_backend(section: Mapping[str, Any], ctx: BackendContext) -> DiskBackend:

@@ -30,7 +30,7 @@ import torch
 from lmcache_core.backend import BATCHED, SHARED, BackendError, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.memory import MemoryBuffer
-from lmcache_core.serde import Codec, try_decode
+from lmcache_core.serde import Codec, seal_of, try_decode
 
 from . import codes
 from .client import SetupFailed, StoreClient
@@ -281,7 +281,7 @@ class MooncakeBackend(StorageBackend):
         if client is None:
             self._count(misses=len(keys))
             return hits
-        caps = [max_frame_len(k, out) for k, out in zip(keys, outs)]
+        caps = [max_frame_len(k, out, seal_of(self.codecs)) for k, out in zip(keys, outs)]
         groups = _groups(list(range(len(keys))), lambda i: caps[i])
         Launched = tuple[Pending[list[int]] | None, list[tuple[int, MemoryBuffer]]]
 

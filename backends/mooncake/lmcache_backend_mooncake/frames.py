@@ -11,17 +11,19 @@ from __future__ import annotations
 import torch
 
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import Codec, encode_parts, frame_header, frame_meta
+from lmcache_core.serde import Codec, FrameSeal, checksum_placeholder, encode_parts, frame_header, frame_meta
 
 LZ4_SLACK = 16  # LZ4's worst case is n + n/255 + 16
 HEADER_SLACK = 64  # codec name and payload length digits may differ from the raw codec's
 
 
-def max_frame_len(key: ChunkKey, out: torch.Tensor) -> int:
-    """The largest frame a chunk for ``out`` can have (any installed codec): a bigger
-    object is not this chunk, and the transfer is refused before it moves a byte."""
+def max_frame_len(key: ChunkKey, out: torch.Tensor, seal: FrameSeal | None = None) -> int:
+    """The largest frame a chunk for ``out`` can have (any installed codec; sealed
+    with ``seal`` when given): a bigger object is not this chunk, and the transfer
+    is refused before it moves a byte."""
     n = out.numel() * out.element_size()
-    header = frame_header(frame_meta(key, out, "raw", n), "0" * 16, n)
+    meta = frame_meta(key, out, "raw", n, seal=seal)
+    header = frame_header(meta, checksum_placeholder(meta), n)
     return len(header) + HEADER_SLACK + n + n // 255 + LZ4_SLACK
 
 

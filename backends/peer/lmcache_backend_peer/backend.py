@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -83,7 +83,7 @@ class PeerBackend(StorageBackend):
         clients: Sequence[PeerClient],
         *,
         codec: Codec,
-        codecs: dict[str, Codec],
+        codecs: Mapping[str, Codec],
         server: PeerServer | None = None,
         push: bool = False,
         retry_after: float = 1.0,

@@ -20,7 +20,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lmcache_core.config import parse_size
+from lmcache_core.config import ConfigError, CoreConfig, parse_size, read_frame_secret
+from lmcache_core.serde import FrameSeal
 
 from .client import format_address
 from .config import check_secret, parse_address
@@ -90,10 +91,27 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"remember the last N dropped keys per tenant for engines' KV events (32 B each; 0: off; default {DEFAULT_CAPACITY})",
     )
     p.add_argument(
+        "--frame-secret-file",
+        type=Path,
+        default=None,
+        help="the engines' frame_secret_file: pushed frames must be sealed with it (without it the node keeps "
+        "sealed frames unchecked and the engines check them)",
+    )
+    p.add_argument(
         "--no-shm",
         action="store_true",
         help="keep frames in private memory: engines on --unix-socket get them over the socket",
     )
+
+
+def _frame_seal(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FrameSeal | None:
+    if args.frame_secret_file is None:
+        return None
+    try:
+        secret = read_frame_secret(CoreConfig(frame_secret_file=str(args.frame_secret_file)))
+    except ConfigError as err:
+        parser.error(str(err))
+    return FrameSeal(secret) if secret is not None else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +198,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             max_inflight_bytes=args.max_inflight,
             unix_socket=None if args.unix_socket is None else str(args.unix_socket),
             eviction_log=evictions,
+            seal=_frame_seal(args, parser),
         )
     except ValueError as err:
         parser.error(str(err))

@@ -66,7 +66,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
         store,
         clients,
         codec=ctx.codec,
-        codecs=dict(ctx.codecs),
+        codecs=ctx.codecs,
         server=server,
         push=cfg.push,
         retry_after=cfg.retry_after_ms / 1000,

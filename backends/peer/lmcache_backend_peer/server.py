@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from lmcache_core.serde import FrameError, parse_header, verify_payload
+from lmcache_core.serde import FrameError, FrameSeal, parse_header, verify_payload
 
 from .auth import Credentials, Principal, server_authenticate
 from .connection import Connection, PeerTimeout
@@ -112,6 +112,7 @@ class PeerServer:
         max_inflight_bytes: int | None = None,
         unix_socket: str | None = None,
         eviction_log: EvictionLog | None = None,
+        seal: FrameSeal | None = None,
     ) -> None:
         if not secret and not tenants:
             raise ValueError("the shared secret must not be empty")
@@ -137,6 +138,10 @@ class PeerServer:
         self.inflight = ByteBudget(inflight)
         self.server_id = os.urandom(SERVER_ID_SIZE)
         self.eviction_log = eviction_log
+        #: the deployment's frame key, when the node has it: pushed frames must then
+        #: be sealed with it. Without it, sealed frames are kept after the checks the
+        #: node can make (header, key); the engines that read them check the MAC.
+        self.seal = seal
         self.stats = {
             "connections": 0,
             "auth_failures": 0,
@@ -403,10 +408,12 @@ class PeerServer:
 
     def _put(self, req: PutRequest, source: Any) -> bool:
         """Keep a pushed frame only if it is whole: the header names the key and the
-        payload matches the checksum (the shared-memory readers rely on it)."""
+        payload matches the checksum, or the MAC when the node has the frame secret
+        (a sealed frame the node cannot check is kept: its readers check it)."""
         try:
             info, meta, payload = parse_header(req.frame)
-            verify_payload(meta, payload)
+            if self.seal is not None or "auth" not in meta:
+                verify_payload(meta, payload, self.seal)
         except FrameError:
             return False
         if info.key != req.key.to_str():

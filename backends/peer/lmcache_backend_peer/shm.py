@@ -21,11 +21,13 @@ socket receives its own principal's arena fd (``SCM_RIGHTS``), checks the seals 
 maps it read-only. A LOCATE answers ``(offset, frame length, generation)`` per key;
 the engine checks the slot header (generation, key, and the frame's codec, dtype
 and shape against its output: :func:`~lmcache_core.serde.check_frame`), copies the
+frame's header out and parses it (it must agree with the slot header), copies the
 payload straight into its output, then re-reads the generation and the key
-(seqlock): a slot rewritten or freed meanwhile is a miss, never wrong KV. Neither
-the payload is re-hashed nor the frame's JSON header re-parsed: only the node
-writes the arena, and it verified each frame (header, key, checksum) when it
-accepted the PUT and wrote the slot header from that parse.
+(seqlock): a slot rewritten or freed meanwhile is a miss, never wrong KV. The copy
+in the output is then hashed and checked against the frame's checksum, or its MAC
+when the engine has a frame secret: the node verified each frame when it accepted
+the PUT, but bytes in an arena can still be changed by any process of the node's
+user (``/proc/<pid>/mem``), and a node without the secret cannot check a MAC.
 
 The seqlock's reads rely on loads not passing earlier loads (x86-64); elsewhere the
 engine does not use the fast path (:data:`SHM_SUPPORTED`) and reads over the socket.
@@ -48,7 +50,18 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import DTYPES, Codec, FrameError, FrameInfo, check_frame, codec_output, parse_header_prefix
+from lmcache_core.serde import (
+    DTYPES,
+    Codec,
+    FrameError,
+    FrameInfo,
+    check_frame,
+    codec_output,
+    parse_header_prefix,
+    payload_hasher,
+    seal_of,
+    tensor_bytes,
+)
 
 from .protocol import KEY_SIZE, key_bytes
 
@@ -382,7 +395,17 @@ class ShmView:
                 key.to_str(), codec_name.rstrip(b"\0").decode("ascii"), dtype_name, tuple(shape[:ndim]), raw_len, length - span
             )
             codec = check_frame(info, codecs, expect_key=key, out=out)
-            codec_output(codec, info, self._mv[start + span : start + length], out)
+            frame_info, meta, _ = parse_header_prefix(bytes(self._mv[start : start + span]), length)
+            if frame_info != info:
+                raise FrameError("slot header and frame header disagree")
+            hasher = payload_hasher(meta, seal_of(codecs))  # raises unless sealed as this engine expects
+            payload = self._mv[start + span : start + length]
+            if info.codec != "raw":  # hash and decode one private copy
+                payload = memoryview(bytes(payload))
+                hasher.update(payload)
+            codec_output(codec, info, payload, out)
+            if info.codec == "raw":  # hash what was copied: what this read serves
+                hasher.update(tensor_bytes(out))
         except FrameError as err:
             return "slot reused" if not self._stable(loc, kb) else str(err)
         except Exception as err:  # a codec fed a slot rewritten under it
@@ -391,6 +414,8 @@ class ShmView:
             self.read_hook()  # type: ignore[operator]
         if not self._stable(loc, kb):
             return "slot reused"
+        if hasher.hexdigest() != meta["checksum"]:
+            return "MAC mismatch" if "auth" in meta else "checksum mismatch"
         return None
 
 

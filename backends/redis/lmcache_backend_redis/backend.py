@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import redis
 import torch
@@ -84,7 +84,7 @@ class RedisBackend(StorageBackend):
         cfg: RedisConfig,
         *,
         codec: Codec,
-        codecs: dict[str, Codec],
+        codecs: Mapping[str, Codec],
         password: str | None = None,
         client: Client | None = None,
     ) -> None:

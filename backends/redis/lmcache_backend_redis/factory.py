@@ -48,7 +48,7 @@ def create_redis_backend(section: Mapping[str, Any], ctx: BackendContext) -> Red
     cfg = validate_section(RedisConfig, section, ctx.key_path, ctx.source)
     password = load_password(cfg, ctx.key_path, ctx.source)
     check_tls_files(cfg, ctx.key_path, ctx.source)
-    backend = RedisBackend(cfg, codec=ctx.codec, codecs=dict(ctx.codecs), password=password)
+    backend = RedisBackend(cfg, codec=ctx.codec, codecs=ctx.codecs, password=password)
     if cfg.verify_on_start:
         checked_at_start(backend, lambda: _verify(backend, ctx))
     return backend

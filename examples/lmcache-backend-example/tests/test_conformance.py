@@ -8,7 +8,7 @@ import pytest
 from lmcache_backend_example import DictBackend
 from lmcache_core.backend import BackendContext
 from lmcache_core.keys import ChunkKey
-from lmcache_core.testing import PRESSURE_CHUNK_BYTES, BackendConformance, Corrupt, ReplaceWith, flip_byte
+from lmcache_core.testing import PRESSURE_CHUNK_BYTES, BackendConformance, Corrupt, Plant, ReplaceWith, flip_byte
 
 
 class TestDictBackend(BackendConformance):
@@ -32,3 +32,10 @@ class TestDictBackend(BackendConformance):
             backend._frames[key] = backend._frames[other]
 
         return replace_with
+
+    @pytest.fixture
+    def plant(self, backend: DictBackend) -> Plant:
+        def plant(key: ChunkKey, frame: bytes) -> None:
+            backend._frames[key] = frame
+
+        return plant

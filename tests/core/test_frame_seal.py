@@ -1,0 +1,322 @@
+"""Sealed frames (``frame_secret``): a keyed BLAKE3 MAC over key, header and payload,
+so a client of a shared store without the secret cannot plant KV that is served.
+
+Hardening round 2, finding 1: a frame planted in a shared store with a recomputed
+plain checksum was served as a hit (666.0 instead of the real KV)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import pytest
+import torch
+
+from lmcache_core import CacheEngine, KeyNamespace
+from lmcache_core.backend import SHARED, BackendContext, BackendStats, StorageBackend, prefix_count
+from lmcache_core.config import ConfigError, load_config, read_frame_secret
+from lmcache_core.hookspecs import RegisterBackend, hookimpl
+from lmcache_core.keys import ChunkKey
+from lmcache_core.plugins import PluginManager
+from lmcache_core.serde import (
+    MAC_HEX_LEN,
+    FrameError,
+    FrameSeal,
+    Lz4Codec,
+    RawCodec,
+    SealedCodec,
+    SealedCodecs,
+    checksum_placeholder,
+    decode,
+    encode,
+    frame_header,
+    frame_meta,
+    parse_header,
+    payload_hasher,
+    seal_of,
+    try_decode,
+)
+from lmcache_core.testing import random_chunk, random_key
+
+SECRET = "a-deployment-secret-of-32-bytes!"
+OTHER = "someone-else's-secret-0123456789"
+CODECS = {"raw": RawCodec(), "lz4": Lz4Codec()}
+
+
+def sealed_codecs(secret: str = SECRET) -> SealedCodecs:
+    return SealedCodecs(CODECS, FrameSeal(secret))
+
+
+# -- the key -------------------------------------------------------------------
+
+
+def test_seal_needs_a_real_secret_and_never_shows_it() -> None:
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        FrameSeal("short")
+    a, b, c = FrameSeal(SECRET), FrameSeal(SECRET), FrameSeal(OTHER)
+    assert a == b and a.key_id == b.key_id and a.key_id != c.key_id
+    assert len(a.key_id) == 16 and SECRET not in repr(a) and a.key_id in repr(a)
+
+
+# -- frames --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+def test_sealed_frame_round_trips_and_carries_a_mac(codec: str) -> None:
+    codecs = sealed_codecs()
+    key, data = random_key(), random_chunk(seed=1)
+    frame = encode(key, data, codecs[codec])
+    _, meta, _ = parse_header(frame)
+    assert meta["auth"] == FrameSeal(SECRET).key_id and len(meta["checksum"]) == MAC_HEX_LEN
+    out = torch.empty_like(data)
+    assert torch.equal(decode(frame, codecs, expect_key=key, out=out), data)
+
+
+def test_a_plain_frame_with_a_valid_checksum_is_refused_by_a_sealed_reader() -> None:
+    key, real = random_key(), random_chunk(seed=2)
+    planted = encode(key, torch.full_like(real, 666.0), RawCodec())
+    # negative control: a plain reader takes it (the attack on an unsealed deployment)
+    got, reason = try_decode(planted, CODECS, expect_key=key, out=torch.empty_like(real))
+    assert reason is None and got is not None and float(got.flatten()[0]) == 666.0
+    got, reason = try_decode(planted, sealed_codecs(), expect_key=key, out=torch.empty_like(real))
+    assert got is None and reason is not None and "not sealed" in reason
+
+
+def test_frames_sealed_with_another_key_are_refused_and_named() -> None:
+    key, data = random_key(), random_chunk(seed=3)
+    frame = encode(key, data, RawCodec(), seal=FrameSeal(OTHER))
+    _, reason = try_decode(frame, sealed_codecs(), expect_key=key, out=torch.empty_like(data))
+    assert reason is not None and "another key" in reason and FrameSeal(OTHER).key_id in reason
+
+
+def test_a_plain_reader_refuses_sealed_frames_with_a_clear_reason() -> None:
+    key, data = random_key(), random_chunk(seed=4)
+    frame = encode(key, data, sealed_codecs()["raw"])
+    _, reason = try_decode(frame, CODECS, expect_key=key, out=torch.empty_like(data))
+    assert reason is not None and "no frame_secret" in reason
+
+
+def _rewrite_header(frame: bytes, **changes: Any) -> bytes:
+    """``frame`` with metadata fields changed and the MAC left as it was (what an
+    attacker without the key can do), padded back to the header's length."""
+    _, meta, payload = parse_header(frame)
+    hlen = int.from_bytes(frame[:8], "little")
+    doc = json.loads(frame[8 : 8 + hlen])
+    doc["__metadata__"].update(changes)
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head + bytes(payload)
+
+
+def test_every_byte_is_covered_by_the_mac() -> None:
+    key, data = random_key(), random_chunk(shape=(4, 8), seed=5)
+    codecs = sealed_codecs()
+    frame = bytearray(encode(key, data, codecs["raw"]))
+    assert decode(bytes(frame), codecs, expect_key=key).equal(data)  # negative control: intact
+    damaged = bytearray(frame)
+    damaged[-1] ^= 1
+    with pytest.raises(FrameError, match="MAC mismatch"):
+        decode(bytes(damaged), codecs, expect_key=key)
+    other = KeyNamespace(model="other").key(key.chunk_hash)
+    for changes in ({"key": other.to_str()}, {"shape": json.dumps([8, 4])}, {"codec": "lz4"}):
+        with pytest.raises(FrameError):
+            decode(_rewrite_header(bytes(frame), **changes), codecs, expect_key=None)
+    # the checksum field holds a MAC: a recomputed plain checksum is malformed there
+    _, meta, payload = parse_header(bytes(frame))
+    with pytest.raises(FrameError, match="checksum field is malformed"):
+        decode(_rewrite_header(bytes(frame), checksum="0" * 16), codecs)
+
+
+def test_streaming_hasher_and_placeholder_match_encode() -> None:
+    seal = FrameSeal(SECRET)
+    key, data = random_key(), random_chunk(seed=6)
+    meta = frame_meta(key, data, "raw", data.nbytes, seal=seal)
+    placeholder = checksum_placeholder(meta)
+    assert len(placeholder) == MAC_HEX_LEN
+    h = payload_hasher(meta, seal)
+    raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+    h.update(raw[:1000])
+    h.update(raw[1000:])
+    header = frame_header(meta, h.hexdigest(), len(raw))
+    assert len(header) == len(frame_header(meta, placeholder, len(raw)))
+    assert header + raw == encode(key, data, RawCodec(), seal=seal)
+    with pytest.raises(ValueError, match="64 lowercase hex"):
+        frame_header(meta, "0" * 16, len(raw))
+
+
+def test_a_tiers_plain_copy_of_the_codecs_keeps_the_seal() -> None:
+    """Tiers copy ``ctx.codecs`` into a dict of their own (the example backend does):
+    the seal must survive that, or the tier would refuse its own frames."""
+    codecs = sealed_codecs()
+    copy = dict(codecs)
+    assert seal_of(copy) == FrameSeal(SECRET) and seal_of(CODECS) is None
+    key, data = random_key(), random_chunk(seed=7)
+    frame = encode(key, data, copy["lz4"])
+    assert decode(frame, copy, expect_key=key).equal(data)
+    _, reason = try_decode(encode(key, data, RawCodec()), copy, expect_key=key)
+    assert reason is not None and "not sealed" in reason
+    assert isinstance(copy["raw"], SealedCodec) and copy["lz4"].max_ratio == Lz4Codec.max_ratio  # type: ignore[attr-defined]
+
+
+# -- configuration -----------------------------------------------------------------
+
+
+def test_frame_secret_from_config_env_and_file(tmp_path: Path) -> None:
+    cfg = load_config(env={}, overrides={"frame_secret": SECRET}).config
+    assert read_frame_secret(cfg) == SECRET
+    assert SECRET not in repr(cfg) and SECRET not in str(cfg.model_dump())
+    # the env var is taken verbatim: YAML would turn these into numbers or booleans
+    for raw in ("0x1000000000000000000", "123456789012345678", "yes-no-on-off-true"):
+        cfg = load_config(env={"LMCACHE_CORE_FRAME_SECRET": raw}).config
+        assert read_frame_secret(cfg) == raw
+    f = tmp_path / "secret"
+    f.write_text(SECRET + "\nsecond line ignored\n")
+    f.chmod(0o600)
+    cfg = load_config(env={}, overrides={"frame_secret_file": str(f)}).config
+    assert read_frame_secret(cfg) == SECRET
+    assert read_frame_secret(load_config(env={}).config) is None
+
+
+def test_bad_secrets_are_clear_errors_that_never_quote_the_secret(tmp_path: Path) -> None:
+    weak = "tooshort"
+    with pytest.raises(ConfigError, match="at least 16 bytes") as err:
+        load_config(env={}, overrides={"frame_secret": weak})
+    assert weak not in str(err.value)
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(env={}, overrides={"frame_secret": SECRET, "frame_secret_file": "/x"})
+    f = tmp_path / "weak"
+    f.write_text(weak)
+    for path, msg in ((str(f), "shorter than 16"), (str(tmp_path / "absent"), "cannot open"), (str(tmp_path), "not a regular")):
+        cfg = load_config(env={}, overrides={"frame_secret_file": path}).config
+        with pytest.raises(ConfigError, match=msg) as err:
+            read_frame_secret(cfg)
+        assert weak not in str(err.value)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 5000)
+    with pytest.raises(ConfigError, match="larger than 4096"):
+        read_frame_secret(load_config(env={}, overrides={"frame_secret_file": str(big)}).config)
+
+
+def test_a_fifo_as_secret_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cfg = load_config(env={}, overrides={"frame_secret_file": str(fifo)}).config
+    result: list[BaseException] = []
+    t = threading.Thread(target=lambda: result.append(pytest.raises(ConfigError, read_frame_secret, cfg).value), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "reading a FIFO as the secret file blocked"
+    assert result and "not a regular file" in str(result[0])
+
+
+def test_a_world_readable_secret_file_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    f = tmp_path / "secret"
+    f.write_text(SECRET)
+    f.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="lmcache_core.config"):
+        read_frame_secret(load_config(env={}, overrides={"frame_secret_file": str(f)}).config)
+    assert "readable by every user" in caplog.text and SECRET not in caplog.text
+
+
+# -- the engine --------------------------------------------------------------------
+
+
+class SharedFrameTier(StorageBackend):
+    """A shared byte store written the way every plugin tier writes: serde frames from
+    ``ctx.codec``, read back with ``ctx.codecs``."""
+
+    name = "shared_frames"
+    capabilities = frozenset({SHARED})
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.codec, self.codecs = ctx.codec, dict(ctx.codecs)
+        self.frames: dict[ChunkKey, bytes] = {}
+        self.misses = 0
+        self._lock = threading.Lock()
+
+    def contains(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            return prefix_count(keys, self.frames)
+
+    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
+        frame = encode(key, data, self.codec)
+        with self._lock:
+            self.frames[key] = frame
+        return True
+
+    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
+        with self._lock:
+            frame = self.frames.get(key)
+        got, _ = try_decode(frame, self.codecs, expect_key=key, out=out)
+        if got is None:
+            self.misses += 1
+        return got is not None
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return self.frames.pop(key, None) is not None
+
+    def stats(self) -> BackendStats:
+        return BackendStats(self.name, chunks=len(self.frames), misses=self.misses)
+
+
+class SharedPlugin:
+    def __init__(self) -> None:
+        self.tiers: list[SharedFrameTier] = []
+
+    @hookimpl
+    def register_backends(self, register: RegisterBackend) -> None:
+        def make(section: Mapping[str, Any], ctx: BackendContext) -> SharedFrameTier:
+            self.tiers.append(SharedFrameTier(ctx))
+            return self.tiers[-1]
+
+        register("shared_frames", make)
+
+
+def _engine(plugin: SharedPlugin, **cfg: Any) -> CacheEngine:
+    pm = PluginManager(load_entry_points=False)
+    pm.register(plugin, name="shared-frames")
+    backends = [{"name": "local_cpu", "max_size": "4MiB"}, {"name": "shared_frames"}]
+    loaded = load_config(env={}, overrides={"chunk_size": 16, "backends": backends, **cfg})
+    return CacheEngine(loaded, namespace=KeyNamespace(model="seal-test"), plugins=pm)
+
+
+def _plant_and_retrieve(eng: CacheEngine, plugin: SharedPlugin) -> tuple[int, torch.Tensor]:
+    """Store two chunks, drop them from the CPU tier, plant a plain frame (valid
+    checksum, all 666.0) for the second in the shared tier; retrieve both."""
+    tokens = list(range(32))
+    chunks = [random_chunk(shape=(2, 16, 8), seed=s) for s in (1, 2)]
+    keys = eng.keys(eng.hashes(tokens))
+    assert eng.store(tokens, chunks) == 2 and eng.flush(10)
+    for k in keys:
+        eng.tiers[0].remove(k)
+    tier = plugin.tiers[-1]
+    tier.frames[keys[1]] = encode(keys[1], torch.full_like(chunks[1], 666.0), RawCodec())
+    outs = [torch.zeros_like(c) for c in chunks]
+    n = eng.retrieve(tokens, outs)
+    assert torch.equal(outs[0], chunks[0])
+    return n, outs[1]
+
+
+def test_engine_with_a_secret_serves_no_planted_frame(caplog: pytest.LogCaptureFixture) -> None:
+    plugin = SharedPlugin()
+    # negative control: without the secret the planted frame is served (the finding),
+    # and the engine said so at start-up
+    with caplog.at_level(logging.WARNING, logger="lmcache_core.engine"):
+        with _engine(plugin) as eng:
+            n, second = _plant_and_retrieve(eng, plugin)
+    assert n == 2 and float(second.flatten()[0]) == 666.0
+    assert "frame_secret is not set" in caplog.text and "shared_frames" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lmcache_core.engine"):
+        with _engine(plugin, frame_secret=SECRET) as eng:
+            assert eng.seal == FrameSeal(SECRET)
+            n, _ = _plant_and_retrieve(eng, plugin)
+    assert n == 1, "the planted chunk was served"
+    assert plugin.tiers[-1].misses >= 1
+    assert "frame_secret is not set" not in caplog.text and FrameSeal(SECRET).key_id in caplog.text
+    assert SECRET not in caplog.text

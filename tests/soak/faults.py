@@ -1,9 +1,13 @@
 """Fault injectors for the soak: an S3 endpoint that can be stopped, slowed, made to
 answer 5xx or to trickle, and disk faults (corrupted chunk files, a full disk).
 
-:class:`S3FaultProxy` is a TCP proxy on 127.0.0.1 in front of a real S3 server (moto).
-Its mode applies to connections accepted after a switch; a switch closes every open
-connection, so pooled keep-alive connections cannot carry the old mode on.
+:class:`S3FaultProxy` is a TCP proxy on 127.0.0.1 in front of a real S3 server (moto);
+nothing in it but ``5xx`` is HTTP, so other tests put it in front of any TCP server
+(Redis, a peer node) as :data:`TcpFaultProxy`. Its mode applies to connections
+accepted after a switch; a switch closes every open connection, so pooled keep-alive
+connections cannot carry the old mode on. ``stall``: the server's first
+``stall_after`` bytes on each connection go through, then nothing more (the
+connection stays open): a reply cut off mid-way by a dead link.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ import threading
 import time
 from pathlib import Path
 
-MODES = ("ok", "stopped", "slow", "5xx", "trickle")
+MODES = ("ok", "stopped", "slow", "5xx", "trickle", "stall")
 _5XX_BODY = b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code><Message>injected by the soak</Message></Error>"
 
 
 class S3FaultProxy:
-    def __init__(self, upstream: tuple[str, int], slow_s: float = 0.2, trickle: tuple[int, float] = (16, 0.1)) -> None:
+    def __init__(
+        self, upstream: tuple[str, int], slow_s: float = 0.2, trickle: tuple[int, float] = (16, 0.1), stall_after: int = 1024
+    ) -> None:
         self.upstream = upstream
         self.slow_s = slow_s
+        self.stall_after = stall_after
         self.trickle_step, self.trickle_period = trickle
         self.mode = "ok"
         self._lock = threading.Lock()
@@ -34,7 +41,8 @@ class S3FaultProxy:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(128)
         self._sock.settimeout(0.2)
-        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.address = ("127.0.0.1", self._sock.getsockname()[1])
+        self.endpoint = f"http://127.0.0.1:{self.address[1]}"
         self._thread = threading.Thread(target=self._accept, name="soak-s3-proxy", daemon=True)
         self._thread.start()
 
@@ -82,13 +90,22 @@ class S3FaultProxy:
         self._pump(u, c, mode)
 
     def _pump(self, src: socket.socket, dst: socket.socket, mode: str) -> None:
+        sent = 0
         try:
             src.settimeout(30)
             while not self._stop.is_set():
                 data = src.recv(65536)
                 if not data:
                     break
-                if mode == "slow":
+                if mode == "stall":
+                    data = data[: max(0, self.stall_after - sent)]
+                    sent += len(data)
+                    if data:
+                        dst.sendall(data)
+                    if sent >= self.stall_after:
+                        self._stop.wait()  # hold the connection open, silent, until closed
+                        break
+                elif mode == "slow":
                     time.sleep(self.slow_s)
                     dst.sendall(data)
                 elif mode == "trickle":
@@ -142,6 +159,9 @@ class S3FaultProxy:
         self.set_mode("stopped")
         self._thread.join(timeout=5)
         self._sock.close()
+
+
+TcpFaultProxy = S3FaultProxy
 
 
 def _close(s: socket.socket) -> None:

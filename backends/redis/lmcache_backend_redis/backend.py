@@ -15,8 +15,11 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   never split: a chunk is one value, so it is present or absent as a whole.
 * The server's memory limit is the tier's: an ``OOM`` reply (``maxmemory`` reached
   under ``noeviction``) is a skipped put, counted in ``extra["oom"]``.
-* A server that is down, slow past ``socket_timeout_s``, loading, or a cluster whose
-  slots are not served makes the call a miss, and the :class:`HealthGate` makes the
+* Every call ends within ``call_timeout_s``, whatever the server or the link does
+  (a reply trickled a few bytes at a time, a reply cut off and retried): see
+  :func:`~.client.call_deadline`.
+* A server that is down, slow past ``socket_timeout_s`` / ``call_timeout_s``,
+  loading, or a cluster whose slots are not served makes the call a miss, and the :class:`HealthGate` makes the
   following calls misses without a request until ``down_cooldown_s`` passes. Wrong
   credentials or missing ACL permissions mid-run raise :class:`BackendError` (the
   engine counts it and treats it as a miss).
@@ -50,7 +53,7 @@ from lmcache_core.serde import (
     try_decode,
 )
 
-from .client import Client, Failure, classify, describe, make_client
+from .client import Client, Failure, call_deadline, classify, describe, make_client
 from .config import RedisConfig
 from .events import KeyEventWatcher
 from lmcache_core.health import HealthGate
@@ -194,6 +197,10 @@ class RedisBackend(StorageBackend):
                     self.client = make_client(self.cfg, self._password)
         return self.client
 
+    def _deadline(self) -> Any:
+        """The deadline every call runs under (``call_timeout_s``)."""
+        return call_deadline(self.cfg.call_timeout_s)
+
     def _pipeline(self) -> Any:
         self._add(pipelines=1)
         return self._conn().pipeline(transaction=False)
@@ -203,10 +210,11 @@ class RedisBackend(StorageBackend):
         if not keys or not self._open():
             return 0
         try:
-            pipe = self._pipeline()
-            for k in keys:
-                pipe.exists(self._name(k))
-            found = pipe.execute()
+            with self._deadline():
+                pipe = self._pipeline()
+                for k in keys:
+                    pipe.exists(self._name(k))
+                found = pipe.execute()
         except Exception as err:
             self._failed("lookup", err)
             return 0
@@ -234,12 +242,13 @@ class RedisBackend(StorageBackend):
             self._add(misses=len(keys))
             return hits
         try:
-            pipe = self._pipeline()
-            for k, out in zip(keys, outs):
-                name = self._name(k)
-                pipe.strlen(name)
-                pipe.getrange(name, 0, max_frame_bytes(out) - 1)
-            replies = pipe.execute(raise_on_error=False)
+            with self._deadline():
+                pipe = self._pipeline()
+                for k, out in zip(keys, outs):
+                    name = self._name(k)
+                    pipe.strlen(name)
+                    pipe.getrange(name, 0, max_frame_bytes(out) - 1)
+                replies = pipe.execute(raise_on_error=False)
         except Exception as err:
             self._add(misses=len(keys))
             self._failed("get", err)
@@ -295,7 +304,8 @@ class RedisBackend(StorageBackend):
         )
         if self.cfg.delete_corrupt:
             try:
-                self._conn().delete(self._name(key))
+                with self._deadline():
+                    self._conn().delete(self._name(key))
             except Exception as err:
                 log.warning("redis tier: could not delete corrupt value %s: %s", self._name(key), describe(err))
 
@@ -313,24 +323,8 @@ class RedisBackend(StorageBackend):
             self._add(skipped=len(items))
             return done
         try:
-            todo = list(range(len(items)))
-            if self.cfg.check_exists_before_put:
-                pipe = self._pipeline()
-                for k, _ in items:
-                    pipe.exists(self._name(k))
-                present = pipe.execute()
-                todo = [i for i in todo if not present[i]]
-                for i in range(len(items)):
-                    done[i] = bool(present[i])
-            frames: list[tuple[int, bytes, memoryview]] = []
-            for i in todo:
-                k, data = items[i]
-                header, payload = encode_parts(k, data, self.codec)
-                if len(header) + payload.nbytes > self.cfg.max_value_size:
-                    self._too_large(k, len(header) + payload.nbytes)
-                    continue
-                frames.append((i, header, payload))
-            replies = self._set_all([(self._name(items[i][0]), h, p) for i, h, p in frames]) if frames else []
+            with self._deadline():
+                frames, replies = self._send_puts(items, done)
         except Exception as err:
             self._add(skipped=sum(1 for d in done if not d))
             self._failed("put", err)
@@ -343,6 +337,32 @@ class RedisBackend(StorageBackend):
             done[i] = True
             self._add(puts=1, put_bytes=items[i][1].nbytes)
         return done
+
+    def _send_puts(
+        self, items: Sequence[tuple[ChunkKey, torch.Tensor]], done: list[bool]
+    ) -> tuple[list[tuple[int, bytes, memoryview]], list[Any]]:
+        """:meth:`put_many`'s round trips: the ``EXISTS`` pipeline (marking present
+        items in ``done``), then the ``SET``s of the rest; returns what was sent and
+        the replies."""
+        todo = list(range(len(items)))
+        if self.cfg.check_exists_before_put:
+            pipe = self._pipeline()
+            for k, _ in items:
+                pipe.exists(self._name(k))
+            present = pipe.execute()
+            todo = [i for i in todo if not present[i]]
+            for i in range(len(items)):
+                done[i] = bool(present[i])
+        frames: list[tuple[int, bytes, memoryview]] = []
+        for i in todo:
+            k, data = items[i]
+            header, payload = encode_parts(k, data, self.codec)
+            if len(header) + payload.nbytes > self.cfg.max_value_size:
+                self._too_large(k, len(header) + payload.nbytes)
+                continue
+            frames.append((i, header, payload))
+        replies = self._set_all([(self._name(items[i][0]), h, p) for i, h, p in frames]) if frames else []
+        return frames, replies
 
     def _set_all(self, values: list[tuple[str, bytes, memoryview]]) -> list[Any]:
         """``SET`` every ``(name, header, payload)`` in one pipeline; per value, the
@@ -390,7 +410,8 @@ class RedisBackend(StorageBackend):
         if not self._open():
             raise BackendError(f"redis remove {self._name(key)}: {self.target} is unavailable")
         try:
-            n = self._conn().delete(self._name(key))
+            with self._deadline():
+                n = self._conn().delete(self._name(key))
         except Exception as err:
             self._failed("remove", err)
             raise BackendError(f"redis remove {self._name(key)}: {describe(err)}") from None
@@ -400,7 +421,8 @@ class RedisBackend(StorageBackend):
     # -- housekeeping ---------------------------------------------------------------
     def ping(self) -> None:
         """One PING (to every node of a cluster); raises redis-py's error as it comes."""
-        self._conn().ping()
+        with self._deadline():
+            self._conn().ping()
 
     def stats(self) -> BackendStats:
         with self._lock:

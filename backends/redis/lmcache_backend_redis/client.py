@@ -1,17 +1,32 @@
 """Building the redis-py client, and sorting redis-py errors into what they mean for a cache.
 
 One client per tier; redis-py clients are thread-safe and pool their connections. The
-pool blocks (up to the socket timeout) rather than failing when every connection is in
-use, timeouts are set on connect and on every reply, and retries are few and bounded, so
-every call returns in bounded time. A cluster client follows ``MOVED`` / ``ASK``
-redirects itself and refreshes its slot map after a failover.
+pool blocks rather than failing when every connection is in use, and retries are few.
+
+**Deadlines.** redis-py's timeouts bound each socket read, not a reply: a server (or a
+link) that sends a few bytes every fraction of a second keeps a 256 KiB reply going for
+minutes, and every retry starts the clock again. So every call the tier makes runs
+under :func:`call_deadline`: one absolute time, per thread, that every step of the call
+shares: waiting for a pooled connection, connecting (TCP and TLS), each write and each
+read of the reply, reconnects and redis-py's retries. Our connection classes wrap the
+socket (:class:`_DeadlineSocket`) so each read and write gets the time that is left (at
+most the socket timeout) and none starts once it is gone: the call then fails as a
+redis-py ``TimeoutError``, like any other timeout, and the tier answers a miss.
+
+A cluster client follows ``MOVED`` / ``ASK`` redirects itself and refreshes its slot
+map after a failover.
 """
 
 from __future__ import annotations
 
+import functools
+import socket
 import ssl
+import threading
+import time
+from contextlib import contextmanager
 from enum import Enum
-from typing import Any
+from typing import Any, Iterator
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -36,6 +51,128 @@ from redis.retry import Retry
 from .config import RedisConfig, redact
 
 Client = Any  # redis.Redis | redis.cluster.RedisCluster (both expose pipeline/get/set)
+
+
+_deadline = threading.local()
+
+
+@contextmanager
+def call_deadline(seconds: float) -> Iterator[None]:
+    """Every redis-py socket operation, connect, pool wait and retry this thread makes
+    inside the block ends by ``seconds`` from now (a nested block can only shorten it)."""
+    prev: float | None = getattr(_deadline, "at", None)
+    at = time.monotonic() + seconds
+    _deadline.at = at if prev is None else min(prev, at)
+    try:
+        yield
+    finally:
+        _deadline.at = prev
+
+
+def time_left() -> float | None:
+    """Seconds left of this thread's call deadline, or None outside :func:`call_deadline`."""
+    at: float | None = getattr(_deadline, "at", None)
+    return None if at is None else at - time.monotonic()
+
+
+def _left_or_raise(what: str) -> float | None:
+    left = time_left()
+    if left is not None and left <= 0:
+        raise socket.timeout(f"redis call deadline passed before {what}")
+    return left
+
+
+class _DeadlineSocket:
+    """A connected socket (plain or TLS) whose reads and writes never outlive the
+    calling thread's :func:`call_deadline`: each gets ``min(socket timeout, time
+    left)``, and none starts after the deadline. Everything else is the socket's."""
+
+    __slots__ = ("_sock", "_timeout")
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._timeout: float | None = sock.gettimeout()
+
+    def settimeout(self, value: float | None) -> None:
+        self._timeout = value
+        self._sock.settimeout(value)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _arm(self, what: str) -> None:
+        left = _left_or_raise(what)
+        if left is None:
+            self._sock.settimeout(self._timeout)
+        elif self._timeout is None or left < self._timeout:
+            self._sock.settimeout(left)
+        else:
+            self._sock.settimeout(self._timeout)
+
+    def recv(self, *args: Any) -> Any:
+        self._arm("a read")
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> Any:
+        self._arm("a read")
+        return self._sock.recv_into(*args)
+
+    def send(self, *args: Any) -> Any:
+        self._arm("a write")
+        return self._sock.send(*args)
+
+    def sendall(self, *args: Any) -> Any:
+        self._arm("a write")
+        return self._sock.sendall(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineConnection:
+    """Mixed into redis-py's connection classes (:func:`deadline_connection_class`):
+    connects within the time left, and hands redis-py a :class:`_DeadlineSocket`."""
+
+    socket_connect_timeout: float | None
+
+    def _connect(self) -> Any:
+        left = _left_or_raise("connecting")
+        saved = self.socket_connect_timeout
+        if left is not None and (saved is None or left < saved):
+            self.socket_connect_timeout = left
+        try:
+            sock = super()._connect()  # type: ignore[misc]
+        finally:
+            self.socket_connect_timeout = saved
+        return _DeadlineSocket(sock)
+
+
+@functools.lru_cache(maxsize=None)
+def deadline_connection_class(cls: type) -> type:
+    """``cls`` (redis-py's TCP, TLS or Unix connection class) under call deadlines."""
+    if issubclass(cls, _DeadlineConnection):
+        return cls
+    return type(f"Deadline{cls.__name__}", (_DeadlineConnection, cls), {})
+
+
+class DeadlinePool(redis.BlockingConnectionPool):
+    """A blocking pool whose connections run under call deadlines and whose wait for
+    a free connection ends with the call's deadline too."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.connection_class = deadline_connection_class(self.connection_class)
+
+    @property
+    def timeout(self) -> float | None:
+        left = time_left()
+        if left is None:
+            return self._wait_s
+        return max(0.0, left if self._wait_s is None else min(self._wait_s, left))
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._wait_s = value
 
 
 def _retry(cfg: RedisConfig) -> Retry:
@@ -78,7 +215,7 @@ def _blocking_pool(wait_s: float) -> type[redis.BlockingConnectionPool]:
     """A pool class for the cluster's per-node pools that waits at most ``wait_s`` for a
     free connection (the cluster client passes its own keyword arguments to the pool)."""
 
-    class Pool(redis.BlockingConnectionPool):
+    class Pool(DeadlinePool):
         def __init__(self, **kwargs: Any) -> None:
             kwargs.setdefault("timeout", wait_s)
             super().__init__(**kwargs)
@@ -90,7 +227,7 @@ def make_client(cfg: RedisConfig, password: str | None) -> Client:
     """A redis-py client for ``cfg``: ``redis.Redis`` over a blocking pool, or ``RedisCluster``."""
     kw = connection_kwargs(cfg, password)
     if cfg.url is not None:
-        pool = redis.BlockingConnectionPool.from_url(
+        pool = DeadlinePool.from_url(
             cfg.url, max_connections=cfg.max_connections, timeout=cfg.socket_timeout_s, **kw, **_tls_kwargs(cfg)
         )
         return redis.Redis(connection_pool=pool)

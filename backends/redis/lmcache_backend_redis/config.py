@@ -63,7 +63,14 @@ class RedisConfig(StrictModel):
         64 * 2**20, description="frames larger than this are refused (the put is skipped), never split"
     )
     connect_timeout_s: float = Field(1.0, gt=0, le=60, description="TCP (and TLS) connect deadline per attempt")
-    socket_timeout_s: float = Field(5.0, gt=0, le=600, description="deadline for one reply (a whole pipeline's)")
+    socket_timeout_s: float = Field(5.0, gt=0, le=600, description="deadline for each socket read or write")
+    call_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="deadline for one whole call (a pipeline): pool wait, connect, sending, every reply, "
+        "reconnects and retries included",
+    )
     retries: int = Field(1, ge=0, le=10, description="redis-py retries after a connection error or timeout")
     max_connections: int = Field(32, ge=1, le=1024, description="pooled connections per server node")
     write_concurrency: int = Field(4, ge=1, le=64, description="background puts the engine runs at once")

@@ -19,8 +19,10 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence, TextIO
 
 import yaml
@@ -28,7 +30,7 @@ import yaml
 from .config import ConfigError, load_config
 from .hookspecs import Command
 from .plugins import BUILTIN_COMMANDS, PluginManager
-from .quarantine import default_dir, list_control_files
+from .quarantine import UnsafeDirError, cli_owners, default_dir, open_private_dir, printable, scan_control_files
 
 PROG = "lmcache-core"
 
@@ -79,7 +81,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_quarantine(args: argparse.Namespace) -> int:
     """List quarantined tiers of running engines, or release them (the engines
-    notice within a second that their control file is gone)."""
+    notice within a second that their control file is gone).
+
+    Only a directory that this user (or root) owns and nobody else can write is
+    read, without following links; a control file that is a link, FIFO, device or
+    over the size cap is skipped with a warning, and every text from a file is
+    printed escaped (no raw control characters reach the terminal)."""
     where = args.dir
     if where is None:
         try:
@@ -87,16 +94,40 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
         except ConfigError as err:
             sys.stderr.write(f"error: {err}\n")
             return 2
-    d = default_dir() if where is None else where
-    files = list_control_files(d)
+    d = default_dir() if where is None else Path(where)
+    shown_dir = printable(str(d))
+    try:
+        dir_fd = open_private_dir(d, create=False, owners=cli_owners())
+    except FileNotFoundError:
+        if args.action == "list":
+            sys.stdout.write(f"no quarantined tiers (control files in {shown_dir})\n")
+            return 0
+        sys.stderr.write(f"error: no quarantine in {shown_dir} (the directory does not exist)\n")
+        return 1
+    except UnsafeDirError as err:
+        sys.stderr.write(f"error: refusing the control directory: {printable(str(err))}\n")
+        return 2
+    except OSError as err:
+        sys.stderr.write(f"error: cannot read the control directory {shown_dir}: {err.strerror}\n")
+        return 2
+    try:
+        return _quarantine_action(args, dir_fd, d)
+    finally:
+        os.close(dir_fd)
+
+
+def _quarantine_action(args: argparse.Namespace, dir_fd: int, d: Path) -> int:
+    files, skipped = scan_control_files(dir_fd, d)
+    for name, why in skipped:
+        sys.stderr.write(f"warning: skipped {printable(name)}: {why}\n")
     if args.action == "list":
         if not files:
-            sys.stdout.write(f"no quarantined tiers (control files in {d})\n")
+            sys.stdout.write(f"no quarantined tiers (control files in {printable(str(d))})\n")
             return 0
         rows = [("TIER", "PID", "RUNNING", "SINCE", "WHY")]
         for f in files:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.since))
-            rows.append((f.tier, str(f.pid), "yes" if f.alive else "no", since, f.reason))
+            rows.append((printable(f.tier), str(f.pid), "yes" if f.alive else "no", since, printable(f.reason)))
         _table(rows, sys.stdout)
         return 0
     if not args.tier and not args.all:
@@ -104,15 +135,20 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
         return 2
     chosen = [f for f in files if args.all or f.tier == args.tier]
     if not chosen:
-        sys.stderr.write(f"error: no quarantine of tier {args.tier!r} in {d}\n")
+        sys.stderr.write(f"error: no quarantine of tier {printable(repr(args.tier))} in {printable(str(d))}\n")
         return 1
+    rc = 0
     for f in chosen:
         try:
-            f.path.unlink()
+            os.unlink(f.path.name, dir_fd=dir_fd)  # unlink never follows a link
         except FileNotFoundError:
             pass
-        sys.stdout.write(f"released tier {f.tier} of pid {f.pid}\n")
-    return 0
+        except OSError as err:
+            sys.stderr.write(f"error: cannot release tier {printable(f.tier)} of pid {f.pid}: {err.strerror}\n")
+            rc = 1
+            continue
+        sys.stdout.write(f"released tier {printable(f.tier)} of pid {f.pid}\n")
+    return rc
 
 
 def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
@@ -130,7 +166,11 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     p.add_argument("action", nargs="?", choices=["list", "release"], default="list")
     p.add_argument("tier", nargs="?", help="release: the tier's name (as in backends:)")
     p.add_argument("--all", action="store_true", help="release: every quarantined tier")
-    p.add_argument("--dir", help="control-file directory (default: quarantine_dir of the config, else the temp dir)")
+    p.add_argument(
+        "--dir",
+        help="control-file directory (default: quarantine_dir of the config, else "
+        "$XDG_RUNTIME_DIR/lmcache-core-quarantine, else <tmpdir>/lmcache-core-quarantine-<uid>)",
+    )
     p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
     p.set_defaults(func=cmd_quarantine)
     for name, info in sorted(pm.commands().items()):

@@ -8,33 +8,122 @@ nor writes to it, until the process restarts or an operator releases it.
 
 Releasing works across processes through a *control file*: a quarantined tier is
 announced as ``<quarantine_dir>/<tier>.<pid>-<engine>.quarantined`` (JSON: tier,
-pid, when, why). Deleting that file (``lmcache-core quarantine release <tier>``, or
-``rm``) releases the tier; the engine notices within :data:`RECHECK_S` seconds. If the
-file cannot be written the quarantine holds until restart and a warning says so.
+pid, since, reason). Deleting that file (``lmcache-core quarantine release <tier>``,
+or ``rm``) releases the tier; the engine notices within :data:`RECHECK_S` seconds.
+
+Deleting a file releases a tier, so who may delete it matters: the control
+directory must be private to the engine's user. It is created with mode 0700 and
+checked through the descriptor the engine then works in (a directory, not a
+symbolic link, owned by the engine's effective uid, writable by nobody else); a
+directory that fails the check (another local user created it first, it is a link,
+or it is group/world writable) is refused with an error, and the quarantine is kept
+in memory only: it holds until the process restarts. Control files are written to a
+fresh temporary name and renamed into place inside that descriptor, so no symbolic
+link or FIFO planted under the control file's name is ever followed or opened, and
+readers (the CLI) read at most :data:`MAX_CONTROL_BYTES` of a regular file without
+following links or blocking.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import secrets
+import stat
 import tempfile
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".quarantined"
 RECHECK_S = 1.0  # how often a quarantined tier's control file is checked
+MAX_CONTROL_BYTES = 64 * 1024  # a control file is about 200 bytes; larger ones are not read
+MAX_REASON_CHARS = 2000  # what the engine writes stays far below MAX_CONTROL_BYTES
+MAX_ENTRIES = 10_000  # directory entries one listing looks at
+_LAST_SINCE = 253402300800.0  # year 10000: later times cannot be shown
+
+
+class UnsafeDirError(Exception):
+    """The control directory exists but must not be trusted (who could write it)."""
 
 
 def default_dir() -> Path:
-    """Where control files go when ``quarantine_dir`` is not set."""
-    return Path(tempfile.gettempdir()) / "lmcache-core-quarantine"
+    """Where control files go when ``quarantine_dir`` is not set: a directory of this
+    user only, ``$XDG_RUNTIME_DIR/lmcache-core-quarantine`` when that is a private
+    directory of ours, else ``<tmpdir>/lmcache-core-quarantine-<euid>``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        try:
+            st = os.lstat(runtime)
+            _check_dir(st, runtime, {os.geteuid()})
+            return Path(runtime) / "lmcache-core-quarantine"
+        except (OSError, UnsafeDirError):
+            pass  # e.g. sudo kept the invoking user's XDG_RUNTIME_DIR
+    return Path(tempfile.gettempdir()) / f"lmcache-core-quarantine-{os.geteuid()}"
+
+
+def _check_dir(st: os.stat_result, path: str | os.PathLike[str], owners: Collection[int]) -> None:
+    """Raise :class:`UnsafeDirError` unless ``st`` is a directory owned by one of
+    ``owners`` that nobody else can write (only its owner can add or delete files)."""
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeDirError(f"{path} is a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirError(f"{path} is not a directory")
+    if st.st_uid not in owners:
+        raise UnsafeDirError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise UnsafeDirError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def open_private_dir(path: str | os.PathLike[str], *, create: bool, owners: Collection[int] | None = None) -> int:
+    """A descriptor of directory ``path`` after checking it (see :func:`_check_dir`;
+    ``owners`` defaults to this process's euid). ``create`` makes it (mode 0700, its
+    parents as usual) when missing. The check is made on the opened descriptor, so
+    the directory cannot be swapped between check and use; everything else happens
+    relative to the descriptor. Raises :class:`UnsafeDirError` or :class:`OSError`."""
+    owners = {os.geteuid()} if owners is None else owners
+    p = Path(path)
+    if create:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass  # checked below like any other existing directory
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeDirError(f"{p} is a symbolic link" if p.is_symlink() else f"{p} is not a directory") from None
+        raise
+    try:
+        _check_dir(os.fstat(fd), p, owners)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (ANSI escapes, newlines, bidi overrides) and
+    backslashes escaped as in Python literals, so that a terminal shows it as is."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for c in text:
+        if c == "\\":
+            out.append("\\\\")
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out.append(repr(c)[1:-1])  # repr escapes exactly the characters that are not printable
+    return "".join(out)
 
 
 class MismatchWindow:
@@ -61,10 +150,50 @@ class MismatchWindow:
 
 
 @dataclass
+class _Control:
+    """A written control file: its name inside the checked directory ``dir_fd``."""
+
+    dir_fd: int
+    name: str
+    path: Path
+
+    def announced(self) -> bool:
+        """False only once the file is gone from a directory that is still private;
+        anything else (the file is there, an I/O error) keeps the quarantine."""
+        try:
+            os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        return True
+
+    def still_private(self) -> str | None:
+        """Why the directory can no longer be trusted, or None."""
+        try:
+            _check_dir(os.fstat(self.dir_fd), self.path.parent, {os.geteuid()})
+        except (OSError, UnsafeDirError) as err:
+            return str(err)
+        return None
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.name, dir_fd=self.dir_fd)
+        except OSError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+
+@dataclass
 class _Entry:
     since: float
     reason: str
-    control: Path | None
+    control: _Control | None
     checked: float
 
 
@@ -103,13 +232,14 @@ class Quarantine:
             if not w.add(self.clock()):
                 return False
             reason = f"{self.limit} verification mismatches within {self.window_s:g} s" + (f" (last: {detail})" if detail else "")
+            reason = reason[:MAX_REASON_CHARS]
             control = self._write_control(tier, reason)
             self._held[tier] = _Entry(self.clock(), reason, control, self.clock())
             self._windows.pop(tier, None)
         how = (
-            f"release it with `lmcache-core quarantine release {tier}` (or delete {control})"
+            f"release it with `lmcache-core quarantine release {tier}` (or delete {control.path})"
             if control is not None
-            else "it stays quarantined until this process restarts (the control file could not be written)"
+            else "it stays quarantined until this process restarts (kept in memory only: no control file)"
         )
         log.error("tier %s QUARANTINED: %s; no reads from it and no writes to it; %s", tier, reason, how)
         if self.on_change is not None:
@@ -125,8 +255,27 @@ class Quarantine:
         now = self.clock()
         if e.control is None or now - e.checked < RECHECK_S:
             return True
-        e.checked = now
-        if e.control.exists():
+        with self._lock:  # the descriptor is closed only under the lock or after a pop
+            if self._held.get(tier) is not e:
+                return tier in self._held
+            e.checked = now
+            c = e.control
+            if c is None:
+                return True
+            why = c.still_private()
+            if why is None and c.announced():
+                return True
+            if why is not None:
+                e.control = None
+                c.close()
+        if why is not None:
+            # Others could now delete the file: a deletion no longer says who did it.
+            log.error(
+                "quarantine of tier %s: %s; its control file no longer counts, the tier stays quarantined "
+                "until this process restarts",
+                tier,
+                why,
+            )
             return True
         self.release(tier, by="its control file was deleted")
         return False
@@ -139,10 +288,7 @@ class Quarantine:
         if e is None:
             return False
         if e.control is not None:
-            try:
-                e.control.unlink(missing_ok=True)
-            except OSError:
-                pass
+            e.control.remove()
         log.warning("tier %s released from quarantine (%s)", tier, by)
         if self.on_change is not None:
             self.on_change(tier, False)
@@ -163,20 +309,43 @@ class Quarantine:
             held, self._held = self._held, {}
         for e in held.values():
             if e.control is not None:
-                try:
-                    e.control.unlink(missing_ok=True)
-                except OSError:
-                    pass
+                e.control.remove()
 
-    def _write_control(self, tier: str, reason: str) -> Path | None:
-        path = self.control_dir / f"{_safe(tier)}.{self._id}{SUFFIX}"
+    def _write_control(self, tier: str, reason: str) -> _Control | None:
+        """Announce ``tier`` in the checked control directory, or None (with an error
+        log) when the directory is refused or the file cannot be written."""
+        name = f"{_safe(tier)}.{self._id}{SUFFIX}"
         try:
-            self.control_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"tier": tier, "pid": os.getpid(), "since": time.time(), "reason": reason}) + "\n")
-        except OSError as err:
-            log.warning("quarantine control file %s could not be written: %s", path, err)
+            dir_fd = open_private_dir(self.control_dir, create=True)
+        except UnsafeDirError as err:
+            log.error(
+                "quarantine_dir refused: %s (another user could delete or plant control files there); the quarantine "
+                "of tier %s is kept in memory only",
+                err,
+                tier,
+            )
             return None
-        return path
+        except OSError as err:
+            log.warning("quarantine control directory %s could not be used: %s", self.control_dir, err)
+            return None
+        data = json.dumps({"tier": tier, "pid": os.getpid(), "since": time.time(), "reason": reason}) + "\n"
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            # A fresh name (O_EXCL, no link followed), then an atomic rename over the
+            # final name: whatever sat there (a link, a FIFO) is replaced, never opened.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as err:
+            log.warning("quarantine control file %s could not be written: %s", self.control_dir / name, err)
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            os.close(dir_fd)
+            return None
+        return _Control(dir_fd, name, self.control_dir / name)
 
 
 def _safe(name: str) -> str:
@@ -202,14 +371,103 @@ class ControlFile:
         return True
 
 
-def list_control_files(control_dir: str | os.PathLike[str] | None = None) -> list[ControlFile]:
-    """The quarantines announced in ``control_dir`` (unreadable files are skipped)."""
-    d = Path(control_dir) if control_dir is not None else default_dir()
-    out = []
-    for p in sorted(d.glob(f"*{SUFFIX}")) if d.is_dir() else []:
+class _Skip(Exception):
+    """A directory entry that is not a readable control file (the text says why)."""
+
+
+def _read_bounded(dir_fd: int, name: str) -> bytes:
+    """At most :data:`MAX_CONTROL_BYTES` of regular file ``name``: links are not
+    followed, FIFOs and devices are not opened (and would not block if they were)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as err:
+        raise _Skip(f"cannot be read: {err.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise _Skip("is a symbolic link (control files are never followed)")
+    if not stat.S_ISREG(st.st_mode):
+        raise _Skip("is not a regular file (a FIFO, device, socket or directory)")
+    if st.st_size > MAX_CONTROL_BYTES:
+        raise _Skip(f"is too large ({st.st_size} bytes; a control file has at most {MAX_CONTROL_BYTES})")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as err:
+        raise _Skip(f"cannot be read: {err.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the lstat
+            raise _Skip("is not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_CONTROL_BYTES:
+            b = os.read(fd, MAX_CONTROL_BYTES + 1 - size)
+            if not b:
+                break
+            chunks.append(b)
+            size += len(b)
+    except OSError as err:
+        raise _Skip(f"cannot be read: {err.strerror}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONTROL_BYTES:
+        raise _Skip(f"is too large (over {MAX_CONTROL_BYTES} bytes)")
+    return b"".join(chunks)
+
+
+def _parse(path: Path, raw: bytes) -> ControlFile:
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _Skip("is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise _Skip("is not a JSON object")
+    tier, pid, since, reason = (data.get(k) for k in ("tier", "pid", "since", "reason"))
+    if not isinstance(tier, str) or not isinstance(reason, str):
+        raise _Skip("has no valid tier or reason (text)")
+    if type(pid) is not int or not 0 < pid < 2**31:
+        raise _Skip("has no valid pid")
+    if isinstance(since, bool) or not isinstance(since, (int, float)) or not 0 <= since < _LAST_SINCE:
+        raise _Skip("has no valid time")  # NaN fails the range too
+    return ControlFile(path, tier, pid, float(since), reason)
+
+
+def scan_control_files(dir_fd: int, directory: str | os.PathLike[str]) -> tuple[list[ControlFile], list[tuple[str, str]]]:
+    """The control files in the checked directory ``dir_fd`` (named ``directory``),
+    and ``(name, why)`` for each ``*.quarantined`` entry that is not one. Bounded:
+    at most :data:`MAX_ENTRIES` entries, :data:`MAX_CONTROL_BYTES` per file."""
+    d = Path(directory)
+    names: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    with os.scandir(dir_fd) as it:
+        for n, entry in enumerate(it):
+            if n >= MAX_ENTRIES:
+                skipped.append(("…", f"more than {MAX_ENTRIES} entries in the directory: the rest were not read"))
+                break
+            if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                names.append(entry.name)
+    files = []
+    for name in sorted(names):
         try:
-            data = json.loads(p.read_text()[:4096])
-            out.append(ControlFile(p, str(data["tier"]), int(data["pid"]), float(data["since"]), str(data["reason"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
+            files.append(_parse(d / name, _read_bounded(dir_fd, name)))
+        except _Skip as why:
+            skipped.append((name, str(why)))
+    return files, skipped
+
+
+def cli_owners() -> set[int]:
+    """Whose control directories the CLI reads: this user's, and root's (a root
+    engine's files, for a user allowed to read them)."""
+    return {os.geteuid(), 0}
+
+
+def list_control_files(control_dir: str | os.PathLike[str] | None = None) -> list[ControlFile]:
+    """The quarantines announced in ``control_dir`` (a directory that is missing or
+    fails :func:`open_private_dir`'s check gives none; unreadable files are skipped)."""
+    d = Path(control_dir) if control_dir is not None else default_dir()
+    try:
+        fd = open_private_dir(d, create=False, owners=cli_owners())
+    except (OSError, UnsafeDirError):
+        return []
+    try:
+        return scan_control_files(fd, d)[0]
+    finally:
+        os.close(fd)

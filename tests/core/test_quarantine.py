@@ -3,6 +3,8 @@ engine skipping a quarantined tier for reads and writes."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,59 @@ def test_cli_lists_and_releases(tmp_path: Path, capsys: Any) -> None:
     assert cli_main(["quarantine", "release", "liar", "--dir", str(tmp_path)]) == 0
     assert list_control_files(tmp_path) == []
     q.close()
+
+
+def test_default_dir_flow_list_and_release_by_cli(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    """Negative control for the hardening: with no quarantine_dir, an engine and the
+    CLI of the same user meet in the private default directory, and a release by
+    the CLI puts the tier back in service at the engine's next check."""
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    for var in ("LMCACHE_CORE_CONFIG", "LMCACHE_CORE_QUARANTINE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    clock = Clock()
+    q = Quarantine(1, 10.0, clock=clock)
+    assert q.record_mismatch("disk", "chunk k")
+    d = runtime / "lmcache-core-quarantine"
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700 and len(list_control_files(d)) == 1
+    assert cli_main(["quarantine", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "disk" in out and "chunk k" in out
+    assert cli_main(["quarantine", "release", "disk"]) == 0
+    assert "released tier disk" in capsys.readouterr().out and list_control_files(d) == []
+    assert q.is_quarantined("disk")  # noticed at the next check
+    clock.now += RECHECK_S
+    assert not q.is_quarantined("disk")
+    q.close()
+
+
+def test_an_existing_dir_only_we_can_write_is_used(tmp_path: Path) -> None:
+    """A configured directory that is ours and writable by us only (0755 here) is
+    accepted as it is; the CLI lists what the engine wrote."""
+    d = tmp_path / "q"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    q = Quarantine(1, 10.0, d)
+    assert q.record_mismatch("disk")
+    assert [f.tier for f in list_control_files(d)] == ["disk"]
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o755  # not changed behind the operator's back
+    q.close()
+
+
+def test_engine_with_a_refused_dir_quarantines_in_memory(tmp_path: Path) -> None:
+    """A quarantine_dir others can write is refused; the tier is quarantined all the
+    same (kept in memory until restart) and nothing is written there."""
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    plugin = TierPlugin()
+    backends = [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}]
+    with engine(backends, plugin, verify_mismatch_limit=1, quarantine_dir=str(d)) as eng:
+        assert eng.quarantine.record_mismatch("dict_tier")
+        eng.quarantine._held["dict_tier"].checked -= 100 * RECHECK_S
+        assert eng.stats()["quarantined"] == ["dict_tier"]
+        assert os.listdir(d) == []
 
 
 def _lie(tier: DictTier) -> None:

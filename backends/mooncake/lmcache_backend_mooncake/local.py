@@ -6,6 +6,11 @@ under its own supervision).
 of 127.0.0.1; ``LocalSegmentOwner`` runs ``mooncake_client``, a store service that
 contributes DRAM to the pool. Both can be killed and started again on the same
 ports. Every wait is bounded.
+
+Everything talks over loopback: the transfer engine otherwise advertises (and its
+peers connect to) the host's main interface address even when told ``127.0.0.1``,
+so the binaries, and clients created in this process after a :class:`LocalMaster`,
+get ``MC_TCP_BIND_ADDRESS=127.0.0.1`` unless it is set already.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 START_TIMEOUT_S = 20.0
+RESTART_TRIES = 6
+#: the transfer engine's address for connections between clients and segment owners
+LOOPBACK_ENV = "MC_TCP_BIND_ADDRESS"
 
 
 def wheel_dir() -> Path:
@@ -62,6 +70,7 @@ def _LOGGING_ENV() -> dict[str, str]:
     so a GLOG_minloglevel meant to quiet the client in this process must not reach them."""
     env = dict(os.environ)
     env["GLOG_minloglevel"] = "0"
+    env.setdefault(LOOPBACK_ENV, "127.0.0.1")
     return env
 
 
@@ -75,6 +84,7 @@ class LocalMaster:
     """``mooncake_master`` on 127.0.0.1 with its HTTP metadata server; logs in ``workdir``."""
 
     def __init__(self, workdir: Path, *, client_ttl_s: int = 3) -> None:
+        os.environ.setdefault(LOOPBACK_ENV, "127.0.0.1")  # this process's clients (read when one is set up)
         self.bin = wheel_dir()
         self.workdir = workdir
         self.client_ttl_s = client_ttl_s
@@ -91,6 +101,19 @@ class LocalMaster:
                     raise
 
     def start(self) -> None:
+        """Start (or restart, on the same ports) the master. A restart retries for a
+        few seconds when the master exits at once: a port it had can be held for a
+        moment by a socket of another process (a connection's local end)."""
+        for attempt in range(RESTART_TRIES):
+            try:
+                self._start_once()
+                return
+            except RuntimeError as err:
+                if "exited with" not in str(err) or attempt == RESTART_TRIES - 1:
+                    raise  # not an early exit (or out of tries): a real failure
+                time.sleep(0.5)
+
+    def _start_once(self) -> None:
         log = self.workdir / "master.log"
         args = [
             str(self.bin / "mooncake_master"),

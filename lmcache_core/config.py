@@ -159,7 +159,8 @@ class CoreConfig(StrictModel):
     quarantine_dir: str | None = Field(
         None,
         description="where quarantined tiers are announced as control files (delete one to release the tier); "
-        "default <tmpdir>/lmcache-core-quarantine",
+        "default $XDG_RUNTIME_DIR/lmcache-core-quarantine, else <tmpdir>/lmcache-core-quarantine-<euid>; a private 0700 "
+        "directory owned by the engine's user (anything else is refused)",
     )
     frame_secret: SecretStr | None = Field(
         None,

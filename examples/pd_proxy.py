@@ -14,24 +14,80 @@ If the prefill engine fails or times out, the request still goes to the decode
 engine, which then computes the prompt itself (slower, same output). Standard
 library only; loopback or a trusted network (it adds no authentication of its own:
 run it where the engines' own ``--api-key`` would be, and it forwards
-``Authorization``). Request bodies are limited to ``--max-body`` bytes.
+``Authorization``).
+
+It serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (prefill, then
+decode) and ``GET /v1/models`` and ``GET /health`` (the decode engine answers);
+any other path is 404, another method on these paths 405, an absolute URL as the
+request target 400. The engines always get the configured engine's host as
+``Host`` and one of these four paths, whatever the client sent. Every limit is
+bounded and answered with an OpenAI-style JSON error
+(``{"error": {"message", "type", "code"}}``):
+
+- ``--client-timeout`` (30 s): the whole request, head and body, must arrive within
+  it (one deadline, not per read: trickling does not extend it), else 408; a write
+  to a client that stops reading waits at most this long.
+- ``--connect-timeout`` (10 s) and ``--timeout`` (600 s): each engine call's connect
+  and total time, the relayed answer included (504; an unreachable engine is 502).
+- ``--max-connections`` (256): connections handled at once, one thread each; above
+  it a connection gets an immediate 503 from the accepting thread, no thread.
+- ``--max-body`` (4 MiB): a larger ``Content-Length`` is answered 413 before any of
+  the body is read; a POST without ``Content-Length`` (or chunked) is 411; the
+  request head is limited to 64 KiB (431).
+- ``--max-pending-bytes`` (64 MiB): request bodies held at once (from being read until
+  sent to the decode engine, the prefill call included); a body that does not fit is
+  503, unread.
+- bodies that are not a JSON object, including nesting too deep to parse, are 400.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import json
 import logging
+import re
+import socket
 import sys
+import threading
+import time
 import urllib.parse
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 log = logging.getLogger("pd_proxy")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+POST_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GET_ROUTES = ("/v1/models", "/health")  # read-only, answered by the decode engine
 FORWARDED = ("Authorization", "Content-Type")
+RELAYED_BACK = ("Content-Type", "Content-Length", "Cache-Control")
+MAX_HEAD = 64 << 10  # request line and headers together
+LINGER_BYTES = 64 << 10  # after an early answer: discarded at most, so the close is a FIN
+LINGER_S = 1.0
+CHUNK = 64 << 10
+_DIGITS = re.compile(r"[0-9]{1,18}")
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    411: "LengthRequiredError",
+    413: "PayloadTooLargeError",
+    431: "HeaderFieldsTooLargeError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+    505: "HTTPVersionNotSupportedError",
+}
+
+
+def error_body(status: int, message: str) -> bytes:
+    """An OpenAI-style error, the shape vLLM's own errors have."""
+    return json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "code": status}}).encode()
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -47,101 +103,436 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _connect(base: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
-    u = urllib.parse.urlsplit(base)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise ValueError(f"not an http(s) URL: {base!r}")
-    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    return cls(u.hostname, u.port, timeout=timeout), u.path.rstrip("/")
+@dataclass(frozen=True)
+class Settings:
+    prefill: str
+    decode: str
+    timeout: float = 600.0
+    connect_timeout: float = 10.0
+    client_timeout: float = 30.0
+    max_body: int = 4 << 20
+    max_connections: int = 256
+    max_pending_bytes: int = 64 << 20
+
+
+class _RequestTimeout(Exception):
+    """The client did not deliver its whole request before its deadline."""
+
+
+class _HeadTooLarge(Exception):
+    """The request line and headers did not end within MAX_HEAD bytes."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads against one deadline for a whole exchange. Each recv waits at
+    most the time left, so a peer that trickles a byte at a time cannot stretch it (a
+    per-recv timeout restarts with every byte). While ``head_left`` is not None it also
+    bounds the bytes read, so a head cannot grow to 100 lines of 64 KiB."""
+
+    def __init__(self, sock: socket.socket, deadline: float, expired: type[Exception], head_left: int | None = None):
+        super().__init__()
+        self.sock = sock
+        self._raw = sock.makefile("rb", buffering=0)  # keeps the descriptor open until closed, as makefile does
+        self.deadline = deadline
+        self.expired = expired
+        self.head_left = head_left
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.expired("deadline passed")
+        view = memoryview(buf).cast("B")
+        if self.head_left is not None:
+            if self.head_left <= 0:
+                raise _HeadTooLarge
+            view = view[: self.head_left]
+        self.sock.settimeout(left)
+        try:
+            n = self._raw.readinto(view) or 0
+        except TimeoutError:
+            raise self.expired("deadline passed") from None
+        if self.head_left is not None:
+            self.head_left -= n
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """An engine connection's socket as http.client sees it: sends and the response's
+    reads all count against the call's one total deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock = sock
+        self.deadline = deadline
+
+    def makefile(self, mode: str, *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self.deadline, TimeoutError))
+
+    def sendall(self, data: Any) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        self._sock.settimeout(left)  # sendall's timeout bounds the whole call
+        self._sock.sendall(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Engine:
+    """One engine's base URL, checked once at start-up."""
+
+    def __init__(self, role: str, url: str):
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        u.port  # noqa: B018 - raises ValueError on a malformed port
+        self.role = role
+        self.https = u.scheme == "https"
+        self.host = u.hostname
+        self.port = u.port
+        self.prefix = u.path.rstrip("/")
+
+    def call(
+        self, method: str, route: str, body: bytes | None, headers: dict[str, str], settings: Settings
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send one request; the response's status and headers have arrived when this
+        returns, and reading its body stays bounded by the same total deadline. The
+        target is always the engine's prefix plus one of the fixed routes, and
+        http.client sets ``Host`` from the engine's address."""
+        deadline = time.monotonic() + settings.timeout
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        conn = cls(self.host, self.port, timeout=min(settings.connect_timeout, settings.timeout))
+        try:
+            try:
+                conn.connect()
+            except TimeoutError as err:
+                raise UpstreamError(504, f"{self.role} engine: no connection within {settings.connect_timeout:g} s") from err
+            except OSError as err:
+                raise UpstreamError(502, f"{self.role} engine unreachable: {err}") from err
+            conn.sock = _DeadlineSocket(conn.sock, deadline)
+            try:
+                conn.request(method, self.prefix + route, body, headers)
+                return conn, conn.getresponse()
+            except TimeoutError as err:
+                raise UpstreamError(504, f"{self.role} engine did not answer within {settings.timeout:g} s") from err
+            except (OSError, http.client.HTTPException) as err:
+                raise UpstreamError(502, f"{self.role} engine failed: {err}") from err
+            except ValueError as err:  # a forwarded header http.client will not send
+                raise UpstreamError(400, f"a forwarded header is not valid: {err}") from err
+        except BaseException:
+            conn.close()
+            raise
 
 
 class Proxy(BaseHTTPRequestHandler):
+    """One connection, one request (HTTP/1.0 answers, then close): nothing idles
+    between requests, and every step is bounded by a deadline or a byte limit."""
+
+    server: ProxyServer
     server_version = "lmcache-pd-proxy/1"
-    prefill: str
-    decode: str
-    timeout: float
-    max_body: int
+    default_request_version = "HTTP/1.0"  # errors always carry a status line
+
+    def setup(self) -> None:
+        super().setup()
+        self.settings = self.server.settings
+        self.requestline = ""
+        self.request_version = self.default_request_version
+        self._replied = False
+        self.rfile.close()
+        self._reader = _DeadlineReader(
+            self.connection, time.monotonic() + self.settings.client_timeout, _RequestTimeout, head_left=MAX_HEAD
+        )
+        self.rfile = io.BufferedReader(self._reader)
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.info("%s " + fmt, self.address_string(), *args)
 
-    def _headers(self) -> dict[str, str]:
-        return {h: self.headers[h] for h in FORWARDED if self.headers.get(h)}
-
-    def _reply(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:  # /v1/models, /health: the decode engine answers
-        self._relay("GET", self.path, None)
-
-    def do_POST(self) -> None:
-        if self.path not in ROUTES:
-            self._reply(404, {"error": f"only {', '.join(ROUTES)}"})
-            return
+    def handle(self) -> None:
+        self.close_connection = True
         try:
-            n = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            n = -1
-        if n < 0 or n > self.max_body:
-            if n > 0:
-                self.rfile.read(min(n, 1 << 20))  # bounded drain: the client then reads our answer
-            self._reply(413 if n > 0 else 400, {"error": f"a JSON body of at most {self.max_body} bytes is required"})
+            self._serve()
+        except _RequestTimeout:
+            self._fail(408, f"the request was not received within {self.settings.client_timeout:g} s (--client-timeout)")
+        except _HeadTooLarge:
+            self._fail(431, f"the request line and headers exceed {MAX_HEAD >> 10} KiB")
+        except OSError as err:  # the client went away or stopped reading
+            log.info("%s connection dropped: %s", self.address_string(), err)
+        except Exception:
+            log.exception("unexpected error")
+            self._fail(500, "internal proxy error")
+
+    def _serve(self) -> None:
+        self.raw_requestline = self.rfile.readline(MAX_HEAD + 1)
+        if not self.raw_requestline:
+            return  # connected and closed without a request
+        if not self.parse_request():
+            return  # answered through send_error
+        self._reader.head_left = None
+        route = self._route()
+        if route is None:
             return
+        if self.command == "GET":
+            answer = self._call(self.server.decode, "GET", route, None)
+        else:
+            answer = self._post(route)
+        if answer is not None:
+            self._relay(*answer)
+
+    def _route(self) -> str | None:
+        """The fixed route the request names, or None once it has been answered."""
+        if not self.path.startswith("/"):
+            self._fail(400, "the request target must be a path, not an absolute URL")
+            return None
+        path = self.path.split("?", 1)[0]
+        allowed = "POST" if path in POST_ROUTES else "GET" if path in GET_ROUTES else None
+        if allowed is None:
+            served = ", ".join([f"POST {r}" for r in POST_ROUTES] + [f"GET {r}" for r in GET_ROUTES])
+            self._fail(404, f"no route {path[:200]!r}: this proxy serves {served}")
+            return None
+        if self.command != allowed:
+            self._fail(405, f"{path} takes {allowed}, not {str(self.command)[:20]!r}", {"Allow": allowed})
+            return None
+        return path
+
+    def _content_length(self) -> int | None:
+        """The body's announced length, or None once the request has been refused:
+        nothing of the body is read before it is known to fit."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            self._fail(411, "chunked request bodies are not accepted: send Content-Length")
+            return None
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            self._fail(411, "Content-Length is required")
+            return None
+        text = values[0].strip()
+        if len(values) > 1 or not text.isascii() or not text.isdigit():
+            self._fail(400, "one decimal Content-Length is required")
+            return None
+        if not _DIGITS.fullmatch(text) or int(text) > self.settings.max_body:
+            self._fail(413, f"a JSON body of at most {self.settings.max_body} bytes is accepted (--max-body)")
+            return None
+        return int(text)
+
+    def _post(self, route: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse] | None:
+        n = self._content_length()
+        if n is None:
+            return None
+        if not self.server.reserve(n):
+            self._fail(
+                503,
+                f"request bodies waiting here already hold {self.settings.max_pending_bytes} bytes (--max-pending-bytes)",
+                {"Retry-After": "1"},
+            )
+            return None
+        try:
+            return self._forward(route, n)
+        finally:
+            self.server.release(n)  # the body is no longer held once this returns
+
+    def _forward(self, route: str, n: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse] | None:
         raw = self.rfile.read(n)
+        if len(raw) < n:
+            self._fail(400, f"the body ended after {len(raw)} of {n} bytes")
+            return None
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("not a JSON object")
+            to_prefill = json.dumps(prefill_body(body)).encode()
+        except RecursionError:
+            self._fail(400, "bad JSON body: nested too deeply")
+            return None
         except ValueError as err:
-            self._reply(400, {"error": f"bad JSON body: {err}"})
-            return
-        self._prefill(body)
-        self._relay("POST", self.path, raw)
+            self._fail(400, f"bad JSON body: {err}")
+            return None
+        del body
+        self._prefill(route, to_prefill)
+        del to_prefill
+        return self._call(self.server.decode, "POST", route, raw)
 
-    def _prefill(self, body: dict[str, Any]) -> None:
-        try:
-            conn, base = _connect(self.prefill, self.timeout)
-            try:
-                conn.request("POST", base + self.path, json.dumps(prefill_body(body)).encode(), self._headers())
-                resp = conn.getresponse()
-                resp.read()
-                if resp.status != 200:
-                    log.warning("prefill engine answered %d: the decode engine computes the prompt", resp.status)
-            finally:
-                conn.close()
-        except (OSError, http.client.HTTPException, ValueError) as err:
-            log.warning("prefill engine unreachable (%s): the decode engine computes the prompt", err)
+    def _headers(self) -> dict[str, str]:
+        return {h: self.headers[h] for h in FORWARDED if self.headers.get(h)}
 
-    def _relay(self, method: str, path: str, raw: bytes | None) -> None:
+    def _prefill(self, route: str, data: bytes) -> None:
+        """Ask the prefill engine for one token; its answer is read and dropped. A
+        failure only costs the decode engine the prompt's computation."""
         try:
-            conn, base = _connect(self.decode, self.timeout)
-        except ValueError as err:
-            self._reply(502, {"error": str(err)})
+            conn, resp = self.server.prefill.call("POST", route, data, self._headers(), self.settings)
+        except UpstreamError as err:
+            log.warning("%s: the decode engine computes the prompt", err.message)
             return
         try:
-            conn.request(method, base + path, raw, self._headers())
-            resp = conn.getresponse()
-            self.send_response(resp.status)
-            for h in ("Content-Type", "Content-Length", "Cache-Control"):
-                if resp.getheader(h):
-                    self.send_header(h, resp.getheader(h))
-            self.end_headers()
-            while chunk := resp.read1(65536):  # streamed answers pass through as they come
-                self.wfile.write(chunk)
-                self.wfile.flush()
-        except (OSError, http.client.HTTPException) as err:
-            log.warning("decode engine failed: %s", err)
-            try:
-                self._reply(502, {"error": f"decode engine: {err}"})
-            except OSError:
+            while resp.read1(CHUNK):
                 pass
+            if resp.status != 200:
+                log.warning("prefill engine answered %d: the decode engine computes the prompt", resp.status)
+        except TimeoutError:
+            log.warning("prefill engine took over %g s: the decode engine computes the prompt", self.settings.timeout)
+        except (OSError, http.client.HTTPException) as err:
+            log.warning("prefill engine failed (%s): the decode engine computes the prompt", err)
         finally:
+            resp.close()  # it may hold the socket after http.client let go of it
             conn.close()
+
+    def _call(
+        self, engine: Engine, method: str, route: str, body: bytes | None
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse] | None:
+        try:
+            return engine.call(method, route, body, self._headers(), self.settings)
+        except UpstreamError as err:
+            log.warning("%s", err.message)
+            self._fail(err.status, err.message)
+            return None
+
+    def _relay(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+        """The decode engine's answer, passed through as it comes (streams included),
+        until it ends or the call's deadline cuts it."""
+        try:
+            self.connection.settimeout(self.settings.client_timeout)
+            self._replied = True
+            self.send_response(resp.status)
+            for h in RELAYED_BACK:
+                if resp.getheader(h):
+                    self.send_header(h, resp.getheader(h, ""))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            while True:
+                try:
+                    chunk = resp.read1(CHUNK)
+                except TimeoutError:
+                    log.warning("decode engine's answer cut at --timeout (%g s)", self.settings.timeout)
+                    break
+                except (OSError, http.client.HTTPException) as err:
+                    log.warning("decode engine's answer broke off: %s", err)
+                    break
+                if not chunk:
+                    break
+                self.wfile.write(chunk)
+        finally:
+            resp.close()
+            conn.close()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (malformed request line or headers) as JSON."""
+        self._fail(int(code), message or self.responses.get(code, ("error",))[0])
+
+    def _fail(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        """Answer with a JSON error unless an answer has started, then close."""
+        if self._replied:
+            return
+        self._replied = True
+        data = error_body(status, message)
+        try:
+            self.connection.settimeout(self.settings.client_timeout)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+            self._linger()
+        except OSError:
+            pass
+
+    def _linger(self) -> None:
+        """Close after an early answer without resetting the connection: a client that
+        is still sending its (refused) body would otherwise get an RST that can destroy
+        our answer before it reads it. Bounded: at most LINGER_BYTES discarded, LINGER_S
+        waited; a client sending more gets the reset."""
+        self.connection.shutdown(socket.SHUT_WR)
+        end = time.monotonic() + LINGER_S
+        left = LINGER_BYTES
+        while left > 0:
+            wait = end - time.monotonic()
+            if wait <= 0:
+                return
+            self.connection.settimeout(wait)
+            data = self.connection.recv(min(left, CHUNK))
+            if not data:
+                return
+            left -= len(data)
+
+
+def _busy_answer(max_connections: int) -> bytes:
+    body = error_body(503, f"the proxy is handling --max-connections ({max_connections}) connections: retry later")
+    head = (
+        "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class ProxyServer(ThreadingHTTPServer):
+    """A thread per connection up to ``max_connections``; above it the accepting thread
+    answers 503 itself and closes, so stalled clients cannot multiply threads."""
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], settings: Settings):
+        self.settings = settings
+        self.prefill = Engine("prefill", settings.prefill)
+        self.decode = Engine("decode", settings.decode)
+        self._slots = threading.BoundedSemaphore(settings.max_connections)
+        self._busy = _busy_answer(settings.max_connections)
+        self._pending_lock = threading.Lock()
+        self._pending = 0
+        super().__init__(address, Proxy)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        if self._slots.acquire(blocking=False):
+            return True
+        try:  # a fresh socket's send buffer holds the answer: one send, no waiting
+            request.setblocking(False)
+            request.send(self._busy)
+            for _ in range(4):  # what already arrived, so the close is a FIN, not an RST
+                if not request.recv(CHUNK):
+                    break
+        except OSError:
+            pass
+        return False  # socketserver closes it
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def reserve(self, n: int) -> bool:
+        """Count a body of ``n`` bytes against --max-pending-bytes, if it fits."""
+        with self._pending_lock:
+            if self._pending + n > self.settings.max_pending_bytes:
+                return False
+            self._pending += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._pending_lock:
+            self._pending -= n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,16 +541,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", required=True, help="base URL of the kv_consumer engine")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
-    ap.add_argument("--max-body", type=int, default=16 << 20, help="largest request body accepted (bytes)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s pd_proxy %(levelname)s %(message)s")
-    for url in (args.prefill, args.decode):
-        _connect(url, 1.0)  # fails early on a malformed URL
-    handler = type(
-        "Handler", (Proxy,), dict(prefill=args.prefill, decode=args.decode, timeout=args.timeout, max_body=args.max_body)
+    d = Settings("", "")
+    ap.add_argument(
+        "--timeout", type=float, default=d.timeout, help="seconds for each engine call, its answer (streamed or not) included"
     )
-    srv = ThreadingHTTPServer((args.host, args.port), handler)
+    ap.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to connect to an engine")
+    ap.add_argument(
+        "--client-timeout",
+        type=float,
+        default=d.client_timeout,
+        help="seconds a client has to send its whole request; also the longest one write to a client may block",
+    )
+    ap.add_argument("--max-body", type=int, default=d.max_body, help="largest request body accepted (bytes)")
+    ap.add_argument("--max-connections", type=int, default=d.max_connections, help="connections handled at once")
+    ap.add_argument(
+        "--max-pending-bytes", type=int, default=d.max_pending_bytes, help="request bodies held in memory at once (bytes)"
+    )
+    args = ap.parse_args(argv)
+    for name in ("timeout", "connect_timeout", "client_timeout", "max_body", "max_connections", "max_pending_bytes"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.max_body > args.max_pending_bytes:
+        ap.error("--max-body must not exceed --max-pending-bytes")
+    settings = Settings(
+        prefill=args.prefill,
+        decode=args.decode,
+        timeout=args.timeout,
+        connect_timeout=args.connect_timeout,
+        client_timeout=args.client_timeout,
+        max_body=args.max_body,
+        max_connections=args.max_connections,
+        max_pending_bytes=args.max_pending_bytes,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s pd_proxy %(levelname)s %(message)s")
+    try:
+        srv = ProxyServer((args.host, args.port), settings)  # fails early on a malformed URL
+    except ValueError as err:
+        ap.error(str(err))
     print(f"pd_proxy listening on http://{args.host}:{srv.server_address[1]}", flush=True)
     try:
         srv.serve_forever()

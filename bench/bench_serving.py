@@ -65,6 +65,16 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_KW = dict(hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048, vocab_size=4096)
 """The demo's model: 6 layers, 4 KV heads of 64, bf16: 6 KiB of KV per token."""
 KV_PER_TOKEN = 6 * 2 * 4 * 64 * 2
+CPU_BLOCK = 128  # vLLM-CPU's KV block size (tokens)
+
+
+def floor_seqs(kv_bytes: int, request_tokens: int) -> int:
+    """How many requests of ``request_tokens`` (prompt + output) vLLM runs at once in a
+    KV cache of ``kv_bytes``: whole blocks per request, and one block of the pool is
+    vLLM's null block (85 blocks of 64 MiB hold 4 requests of 2,080 tokens, not 5)."""
+    blocks = kv_bytes // (CPU_BLOCK * KV_PER_TOKEN)
+    per_request = -(-request_tokens // CPU_BLOCK)
+    return max(1, int((blocks - 1) // per_request))
 
 
 def log(*a: Any) -> None:
@@ -747,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         a.concurrency = [c for c in a.concurrency if c <= 4] or [4]
     working_set = a.docs * (a.doc_tokens + 40) * KV_PER_TOKEN
     if not a.floor_seqs:
-        a.floor_seqs = max(1, int(a.small_kv // ((a.doc_tokens + 60) * KV_PER_TOKEN)))
+        a.floor_seqs = floor_seqs(a.small_kv, a.doc_tokens + 64 + a.output_tokens)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_model()

@@ -12,7 +12,14 @@ reused prompts one at a time; the soak's greedy answers to them must be identica
 
 Verdicts (printed, exit status 1 on a miss): RSS of every process grows at most 2% per
 10 minutes after the first 5 (least-squares slope over the samples); no tier over its
-budget; 0 failed requests; every sampled output identical. Never part of the test pass.
+budget; 0 failed requests; every sampled output identical. "Sampled output": once the
+load ends, the soak server answers each sampled document's prompt once more, alone
+(its prefix now loaded from the tiers after the whole soak's churn), and that answer
+must equal vLLM alone's. The answers given under load are compared too and reported,
+but not judged: with 8 requests in flight vLLM batches them differently from one
+request alone, and on CPU float sums depend on the batch, so greedy outputs of vLLM
+itself differ between concurrent and sequential runs (bench_serving shows vLLM-only
+arms at 29/32 against each other).
 """
 
 from __future__ import annotations
@@ -97,6 +104,18 @@ async def load(
         await asyncio.gather(*(client(i, session) for i in range(args.concurrency)))
 
 
+async def ask_alone(base: str, model: str, docs: list[str], which: list[int], output_tokens: int) -> dict[int, str]:
+    """Each of ``which`` documents' prompts, one request at a time: answer text by document."""
+    import aiohttp
+
+    out: dict[int, str] = {}
+    async with aiohttp.ClientSession() as session:
+        for d in which:
+            r = await bs.complete(session, base, model, docs[d] + "\nQuestion: what does it say?\nAnswer:", output_tokens)
+            out[d] = r.text if r.error is None else f"<error: {r.error}>"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=1800)
@@ -179,21 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(load(base, str(model), docs, texts, a, stop, requests, answers))
             done.set()
             th.join()
+            final = asyncio.run(ask_alone(base, str(model), docs, sorted(answers), a.output_tokens))
         # the reference: vLLM alone, one request at a time
-        ref: dict[int, str] = {}
         with bs.server(bs.Arm("vllm-ref", kv_bytes=a.small_kv), model, a, tmp) as (base, _):
-
-            async def refs() -> None:
-                import aiohttp
-
-                async with aiohttp.ClientSession() as session:
-                    for d in sorted(answers):
-                        r = await bs.complete(
-                            session, base, str(model), docs[d] + "\nQuestion: what does it say?\nAnswer:", a.output_tokens
-                        )
-                        ref[d] = r.text
-
-            asyncio.run(refs())
+            ref = asyncio.run(ask_alone(base, str(model), docs, sorted(answers), a.output_tokens))
     # verdicts
     lines = ["", "## serving soak", ""]
     after = [s for s in samples if "rss_mib" in s and s["t"] >= min(300, a.duration / 3)]
@@ -208,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         if s.get("disk_on_disk", 0) > disk_budget * 1.05:  # file system overhead aside
             over.append((s["t"], "disk (on disk)", s["disk_on_disk"], disk_budget))
     failed = sum(1 for r in requests if not r["ok"])
-    same = sum(1 for d, outs in answers.items() for o in outs if o == ref.get(d))
-    total_sampled = sum(len(o) for o in answers.values())
+    under_load = sum(1 for d, outs in answers.items() for o in outs if o == ref.get(d))
+    under_load_total = sum(len(o) for o in answers.values())
+    same = sum(1 for d in final if final[d] == ref.get(d))
+    total_sampled = len(final)
     ok_rss = all(g <= 0.02 for g in growth.values())
     verdicts = {
         "rss_growth_per_10min": {k: round(v, 4) for k, v in growth.items()},
@@ -218,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed_requests": failed,
         "requests": len(requests),
         "sampled_identical": f"{same}/{total_sampled}",
+        "under_load_identical": f"{under_load}/{under_load_total}",
         "pass": ok_rss and not over and failed == 0 and same == total_sampled,
     }
     lines += [
@@ -226,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{k} {v:+.2%}" for k, v in growth.items())
         + f" ({'PASS' if ok_rss else 'MISS'}: <= 2%)",
         f"- tiers over budget: {len(over)} samples ({'PASS' if not over else 'MISS'})",
-        f"- sampled greedy outputs identical to vLLM alone: {same}/{total_sampled} "
+        f"- sampled greedy outputs after the soak, alone, identical to vLLM alone: {same}/{total_sampled} "
         f"({'PASS' if same == total_sampled else 'MISS'})",
+        f"- (answers under load identical to vLLM alone's: {under_load}/{under_load_total}; batch-dependent, not judged)",
     ]
     bs.log("\n".join(lines))
     if a.json:

@@ -11,6 +11,7 @@ logged once and the tier goes on working. No listener: no subscription.
 from __future__ import annotations
 
 import logging
+import threading
 import sys
 import time
 from pathlib import Path
@@ -219,3 +220,88 @@ def test_an_acl_user_without_subscribe_gets_no_events_and_a_working_tier(
     finally:
         tier.close()
         raw.close()
+
+
+# -- forged and flooded notifications (hardening round 2, finding 10) -----------------------
+def _flood(server: RedisServer, names: list[bytes], total: int, stop: threading.Event) -> int:
+    """PUBLISH ``total`` forged 'evicted' notifications cycling through ``names``, in
+    pipelines of 1,000 (any client may publish on the key-event channels)."""
+    raw = server.client()
+    sent = 0
+    try:
+        while sent < total and not stop.is_set():
+            pipe = raw.pipeline(transaction=False)
+            for i in range(sent, min(total, sent + 1000)):
+                pipe.publish("__keyevent@0__:evicted", names[i % len(names)])
+            pipe.execute()
+            sent = min(total, sent + 1000)
+    finally:
+        raw.close()
+    return sent
+
+
+def test_forged_notifications_are_not_reported_and_real_ones_survive_a_flood() -> None:
+    """200,000 forged 'evicted' messages naming chunks the server still holds, while
+    10 real chunks expire: every real expiry is reported, no forged one (the server is
+    asked with EXISTS); before, every forged name was reported as dropped."""
+    server = RedisServer()
+    rec = Recorder()
+    tier = tier_on(server, rec)
+    expiring = create_redis_backend({"url": server.url, "prefix": PREFIX, "ttl_s": 1.0}, make_context())
+    stop = threading.Event()
+    try:
+        held = [random_key("held") for _ in range(50)]
+        for k in held:
+            assert tier.put(k, random_chunk((2, 8, 8)))
+        names = [(PREFIX + k.to_str()).encode() for k in held]
+        flooder = threading.Thread(target=lambda: _flood(server, names, 200_000, stop), daemon=True)
+        t0 = time.monotonic()
+        flooder.start()
+        real = [random_key("real") for _ in range(10)]
+        for k in real:
+            assert expiring.put(k, random_chunk((2, 8, 8)))
+        flooder.join(60)
+        assert not flooder.is_alive()
+        wait_until(lambda: set(rec) >= set(real), f"reported {len(set(rec) & set(real))} of 10 real expiries")
+
+        def handled() -> int:
+            x = tier.stats().extra
+            return int(x.get("key_events_present", 0) + x.get("key_events_dropped", 0))
+
+        deadline = time.monotonic() + 60
+        while handled() < 200_000 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        assert handled() == 200_000, f"{handled()} of 200,000 forged messages handled after {took:.0f} s"
+        assert set(rec) == set(real), f"forged names reported: {len(set(rec) - set(real))}"
+        assert tier.stats().extra.get("key_events_dropped", 0) == 0, "the default rate should keep up with this flood"
+        print(f"200,000 forged notifications + 10 real expiries handled in {took:.1f} s")
+    finally:
+        stop.set()
+        expiring.close()
+        tier.close()
+        server.kill()
+
+
+def test_a_flood_beyond_the_rate_is_dropped_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    server = RedisServer()
+    rec = Recorder()
+    caplog.set_level(logging.WARNING, logger="lmcache_backend_redis.backend")
+    tier = tier_on(server, rec, max_key_events_per_s=1000)
+    stop = threading.Event()
+    try:
+        names = [(PREFIX + random_key("gone").to_str()).encode() for _ in range(100)]  # never stored: "gone"
+        assert _flood(server, names, 20_000, stop) == 20_000
+        wait_until(lambda: tier.stats().extra.get("key_events_dropped", 0) > 0, "nothing dropped")
+        time.sleep(1.0)
+        extra = tier.stats().extra
+        checked = extra.get("server_evicted", 0) + extra.get("key_events_present", 0)
+        # at most the burst plus the refill over the run: bounded work, not 20,000 checks
+        assert checked <= 1000 + 1000 * 30, checked
+        assert extra["key_events_dropped"] >= 20_000 - checked - 10
+        floods = [r for r in caplog.records if "key events a second" in r.getMessage()]
+        assert len(floods) == 1
+    finally:
+        stop.set()
+        tier.close()
+        server.kill()

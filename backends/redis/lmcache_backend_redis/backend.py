@@ -26,8 +26,10 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
 * What the server evicts (``maxmemory``) or expires (``ttl_s``) is reported to the
   engine's listeners (KV events) once one is set: a :class:`~.events.KeyEventWatcher`
   subscribes to the server's keyspace notifications (``eviction_events``); names
-  under this tier's ``prefix`` that are chunk keys become
-  :meth:`~lmcache_core.backend.StorageBackend.evicted` calls, any other name is ignored.
+  under this tier's ``prefix`` that are chunk keys and that the server no longer
+  holds (checked with ``EXISTS``: anyone may publish on those channels) become
+  :meth:`~lmcache_core.backend.StorageBackend.evicted` calls, at most
+  ``max_key_events_per_s`` checked a second; any other name is ignored (counted).
 """
 
 from __future__ import annotations
@@ -70,6 +72,26 @@ def max_frame_bytes(out: torch.Tensor) -> int:
     return 8 + MAX_HEADER_BYTES + out.nbytes + out.nbytes // 255 + 64
 
 
+class TokenBucket:
+    """At most ``rate`` units a second on average, bursts up to ``rate``. Thread-safe."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = float(rate)
+        self._tokens = float(rate)
+        self._at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> int:
+        """Take up to ``n`` units; returns how many were granted."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            granted = min(n, int(self._tokens))
+            self._tokens -= granted
+            return granted
+
+
 def _join(header: bytes, payload: memoryview) -> memoryview:
     """The frame as one buffer, built with a single copy of the payload."""
     buf = bytearray(len(header) + payload.nbytes)
@@ -103,6 +125,8 @@ class RedisBackend(StorageBackend):
         self._client_lock = threading.Lock()
         self._stats = BackendStats(self.name, extra={"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0})
         self._last_oom_log = -_OOM_LOG_EVERY_S
+        self._last_flood_log = -_OOM_LOG_EVERY_S
+        self._event_bucket = TokenBucket(cfg.max_key_events_per_s)
         self._closed = False
         self._on_evicted: Callable[[ChunkKey], None] | None = None
         self.watcher: KeyEventWatcher | None = None
@@ -133,22 +157,64 @@ class RedisBackend(StorageBackend):
         """Set by the engine when someone listens (KV events on): only then subscribe."""
         self._on_evicted = cb
         if cb is not None and self.cfg.eviction_events and self.watcher is None and not self._closed:
-            self.watcher = KeyEventWatcher(self.cfg, self._password, self._key_event, retry_s=max(self.cfg.down_cooldown_s, 1.0))
+            self.watcher = KeyEventWatcher(self.cfg, self._password, self._key_events, retry_s=max(self.cfg.down_cooldown_s, 1.0))
             # Subscribed before the first store can be evicted (bounded: a server down now is read once it answers).
             self.watcher.subscribed.wait(min(self.cfg.socket_timeout_s, 2.0))
 
-    def _key_event(self, name: bytes, event: str) -> None:
+    def _key_events(self, batch: list[tuple[bytes, str]]) -> None:
+        """One wake-up's names from the key-event channels: ours (prefix, chunk key),
+        within the rate limit, and gone from the server are reported as evicted."""
         prefix = self.cfg.prefix.encode()
-        if not name.startswith(prefix):
-            self._add(foreign_key_events=1)
+        ours: list[tuple[ChunkKey, str]] = []
+        foreign = 0
+        for name, event in batch:
+            if not name.startswith(prefix):
+                foreign += 1
+                continue
+            try:
+                ours.append((ChunkKey.parse(name[len(prefix) :].decode("ascii")), event))
+            except (UnicodeDecodeError, ValueError):
+                foreign += 1
+        if foreign:
+            self._add(foreign_key_events=foreign)
+        allowed = self._event_bucket.take(len(ours))
+        if allowed < len(ours):
+            self._add(key_events_dropped=len(ours) - allowed)
+            self._flood_warning(len(ours) - allowed)
+            ours = ours[:allowed]
+        if not ours:
             return
         try:
-            key = ChunkKey.parse(name[len(prefix) :].decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            self._add(foreign_key_events=1)
+            with self._deadline():
+                pipe = self._pipeline()
+                for key, _ in ours:
+                    pipe.exists(self._name(key))
+                present = pipe.execute()
+        except Exception as err:  # cannot check now: report nothing rather than a guess
+            self._add(key_events_unchecked=len(ours))
+            log.debug("redis tier: key events not checked: %s", describe(err))
             return
-        self._add(**{f"server_{event}": 1})
-        self.evicted(key)
+        for (key, event), there in zip(ours, present):
+            if there:
+                self._add(key_events_present=1)  # forged, or the key was stored again since
+                continue
+            self._add(**{f"server_{event}": 1})
+            self.evicted(key)
+
+    def _flood_warning(self, dropped: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            say = now - self._last_flood_log >= _OOM_LOG_EVERY_S
+            if say:
+                self._last_flood_log = now
+        if say:
+            log.warning(
+                "redis tier: more than %d key events a second on %s (%d dropped now): a flood of keyspace "
+                "notifications, possibly forged by another client; evictions may go unreported",
+                self.cfg.max_key_events_per_s,
+                self.target,
+                dropped,
+            )
 
     # -- bookkeeping ----------------------------------------------------------------
     def _add(self, **counts: int) -> None:

@@ -80,6 +80,12 @@ class RedisConfig(StrictModel):
     down_cooldown_s: float = Field(5.0, ge=0, description="after a server failure, calls are misses for this long")
     verify_on_start: bool = Field(True, description="PING the server(s) when the tier is created")
     delete_corrupt: bool = Field(False, description="delete values that fail their checksum or key check")
+    max_key_events_per_s: int = Field(
+        100_000,
+        ge=1,
+        le=10**7,
+        description="key-event names checked (EXISTS) and reported a second at most; more are dropped and counted",
+    )
     eviction_events: bool = Field(
         True,
         description="with KV events on, report keys the server evicts or expires (keyspace notifications; "

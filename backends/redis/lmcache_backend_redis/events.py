@@ -6,7 +6,14 @@ notifications on (``notify-keyspace-events`` with ``E``, ``x`` and ``e``), it pu
 each such key's name on ``__keyevent@<db>__:evicted`` / ``:expired``. A
 :class:`KeyEventWatcher` subscribes to those channels on its own connection (one per
 primary of a cluster: notifications are per node), on a background thread, and hands
-each name to a callback; the tier maps names under its prefix back to chunk keys.
+the names it read in one wake-up to a callback as a batch; the tier maps names under
+its prefix back to chunk keys and reports only those the server no longer holds.
+
+Anyone who may ``PUBLISH`` on the server can send these messages too: the channel is
+not the server's alone. So a name is a hint, not a fact: the tier checks each one
+with ``EXISTS`` (one pipeline per batch) and drops names the server still holds
+(forged, counted); and at most ``max_key_events_per_s`` names a second are checked
+at all (a token bucket), the rest dropped and counted, so a flood costs bounded work.
 
 The server's setting is read first and the missing flags added (``CONFIG SET``, the
 other flags kept). A server that refuses (managed services rename or forbid
@@ -32,7 +39,7 @@ EVENTS = ("evicted", "expired")
 NEEDED_FLAGS = "Exe"
 """``E``: keyevent channels; ``x``: expired; ``e``: evicted."""
 MAX_MESSAGES_PER_WAKE = 4096
-"""Messages read from one connection before the others get their turn."""
+"""Messages read from one connection before the others get their turn (one batch)."""
 
 
 def url_db(url: str | None) -> int:
@@ -51,19 +58,20 @@ def merged_flags(current: str) -> str | None:
 
 
 class KeyEventWatcher:
-    """Calls ``on_name(name, event)`` for every key the server(s) evict or expire."""
+    """Calls ``on_names([(name, event), ...])`` with the keys the server(s) say they
+    evicted or expired, a batch per wake-up (at most :data:`MAX_MESSAGES_PER_WAKE`)."""
 
     def __init__(
         self,
         cfg: RedisConfig,
         password: str | None,
-        on_name: Callable[[bytes, str], None],
+        on_names: Callable[[list[tuple[bytes, str]]], None],
         *,
         retry_s: float = 5.0,
     ) -> None:
         self.cfg = cfg
         self._password = password
-        self.on_name = on_name
+        self.on_names = on_names
         self.retry_s = retry_s
         self.db = url_db(cfg.url)
         self.channels = [f"__keyevent@{self.db}__:{e}" for e in EVENTS]
@@ -144,8 +152,9 @@ class KeyEventWatcher:
             wait = 0.5 / len(pubsubs)
             while not self._stop.is_set():
                 for ps in pubsubs:
+                    batch: list[tuple[bytes, str]] = []
                     for _ in range(MAX_MESSAGES_PER_WAKE):
-                        msg = ps.get_message(timeout=wait)
+                        msg = ps.get_message(timeout=wait if not batch else 0)
                         if msg is None:
                             break
                         if msg.get("type") != "message":
@@ -154,8 +163,10 @@ class KeyEventWatcher:
                         event = channel.rsplit(b":", 1)[-1].decode("ascii", "replace") if isinstance(channel, bytes) else ""
                         data = msg.get("data")
                         if isinstance(data, bytes) and event in EVENTS:
-                            self.messages += 1
-                            self.on_name(data, event)
+                            batch.append((data, event))
+                    if batch:
+                        self.messages += len(batch)
+                        self.on_names(batch)
         finally:
             for ps in pubsubs:
                 try:

@@ -200,7 +200,10 @@ def test_flood_from_many_hosts_never_starves_pooled_authenticated_clients(guarde
 
 
 def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connections(secret_file: Path) -> None:
-    """The old admission: no per-address cap, handshakes allowed the request timeout."""
+    """The old admission: no per-address cap, handshakes allowed the request timeout.
+    The flood comes from the client's own address here, so that admission cannot tell
+    the two apart either (per-address and per-subnet caps and fair-share eviction all
+    count addresses): the same flood then starves fresh connections."""
     node = PeerNode(
         [
             "--max-size",
@@ -209,6 +212,8 @@ def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connec
             "32",
             "--max-unauthenticated-per-address",
             "32",
+            "--max-unauthenticated-per-subnet",
+            "32",
             "--handshake-timeout-ms",
             "3000",
         ],
@@ -216,7 +221,7 @@ def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connec
     )
     try:
         keys = stored_keys(node)
-        flood = Flood(port_of(node), ["127.0.0.2"])
+        flood = Flood(port_of(node), ["127.0.0.1"])
         try:
             time.sleep(0.5)
             ok, tried = fresh_lookups(port_of(node), keys, WINDOW_S)

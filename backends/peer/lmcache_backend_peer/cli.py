@@ -64,9 +64,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-unauthenticated",
         type=int,
         default=32,
-        help="connections still authenticating, apart from --max-connections (default 32)",
+        help="connections still authenticating, apart from --max-connections, per transport (TCP, --unix-socket) (default 32)",
     )
     p.add_argument("--max-unauthenticated-per-address", type=int, default=4, help="of those, from one client address (default 4)")
+    p.add_argument(
+        "--max-unauthenticated-per-subnet",
+        type=int,
+        default=None,
+        help="of those, from one IPv4 /24, IPv6 /64 or local user (default: half of --max-unauthenticated)",
+    )
     p.add_argument(
         "--handshake-timeout-ms", type=int, default=1000, help="a new connection must authenticate within this (default 1000)"
     )
@@ -156,8 +162,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--timeout-ms must be positive")
     if args.handshake_timeout_ms <= 0:
         parser.error("--handshake-timeout-ms must be positive")
-    for flag in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_address"):
-        if getattr(args, flag) < 1:
+    for flag in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_address", "max_unauthenticated_per_subnet"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.eviction_log <= MAX_CAPACITY:
         parser.error(f"--eviction-log must be 0..{MAX_CAPACITY}")
@@ -195,6 +201,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             handshake_timeout=args.handshake_timeout_ms / 1000,
             max_unauthenticated=args.max_unauthenticated,
             max_unauthenticated_per_address=args.max_unauthenticated_per_address,
+            max_unauthenticated_per_subnet=args.max_unauthenticated_per_subnet,
             max_inflight_bytes=args.max_inflight,
             unix_socket=None if args.unix_socket is None else str(args.unix_socket),
             eviction_log=evictions,

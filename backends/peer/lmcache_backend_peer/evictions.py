@@ -83,9 +83,10 @@ class EvictionLog:
     # -- wiring to a store ------------------------------------------------------------
     def watch(self, store: Any, tenants: Iterable[str] = ()) -> None:
         """Record what ``store`` drops: an :class:`~lmcache_backend_peer.shm.ArenaStore`
-        (one arena per principal) or a :class:`~lmcache_backend_peer.store.FrameStore`
-        that holds the untenanted part under the clients' keys and each tenant's part
-        under :func:`~lmcache_backend_peer.tenants.tenant_key`."""
+        (one arena per principal) or a :class:`~lmcache_backend_peer.store.FrameStore`.
+        Without ``tenants`` the FrameStore holds the clients' keys as sent; with them
+        (the server partitions the store) every principal's part, the shared secret's
+        included, is under :func:`~lmcache_backend_peer.tenants.tenant_key`."""
         arenas = getattr(store, "arenas", None)
         if arenas is not None:
             for principal, arena in arenas.items():
@@ -96,7 +97,9 @@ class EvictionLog:
 
     def _frame_dropped(self, stored: ChunkKey, frame: Any) -> None:
         """A FrameStore entry went: whose, and under which of its keys. The frame names
-        the client's key (the node checked it on PUT); the stored key tells the tenant."""
+        the client's key (the node checked it on PUT); the stored key tells the
+        principal (a stored key equal to the client's: written to the store directly,
+        untenanted)."""
         if not self._tenants:
             self.record(None, stored)
             return
@@ -109,7 +112,7 @@ class EvictionLog:
         if key == stored:
             self.record(None, key)
             return
-        for t in self._tenants:
+        for t in (None, *self._tenants):
             if tenant_key(t, key) == stored:
                 self.record(t, key)
                 return

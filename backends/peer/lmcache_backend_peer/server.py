@@ -1,10 +1,12 @@
 """The serving side: answers LOOKUP/GET (and, when writable, PUT/REMOVE) from a source.
 
-One accept thread plus one thread per connection. A new connection takes one of
-``max_unauthenticated`` slots (at most ``max_unauthenticated_per_address`` per client
-address; extra connections are closed at once) and must authenticate within
-``handshake_timeout``; only then does it count against ``max_connections`` (see
-:mod:`.limits`). Each request body is reserved against the node's
+One accept thread per listening socket plus one thread per connection. A new
+connection takes one of its transport's ``max_unauthenticated`` slots (TCP and the
+Unix socket each have their own; at most ``max_unauthenticated_per_address`` per
+client address and ``max_unauthenticated_per_subnet`` per subnet or local user; when
+full, room is made by fair share or the connection is closed at once) and must
+authenticate within ``handshake_timeout``; only then does it count against
+``max_connections`` (see :mod:`.limits`). Each request body is reserved against the node's
 ``max_inflight_bytes`` before it is allocated and must arrive within ``timeout`` of
 its header; a body that cannot be reserved in that time is answered ERROR ("busy")
 and the connection closed. An idle connection is dropped after ``idle_timeout``. A
@@ -13,7 +15,8 @@ client sends can crash the server or make it hold more than ``max_inflight_bytes
 of request bodies (``max_frame_size`` per connection).
 
 With ``tenants`` a connection that authenticates as tenant T sees only T's namespace
-of the store (:mod:`.tenants`); the shared secret, if any, sees the untenanted part.
+of the store (:mod:`.tenants`); the shared secret, if any, sees a namespace of its own
+(no principal reads the store by raw keys).
 
 With an ``eviction_log`` (:mod:`.evictions`) a client may ask EVICTIONS: what the
 node dropped from its own principal's part since a sequence number.
@@ -35,7 +38,7 @@ from lmcache_core.serde import FrameError, FrameSeal, parse_header, verify_paylo
 
 from .auth import Credentials, Principal, server_authenticate
 from .connection import Connection, PeerTimeout
-from .limits import Admission, ByteBudget
+from .limits import Admission, ByteBudget, Origin, Slot, tcp_origin, unix_origin
 from .protocol import (
     ERROR,
     EVICTIONS,
@@ -109,6 +112,7 @@ class PeerServer:
         handshake_timeout: float = 1.0,
         max_unauthenticated: int = 32,
         max_unauthenticated_per_address: int = 4,
+        max_unauthenticated_per_subnet: int | None = None,
         max_inflight_bytes: int | None = None,
         unix_socket: str | None = None,
         eviction_log: EvictionLog | None = None,
@@ -122,7 +126,9 @@ class PeerServer:
                 f"max_inflight_bytes ({inflight}) is below max_frame_size ({max_frame_size}): "
                 "a PUT of the largest accepted frame could never be received; raise one or lower the other"
             )
-        if min(max_connections, max_unauthenticated, max_unauthenticated_per_address) < 1 or handshake_timeout <= 0:
+        limits: tuple[int, ...] = (max_connections, max_unauthenticated, max_unauthenticated_per_address)
+        limits += () if max_unauthenticated_per_subnet is None else (max_unauthenticated_per_subnet,)
+        if min(limits) < 1 or handshake_timeout <= 0:
             raise ValueError("connection limits must be at least 1 and handshake_timeout positive")
         self.source: Any = source
         self.secret = secret
@@ -134,7 +140,9 @@ class PeerServer:
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
         self.handshake_timeout = handshake_timeout
-        self.admission = Admission(max_connections, max_unauthenticated, max_unauthenticated_per_address)
+        self.admission = Admission(
+            max_connections, max_unauthenticated, max_unauthenticated_per_address, max_unauthenticated_per_subnet
+        )
         self.inflight = ByteBudget(inflight)
         self.server_id = os.urandom(SERVER_ID_SIZE)
         self.eviction_log = eviction_log
@@ -149,6 +157,7 @@ class PeerServer:
             "requests": 0,
             "rejected": 0,
             "rejected_unauthenticated": 0,
+            "evicted_unauthenticated": 0,
             "handshake_timeouts": 0,
             "busy": 0,
         }
@@ -226,13 +235,15 @@ class PeerServer:
                     return
                 time.sleep(0.05)
                 continue
+            origin: Origin
             if sock.family == socket.AF_UNIX:
-                host = _unix_peer(sock)  # per-process admission on the local socket
-                conn = Connection(sock, host)
+                origin = _unix_peer(sock)  # per process and per user on the local socket
+                conn = Connection(sock, f"unix {origin.address}")
             else:
-                host = addr[0]
+                origin = tcp_origin(addr[0])
                 conn = Connection(sock, f"{addr[0]}:{addr[1]}")
-            if self.admission.admit(host) is not None:
+            slot = self.admission.admit(origin, conn.close)
+            if isinstance(slot, str):
                 with self._lock:
                     self.stats["rejected_unauthenticated"] += 1
                 conn.close()
@@ -240,27 +251,29 @@ class PeerServer:
             with self._lock:
                 self._conns.add(conn)
                 self.stats["connections"] += 1
-            threading.Thread(target=self._serve, args=(conn, host), name="lmcache-peer-conn", daemon=True).start()
+                self.stats["evicted_unauthenticated"] = self.admission.evictions
+            threading.Thread(target=self._serve, args=(conn, slot), name="lmcache-peer-conn", daemon=True).start()
 
     # -- one connection ---------------------------------------------------------------
     def _count(self, stat: str) -> None:
         with self._lock:
             self.stats[stat] += 1
 
-    def _serve(self, conn: Connection, host: str) -> None:
-        slot = "unauthenticated"
+    def _serve(self, conn: Connection, slot: Slot) -> None:
         try:
             try:
                 who = server_authenticate(conn, self.credentials, self.server_id, self.handshake_timeout)
             except PeerTimeout:
-                self._count("handshake_timeouts")
+                if not slot.evicted:
+                    self._count("handshake_timeouts")
                 return
             if who is None:
                 self._count("auth_failures")
                 log.warning("peer server %s: client %s failed authentication", self.address, conn.peer)
                 return
-            slot = "authenticated" if self.admission.authenticated(host) else "none"
-            if slot == "none":
+            if not self.admission.authenticated(slot):
+                if slot.evicted:  # closed for a newcomer while it was answering
+                    return
                 self._count("rejected")
                 self._refuse(conn, f"server is at max_connections ({self.max_connections}); try again later")
                 return
@@ -283,22 +296,23 @@ class PeerServer:
                 finally:
                     self.inflight.release(header.body_len)
         except PeerError as err:
-            if not self._stop.is_set() and "closed" not in str(err):
+            if not slot.evicted and not self._stop.is_set() and "closed" not in str(err):
                 self._count("protocol_errors")
                 log.debug("peer server %s: dropping %s: %s", self.address, conn.peer, err)
         except Exception:  # a bug must cost one connection, not the server
             log.exception("peer server %s: unexpected error on %s", self.address, conn.peer)
         finally:
             conn.close()
-            if slot != "none":
-                self.admission.leave(host, slot == "authenticated")
+            self.admission.leave(slot)
             with self._lock:
                 self._conns.discard(conn)
 
     def _source_for(self, who: Principal) -> Any:
         if hasattr(self.source, "arena_for"):  # an ArenaStore: one arena per principal
             return self.source.arena_for(who.tenant)
-        if who.tenant is None or not self.partition_tenants:
+        # With tenants every principal, the shared secret's too, reads and writes the
+        # store only through its own keyed namespace: no raw key reaches a tenant's.
+        if not self.partition_tenants or not self.credentials.tenants:
             return self.source
         return TenantSource(self.source, who.tenant)
 
@@ -421,13 +435,13 @@ class PeerServer:
         return bool(source.put_frame(req.key, req.frame if isinstance(source, Arena) else bytes(req.frame)))
 
 
-def _unix_peer(sock: socket.socket) -> str:
-    """``unix:PID`` of the process at the other end (SO_PEERCRED), or ``unix``."""
+def _unix_peer(sock: socket.socket) -> Origin:
+    """The process and user at the other end (SO_PEERCRED), for admission."""
     try:
-        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     except OSError:
-        return "unix"
-    return f"unix:{pid}"
+        return unix_origin(None, None)
+    return unix_origin(pid, uid)
 
 
 def _listen_unix(path: str) -> socket.socket:

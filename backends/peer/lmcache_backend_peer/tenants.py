@@ -9,6 +9,14 @@ before it reaches the store: what tenant A writes under key K lands at
 ``(A, K)``, and tenant T asking for K reads ``(T, K)``. No key a client can send
 reaches another tenant's entries, whatever secret it holds.
 
+The mapping is a keyed hash under a key only the node knows: random, drawn once per
+node process (the node keeps chunks in memory only, so nothing outlives it). With a
+public key anyone could compute where T's key K is stored and send *that* key from
+another principal; in particular the shared secret's principal, which would reach
+the store by raw keys. So on a node with tenants the shared secret's principal gets
+a mapped namespace of its own too (``tenant=None``), and no principal reads the
+store by raw keys: each stored key is one that only the node can derive.
+
 The tenants file (``lmcache-core serve --tenants-file``) has one ``NAME SECRET`` pair
 per line; blank lines and ``#`` comments are ignored.
 """
@@ -16,6 +24,7 @@ per line; blank lines and ``#`` comments are ignored.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,20 +33,30 @@ from lmcache_core.keys import HASH_BYTES, ChunkKey
 from .config import check_secret
 from .protocol import TENANT_NAME_RE
 
-_NS_KEY = b"lmcache-peer/tenant-namespace/v1"
+_NS_KEY = os.urandom(32)
+"""This process's namespace key: never sent, logged or stored (see the module doc)."""
+# The keyed hash's state after its key block: a copy hashes without compressing the
+# key block again for every key (a LOOKUP may carry 16384).
+_KEYED = hashlib.blake2b(digest_size=HASH_BYTES, key=_NS_KEY)
 
 
-def tenant_key(tenant: str, key: ChunkKey) -> ChunkKey:
-    """Where ``key`` of ``tenant`` lives in the node's store."""
-    ns = hashlib.blake2b(tenant.encode() + b"\0" + key.namespace, digest_size=HASH_BYTES, key=_NS_KEY).digest()
-    return ChunkKey(ns, key.chunk_hash)
+def tenant_key(tenant: str | None, key: ChunkKey) -> ChunkKey:
+    """Where ``key`` of ``tenant`` (None: the shared secret's principal) lives in the
+    node's store: a new namespace derived from the whole key under :data:`_NS_KEY`.
+    The principal's label comes first and cannot end inside another's (tenant names
+    hold no NUL), so two principals' namespaces meet only on a hash collision."""
+    label = b"\0shared" if tenant is None else b"\1tenant:" + tenant.encode()
+    h = _KEYED.copy()
+    h.update(label + b"\0" + key.namespace + key.chunk_hash)
+    return ChunkKey(h.digest(), key.chunk_hash)
 
 
 class TenantSource:
-    """A view of a shared source in which only ``tenant``'s entries exist. Frames keep
-    the client's own key inside (the reader checks it); only the index is mapped."""
+    """A view of a shared source in which only ``tenant``'s entries exist (None: the
+    shared secret's principal on a node with tenants). Frames keep the client's own
+    key inside (the reader checks it); only the index is mapped."""
 
-    def __init__(self, source: Any, tenant: str) -> None:
+    def __init__(self, source: Any, tenant: str | None) -> None:
         self.source = source
         self.tenant = tenant
 

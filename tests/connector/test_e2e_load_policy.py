@@ -72,7 +72,10 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
             print(
                 f"bypassed: warm TTFT {statistics.median(warm) * 1000:.1f} ms vs recompute {statistics.median(cold) * 1000:.1f} ms ({ratio:.2f}x)"
             )
-            assert ratio <= 1.10, f"warm TTFT {ratio:.2f}x recompute"
+            # Not a speed target (bench/ measures those): a bypassed request must not pay
+            # even one of the tier's 300 ms reads. The ratio itself varies on a busy
+            # 2-core CI host (1.34x once, recompute ~100 ms), so only the read is judged.
+            assert statistics.median(warm) < statistics.median(cold) + 0.25, f"warm TTFT {ratio:.2f}x recompute"
 
             # negative control: the same engine told to always load pays the slow reads
             w.load_policy = "always"
@@ -81,7 +84,7 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
             h, out_h = _ttft(llm, p)
             assert out_h == out_c
             assert w.loaded_tokens >= 2 * loaded
-            assert h >= 0.9 and h > 1.10 * c, f"always: {h * 1000:.0f} ms vs recompute {c * 1000:.0f} ms"
+            assert h >= 0.9 and h > c + 0.25, f"always: {h * 1000:.0f} ms vs recompute {c * 1000:.0f} ms"
 
 
 def test_fast_tier_is_always_loaded(tiny_model: Path) -> None:

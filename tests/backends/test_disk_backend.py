@@ -168,23 +168,44 @@ def _dead_pid() -> int:
     return p.pid
 
 
+_HOLDER = r"""
+import sys
+from lmcache_backend_disk import create_disk_backend
+from lmcache_core.testing import make_context
+b = create_disk_backend({"path": sys.argv[1], "max_size": "64MiB"}, make_context())
+b.wait_for_scan(60)
+print("open", flush=True)
+sys.stdin.read()
+b.close()
+"""
+
+
 def test_leftover_temp_and_truncated_files_are_never_loaded_and_cleaned(tmp_path: Path) -> None:
     b = open_disk(tmp_path / "t")
     good_k, good = random_key(), random_chunk(SHAPE, seed=1)
     trunc_k, trunc = random_key(), random_chunk(SHAPE, seed=2)
     assert b.put(good_k, good) and b.put(trunc_k, trunc)
     b.close()
-    frame = encode(trunc_k, trunc, make_context().codec)
-    chunk_file(b, trunc_k).write_bytes(frame[: len(frame) // 2])
-    # a temp file a killed writer left behind: a complete frame, but never renamed
-    tmp_k = random_key()
-    leftover = b.directory.shard(tmp_k) / f".tmp-{_dead_pid()}-0123456789abcdef"
-    leftover.write_bytes(encode(tmp_k, good, make_context().codec))
-    # a temp file of a writer that is still running must survive
-    live = b.directory.shard(tmp_k) / f".tmp-{os.getppid()}-fedcba9876543210"
-    live.write_bytes(b"in progress")
-
-    b2 = open_disk(tmp_path / "t")
+    # a writer that is still running (a live process that has the tier open: it holds
+    # its pid's byte of the owner file, see owners.py); started first, as its own
+    # start-up scan would clean what is planted below
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path / "t")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "open"
+        frame = encode(trunc_k, trunc, make_context().codec)
+        chunk_file(b, trunc_k).write_bytes(frame[: len(frame) // 2])
+        # a temp file a killed writer left behind: a complete frame, but never renamed
+        tmp_k = random_key()
+        leftover = b.directory.shard(tmp_k) / f".tmp-{_dead_pid()}-0123456789abcdef"
+        leftover.write_bytes(encode(tmp_k, good, make_context().codec))
+        # the running writer's temp file must survive
+        live = b.directory.shard(tmp_k) / f".tmp-{writer.pid}-fedcba9876543210-11"
+        live.write_bytes(b"in progress")
+        b2 = open_disk(tmp_path / "t")
+    finally:
+        writer.communicate("", timeout=60)
     s = b2.stats()
     assert s.extra["startup_stale_temps"] == 1 and s.extra["startup_bad_removed"] == 1
     assert not leftover.exists() and live.exists()

@@ -21,7 +21,7 @@ import torch
 
 import lmcache_backend_disk.backend as disk_backend_mod
 from lmcache_backend_disk import DiskBackend, create_disk_backend
-from lmcache_backend_disk.directory import USAGE
+from lmcache_backend_disk.directory import OWNERS, USAGE
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.testing import make_context
 
@@ -210,7 +210,7 @@ def test_contains_never_stats_through_a_linked_shard(tmp_path: Path) -> None:
 
 
 def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != USAGE)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name not in (USAGE, OWNERS))
 
 
 def _wait_for_trim(b: DiskBackend) -> None:

@@ -23,6 +23,12 @@ Contract details (beyond :class:`lmcache_core.backend.StorageBackend`):
 * Inside the directory no symbolic link is ever followed (shards are opened with
   ``O_NOFOLLOW``, files relative to them), and only files with the tier's own
   names are ever deleted.
+* Hostile entries cost a miss, never a hang: every file is opened with
+  ``O_NONBLOCK`` and must ``fstat`` as a regular file before a byte moves
+  (fileio.py), so a FIFO, socket, device node or directory under a chunk name is a
+  miss (``not_regular``) and is removed under the budget lock; a planted temp name
+  reserves nothing unless a live process of this tier is writing it (owners.py);
+  and junk names never make the lock be held for a listing (budget.py).
 * Every failure is a miss or a skipped put, counted in :meth:`stats`: corrupt files
   are removed and never loaded; a full disk (ENOSPC) or a read-only directory makes
   ``put`` return False while reads go on.
@@ -37,7 +43,7 @@ import os
 import stat
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -68,19 +74,24 @@ from lmcache_core.serde import (
 
 from .budget import DirBudget
 from .config import DiskConfig
-from .fileio import probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts
+from .directory import FANOUT, MARKER_TEXT, USAGE, TierDirectory, open_dir, shard_name, temp_name
+from .fileio import NotRegularFile, open_regular, probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts
 from .frames import read_frame_header
 from .index import LruIndex
-from .directory import FANOUT, MARKER_TEXT, USAGE, TierDirectory, open_dir, shard_name, temp_name
-from .scan import Pacer, ScanResult, scan, scan_shards
+from .owners import Owners, TempJudge, track, untrack
+from .scan import Pacer, ScanResult, scan_shard, scan_shards
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 8 + MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_O_RDONLY = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 PROGRESS_LOG_S = 10.0  # the background scan logs its progress this often
 CLOSE_WAIT_S = 30.0  # close() waits this long for the background scan to stop
+RECOUNT_TRIES = 5  # listings of a shard that keeps changing before its recount is left for later
+
+
+class _NoTable(Exception):
+    """The usage file has no valid per-shard table: recount with the lock held."""
 
 
 class _ShardRefused(Exception):
@@ -101,7 +112,6 @@ class DiskBackend(StorageBackend):
         source: str = "code",
     ) -> None:
         t0 = time.perf_counter()
-        self._opened_at = time.time() - 0.01  # this process's temps from here on are live (scan.py)
         self.cfg = cfg
         self.root = Path(cfg.path).expanduser()
         self.directory = TierDirectory(self.root)
@@ -115,6 +125,10 @@ class DiskBackend(StorageBackend):
         self._closed = False
         self._root_fd: int | None = None
         self._budget: DirBudget | None = None
+        self._owners: Owners | None = None
+        self._judge = TempJudge(None, cfg.max_size)
+        self._relist_lock = threading.Lock()  # one listing to learn the directory at a time
+        self._relists = 0
         self._refused_shards: set[str] = set()
         self._shards_checked: set[str] = set()  # shards contains() has seen to be directories (or refused)
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="lmcache-disk-io")
@@ -128,6 +142,8 @@ class DiskBackend(StorageBackend):
             "write_errors": 0,
             "shape_mismatch": 0,
             "links_refused": 0,
+            "not_regular": 0,
+            "recount_busy_shards": 0,
             "dir_bytes": 0,
             "unavailable": None,
         }
@@ -157,6 +173,7 @@ class DiskBackend(StorageBackend):
             startup_bad_removed=0,
             startup_foreign_kept=0,
             startup_shards_refused=0,
+            startup_not_regular=0,
             scan_state="indexing" if self._indexing else "skipped",
             scan_shards_done=0,
             scan_files=0,
@@ -221,11 +238,22 @@ class DiskBackend(StorageBackend):
             self._extra["unavailable"] = self._extra["unavailable"] or f"cannot open {self.root}: {err.strerror or err}"
             return
         try:
-            self._budget = DirBudget(self.root / USAGE)
+            budget = DirBudget(self.root / USAGE)
         except OSError as err:
             reason = f"cannot open {self.root / USAGE}: {err.strerror or err}"
             self._extra["unavailable"] = self._extra["unavailable"] or reason
             log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
+            return
+        try:  # without it the other processes would take this one's writes for leftovers
+            self._owners = Owners(self._root_fd)
+        except OSError as err:
+            budget.close()
+            reason = f"cannot lock {self.root}/{err.filename or 'LMCACHE_DISK_TIER.owners'}: {err.strerror or err}"
+            self._extra["unavailable"] = self._extra["unavailable"] or reason
+            log.warning("disk tier: %s; puts will be skipped, reads go on", reason)
+            return
+        self._budget = budget
+        self._judge = TempJudge(self._owners, self.max_size)
 
     # -- the background start-up scan ------------------------------------------------------
     def _background_scan(self) -> None:
@@ -249,9 +277,10 @@ class DiskBackend(StorageBackend):
                     str(self.root),
                     verify=verify,
                     pool=pool,
+                    judge=self._judge,
                     stop=self._scan_stop,
                     pace=pace,
-                    since=self._opened_at,
+                    drop_odd=self._drop_odd,
                 )
                 for part in parts:
                     with self._lock:
@@ -286,19 +315,21 @@ class DiskBackend(StorageBackend):
                     startup_bad_removed=total.bad_removed,
                     startup_foreign_kept=total.foreign_kept,
                     startup_shards_refused=total.shards_refused,
+                    startup_not_regular=total.not_regular,
                 )
             if self._budget is not None:
                 self._recount_and_trim()
             state = "stopped" if self._scan_stop.is_set() else "complete"
             log.info(
                 "disk tier %s: index complete: %d chunk files in %.2f s (%d invalid removed, %d stale temps removed, "
-                "%d foreign files kept), %d evictions",
+                "%d foreign files kept, %d non-regular entries removed), %d evictions",
                 self.root,
                 self._extra["scan_files"],
                 time.perf_counter() - t0,
                 total.bad_removed,
                 total.stale_temps,
                 total.foreign_kept,
+                total.not_regular,
                 self._stats.evictions,
             )
         except Exception:
@@ -384,26 +415,85 @@ class DiskBackend(StorageBackend):
         return not self._indexing
 
     def _recount_and_trim(self) -> None:
-        """Under the budget lock: set the shared count to what the directory holds
-        (chunk files plus frames live processes are writing) and evict down to
-        ``max_size``. Corrects whatever a process that died mid-write left."""
+        """Set the shared count to what the directory holds (chunk files plus frames
+        live processes are writing), shard by shard (:meth:`_recount`: the lock is
+        never held for a listing), then evict down to ``max_size`` under the lock.
+        Corrects whatever a process that died mid-write left."""
         assert self._budget is not None and self._root_fd is not None
         try:
-            with (
-                self._budget.locked(self._scan_stop) as budget,
-                ThreadPoolExecutor(max_workers=self.cfg.io_threads, thread_name_prefix="lmcache-disk-scan") as pool,
-            ):
-                # a count, no keys made (the index is built): the lock is held for a stat per file
-                listing = scan(
-                    self._root_fd, str(self.root), verify=False, clean=False, pool=pool, stop=self._scan_stop, keys=False
-                )
-                if self._scan_stop.is_set():  # closing: a partial listing is no count
-                    return
-                budget.set(listing.chunk_bytes + listing.reserved_bytes)
-                self._set_dir_bytes(budget.last)
+            with ThreadPoolExecutor(max_workers=self.cfg.io_threads, thread_name_prefix="lmcache-disk-scan") as pool:
+                self._recount(keys=False, stop=self._scan_stop, pool=pool)  # a count: the index is built
+            if self._scan_stop.is_set():
+                return
+            with self._budget.locked(self._scan_stop) as budget:
                 self._evict_locked(budget, 0)
         except TimeoutError as err:  # the count stays as the other processes keep it
             log.warning("disk tier: start-up recount skipped: %s", err)
+
+    def _recount(self, *, keys: bool, stop: threading.Event | None = None, pool: Executor | None = None) -> ScanResult:
+        """Recount the shared budget from a listing of the directory (chunk keys
+        made if ``keys``) and return the listing. Each shard is listed without the
+        budget lock, between two short holds of it: the first notes the shard's
+        generation, the second replaces the shard's count if the generation is
+        unchanged (no file of the shard changed meanwhile: the listing is exact), else
+        the shard is listed again, at most :data:`RECOUNT_TRIES` times (a shard still
+        changing keeps its count, as the processes changing it keep it:
+        ``recount_busy_shards``). So a directory full of junk names costs the listing
+        time, but no other process waits for it. A usage file without a valid per-shard
+        table (damaged, or from an older version) is recounted once with the lock
+        held (:meth:`_recount_locked`). Raises TimeoutError if the lock is not had."""
+        assert self._budget is not None and self._root_fd is not None
+        budget, root_fd, root = self._budget, self._root_fd, str(self.root)
+
+        def one(i: int) -> tuple[ScanResult, bool]:
+            part = ScanResult()
+            for _ in range(RECOUNT_TRIES):
+                with budget.locked(stop) as b:
+                    state = b.shard_state(i)
+                if state is None:
+                    raise _NoTable
+                part = scan_shard(root_fd, root, FANOUT[i], judge=self._judge, stop=stop, keys=keys)
+                if stop is not None and stop.is_set():  # a partial listing is no count
+                    return part, True
+                with budget.locked(stop) as b:
+                    if b.set_shard(i, part.budget_bytes, state[1]):
+                        self._set_dir_bytes(b.last)
+                        return part, True
+            return part, False
+
+        total = ScanResult()
+        busy = 0
+        try:
+            for part, counted in pool.map(one, range(len(FANOUT))) if pool is not None else map(one, range(len(FANOUT))):
+                total.merge(part)
+                busy += not counted
+        except _NoTable:
+            with budget.locked(stop) as b:
+                return self._recount_locked(b, keys=keys, stop=stop)
+        if busy:
+            log.info("disk tier %s: %d busy shards keep their counts until a later recount", self.root, busy)
+            with self._lock:
+                self._extra["recount_busy_shards"] += busy
+        return total
+
+    def _recount_locked(self, budget: DirBudget, *, keys: bool, stop: threading.Event | None = None) -> ScanResult:
+        """Under the budget lock: list the whole directory and make it the count,
+        writing the per-shard table. Holds the lock for a listing (a stat per chunk or
+        temp file, a directory entry per other name): only for a usage file that is
+        damaged or from an older version."""
+        assert self._root_fd is not None
+        parts = list(
+            scan_shards(
+                self._root_fd, str(self.root), verify=False, clean=False, pool=None, judge=self._judge, stop=stop, keys=keys
+            )
+        )
+        total = ScanResult()
+        for part in parts:
+            total.merge(part)
+        if stop is None or not stop.is_set():
+            budget.set_all([part.budget_bytes for part in parts])
+            self._set_dir_bytes(budget.last)
+        return total
 
     @contextmanager
     def _shard(self, key: ChunkKey, *, create: bool = False) -> Iterator[int]:
@@ -515,12 +605,20 @@ class DiskBackend(StorageBackend):
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
-        if st is not None:
-            if not stat.S_ISREG(st.st_mode):  # a link or other thing under a chunk name: not ours
+        if st is not None and stat.S_ISLNK(st.st_mode):  # a link under a chunk name: not ours, kept
+            with self._lock:
+                self._extra["links_refused"] += 1
+                self._stats.skipped += 1
+            return False
+        if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO, socket, device, directory
+            with self._lock:
+                self._extra["not_regular"] += 1
+            if not self._drop_odd(dfd, name, st):
                 with self._lock:
-                    self._extra["links_refused"] += 1
                     self._stats.skipped += 1
                 return False
+            st = None
+        if st is not None:
             with self._lock:
                 self._used(key, st.st_size)
             return True
@@ -530,7 +628,7 @@ class DiskBackend(StorageBackend):
         size = frame.size
         with self._lock:
             self._forget(key)
-        temp = self._reserve(dfd, size) if size <= self.max_size else None
+        temp = self._reserve(key, dfd, size) if size <= self.max_size else None
         if temp is None:
             with self._lock:
                 self._stats.skipped += 1
@@ -539,8 +637,10 @@ class DiskBackend(StorageBackend):
             self._write(dfd, temp, frame)
             self._publish(key, dfd, temp, size)
         except OSError as err:
-            self._unlink_temp(dfd, temp, size)
+            self._unlink_temp(key, dfd, temp, size)
             return self._put_failed(err)
+        finally:
+            untrack(temp)
         with self._lock:
             self._used(key, size, fresh=True)
             self._stats.puts += 1
@@ -563,60 +663,91 @@ class DiskBackend(StorageBackend):
         return False
 
     # -- the shared budget (see budget.py): every change of the files under its lock ------
-    def _reserve(self, dfd: int, size: int) -> str | None:
+    def _reserve(self, key: ChunkKey, dfd: int, size: int) -> str | None:
         """Make room for ``size`` bytes in the directory, count them, and create the
         temp file that will hold them (its name carries the size, so a recount by
-        any process sees the reservation). None when the room cannot be made."""
+        any process sees the reservation). None when the room cannot be made: when
+        the chunks this process knows do not free enough, it learns the directory
+        (:meth:`_learn_directory`, without the lock) and tries once more."""
         assert self._budget is not None
-        with self._budget.locked() as budget:
-            if not self._evict_locked(budget, size):
+        seen = self._relists
+        for attempt in range(2):
+            with self._budget.locked() as budget:
+                if self._evict_locked(budget, size):
+                    temp = temp_name(size)
+                    track(temp)  # live for this process's scans before the file exists
+                    try:
+                        fd = os.open(
+                            temp,
+                            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                            0o644,
+                            dir_fd=dfd,
+                        )
+                    except BaseException:
+                        untrack(temp)
+                        raise
+                    os.close(fd)
+                    budget.add(size, key.chunk_hash[0])
+                    self._set_dir_bytes(budget.last)
+                    return temp
+            if attempt or self._closed or self._root_fd is None:
                 return None
-            temp = temp_name(size)
-            fd = os.open(
-                temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644, dir_fd=dfd
-            )
-            os.close(fd)
-            budget.add(size)
-            self._set_dir_bytes(budget.last)
-        return temp
+            self._learn_directory(seen)
+        return None
+
+    def _learn_directory(self, seen: int) -> None:
+        """Learn the other processes' chunks (this process's index only knows its own
+        and those it has seen) and recount the budget, from a listing made without
+        holding the budget lock (:meth:`_recount`). One thread lists at a time; a
+        thread that waited for another's listing (``seen`` is out of date) uses it."""
+        with self._relist_lock:
+            if self._relists != seen:
+                return
+            try:
+                listing = self._recount(keys=True)
+            except TimeoutError as err:
+                log.warning("disk tier: directory not relisted: %s", err)
+                return
+            finally:
+                self._relists += 1
+            self._load_listing(listing)
+
+    def _load_listing(self, listing: ScanResult) -> None:
+        """Make a listing of the whole directory the index (oldest mtime first)."""
+        with self._lock:
+            self._index = LruIndex()
+            self._index.load(listing.entries)
+            self._found, self._found_heap, self._found_bytes = {}, [], 0  # all in the listing
 
     def _evict_locked(self, budget: DirBudget, size: int) -> bool:
-        """Under the budget lock: delete least recently used chunks until ``size``
-        more bytes fit under ``max_size``. This process's index knows its own chunks
-        and those it has seen; when it runs dry, the directory is listed once to learn
-        the others'. False when even that cannot make room."""
+        """Under the budget lock: delete least recently used chunks this process
+        knows (its own and those it has seen) until ``size`` more bytes fit under
+        ``max_size``; False when they do not free enough. A damaged count is
+        recounted first (:meth:`_recount_locked`)."""
         count = budget.value()
-        listed = False
-        while count is None or count + size > self.max_size:
+        if count is None:
+            self._load_listing(self._recount_locked(budget, keys=True))
+            count = budget.last
+        while count + size > self.max_size:
             if self._closed:
                 return False
             with self._lock:
-                victims = self._pop_victims(count + size - self.max_size) if count is not None else []
+                victims = self._pop_victims(count + size - self.max_size)
             if not victims:
-                if listed or self._root_fd is None:
-                    return False
-                # Learn the other processes' chunks, and recount: the listing is exact
-                # under the lock (this also repairs a damaged usage file).
-                listing = scan(self._root_fd, str(self.root), verify=False, clean=False, pool=None)
-                with self._lock:
-                    self._index = LruIndex()
-                    self._index.load(listing.entries)
-                    self._found, self._found_heap, self._found_bytes = {}, [], 0  # all in the listing
-                budget.set(listing.chunk_bytes + listing.reserved_bytes)
-                count = budget.last
-                listed = True
-                continue
+                return False
             for key, _ in victims:
                 if self._closed:  # a closed tier changes no file, not even its trim's
                     return False
                 freed = self._unlink_chunk(key)
                 if freed:
-                    count = budget.add(-freed)
+                    left = budget.add(-freed, key.chunk_hash[0])
                     with self._lock:
                         self._stats.evictions += 1
                     self.evicted(key)
-                    if count is None:
-                        break
+                    if left is None:  # damaged meanwhile (by someone ignoring the lock)
+                        self._load_listing(self._recount_locked(budget, keys=True))
+                        left = budget.last
+                    count = left
         self._set_dir_bytes(count)
         return True
 
@@ -649,13 +780,12 @@ class DiskBackend(StorageBackend):
             except FileNotFoundError:
                 replaced = 0
             os.rename(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            if replaced:
-                budget.add(-replaced)
+            budget.add(-replaced, key.chunk_hash[0])  # also when 0: the rename is a change of the shard
             self._set_dir_bytes(budget.last)
         if self.cfg.fsync:
             os.fsync(dfd)
 
-    def _unlink_temp(self, dfd: int, temp: str, size: int) -> None:
+    def _unlink_temp(self, key: ChunkKey, dfd: int, temp: str, size: int) -> None:
         """Drop a failed write's temp file and its reservation. Without the lock (a
         hung process holds it) the file still goes; its bytes stay counted until the
         next start-up recount (the directory stays under budget, never over)."""
@@ -663,7 +793,7 @@ class DiskBackend(StorageBackend):
         try:
             with self._budget.locked() as budget:
                 _unlink_quiet(temp, dfd)
-                budget.add(-size)
+                budget.add(-size, key.chunk_hash[0])
                 self._set_dir_bytes(budget.last)
         except TimeoutError as err:
             log.warning("disk tier: %s", err)
@@ -711,10 +841,12 @@ class DiskBackend(StorageBackend):
     def _get_in(self, key: ChunkKey, out: torch.Tensor, dfd: int) -> bool:
         path = self.directory.chunk_path(key)  # for messages; every operation is relative to dfd
         name = key.to_str()
-        try:
-            fd = os.open(name, _O_RDONLY, dir_fd=dfd)
+        try:  # O_NONBLOCK, and a regular file or nothing: a FIFO here must not hang the engine
+            fd, st = open_regular(name, dir_fd=dfd)
         except (FileNotFoundError, NotADirectoryError):
             return self._miss(key)
+        except NotRegularFile as err:
+            return self._not_regular(key, dfd, name, err.st)
         except OSError as err:
             if err.errno == errno.ELOOP:  # a symbolic link under a chunk name: never followed, never deleted
                 with self._lock:
@@ -722,7 +854,6 @@ class DiskBackend(StorageBackend):
                 return self._miss(key)
             return self._read_error(path, err)
         try:
-            st = os.fstat(fd)
             try:
                 info, meta, offset = read_frame_header(fd, st.st_size)
             except FrameError as err:
@@ -769,6 +900,8 @@ class DiskBackend(StorageBackend):
                 buf, ino = read_whole(name, dir_fd=dfd, o_direct=self._o_direct, max_bytes=MAX_FRAME_BYTES)
             except (FileNotFoundError, NotADirectoryError):
                 return self._miss(key)
+            except NotRegularFile as err:  # replaced since the first open
+                return self._not_regular(key, dfd, name, err.st)
             except ValueError as err:
                 self._drop_corrupt(key, path, None, str(err))
                 return False
@@ -801,7 +934,7 @@ class DiskBackend(StorageBackend):
             with self._budget.locked() as budget:
                 freed = self._unlink_chunk(key, ino)
                 if freed:
-                    budget.add(-freed)
+                    budget.add(-freed, key.chunk_hash[0])
                 self._set_dir_bytes(budget.last)
         except TimeoutError as err:  # left for a later eviction or start-up scan
             log.warning("disk tier: not removed now: %s", err)
@@ -847,10 +980,12 @@ class DiskBackend(StorageBackend):
 
     def _release_dir(self) -> None:
         with self._lock:
-            budget, fd = self._budget, self._root_fd
-            self._budget, self._root_fd = None, None
+            budget, fd, owners = self._budget, self._root_fd, self._owners
+            self._budget, self._root_fd, self._owners = None, None, None
         if budget is not None:
             budget.close()
+        if owners is not None:
+            owners.close()
         if fd is not None:
             os.close(fd)
 
@@ -861,6 +996,44 @@ class DiskBackend(StorageBackend):
             self._stats.errors += 1
             self._stats.misses += 1
         return False
+
+    def _not_regular(self, key: ChunkKey, dfd: int, name: str, st: os.stat_result) -> bool:
+        """A FIFO, socket, device node or directory under ``key``'s name: a miss,
+        counted (``not_regular``), and the entry removed if it is still there."""
+        self._drop_odd(dfd, name, st)
+        with self._lock:
+            self._forget(key)
+            self._stats.misses += 1
+            self._extra["not_regular"] += 1
+        return False
+
+    def _drop_odd(self, dfd: int, name: str, st: os.stat_result) -> bool:
+        """Remove the non-regular entry ``name`` of the shard ``dfd`` (unlink; rmdir
+        for an empty directory) if it still is the inode ``st`` describes; True when
+        removed. Under the budget lock, so it cannot have become a chunk meanwhile (a
+        publish renames only under the lock). A link, or a tier that is closed or
+        read-only, is left alone."""
+        budget = self._budget
+        if budget is None or self._closed or stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            with budget.locked(self._scan_stop):
+                now = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or stat.S_IFMT(now.st_mode) != stat.S_IFMT(st.st_mode):
+                    return False
+                if stat.S_ISDIR(now.st_mode):
+                    os.rmdir(name, dir_fd=dfd)
+                else:
+                    os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            return False
+        except (OSError, TimeoutError) as err:
+            log.warning("disk tier: %s under a chunk or temp name is not a regular file; not removed: %s", name, err)
+            return False
+        log.warning(
+            "disk tier: removed %s: a %s under a chunk or temp name", name, _KINDS.get(stat.S_IFMT(st.st_mode), "special file")
+        )
+        return True
 
     def _miss(self, key: ChunkKey, *, keep: bool = False) -> bool:
         with self._lock:
@@ -895,6 +1068,15 @@ class DiskBackend(StorageBackend):
             self._stats.misses += 1
             self._stats.errors += 1
             self._extra["corrupt_removed"] += 1
+
+
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFDIR: "directory",
+}
 
 
 def _unlink_quiet(name: str, dir_fd: int) -> None:

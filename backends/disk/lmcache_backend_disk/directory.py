@@ -4,21 +4,27 @@
 
     <path>/LMCACHE_DISK_TIER        marker: this directory belongs to a disk tier
     <path>/LMCACHE_DISK_TIER.usage  the directory's byte count, shared by its processes (see budget.py)
+    <path>/LMCACHE_DISK_TIER.owners the processes using the directory: each holds a lock on the byte
+                                    at its pid (see owners.py)
     <path>/<hh>/<key.to_str()>      one chunk frame; <hh> = first two hex chars of the chunk hash
     <path>/<hh>/.tmp-<pid>-<rand>-<bytes>
                                     a write in progress of a <bytes>-byte frame (renamed onto the
-                                    chunk name when complete)
+                                    chunk name when complete); <rand> is 16 hex digits, <pid> and
+                                    <bytes> plain decimals (at most 10 and 20 digits)
 
 The marker keeps the tier from ever deleting files in a directory it does not own:
 a non-empty directory without it is refused. Inside the directory the tier never
 follows a symbolic link: shard directories are opened with ``O_NOFOLLOW`` and every
-file operation is relative to that descriptor (:meth:`TierDirectory.open_shard`), and the
-only files it deletes are ones whose names it gives (chunk and temp names).
+file operation is relative to that descriptor (``DiskBackend._shard``), and the
+only entries it deletes are ones whose names it gives (chunk and temp names): files
+(invalid, or leftovers), and FIFOs, sockets, device nodes or empty directories that
+someone put under such a name (never links).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +33,7 @@ from lmcache_core.keys import ChunkKey
 
 MARKER = "LMCACHE_DISK_TIER"
 USAGE = "LMCACHE_DISK_TIER.usage"
+OWNERS = "LMCACHE_DISK_TIER.owners"
 MARKER_TEXT = "lmcache-core disk tier, layout 1\n"
 TMP_PREFIX = ".tmp-"
 FANOUT = [f"{i:02x}" for i in range(256)]
@@ -86,27 +93,20 @@ def parse_chunk_name(shard: str, name: str) -> ChunkKey | None:
     return ChunkKey(ns, key.chunk_hash)
 
 
-def temp_owner_pid(name: str) -> int | None:
-    """The pid that created a temp file (from its name), or None if malformed."""
-    if not name.startswith(TMP_PREFIX):
-        return None
-    pid, _, _ = name[len(TMP_PREFIX) :].partition("-")
-    return int(pid) if pid.isdigit() else None
+# Names in the tier's temp namespace: only these are ever removed as temps. A name
+# of that namespace that is not exactly temp_name's format reserves nothing.
+_TEMP_NAMESPACE = re.compile(r"\.tmp-[0-9]+(?:-|\Z)")
+_TEMP_NAME = re.compile(r"\.tmp-(0|[1-9][0-9]{0,9})-[0-9a-f]{16}-(0|[1-9][0-9]{0,19})")
 
 
-def temp_reserved_bytes(name: str) -> int:
-    """The frame size a temp file name declares (0 for names without one)."""
-    tail = name[len(TMP_PREFIX) :].split("-")
-    return int(tail[2]) if len(tail) == 3 and tail[2].isdigit() else 0
+def is_temp_name(name: str) -> bool:
+    """``name`` is in the temp namespace (``.tmp-<digits>``, ``.tmp-<digits>-...``)."""
+    return _TEMP_NAMESPACE.match(name) is not None
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
+def parse_temp_name(name: str) -> tuple[int, int] | None:
+    """The owner pid and the declared frame size of a temp name written by
+    :func:`temp_name`, or None for any other name (digits are bounded, so parsing
+    never makes a huge number)."""
+    m = _TEMP_NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None

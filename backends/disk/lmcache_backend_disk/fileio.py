@@ -2,6 +2,14 @@
 with optional O_DIRECT, all relative to a directory descriptor and never through a
 symbolic link (``O_NOFOLLOW``).
 
+Every file the tier opens in its directory is opened by :func:`open_regular` (or
+:func:`open_temp`): ``O_NONBLOCK`` so that a FIFO planted under a chunk or temp
+name cannot block the open (a FIFO opened for reading waits for a writer, and for
+writing waits for a reader), ``O_NOCTTY`` so a terminal device never becomes the
+process's controlling terminal, then ``fstat``: anything but a regular file raises
+:class:`NotRegularFile` before a byte is read or written (a read from a FIFO would
+block too), and the descriptor is made blocking again for the I/O.
+
 A chunk becomes visible only by ``rename`` of a complete, fsynced temp file in the
 same directory (the backend renames it, under the directory's budget lock), so a
 crash at any point leaves either the old state or the whole new file, never a
@@ -19,7 +27,7 @@ import queue
 import stat
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NoReturn, Protocol, Sequence
 
 import numpy as np
 
@@ -28,7 +36,57 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC
+_O_GUARD = os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | _O_NOFOLLOW | _O_CLOEXEC
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | _O_GUARD
+_READ_FLAGS = os.O_RDONLY | _O_GUARD
+# open() of these names fails with one of these when they are not regular files
+# (ENXIO: a socket, or a FIFO opened for writing without a reader; ENODEV/EOPNOTSUPP:
+# device nodes without a driver; EISDIR, EINVAL: a directory opened for writing or with
+# O_DIRECT): the caller learns what the name is from lstat
+_ODD_ERRNOS = {errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ETXTBSY}
+
+
+class NotRegularFile(OSError):
+    """A name the tier reads or writes is not a regular file (a FIFO, socket, device
+    node or directory). ``st`` is its ``lstat`` (or ``fstat``): callers remove the
+    entry only if the name still refers to that same inode."""
+
+    def __init__(self, name: str, st: os.stat_result) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file (mode {stat.filemode(st.st_mode)})", name)
+        self.st = st
+
+
+def _odd_or_raise(name: str, dir_fd: int | None, err: OSError) -> NoReturn:
+    """``open`` of ``name`` failed with ``err``: raise :class:`NotRegularFile` if the
+    name is something other than a regular file or a link, else ``err``."""
+    if err.errno in _ODD_ERRNOS:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            raise err from None
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            raise NotRegularFile(name, st) from err
+    raise err
+
+
+def open_regular(name: str, *, dir_fd: int | None, flags: int = _READ_FLAGS, mode: int = 0o644) -> tuple[int, os.stat_result]:
+    """Open ``name`` (relative to ``dir_fd``; never through a link, never blocking on
+    a FIFO) and return the descriptor, blocking again, with its ``fstat``; raises
+    :class:`NotRegularFile` for anything but a regular file, OSError otherwise
+    (ELOOP for a link)."""
+    try:
+        fd = os.open(name, flags | _O_GUARD, mode, dir_fd=dir_fd)
+    except OSError as err:
+        _odd_or_raise(name, dir_fd, err)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(name, st)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
@@ -43,8 +101,10 @@ def probe_o_direct(directory: Path) -> str | None:
     if not _O_DIRECT:
         return "O_DIRECT is not available on this platform"
     probe = directory / f".tmp-{os.getpid()}-odirect-probe"
-    try:  # O_NOFOLLOW: a link planted under the probe's name is refused, never truncated
-        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_TRUNC | _O_NOFOLLOW | _O_DIRECT | _O_CLOEXEC, 0o644)
+    try:  # O_NOFOLLOW: a link planted under the probe's name is refused, never truncated; nor a FIFO opened
+        fd, _ = open_regular(str(probe), dir_fd=None, flags=os.O_CREAT | os.O_RDWR | os.O_TRUNC | _O_DIRECT)
+    except NotRegularFile as err:
+        return f"O_DIRECT not probed in {directory}: {probe.name} {err.strerror}"
     except OSError as err:
         try:  # some filesystems create the file, then refuse O_DIRECT: remove it, never a link
             if stat.S_ISREG(os.lstat(probe).st_mode):
@@ -90,7 +150,7 @@ def write_atomic(temp: str, parts: Sequence[bytes | memoryview], *, dir_fd: int,
             padded[pos : pos + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
             pos += v.nbytes
         padded[size:] = 0
-        fd = os.open(temp, _TEMP_FLAGS | _O_DIRECT, 0o644, dir_fd=dir_fd)
+        fd, _ = open_regular(temp, dir_fd=dir_fd, flags=_TEMP_FLAGS | _O_DIRECT)
         try:
             _write_all(fd, memoryview(padded))
             os.ftruncate(fd, size)
@@ -99,7 +159,7 @@ def write_atomic(temp: str, parts: Sequence[bytes | memoryview], *, dir_fd: int,
         finally:
             os.close(fd)
     else:
-        fd = os.open(temp, _TEMP_FLAGS, 0o644, dir_fd=dir_fd)
+        fd, _ = open_regular(temp, dir_fd=dir_fd, flags=_TEMP_FLAGS)
         try:
             for v in views:
                 _write_all(fd, v)
@@ -112,11 +172,11 @@ def write_atomic(temp: str, parts: Sequence[bytes | memoryview], *, dir_fd: int,
 def read_whole(name: str, *, dir_fd: int, o_direct: bool, max_bytes: int) -> tuple[np.ndarray, int]:
     """The bytes of the file ``name`` in the directory ``dir_fd`` (never through a
     link) and its inode number (to tell it apart from a file that replaced it
-    later). Raises OSError (FileNotFoundError on a miss, ELOOP for a link), or
-    ValueError when the file is larger than ``max_bytes``."""
-    fd = os.open(name, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | (_O_DIRECT if o_direct else 0), dir_fd=dir_fd)
+    later). Raises OSError (FileNotFoundError on a miss, ELOOP for a link,
+    :class:`NotRegularFile` for a FIFO and the like), or ValueError when the file is
+    larger than ``max_bytes``."""
+    fd, st = open_regular(name, dir_fd=dir_fd, flags=_READ_FLAGS | (_O_DIRECT if o_direct else 0))
     try:
-        st = os.fstat(fd)
         size = st.st_size
         if size > max_bytes:
             raise ValueError(f"{name} is {size} bytes, more than any frame ({max_bytes})")
@@ -160,7 +220,7 @@ def write_parts(
     """Like :func:`write_atomic` for a frame given as a payload plus a header that
     is computed (the payload hashed) by ``make_header`` while a pool thread writes the
     payload at ``header_len``. The header must be exactly ``header_len`` bytes."""
-    fd = os.open(temp, _TEMP_FLAGS, 0o644, dir_fd=dir_fd)
+    fd, _ = open_regular(temp, dir_fd=dir_fd, flags=_TEMP_FLAGS)
     try:
         fut = pool.submit(_pwrite_all, fd, payload, header_len) if pool and payload.nbytes >= _OVERLAP_MIN else None
         try:

@@ -22,6 +22,8 @@ import os
 
 from lmcache_core.serde import FrameError, FrameInfo, header_span, parse_header_prefix
 
+from .fileio import open_regular
+
 PREFIX_READ = 4096
 
 
@@ -40,9 +42,10 @@ def read_frame_header(fd: int, size: int) -> tuple[FrameInfo, dict[str, str], in
 
 def check_frame_file(name: str, size: int, expect_key: str, *, dir_fd: int | None = None) -> None:
     """Raise :class:`~lmcache_core.serde.FrameError` unless the file ``name`` in the
-    directory ``dir_fd`` (``size`` bytes; never opened through a link) starts with a
-    valid frame header for ``expect_key`` whose lengths add up to exactly ``size``."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+    directory ``dir_fd`` (``size`` bytes; never opened through a link, never a FIFO
+    or other non-regular file: :class:`~.fileio.NotRegularFile`) starts with a valid
+    frame header for ``expect_key`` whose lengths add up to exactly ``size``."""
+    fd, _ = open_regular(name, dir_fd=dir_fd)
     try:
         info, _, _ = read_frame_header(fd, size)
     finally:

@@ -1,7 +1,10 @@
 """Long fault-injection soak (issue #12): CacheEngine with CPU + disk + peer + S3 tiers
 under load from several threads while the peer node is killed and restarted, the S3
 endpoint is stopped / slowed / answers 503 / trickles, disk chunk files are corrupted
-and the disk is filled. Every retrieve is checked byte for byte. The load generator
+and the disk is filled, and forged frames are planted in the disk and S3 tiers
+(``frame_secret`` on; ``--no-frame-secret`` is the negative control, where the
+planted frames with a valid plain checksum are served). Every retrieve is checked
+byte for byte. The load generator
 and the faults are those of tests/soak/soak.py (the test runs them for 60 s).
 
 Usage: python bench/bench_soak.py [--quick] [--duration S] [--threads N] [--json PATH]
@@ -37,7 +40,8 @@ def table(r: dict) -> str:
         "|---|---|---|---|",
         *(f"| {op} | {v['p50']} | {v['p99']} | {v['max']} |" for op, v in lat.items()),
         "",
-        f"faults injected ({r['faults_total']}): {faults}",
+        f"faults injected ({r['faults_total']}): {faults}; forged frames planted: {r['planted_frames']} "
+        f"(frame key id {r['frame_key_id'] or 'none: no frame_secret'})",
         f"skipped: {r['skipped'] or 'none'}",
         f"S3 operations cut at op_deadline_s: {r['s3_deadline_overruns_cut']}",
         f"engine RSS: {rss['engine_baseline']} MiB before the engine, peak {rss['engine_peak']} MiB "
@@ -55,10 +59,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--json", type=Path, default=None, help="also write the full report here")
+    ap.add_argument(
+        "--no-frame-secret",
+        action="store_true",
+        help="negative control: the engine runs without frame_secret, so planted frames with a valid checksum are served",
+    )
     a = ap.parse_args(argv)
     duration = 60.0 if a.quick else a.duration
     with tempfile.TemporaryDirectory(prefix="lmcache-soak-") as d:
-        r = launch(duration, Path(d), threads=a.threads)
+        r = launch(duration, Path(d), threads=a.threads, frame_secret=not a.no_frame_secret)
     if a.json is not None:
         a.json.write_text(json.dumps(r, indent=1))
     print(table(r))

@@ -920,6 +920,7 @@ class CacheEngine:
         out["tiers"] = tiers
         out["quarantined"] = self.quarantine.quarantined()
         out["pool"] = {"capacity": self.pool.capacity, "used": self.pool.used, "populated": self.pool.populated_bytes}
+        out["frame_key_id"] = self.seal.key_id if self.seal is not None else None  # frames sealed (frame_secret)
         return out
 
     def close(self) -> None:

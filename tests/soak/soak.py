@@ -6,7 +6,10 @@ Everything is real and on loopback: moto's S3 server in a child process behind
 :class:`~faults.S3FaultProxy` (stopped / slow / 5xx / trickling), a standalone peer
 node (``lmcache-core serve``) in a child process that is SIGKILLed and restarted,
 the disk tier on a small tmpfs that gets chunk files corrupted and is filled to
-ENOSPC. The load stops by itself after ``--duration`` seconds (every loop is bounded
+ENOSPC, and frames are planted in the shared tiers (disk files and S3 objects under
+real chunk keys holding other data: with a valid plain checksum, or sealed with
+another deployment's secret) while the engine runs with ``frame_secret``: a planted
+frame must be a miss, never served. The load stops by itself after ``--duration`` seconds (every loop is bounded
 in count and time). Writes a JSON report: operations, faults injected, wrong results,
 calls over the latency bound, p50/p99 latency, peak RSS against configured budgets.
 
@@ -41,7 +44,9 @@ SECRET = "soak-node-secret-0123456789abcdef"
 CHUNK_TOKENS = 16
 CHUNK_SHAPE = (2, CHUNK_TOKENS, 128)  # 8 KiB in float16
 TMPFS_SIZE = "24m"
-FAULTS = ("peer_kill", "s3_stopped", "s3_slow", "s3_5xx", "s3_trickle", "disk_corrupt", "disk_full")
+FAULTS = ("peer_kill", "s3_stopped", "s3_slow", "s3_5xx", "s3_trickle", "disk_corrupt", "disk_full", "planted_frame")
+FRAME_SECRET = "soak-frame-secret-0123456789abcdef"
+OTHER_FRAME_SECRET = "someone-else's-frame-secret-0123"
 # Tier deadlines: S3 op_deadline_s 2.0, peer timeout 1.0; disk and CPU are local.
 S3_DEADLINE_S, PEER_TIMEOUT_S = 2.0, 1.0
 BOUND_S = S3_DEADLINE_S + PEER_TIMEOUT_S + 2.0  # any single engine call; slack for 2 shared CPUs
@@ -111,12 +116,16 @@ class Soak:
         chunks_per_doc: int = 4,
         fault_s: float = 4.0,
         gap_s: float = 1.5,
+        frame_secret: bool = True,
     ) -> None:
         import torch
 
         self.duration_s, self.n_threads, self.workdir, self.tmpfs = duration_s, threads, workdir, tmpfs
         self.seed, self.fault_s, self.gap_s = seed, fault_s, gap_s
         self.rng = random.Random(seed)
+        self.frame_secret = frame_secret
+        self.engine: Any = None
+        self.planted = 0
         self.docs = [[d * 10_000 + i for i in range(chunks_per_doc * CHUNK_TOKENS)] for d in range(docs)]
         self.expected = []
         for d in range(docs):
@@ -187,6 +196,7 @@ class Soak:
             overrides={
                 "chunk_size": CHUNK_TOKENS,
                 "staging_size": "16MiB",
+                **({"frame_secret": FRAME_SECRET} if self.frame_secret else {}),
                 "backends": [
                     {"name": "local_cpu", "max_size": "2MiB"},
                     {"name": "disk", "path": str(self.disk_dir / "tier"), "max_size": "3MiB", "fsync": False},
@@ -286,6 +296,11 @@ class Soak:
             self._log(fault, f"corrupted {n} chunk files")
             if n == 0:
                 return False
+        elif fault == "planted_frame":
+            n = self.plant_frames(4)
+            self._log(fault, f"planted {n} forged frames")
+            if n == 0:
+                return False
         elif fault == "disk_full":
             if not self.tmpfs:
                 self.skipped[fault] = "no private tmpfs (mount not permitted here): disk-full fault not injected"
@@ -295,6 +310,49 @@ class Soak:
         self.faults[fault] += 1
         self._log(fault, "begin")
         return True
+
+    def plant_frames(self, docs: int) -> int:
+        """For ``docs`` random documents, write forged frames of every chunk key (all
+        666.0, unsealed with a valid checksum, or sealed with another secret) into the
+        disk tier's files and the S3 bucket, bypassing the tiers; returns how many."""
+        import boto3
+        import torch
+        from botocore.config import Config
+
+        from lmcache_core.serde import FrameSeal, RawCodec, encode
+
+        engine = self.engine
+        if engine is None:
+            return 0
+        disk = next(t for t in engine.tiers if t.name == "disk")
+        s3 = next(t for t in engine.tiers if t.name == "s3")
+        direct = boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{self.moto.port}",
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}, connect_timeout=1, read_timeout=2, retries={"max_attempts": 1}),
+        )
+        other = FrameSeal(OTHER_FRAME_SECRET)
+        n = 0
+        for d in self.rng.sample(range(len(self.docs)), docs):
+            for i, key in enumerate(engine.keys(engine.hashes(self.docs[d]))):
+                fake = torch.full(CHUNK_SHAPE, 666.0, dtype=torch.float16)
+                frame = encode(key, fake, RawCodec(), seal=other if (d + i) % 2 else None)
+                path = disk.directory.chunk_path(key)
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(frame)
+                    n += 1
+                except OSError:
+                    pass  # the disk-full fault may be on: the S3 copy still counts
+                try:
+                    direct.put_object(Bucket=self.bucket, Key=s3._object(key), Body=frame)
+                    n += 1
+                except Exception:
+                    pass
+        with self.lock:
+            self.planted += n
+        return n
 
     def heal(self, fault: str) -> None:
         if fault == "peer_kill":
@@ -329,6 +387,7 @@ class Soak:
         try:
             baseline = rss_of()
             engine = self.make_engine()
+            self.engine = engine
             try:
                 self.t_start = time.monotonic()
                 threads = [threading.Thread(target=self.worker, args=(engine, i), daemon=True) for i in range(self.n_threads)]
@@ -368,6 +427,8 @@ class Soak:
             "ops": {**dict(self.ops), "total": sum(self.ops.values())},
             "chunks_verified": self.chunks_verified,
             "wrong": self.wrong,
+            "planted_frames": self.planted,
+            "frame_key_id": stats.get("frame_key_id"),
             "wrong_detail": self.wrong_detail[:20],
             "bound_s": BOUND_S,
             "overruns": self.overruns,
@@ -403,7 +464,9 @@ class Soak:
         }
 
 
-def launch(duration_s: float, workdir: Path, threads: int = 4, timeout_s: float | None = None) -> dict[str, Any]:
+def launch(
+    duration_s: float, workdir: Path, threads: int = 4, timeout_s: float | None = None, *, frame_secret: bool = True
+) -> dict[str, Any]:
     """Run the soak in a child process, in a private mount namespace with a tmpfs for
     the disk tier when this machine allows it (else without the disk-full fault).
     Returns the JSON report."""
@@ -419,6 +482,7 @@ def launch(duration_s: float, workdir: Path, threads: int = 4, timeout_s: float 
         str(workdir),
         "--out",
         str(out),
+        *([] if frame_secret else ["--no-frame-secret"]),
     ]
     timeout = timeout_s if timeout_s is not None else duration_s + 180
     disk = workdir / "disk"
@@ -452,12 +516,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tmpfs", action="store_true", help="the workdir's disk/ is a private tmpfs that may be filled")
+    ap.add_argument(
+        "--no-frame-secret", action="store_true", help="negative control: no frame_secret, so planted frames can be served"
+    )
     a = ap.parse_args(argv)
     import logging
 
     logging.basicConfig(level=logging.ERROR)  # the faults make the tiers warn a lot; the report says what matters
     workdir = a.workdir or Path(tempfile.mkdtemp(prefix="lmcache-soak-"))
-    report = Soak(a.duration, a.threads, workdir, a.tmpfs).run()
+    report = Soak(a.duration, a.threads, workdir, a.tmpfs, frame_secret=not a.no_frame_secret).run()
     a.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: report[k] for k in ("ops", "wrong", "overruns", "faults", "latency_ms", "rss_mb")}))
     return 0

@@ -3,7 +3,8 @@
 Four threads drive a CacheEngine with CPU + disk + peer + S3 tiers while the peer
 node is SIGKILLed and restarted, the S3 endpoint is stopped, slowed, made to answer
 503 and to trickle, disk chunk files are corrupted and the disk (a private 24 MiB
-tmpfs) is filled to ENOSPC. Every retrieved chunk is compared byte for byte with what
+tmpfs) is filled to ENOSPC, and forged frames are planted in the disk and S3 tiers
+under real chunk keys while the engine runs with ``frame_secret``. Every retrieved chunk is compared byte for byte with what
 was stored for its key. The long run is ``python bench/bench_soak.py``; its report
 is in docs/benchmarks.md. moto runs in a child process, so this module imports no
 moto and collects in either phase of tests/run.py (it has no ``vllm`` marker)."""
@@ -44,6 +45,7 @@ def test_short_soak_under_faults_serves_no_wrong_data_and_no_overruns(tmp_path: 
     }
     print(json.dumps(summary))
     assert r["wrong"] == 0, r["wrong_detail"]
+    assert r["frame_key_id"] and (r["planted_frames"] > 0 or "planted_frame" in r["skipped"]), r["planted_frames"]
     assert r["overruns"] == 0 and r["latency_ms"]["all"]["max"] < BOUND_S * 1000
     assert r["hung_workers"] == 0
     assert r["ops"]["total"] >= 2000 and r["chunks_verified"] >= 2000

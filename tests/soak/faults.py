@@ -164,6 +164,49 @@ class S3FaultProxy:
 TcpFaultProxy = S3FaultProxy
 
 
+class ChildFaultProxy:
+    """A :class:`TcpFaultProxy` in a child process, driven over its stdin. For clients
+    whose native calls hold the GIL while they wait on the network (Mooncake's): an
+    in-process proxy could then never pass a byte and the test would measure a
+    deadlock of its own making, not the client."""
+
+    def __init__(self, upstream: tuple[str, int], trickle: tuple[int, float] = (16, 0.1), stall_after: int = 1024) -> None:
+        import subprocess
+        import sys
+
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[1]); from faults import TcpFaultProxy\n"
+            "p = TcpFaultProxy((sys.argv[2], int(sys.argv[3])), trickle=(int(sys.argv[4]), float(sys.argv[5])),"
+            " stall_after=int(sys.argv[6]))\n"
+            "print(p.address[1], flush=True)\n"
+            "for line in sys.stdin:\n"
+            "    p.set_mode(line.strip()); print('ok', flush=True)\n"
+            "p.close()\n"
+        )
+        args = [str(Path(__file__).parent), upstream[0], str(upstream[1]), str(trickle[0]), str(trickle[1]), str(stall_after)]
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self._proc.stdout is not None and self._proc.stdin is not None
+        self.address = ("127.0.0.1", int(self._proc.stdout.readline()))
+
+    def set_mode(self, mode: str) -> None:
+        assert mode in MODES, mode
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(mode + "\n")
+        self._proc.stdin.flush()
+        assert self._proc.stdout.readline().strip() == "ok"
+
+    def close(self) -> None:
+        try:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            self._proc.wait(timeout=10)
+        except Exception:
+            self._proc.kill()
+            self._proc.wait()
+
+
 def _close(s: socket.socket) -> None:
     try:
         s.shutdown(socket.SHUT_RDWR)

@@ -84,7 +84,6 @@ class EngineCounters:
     stored_chunks: int = 0
     stored_tokens: int = 0
     retrieved_chunks: int = 0
-    retrieved_tokens: int = 0
     prefetches: int = 0
     load_errors: int = 0
     dropped_writes: int = 0

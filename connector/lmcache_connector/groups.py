@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from lmcache_core.keys import HASH_BYTES
 
@@ -169,7 +169,3 @@ def effective_chunk_size(configured: int, plan: GroupPlan) -> int:
 def boundary_hash(chunk_hash: bytes) -> bytes:
     """Hash of the boundary object after the chunk named ``chunk_hash``."""
     return hashlib.blake2b(chunk_hash, digest_size=HASH_BYTES, key=_BOUNDARY_KEY).digest()
-
-
-def boundary_hashes(hashes: Sequence[bytes]) -> list[bytes]:
-    return [boundary_hash(h) for h in hashes]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import weakref
 from typing import Any, Sequence
 
 import torch
@@ -44,7 +43,6 @@ log = get_logger(__name__)
 # The per-layer KV layout contract the fingerprint is relative to: vLLM 0.32's [B, H, N, C]
 # views in a KVCacheLayout order (0.33 keeps it). Change it when vLLM changes what they hold.
 VLLM_TAG = "vllm-0.32"
-_active: "weakref.WeakSet[WorkerSide]" = weakref.WeakSet()
 
 
 MAX_BOUNDARY_PROBES = 64
@@ -60,11 +58,6 @@ def _boundary_pin(pin_id: str | None) -> str | None:
 def _dtype_of(kv: Any) -> str:
     ts = [kv] if isinstance(kv, torch.Tensor) else list(kv)
     return "+".join(str(t.dtype).removeprefix("torch.") for t in ts)
-
-
-def active_workers() -> list["WorkerSide"]:
-    """Worker sides alive in this process (tests and the demo read their stats)."""
-    return list(_active)
 
 
 class WorkerSide:
@@ -129,7 +122,6 @@ class WorkerSide:
         self.pipeline: LayerPipeline | None = None  # layerwise (dense models)
         self._step_idle = False  # this step computes nothing (async_loads: wait for loads instead of spinning)
         self.suspended = False  # vLLM's sleep mode: the KV tensors are released; no copy touches them
-        _active.add(self)
 
     # -- set-up -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -800,4 +792,3 @@ class WorkerSide:
         if self.engine is not None:
             self.engine.flush(timeout=10)
             self.engine.close()
-        _active.discard(self)

@@ -23,14 +23,6 @@ class ChunkSource(Protocol):
         """The serde frame of ``key``, or None."""
 
 
-class WritableSource(ChunkSource, Protocol):
-    """A source that also accepts pushes from authenticated clients."""
-
-    def put_frame(self, key: ChunkKey, frame: bytes) -> bool: ...
-
-    def remove(self, key: ChunkKey) -> bool: ...
-
-
 class FrameStore:
     """Thread-safe LRU map of key -> frame bytes, bounded by ``max_size`` bytes.
     A ``max_size`` of 0 keeps nothing (a pure client of other peers).

@@ -60,7 +60,7 @@ def _ttft(llm: Any, prompt: list[int], params: dict[str, Any] | None) -> tuple[f
 def _worker() -> Any:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()._worker
+    return get_kv_transfer_group().worker
 
 
 def overhead(n_docs: int, doc_tokens: int, rounds: int, forced: int) -> None:

@@ -64,7 +64,7 @@ def measure(family: str, model: Path, dtype: str, docs: list[list[int]], repeats
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     llm = engine(model, family, dtype)
-    w = get_kv_transfer_group()._worker
+    w = get_kv_transfer_group().worker
     ttft(llm, random_prompt(64, 7))  # warm-up
     cold = [ttft(llm, d)[0] for d in docs]
     saved_tokens = w.saved_tokens

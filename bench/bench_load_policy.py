@@ -145,7 +145,7 @@ def run_all(model: Path, lengths: list[int], reps: int, delay_ms: float, vocab: 
     # recompute: a fresh prompt of the same length, not saved (no store cost in it)
     no_save = SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {"lmcache.skip_save": True}})
     try:
-        w = get_kv_transfer_group()._worker
+        w = get_kv_transfer_group().worker
         # warm-up: distinct prompts over the whole range (the policy times these steps)
         for i, n in enumerate(sorted(set(lengths))[::-1] + [300, 900]):
             ttft(random_prompt(n, 70_000 + i, vocab))

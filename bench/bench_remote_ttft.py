@@ -64,7 +64,7 @@ def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], 
     )
     sp = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], sp, use_tqdm=False)
-    w = get_kv_transfer_group()._worker
+    w = get_kv_transfer_group().worker
     redis_tier = next((t for t in w.engine.tiers if t.name == "redis"), None)
 
     def pipelines() -> int:

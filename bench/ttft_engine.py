@@ -72,7 +72,7 @@ def finish(llm: Any, result: Any, *, flush: bool) -> None:
     if flush:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        get_kv_transfer_group()._worker.engine.flush(120)
+        get_kv_transfer_group().worker.engine.flush(120)
     print("RESULT " + json.dumps(result), flush=True)
     llm.llm_engine.engine_core.shutdown()
 

@@ -390,7 +390,7 @@ def shutdown(llm: Any) -> None:
 def lmc_worker() -> Any:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()._worker
+    return get_kv_transfer_group().worker
 
 
 def run_workload(

@@ -148,6 +148,14 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     @property
+    def worker(self) -> WorkerSide | None:
+        """This process's worker side (its engine, ``stats()``, queues), or None in the
+        scheduler role. With vLLM's engine in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+        the demo, the tests and the benchmarks reach it as
+        ``get_kv_transfer_group().worker``; read-only: vLLM drives its life."""
+        return self._worker
+
+    @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss
 

@@ -104,8 +104,8 @@ def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> t
     from .connector import LMCacheCoreConnector
 
     connector = get_kv_transfer_group()
-    assert isinstance(connector, LMCacheCoreConnector) and connector._worker is not None
-    return llm, connector._worker
+    assert isinstance(connector, LMCacheCoreConnector) and connector.worker is not None
+    return llm, connector.worker
 
 
 def run(args: argparse.Namespace) -> int:

@@ -114,7 +114,7 @@ def worker() -> Any:
     """The worker side of the connector in this process (in-process engine)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()._worker
+    return get_kv_transfer_group().worker
 
 
 @pytest.fixture(scope="session")

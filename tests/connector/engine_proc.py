@@ -49,7 +49,7 @@ def main() -> int:
     sp = SamplingParams(max_tokens=8, temperature=0)
     batches = [[p] for p in prompts] if one_by_one else [prompts]
     outs = [o for batch in batches for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)]
-    worker = get_kv_transfer_group()._worker
+    worker = get_kv_transfer_group().worker
     flushed = worker.engine.flush(60)
     stats = worker.stats()
     print(

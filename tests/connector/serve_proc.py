@@ -26,7 +26,7 @@ def main() -> int:
     from tests.connector.engine_proc import engine
 
     llm = engine(model, config, role)
-    worker = get_kv_transfer_group()._worker
+    worker = get_kv_transfer_group().worker
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:

@@ -27,7 +27,7 @@ SHAPE = (4, 1024)  # 8 KiB of float16 per chunk
 def open_disk(path: Path, **opts: object) -> DiskBackend:
     section = {"path": str(path), "max_size": "64MiB", **opts}
     b = create_disk_backend(section, make_context(key_path="backends[1]"))
-    assert b.wait_for_scan(60)  # start-up indexes in the background (issue #23): check what it leaves
+    assert b.wait_for_scan(60)  # start-up indexes in the background: check what it leaves
     return b
 
 
@@ -305,7 +305,8 @@ def test_frame_of_another_key_is_a_miss_and_removed(tmp_path: Path) -> None:
 
 def test_bad_chunk_files_are_removed_and_foreign_files_kept_at_startup(tmp_path: Path) -> None:
     """Files under chunk names that are not valid frames are removed; a file the
-    tier did not name (``notes.txt``) is never deleted (issue #12 finding 6)."""
+    tier did not name (``notes.txt``) is never deleted: the directory may hold files
+    that are not the tier's."""
     b = open_disk(tmp_path / "t")
     k, d = random_key(), random_chunk(SHAPE)
     b.put(k, d)

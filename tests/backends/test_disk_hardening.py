@@ -1,12 +1,13 @@
-"""Issue #12, disk tier findings 5, 6 and 7, with real files and real processes.
+"""The disk tier against damaged files, symbolic links and several writing processes,
+with real files and real processes.
 
-5. A chunk file whose header holds malformed numbers (``Infinity`` offsets, a
+1. A chunk file whose header holds malformed numbers (``Infinity`` offsets, a
    2**70 length) never fails a start (``verify_on_start``) and is a removed miss.
-6. No symbolic link inside the cache directory is followed: a shard replaced by a
+2. No symbolic link inside the cache directory is followed: a shard replaced by a
    link to another directory is never entered (start-up deletes nothing there,
    puts never land there), a link under a chunk name is neither read nor deleted,
    and files the tier did not name are never deleted.
-7. ``max_size`` holds for the directory: 4 processes writing 512 KiB chunks at once
+3. ``max_size`` holds for the directory: 4 processes writing 512 KiB chunks at once
    into one directory, each with ``max_size: 8MiB``, never make it exceed 8 MiB (sampled
    every 50 ms under the tier's own lock, so each sample is a consistent
    snapshot); a negative control with eviction disabled in the child shows the
@@ -40,7 +41,7 @@ SHAPE = (16, 64)
 
 def open_disk(path: Path, **opts: Any) -> DiskBackend:
     b = create_disk_backend({"path": str(path), "max_size": "64MiB", **opts}, make_context())
-    assert b.wait_for_scan(60)  # start-up indexes in the background (issue #23): check what it leaves
+    assert b.wait_for_scan(60)  # start-up indexes in the background: check what it leaves
     return b
 
 
@@ -57,7 +58,7 @@ def _malformed(frame: bytes, offsets: str) -> bytes:
     return struct.pack("<Q", len(text)) + text + frame[8 + hlen :]
 
 
-# -- finding 5 ---------------------------------------------------------------------------
+# -- malformed numbers in a chunk file's header --------------------------------------------
 @pytest.mark.parametrize("offsets", ["[0, Infinity]", f"[0, {2**70}]", "[NaN, 1]"])
 def test_malformed_header_file_never_fails_start_and_is_removed(tmp_path: Path, offsets: str) -> None:
     b = open_disk(tmp_path / "t")
@@ -80,7 +81,7 @@ def test_malformed_header_file_never_fails_start_and_is_removed(tmp_path: Path, 
     b3.close()
 
 
-# -- finding 6 ---------------------------------------------------------------------------
+# -- symbolic links and files the tier did not name -----------------------------------------
 def _snapshot(d: Path) -> dict[str, bytes]:
     return {p.name: (os.readlink(p).encode() if p.is_symlink() else p.read_bytes()) for p in sorted(d.iterdir())}
 
@@ -149,7 +150,7 @@ def test_links_under_chunk_and_temp_names_are_neither_followed_nor_deleted(tmp_p
     assert target.read_bytes() == encode(key, data, make_context().codec)
 
 
-# -- finding 7 ---------------------------------------------------------------------------
+# -- one directory budget for every process ------------------------------------------------
 WRITER = r"""
 import json, os, sys, time
 from pathlib import Path

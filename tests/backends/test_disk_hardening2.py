@@ -1,16 +1,16 @@
-"""Hostile files in the disk tier's directory (hardening round 2, findings 4, 7, 10):
-real files, real FIFOs, real processes, the real lock.
+"""Hostile files in the disk tier's directory: real files, real FIFOs, real processes,
+the real lock.
 
-4. A FIFO (or socket, device node, directory) under a chunk name hung the engine:
+1. A FIFO (or socket, device node, directory) under a chunk name hung the engine:
    chunk files were opened without O_NONBLOCK and never checked to be regular files.
    Now every open is non-blocking and fstat-checked: a miss (``not_regular``), the
    entry removed; a regular valid file still hits.
-7. A planted temp name (``.tmp-1-<rand>-<huge>``, pid 1 always alive, mtime in the
+2. A planted temp name (``.tmp-1-<rand>-<huge>``, pid 1 always alive, mtime in the
    future) added its declared size to the shared count: every chunk evicted at
    start-up, every put skipped; a size of 10**25 raised ``struct.error`` and the scan
    ended "failed". Now a temp reserves bytes only when a live process that has this
    tier open writes it, its size is at most ``max_size`` and its mtime is sane.
-10. 200k junk names held the budget lock for the whole start-up recount (about 1 s;
+3. 200k junk names held the budget lock for the whole start-up recount (about 1 s;
    10 s at 2M, when other processes' puts time out). Now the lock is never held for a
    listing; another instance's puts during the scan all succeed.
 """
@@ -92,7 +92,7 @@ def same_shard_key(key: ChunkKey) -> ChunkKey:
     return other
 
 
-# -- finding 4: non-regular entries under chunk names ------------------------------------------
+# -- non-regular entries under chunk names -----------------------------------------------------
 def _plant(kind: str, path: Path) -> None:
     if kind == "fifo":
         os.mkfifo(path)
@@ -245,7 +245,7 @@ def test_put_over_a_fifo_replaces_it_and_the_scan_removes_planted_ones(tmp_path:
 
 
 def test_engine_retrieve_with_a_fifo_under_a_chunk_name_returns(tmp_path: Path) -> None:
-    """The finding's own reproduction: ``engine.retrieve`` of a prefix whose second
+    """The hang as a user met it: ``engine.retrieve`` of a prefix whose second
     chunk's file is a FIFO, 10 times (the FIFO planted again each time): every call
     returns within the join timeout with the first chunk loaded, right."""
     chunk = 256
@@ -277,7 +277,7 @@ def test_engine_retrieve_with_a_fifo_under_a_chunk_name_returns(tmp_path: Path) 
         e.close()
 
 
-# -- finding 7: planted temp names -------------------------------------------------------------
+# -- planted temp names ------------------------------------------------------------------------
 HOLDER = r"""
 import sys
 from lmcache_backend_disk import create_disk_backend
@@ -346,7 +346,7 @@ def _future(path: Path, days: int = 365) -> None:
     [
         ".tmp-1-0123456789abcdef-99999999999999999999",  # pid 1, 20 digits (under 2**64 * 6)
         ".tmp-1-0123456789abcdef-1048576",  # exactly max_size, from a process that is not a tier's
-        f".tmp-1-x-{10**25}",  # the finding's struct.error
+        f".tmp-1-x-{10**25}",  # raised struct.error in the scan before
         f".tmp-1-0123456789abcdef-{10**25}",
         ".tmp-" + "9" * 200 + "-0123456789abcdef-1",  # a 200-digit pid (os.kill: OverflowError)
     ],
@@ -448,7 +448,7 @@ def test_a_usage_file_of_the_older_layout_is_recounted_once_under_the_lock(tmp_p
         b.close()
 
 
-# -- finding 10: junk names and the budget lock ------------------------------------------------
+# -- junk names and the budget lock -------------------------------------------------------------
 JUNK = 200_000
 
 

@@ -74,7 +74,7 @@ def result(p: subprocess.Popen, timeout: float = 120) -> dict:
 
 def open_disk(root: Path) -> DiskBackend:
     b = create_disk_backend({"path": str(root), "max_size": "1GiB"}, make_context())
-    assert b.wait_for_scan(60)  # start-up indexes in the background (issue #23)
+    assert b.wait_for_scan(60)  # start-up indexes in the background
     return b
 
 

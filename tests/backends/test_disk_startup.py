@@ -1,7 +1,8 @@
-"""Issue #23: the disk tier's start-up does not wait for the directory scan. The
-constructor returns while a background thread indexes; chunks are served (and
-verified on read) during the scan; a kill -9 during it loses nothing; the index
-it leaves keeps the LRU order (chunks used during the scan are the most recent).
+"""The disk tier's start-up does not wait for the directory scan, so a large directory
+never delays an engine's start. The constructor returns while a background thread
+indexes; chunks are served (and verified on read) during the scan; a kill -9 during it
+loses nothing; the index it leaves keeps the LRU order (chunks used during the scan are
+the most recent).
 
 The scans here are slowed down with ``scan_rate`` so the checks really run while
 the scan does (each test asserts that it was still running)."""

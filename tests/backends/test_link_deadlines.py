@@ -1,10 +1,10 @@
-"""Hardening round 2, finding 2 for the other network tiers: a call ends within the
-tier's deadline whatever the link does. Redis has its own file
+"""A call to a network tier ends within the tier's deadline whatever the link does, so a
+slow or stalled link costs a miss, never a hung request. Redis has its own file
 (test_redis_deadline.py), S3 too (test_s3_deadline.py); here the peer tier against a
-real node and the Mooncake tier against a real master, each reached through a TCP
-proxy on 127.0.0.1 that passes the server's bytes 16 at a time every 0.5 s
-(``trickle``) or passes the first bytes of a reply and then nothing (``stall``).
-Negative control for each: the same proxy passing bytes through serves a hit."""
+real node and the Mooncake tier against a real master, each reached through a TCP proxy
+on 127.0.0.1 that passes the server's bytes 16 at a time every 0.5 s (``trickle``) or
+passes the first bytes of a reply and then nothing (``stall``). Negative control for
+each: the same proxy passing bytes through serves a hit."""
 
 from __future__ import annotations
 

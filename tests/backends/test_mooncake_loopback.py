@@ -1,4 +1,4 @@
-"""Hardening round 2: the mooncake tier's tests talk over loopback only.
+"""The mooncake tier's tests talk over loopback only, as every test here must.
 
 Mooncake's transfer engine advertises the host's main interface address to its peers
 (and they connect to it) even when every component is told ``127.0.0.1``; measured:

@@ -1,13 +1,16 @@
-"""Issue #12 on a real peer cache node (``lmcache-core serve`` in a child process,
-127.0.0.1 only):
+"""A peer cache node under hostile clients (a real ``lmcache-core serve`` in a child
+process, 127.0.0.1 only):
 
-* finding 2: a flood of a few hundred idle sockets from clients without the secret
+* a flood of a few hundred idle sockets from clients without the secret
   never starves authenticated clients (their own budget, per-address cap, short
   handshake deadline). Negative control: with the per-address cap as large as the
   whole budget (and the old handshake deadline), the same flood starves fresh
   connections.
-* finding 3: clients that announce large PUT bodies and stall cannot push the node's
-  RSS past its in-flight budget; the surplus is refused "busy".
+* clients that announce large PUT bodies and stall cannot push the node's RSS past
+  its in-flight budget; the surplus is refused "busy".
+* tenants on a shared node: a chunk written without a tenant's key is never its hit,
+  a tenant name with another tenant's secret is refused, instances of one tenant
+  serve each other and nobody else, and a bad tenants file is refused naming the line.
 
 Flood sources use other loopback addresses (127.0.0.2, ...) to stand for other hosts.
 """
@@ -233,7 +236,7 @@ def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connec
         node.stop()
 
 
-# -- finding 3: bytes in flight ------------------------------------------------------------
+# -- bytes in flight -------------------------------------------------------------------------
 def stalled_put(address: tuple[str, int], body_len: int, sent: int) -> socket.socket:
     """Authenticate, announce a PUT of ``body_len`` bytes, send ``sent`` of them, stall."""
     sock = socket.create_connection(address, timeout=5)
@@ -303,7 +306,7 @@ def test_read_only_tier_server_steps_over_a_put_body_without_holding_it() -> Non
         b.close()
 
 
-# -- finding 8: tenants on a shared node -------------------------------------------------------
+# -- tenants on a shared node ------------------------------------------------------------------
 N_FORGED = 16
 
 

@@ -1,13 +1,13 @@
-"""Hardening round 2 on a real peer cache node (``lmcache-core serve`` in a child
-process, loopback only):
+"""A peer cache node's tenant namespaces and connection admission, on a real node
+(``lmcache-core serve`` in a child process, loopback only):
 
-* finding 5: on a node with ``--tenants-file`` that keeps frames in a FrameStore (no
+* on a node with ``--tenants-file`` that keeps frames in a FrameStore (no
   shared memory), a holder of the node's shared secret computed where a tenant's key
   is stored (the namespace hash had a constant key in the source) and read and
   removed the tenant's chunk under that key. Now the mapping is keyed per node
   process and the shared secret's principal has a mapped namespace of its own.
-* finding 6: 8 source addresses x 4 idle sockets, re-opened every 0.9 s, took all 32
-  unauthenticated slots, shared by TCP and the Unix socket: fresh lookups failed on
+* 8 source addresses x 4 idle sockets, re-opened every 0.9 s, took all 32 unauthenticated
+  slots, shared by TCP and the Unix socket: fresh lookups failed on
   both. Now each transport has its own budget, each subnet (IPv4 /24) and local user
   a share of it, and a full budget makes room by fair share.
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 SECRET = "hardening2-test-secret-0123456789abcdef"
 VICTIM, VICTIM_SECRET = "t-victim", "victim-secret-9f8e7d6c5b4a3210"
 
-# -- finding 5: a tenant's namespace is the node's secret ------------------------------------
+# -- a tenant's namespace is the node's secret -----------------------------------------------
 OLD_NS_KEY = b"lmcache-peer/tenant-namespace/v1"
 
 
@@ -136,7 +136,7 @@ def test_drops_of_the_shared_principals_mapped_part_are_attributed_to_it() -> No
     assert log.since(VICTIM, 0)[2] == [p.key_bytes(keys[1])] and log.unattributed == 0
 
 
-# -- finding 6: admission by transport, subnet and address ------------------------------------
+# -- admission by transport, subnet and address -----------------------------------------------
 def admit_all(adm: Admission, origins: list[Origin]) -> tuple[list[Slot], list[str], list[Slot]]:
     """(admitted, refusals, evicted) for ``origins`` admitted in turn."""
     admitted: list[Slot] = []
@@ -224,7 +224,7 @@ def test_local_processes_of_one_user_share_its_part_fairly() -> None:
     assert adm.waiting("unix") == 17 and adm.waiting("tcp") == 0
 
 
-# -- finding 6 on a node: the attack, measured -------------------------------------------------
+# -- idle sockets on a node: the attack, measured ----------------------------------------------
 ATTACK_PERIOD_S = 0.9
 SOCKETS_PER_SOURCE = 4
 LEGIT_LOOKUPS = 59

@@ -1,6 +1,5 @@
-"""The same-host fast path of the peer tier (issue #15): a cache node's frames in
-per-tenant sealed shared memory, read in place by engines that authenticated on the
-node's Unix socket.
+"""The same-host fast path of the peer tier: a cache node's frames in per-tenant sealed
+shared memory, read in place by engines that authenticated on the node's Unix socket.
 
 In-process servers on a Unix socket in ``tmp_path`` for the protocol and isolation
 cases; a real ``lmcache-core serve`` process for restart and fallback."""
@@ -475,7 +474,7 @@ def test_socket_path_errors(tmp_path: Path, sock_path: str) -> None:
         first.close()
 
 
-# -- what the engine serves from an arena is verified (hardening round 2, findings 1 and 8) ---------
+# -- what the engine serves from an arena is verified ---------------------------------------------
 def _payload_offset(store: ArenaStore, key: ChunkKey) -> int:
     loc = store.arenas[None].locate([key])[0]
     assert loc is not None

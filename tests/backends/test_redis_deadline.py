@@ -1,4 +1,4 @@
-"""Hardening round 2, finding 2: every Redis call ends within ``call_timeout_s``.
+"""Every Redis call ends within ``call_timeout_s``: a slow link costs a miss, not a hang.
 
 redis-py's ``socket_timeout`` bounds each socket read: through a link that trickles 16
 bytes every 0.5 s a 256 KiB get was still blocked at 30 s, and a reply cut off

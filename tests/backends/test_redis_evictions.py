@@ -222,7 +222,7 @@ def test_an_acl_user_without_subscribe_gets_no_events_and_a_working_tier(
         raw.close()
 
 
-# -- forged and flooded notifications (hardening round 2, finding 10) -----------------------
+# -- forged and flooded notifications --------------------------------------------------------
 def _flood(server: RedisServer, names: list[bytes], total: int, stop: threading.Event) -> int:
     """PUBLISH ``total`` forged 'evicted' notifications cycling through ``names``, in
     pipelines of 1,000 (any client may publish on the key-event channels)."""

@@ -1,10 +1,10 @@
-"""Issue #12, finding 1: every S3 operation ends within ``op_deadline_s`` whatever the
-server does. A raw-socket server on 127.0.0.1 answers slowly but steadily (a few
-bytes every fraction of a second, each read well under botocore's read timeout):
-the response body (get) or the response headers (lookup, put). Each call must be a
-miss within deadline + margin, trip the health gate, and (body case) free its
-connection at the deadline. Negative control: the same server answering at full
-speed serves a hit, so the misses come from the deadline, not a bad response."""
+"""Every S3 operation ends within ``op_deadline_s`` whatever the server does. A
+raw-socket server on 127.0.0.1 answers slowly but steadily (a few bytes every fraction
+of a second, each read well under botocore's read timeout): the response body (get) or
+the response headers (lookup, put). Each call must be a miss within deadline + margin,
+trip the health gate, and (body case) free its connection at the deadline. Negative
+control: the same server answering at full speed serves a hit, so the misses come from
+the deadline, not a bad response."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Issue #12, finding 5 through the s3 tier (moto on loopback): an object whose frame
+"""Frame headers checked through the s3 tier (moto on loopback): an object whose frame
 header holds malformed numbers (``Infinity`` offsets, integers beyond 64 bits) is a
 miss, never an exception; it is counted as corrupt and, with ``delete_corrupt``,
-removed from the bucket."""
+removed from the bucket; an object that declares a huge decompressed size is refused
+from its header."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_malformed_header_object_is_a_removed_miss(s3_server: MotoS3, s3_bucket:
 
 
 def test_decompression_bomb_object_is_refused_before_decompression(s3_server: MotoS3, s3_bucket: str) -> None:
-    """Finding 4 through the s3 tier: an 8 MiB lz4 object whose header declares
+    """A decompression bomb through the s3 tier: an 8 MiB lz4 object whose header declares
     1.9 GiB (within lz4's 255x, valid checksum) is a miss in < 1 s with < 64 MiB
     allocated at peak during the get (tracemalloc: Python, lz4 and numpy buffers),
     the 8 MiB download included. Before the fix lz4 allocated the declared size."""

@@ -1,6 +1,6 @@
 """Read the serving command and the YAML example out of README.md and docs/connector.md.
 
-Why: the README's serving command once failed on vLLM's CPU build (issue #21) while
+Why: the README's serving command once failed on vLLM's CPU build while
 every test passed, because the tests started vLLM with their own flags. These helpers
 let a test run the documented text itself, so an edit that breaks it fails the suite.
 

@@ -1,5 +1,5 @@
-"""Issue #16 on real vLLM (CPU): ``load_policy: faster_than_recompute`` loads a cached
-prefix only when reading it is predicted to beat recomputing it.
+"""On real vLLM (CPU): ``load_policy: faster_than_recompute`` loads a cached prefix only
+when reading it is predicted to beat recomputing it.
 
 A plugin tier that takes 300 ms per get: once measured, short prompts bypass it
 (counted as ``bypassed_tokens``, outputs unchanged) and their TTFT stays within 10%

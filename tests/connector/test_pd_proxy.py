@@ -432,7 +432,7 @@ def test_over_limit_or_unsized_bodies_are_refused_before_the_body_is_read(proxy)
 
 @needs_proc
 def test_eight_16mib_bodies_are_refused_with_bounded_memory(engines):
-    """The finding: 8 concurrent 16 MiB bodies took the proxy to 1090 MiB. With the
+    """The attack: 8 concurrent 16 MiB bodies once took the proxy to 1090 MiB. With the
     default --max-body (4 MiB) each is refused from its head and memory stays flat;
     the control is a 3 MiB body, which is relayed and shows in the peak."""
     prefill, decode = engines
@@ -517,7 +517,7 @@ def test_an_oversized_head_is_a_431(live, fresh):
 
 @needs_proc
 def test_stalled_clients_hold_at_most_max_connections_threads(engines):
-    """The finding: 300 clients that connect and send nothing held 301 threads, for
+    """The attack: 300 clients that connect and send nothing once held 301 threads, for
     ever. With --max-connections 8 the proxy keeps 8 handler threads (the positive
     control: the stalls do hold them), answers the other 292 with an immediate 503
     from the accepting thread, and drops the 8 with a 408 at --client-timeout."""

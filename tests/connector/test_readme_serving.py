@@ -1,5 +1,5 @@
 """The README's serving command and YAML, run as written, serve a repeated completion
-from the cache (issue #21: the documented ``vllm serve`` could not start on vLLM's CPU
+from the cache (the documented ``vllm serve`` once could not start on vLLM's CPU
 build, and no test ran the documented text).
 
 What the test changes, and nothing else: ``MODEL`` becomes the tiny local model,

@@ -1,4 +1,8 @@
-"""Acceptance 8: the ``lmcache-core`` console script, run as a real subprocess."""
+"""The ``lmcache-core`` console script, run as a real subprocess: ``plugins`` lists
+backends and codecs with the distribution each comes from and reports a broken one;
+``config --show`` prints values with their sources, and errors with theirs; no
+subcommand prints help; plugin commands arrive through ``register_commands`` (names
+checked; ``demo`` and ``serve`` from their own distributions)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Acceptance 1: config sources, precedence, sizes and errors that say where."""
+"""Configuration: a YAML file (given, or named by the environment), environment
+variables and programmatic overrides, in that precedence; the embedded default (a CPU
+tier only); sizes with units; and errors that say where the bad value came from (key
+path and file, environment variable or override), for unknown keys, bad sizes,
+unknown backends and codecs (listing what is installed, or what to install) and
+unreadable or invalid files."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Issue #12, finding 9: config edge cases end as a clear ConfigError naming the file
-(or env var) and key, in bounded time and memory.
+"""Config edge cases end as a clear ConfigError naming the file (or env var) and key, in
+bounded time and memory.
 
 Figures checked: the 605-byte YAML alias bomb and ``/dev/zero`` as a config file
 make ``lmcache-core config --show`` exit 2 in < 5 s with < 64 MiB peak RSS growth,

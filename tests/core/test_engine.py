@@ -1,4 +1,11 @@
-"""Acceptance 6: CacheEngine across tiers, by token ids."""
+"""CacheEngine across tiers, by token ids: a store reaches tier 0 synchronously and
+round-trips; a lookup finds the longest prefix across all tiers; a retrieve reads the
+fastest tier, promotes, stops at the first missing chunk and takes a wrong shape for
+a miss; a slow tier never blocks a store (a full write queue drops); pins protect
+chunks between lookup and load; a failing backend means misses, not exceptions; tags
+and salt separate caches; write-behind survives a CPU tier smaller than the writes
+and uses the declared write concurrency; listeners see stores and evictions; an
+engine without shared writes never writes the shared tiers."""
 
 from __future__ import annotations
 

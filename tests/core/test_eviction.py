@@ -1,5 +1,5 @@
-"""Issue #16: eviction policies as plugins, selected per tier in YAML; conformance of
-the built-in ones (LRU is the negative control of the scan/cycle tests)."""
+"""Eviction policies as plugins, selected per tier in YAML; conformance of the built-in
+ones (LRU is the negative control of the scan/cycle tests)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Sealed frames (``frame_secret``): a keyed BLAKE3 MAC over key, header and payload,
 so a client of a shared store without the secret cannot plant KV that is served.
 
-Hardening round 2, finding 1: a frame planted in a shared store with a recomputed
-plain checksum was served as a hit (666.0 instead of the real KV)."""
+Without a secret, a frame planted in a shared store with a recomputed plain checksum
+is served as a hit (666.0 instead of the real KV): the negative control shows it."""
 
 from __future__ import annotations
 
@@ -304,7 +304,7 @@ def _plant_and_retrieve(eng: CacheEngine, plugin: SharedPlugin) -> tuple[int, to
 
 def test_engine_with_a_secret_serves_no_planted_frame(caplog: pytest.LogCaptureFixture) -> None:
     plugin = SharedPlugin()
-    # negative control: without the secret the planted frame is served (the finding),
+    # negative control: without the secret the planted frame is served (the attack works),
     # and the engine said so at start-up
     with caplog.at_level(logging.WARNING, logger="lmcache_core.engine"):
         with _engine(plugin) as eng:

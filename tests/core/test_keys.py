@@ -1,4 +1,9 @@
-"""Acceptance 2: chunk keys are deterministic, namespaced, chained and parseable."""
+"""Chunk keys are deterministic (the same in processes with different hash seeds),
+namespaced (every namespace field, the salt included, changes them; so do tags and
+extras), chained (a changed token changes its chunk's key and every later one, never
+an earlier one; a chain resumed midway gives the same hashes) and parseable (the
+canonical string round-trips; malformed strings, wrong lengths, bad tokens and a bad
+chunk size are refused)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Acceptance 5: the CPU tier: conformance, byte budget + LRU, pins, threads."""
+"""The CPU tier (``local_cpu``): the backend conformance suite; config errors naming
+key path and source; the byte budget with LRU eviction (a chunk larger than the budget
+is skipped); pins that survive budget and pool pressure; memory returned on remove and
+close, but held while a reader still has the buffer; thread safety under concurrent
+puts, gets, evictions and pins; the pinned count in stats."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Issue #23: a lookup costs work in proportion to the prompt, whatever the tiers'
-interleaving. Counted in keys the tiers touch (not timed): a tier that stops at
-its first miss, and one that checks every key it is handed (a batched remote
-lookup), with a prompt whose chunks alternate between them."""
+"""A lookup costs work in proportion to the prompt, whatever the tiers' interleaving.
+Counted in keys the tiers touch (not timed): a tier that stops at its first miss, and
+one that checks every key it is handed (a batched remote lookup), with a prompt whose
+chunks alternate between them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Acceptance 4: one pool, views not allocations, refcounts, coalescing, budget."""
+"""The memory pool: buffers are views into one pre-allocated region, not allocations;
+memory returns only at the last release; a full pool answers None and recovers; bad
+shapes are refused; any order of allocations and frees coalesces back to one free
+region; the byte budget holds under concurrent use; buffers of one shape and dtype
+share one layout."""
 
 from __future__ import annotations
 

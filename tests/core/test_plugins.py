@@ -1,5 +1,8 @@
-"""Acceptance 7: entry points, broken and blocked plugins, misspelled hooks, and the
-example third-party distribution used through YAML and the conformance suite."""
+"""Plugins from entry points: loaded lazily, a broken distribution isolated (and named
+when its backend is asked for), plugins blocked by environment variable, misspelled
+hooks reported clearly, a failing hook that does not stop the others, a factory that
+must return a backend; and the example third-party distribution used through YAML
+and the conformance suite."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Issue #12, finding 10: when tier 0 holds a key with another shape, the chunk read
-from a slower tier is what gets promoted, never tier 0's (already released) buffer.
+"""When tier 0 holds a key with another shape, the chunk read from a slower tier is what
+gets promoted, never tier 0's (already released) buffer.
 
 Three real tiers: the CPU tier and two in-memory tiers. Tier 0 holds the key as a
 float16 [4, 8] chunk of sevens; tier 2 holds the [2, 8] chunk the caller asks for.

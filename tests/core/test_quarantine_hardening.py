@@ -1,4 +1,4 @@
-"""Quarantine control files against another local user (adversarial review finding).
+"""Quarantine control files against another local user.
 
 The attack: control files used to live in a shared temp directory with a fixed name.
 A local user who creates that directory first can plant a symbolic link under the

@@ -1,5 +1,8 @@
-"""Acceptance 3: a changed frame never decodes to different data; round trips;
-no pickle; safetensors can read a frame."""
+"""The frame format: a changed frame never decodes to different data (flipped bytes,
+truncation, appended bytes, another frame's header, a wrong expected key, edited
+headers and garbage are misses); round trips across dtypes, shapes and codecs; no
+pickle; safetensors can read a frame; the pieces for tiers that move header and
+payload separately rebuild the same frame."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Issue #12, findings 4 and 5: frame headers are checked before any allocation.
+"""Frame headers are checked before any allocation.
 
-4. A decompression bomb (a small lz4 frame that declares a huge raw size) is refused
+1. A decompression bomb (a small lz4 frame that declares a huge raw size) is refused
    from its header, before a byte is allocated or decompressed: measured in a fresh
    subprocess with ``resource.getrusage`` (peak RSS) and a wall-clock bound, through
    serde and through a real tier (the peer tier's local store), next to a negative
    control that decodes a real 256 MiB frame with the same probe and sees it.
-5. Malformed numbers in a header (``Infinity``, ``NaN``, floats, booleans, integers
+2. Malformed numbers in a header (``Infinity``, ``NaN``, floats, booleans, integers
    beyond 64 bits, exotic digit strings) are a :class:`FrameError` (a miss), never
    ``OverflowError``/``ValueError``/``MemoryError``.
 """
@@ -39,7 +39,7 @@ from lmcache_core.serde import (
 CODECS = {"raw": RawCodec(), "lz4": Lz4Codec()}
 KEY = KeyNamespace(model="hardening").key(b"\x07" * 16)
 
-# -- finding 4: decompression bomb -------------------------------------------------------
+# -- decompression bomb --------------------------------------------------------------------
 BOMB_CHILD = textwrap.dedent(
     """
     import json, os, resource, sys, time
@@ -153,7 +153,7 @@ def test_expected_chunk_is_compared_before_the_payload_is_hashed(monkeypatch: py
     assert reason is not None and "caller expects" in reason and calls == []
 
 
-# -- finding 5: malformed numbers ----------------------------------------------------------
+# -- malformed numbers ---------------------------------------------------------------------
 def _rewrite(frame: bytes, *, header_text: str | None = None, **meta: Any) -> bytes:
     """``frame`` with metadata fields replaced (JSON-encoded where not strings) and
     its header length fixed up; or with ``header_text`` as the whole header."""

@@ -1,4 +1,4 @@
-"""Issue #12: the short fault-injection soak (about 60 s of load, ~85 s in all).
+"""The short fault-injection soak (about 60 s of load, ~85 s in all).
 
 Four threads drive a CacheEngine with CPU + disk + peer + S3 tiers while the peer
 node is SIGKILLed and restarted, the S3 endpoint is stopped, slowed, made to answer

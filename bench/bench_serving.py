@@ -256,6 +256,10 @@ def server(
             cmd += ["--max-num-seqs", str(arm.max_num_seqs)]
         env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as users run it
+        # vLLM-CPU's legacy VLLM_CPU_KVCACHE_SPACE (tox sets it for the tests) overrides
+        # --kv-cache-memory-bytes: left in, every arm would get its size and the small
+        # cache of vllm/lmc-* would silently be as large as the limit's
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if arm.connector:
             yaml_path = tmp / f"{arm.name}.yaml"
             yaml_path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -281,6 +285,7 @@ def server(
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{arm.name}: server not up after {args.start_timeout} s; see {logf.name}") from None
                     time.sleep(1)
+            check_kv_size(Path(logf.name), arm)
             yield base, proc
         finally:
             try:
@@ -293,6 +298,22 @@ def server(
                     pass
                 proc.wait(10)
             logf.close()
+
+
+def check_kv_size(log: Path, arm: "Arm") -> None:
+    """The size vLLM's log says it gave the KV cache ("KV cache size: N tokens") must fit
+    the bytes the arm asked for: an environment setting that overrides the flag (vLLM-CPU's
+    VLLM_CPU_KVCACHE_SPACE) would make the small-cache arms as large as the limit."""
+    m = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text(errors="replace"))
+    if m is None:
+        return  # the message changed: nothing to compare
+    tokens = int(m.group(1).replace(",", ""))
+    per_token = KV_PER_TOKEN
+    if tokens * per_token > arm.kv_bytes * 1.05:
+        raise RuntimeError(
+            f"{arm.name}: vLLM made a KV cache of {tokens} tokens ({tokens * per_token >> 20} MiB) "
+            f"but the arm asked for {arm.kv_bytes >> 20} MiB; is VLLM_CPU_KVCACHE_SPACE set?"
+        )
 
 
 def _role(p: Any, root_pid: int) -> str:

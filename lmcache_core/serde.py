@@ -21,24 +21,28 @@ without the tier doing anything; the pieces below take ``seal=`` explicitly.
 Decoding is our own
 strict parser: it never runs pickle, bounds every length before allocating, and
 turns *any* inconsistency into :class:`FrameError` (a cache miss with a reason),
-never into data.
+never into data. Each refusal carries a :class:`Verdict` (``err.verdict``, and
+``try_decode(...).verdict``): the frame is *corrupt*, *foreign* (not this reader's to
+serve), or of the *wrong shape* for the caller. Tiers act on the verdict (count a
+corrupt value, keep one of another shape) instead of re-parsing the frame to guess.
 
 Tiers that hold whole frames use :func:`encode` / :func:`try_decode`. Tiers that move
 header and payload separately (the disk tier writes and reads them with positioned
 I/O, hashing the payload while the disk moves it) use the public pieces instead of
 copying this module's layout: :func:`frame_meta`, :func:`frame_header`,
 :func:`encode_parts` to write; :func:`header_span`, :func:`parse_header_prefix`,
-:func:`payload_hasher` / :func:`verify_payload` to read.
+:func:`check_header`, :func:`payload_hasher` / :func:`verify_payload` to read.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import blake3
 import numpy as np
@@ -85,8 +89,57 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 
+class Verdict(enum.Enum):
+    """What :func:`try_decode` concluded about a frame: a tier decides what to count,
+    keep or delete from this, never from the wording of a reason."""
+
+    #: decoded and verified: the caller's chunk
+    OK = "ok"
+    #: no frame at all (``try_decode(None, ...)``)
+    MISSING = "missing"
+    #: a well-formed header for the expected key whose dtype or shape is not the
+    #: caller's (or, without ``out``, larger than ``max_raw_bytes``). Decided from the
+    #: header's key, dtype and shape alone, before the seal, the codec or the checksum
+    #: are looked at (the refusal costs no hashing): the stored value may be intact,
+    #: and a tier that wants to keep it only if it is verifies it itself.
+    WRONG_SHAPE = "wrong shape"
+    #: damaged: checksum or MAC mismatch, truncated, a malformed header, lengths that
+    #: disagree, a payload its codec cannot have produced
+    CORRUPT = "corrupt"
+    #: well formed but not this reader's: another frame format, a dtype or codec this
+    #: build lacks, another key's frame, or sealed otherwise than this reader reads
+    #: (with another key id, or sealed / unsealed when this reader is not / is)
+    FOREIGN = "foreign"
+
+
 class FrameError(Exception):
-    """The bytes are not a valid frame for the expected chunk. Always a cache miss."""
+    """The bytes are not a valid frame for the expected chunk. Always a cache miss.
+
+    ``verdict`` says which kind: :attr:`Verdict.CORRUPT` for this class, the others
+    for the subclasses :class:`ForeignFrame`, :class:`UnknownCodec` and
+    :class:`WrongShape`."""
+
+    verdict: ClassVar[Verdict] = Verdict.CORRUPT
+
+
+class ForeignFrame(FrameError):
+    """A well-formed frame that is not this reader's (see :attr:`Verdict.FOREIGN`)."""
+
+    verdict = Verdict.FOREIGN
+
+
+class UnknownCodec(ForeignFrame):
+    """A frame for the expected key and shape, written with a codec not installed
+    here. Foreign to this reader, but another process (one with the codec) may read
+    it: a store shared with such processes keeps it if it is intact (the disk tier
+    does)."""
+
+
+class WrongShape(FrameError):
+    """A frame for the expected key of another dtype or shape than the caller's
+    (see :attr:`Verdict.WRONG_SHAPE`)."""
+
+    verdict = Verdict.WRONG_SHAPE
 
 
 class FrameSeal:
@@ -262,17 +315,17 @@ def frame_meta(
 
 
 def check_seal(meta: Mapping[str, str], seal: FrameSeal | None) -> None:
-    """Raise :class:`FrameError` unless ``meta`` is sealed exactly when ``seal`` is
+    """Raise :class:`ForeignFrame` unless ``meta`` is sealed exactly when ``seal`` is
     given, and with ``seal``'s key: a reader with a secret takes no unsealed frame
     (anyone could have written it), a reader without one cannot check a sealed one."""
     auth = meta.get("auth")
     if seal is None:
         if auth is not None:
-            raise FrameError(f"frame is sealed (key id {auth}); this reader has no frame_secret")
+            raise ForeignFrame(f"frame is sealed (key id {auth}); this reader has no frame_secret")
     elif auth is None:
-        raise FrameError("frame is not sealed: written without frame_secret (or planted), refused")
+        raise ForeignFrame("frame is not sealed: written without frame_secret (or planted), refused")
     elif auth != seal.key_id:
-        raise FrameError(f"frame is sealed with another key (id {auth}, ours {seal.key_id})")
+        raise ForeignFrame(f"frame is sealed with another key (id {auth}, ours {seal.key_id})")
 
 
 def checksum_placeholder(meta: Mapping[str, str]) -> str:
@@ -437,9 +490,9 @@ def _parse_header_json(text: memoryview, have_payload: int) -> tuple[FrameInfo, 
     if set(meta) != (_SEALED_FIELDS if sealed else _META_FIELDS):
         raise FrameError("metadata has the wrong fields")
     if meta["format"] != FRAME_FORMAT:
-        raise FrameError(f"unknown frame format {meta['format']!r}")
+        raise ForeignFrame(f"unknown frame format {meta['format']!r}")
     if meta["dtype"] not in DTYPES:
-        raise FrameError(f"unknown dtype {meta['dtype']!r}")
+        raise ForeignFrame(f"unknown dtype {meta['dtype']!r}")
     if sealed and not _KEY_ID_RE.fullmatch(meta["auth"]):
         raise FrameError("auth field is malformed")
     if not (_MAC_RE if sealed else _CHECKSUM_RE).fullmatch(meta["checksum"]):
@@ -491,27 +544,31 @@ def check_frame(
     out: torch.Tensor | None = None,
     max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
 ) -> Codec:
-    """Everything a header must satisfy before any payload work: the key, the codec,
-    the dtype and shape ``out`` expects (so a frame never decodes into more memory
-    than the caller's chunk), a raw size no larger than ``max_raw_bytes`` when there
-    is no ``out``, and no larger than the codec can produce from the payload (a
-    decompression bomb is refused here, before a single byte is allocated or
-    decompressed). Returns the codec; raises :class:`FrameError`. Every tier's reads
-    go through it via :func:`decode`; the disk tier calls it on a header it read
-    itself."""
+    """Everything a header must satisfy before any payload work: the key, the dtype
+    and shape ``out`` expects (so a frame never decodes into more memory than the
+    caller's chunk), a raw size no larger than ``max_raw_bytes`` when there is no
+    ``out``, an installed codec, and a raw size no larger than the codec can produce
+    from the payload (a decompression bomb is refused here, before a single byte is
+    allocated or decompressed). Returns the codec; raises :class:`FrameError`.
+
+    The checks run in that order, which is the :class:`Verdict`'s precedence: another
+    key's frame is :class:`ForeignFrame`, then another shape is :class:`WrongShape`
+    whatever else is wrong with the frame, then a missing codec :class:`UnknownCodec`.
+    Every tier's reads go through it via :func:`decode` or :func:`check_header`; the
+    peer tier's shared-memory reads call it directly."""
     if expect_key is not None and info.key != expect_key.to_str():
-        raise FrameError(f"key mismatch: frame holds {info.key}")
-    codec = codecs.get(info.codec)
-    if codec is None:
-        raise FrameError(f"codec {info.codec!r} is not installed")
+        raise ForeignFrame(f"key mismatch: frame holds {info.key}")
     if out is not None:
         if DTYPES[info.dtype] != out.dtype or info.shape != tuple(out.shape):
-            raise FrameError(
+            raise WrongShape(
                 f"frame holds {info.dtype}{list(info.shape)}, caller expects "
                 f"{DTYPE_NAMES.get(out.dtype, out.dtype)}{list(out.shape)}"
             )
     elif info.raw_len > max_raw_bytes:
-        raise FrameError(f"frame declares {info.raw_len} raw bytes, more than the {max_raw_bytes} allowed")
+        raise WrongShape(f"frame declares {info.raw_len} raw bytes, more than the {max_raw_bytes} allowed")
+    codec = codecs.get(info.codec)
+    if codec is None:
+        raise UnknownCodec(f"codec {info.codec!r} is not installed")
     ratio = getattr(codec, "max_ratio", None)
     if isinstance(ratio, int) and info.raw_len > ratio * info.payload_len + 64:
         raise FrameError(
@@ -519,6 +576,51 @@ def check_frame(
             f"(at most {ratio}x): not a frame this codec wrote"
         )
     return codec
+
+
+def check_header(
+    info: FrameInfo,
+    meta: Mapping[str, str],
+    codecs: Mapping[str, Codec],
+    *,
+    expect_key: ChunkKey | None = None,
+    out: torch.Tensor | None = None,
+    max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
+    seal: FrameSeal | None = None,
+) -> Codec:
+    """Every check a parsed header (from :func:`parse_header` or
+    :func:`parse_header_prefix`) must pass before its payload is read:
+    :func:`check_frame`, then the seal (``seal``, or the one ``codecs`` carries;
+    :func:`check_seal`). Returns the codec; raises the :class:`FrameError` whose
+    ``verdict`` :func:`try_decode` would report. For tiers that read the header apart
+    from the payload (the disk tier)."""
+    codec = check_frame(info, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes)
+    check_seal(meta, seal if seal is not None else seal_of(codecs))
+    return codec
+
+
+def header_verdict(
+    head: bytes | bytearray | memoryview,
+    total_len: int,
+    codecs: Mapping[str, Codec],
+    *,
+    expect_key: ChunkKey | None = None,
+    out: torch.Tensor | None = None,
+    max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
+    seal: FrameSeal | None = None,
+) -> Verdict:
+    """The verdict on a frame of ``total_len`` bytes from its first bytes (``head``)
+    alone: what :func:`try_decode` would answer for a frame refused before its
+    payload (CORRUPT, FOREIGN or WRONG_SHAPE), or OK when the header passes every
+    check (its payload is then unchecked: OK here is not a hit). For a tier that read
+    only a bounded prefix of a value (the Redis tier, for a value longer than any
+    frame for the caller's chunk)."""
+    try:
+        info, meta, _ = parse_header_prefix(head, total_len)
+        check_header(info, meta, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes, seal=seal)
+    except FrameError as err:
+        return err.verdict
+    return Verdict.OK
 
 
 def decode(
@@ -533,12 +635,12 @@ def decode(
     """Decode and verify a frame. With ``out``, the data is written into it (its
     dtype and shape must match the frame) and ``out`` is returned; without it the
     raw size is capped at ``max_raw_bytes``. The header is checked against all of
-    that (:func:`check_frame`) and the seal (``seal``, or the one ``codecs``
-    carries: :class:`SealedCodecs`) before the payload is hashed or decompressed."""
+    that and the seal (``seal``, or the one ``codecs`` carries: :class:`SealedCodecs`)
+    by :func:`check_header` before the payload is hashed or decompressed. Raises
+    :class:`FrameError` (its ``verdict`` says which kind of miss)."""
     seal = seal if seal is not None else seal_of(codecs)
     info, meta, payload = parse_header(frame)
-    check_seal(meta, seal)
-    codec = check_frame(info, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes)
+    codec = check_header(info, meta, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes, seal=seal)
     verify_payload(meta, payload, seal)
     if out is not None:
         return codec_output(codec, info, payload, out)
@@ -576,6 +678,33 @@ def codec_output(codec: Codec, info: FrameInfo, payload: memoryview, out: torch.
     return out
 
 
+class Decoded(tuple[torch.Tensor | None, str | None]):
+    """:func:`try_decode`'s answer. It unpacks as ``(tensor, reason)``, as it always
+    has: ``(tensor, None)`` for a hit, ``(None, reason)`` for a miss; ``verdict``
+    names the kind of answer (:class:`Verdict`). Compares as that 2-tuple."""
+
+    verdict: Verdict
+
+    def __new__(cls, tensor: torch.Tensor | None, reason: str | None, verdict: Verdict) -> Decoded:
+        self = super().__new__(cls, (tensor, reason))
+        self.verdict = verdict
+        return self
+
+    def __getnewargs__(self) -> tuple[torch.Tensor | None, str | None, Verdict]:
+        return self[0], self[1], self.verdict
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return self[0]
+
+    @property
+    def reason(self) -> str | None:
+        return self[1]
+
+    def __repr__(self) -> str:
+        return f"Decoded({self.verdict.name}, reason={self.reason!r})"
+
+
 def try_decode(
     frame: bytes | bytearray | memoryview | None,
     codecs: Mapping[str, Codec],
@@ -584,11 +713,14 @@ def try_decode(
     out: torch.Tensor | None = None,
     max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
     seal: FrameSeal | None = None,
-) -> tuple[torch.Tensor | None, str | None]:
-    """``decode`` that returns ``(None, reason)`` instead of raising."""
+) -> Decoded:
+    """:func:`decode` that answers instead of raising: a :class:`Decoded`, which
+    unpacks as ``(tensor, None)`` or ``(None, reason)`` and carries the
+    :class:`Verdict` (``MISSING`` when ``frame`` is None)."""
     if frame is None:
-        return None, "missing"
+        return Decoded(None, "missing", Verdict.MISSING)
     try:
-        return decode(frame, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes, seal=seal), None
+        tensor = decode(frame, codecs, expect_key=expect_key, out=out, max_raw_bytes=max_raw_bytes, seal=seal)
     except FrameError as err:
-        return None, str(err)
+        return Decoded(None, str(err), err.verdict)
+    return Decoded(tensor, None, Verdict.OK)

@@ -55,13 +55,14 @@ from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendContext, Ba
 from lmcache_core.config import ConfigError, validate_section
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import (
-    DTYPE_NAMES,
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
     Codec,
     FrameError,
     FrameSeal,
-    check_seal,
+    UnknownCodec,
+    WrongShape,
+    check_header,
     checksum_placeholder,
     frame_header,
     frame_meta,
@@ -859,27 +860,24 @@ class DiskBackend(StorageBackend):
             except FrameError as err:
                 self._drop_corrupt(key, path, st.st_ino, str(err))
                 return False
-            if info.key != key.to_str():
-                self._drop_corrupt(key, path, st.st_ino, f"file holds key {info.key}")
-                return False
             try:
-                check_seal(meta, self._seal)
-            except FrameError as err:  # unsealed, or sealed with another key: not ours to serve
-                self._drop_corrupt(key, path, st.st_ino, str(err))
-                return False
-            unknown_codec = info.codec not in self._codecs
-            if unknown_codec or info.dtype != DTYPE_NAMES.get(out.dtype) or info.shape != tuple(out.shape):
-                # Not for this caller. Keep the file only if it is intact: a flipped
-                # byte in the header can fake a foreign codec or another shape.
+                check_header(info, meta, self._codecs, expect_key=key, out=out, seal=self._seal)
+            except (WrongShape, UnknownCodec) as err:
+                # A frame for this key that this caller cannot take. Keep the file only
+                # if it is intact and sealed as we read: a flipped byte in the header
+                # can fake another shape or a codec installed elsewhere.
                 scratch = memoryview(np.empty(info.payload_len, dtype=np.uint8))
                 if not self._read_verified(fd, offset, scratch, meta, key, path, st.st_ino):
                     return False
-                if unknown_codec:
+                if isinstance(err, UnknownCodec):
                     log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
                 else:
                     with self._lock:
                         self._extra["shape_mismatch"] += 1
                 return self._miss(key, keep=True)
+            except FrameError as err:  # corrupt, another key's, or sealed otherwise: not ours to serve
+                self._drop_corrupt(key, path, st.st_ino, str(err))
+                return False
             direct = (
                 info.codec == "raw"
                 and info.payload_len == info.raw_len
@@ -1045,9 +1043,13 @@ class DiskBackend(StorageBackend):
     def _read_verified(
         self, fd: int, offset: int, dst: memoryview, meta: dict[str, str], key: ChunkKey, path: Path, ino: int
     ) -> bool:
-        """Read the payload into ``dst`` while hashing it; a short or corrupt file is
-        dropped and the read is a miss."""
-        hasher = payload_hasher(meta, self._seal)
+        """Read the payload into ``dst`` while hashing it; a short or corrupt file, or
+        one sealed otherwise than this tier reads, is dropped and the read is a miss."""
+        try:
+            hasher = payload_hasher(meta, self._seal)
+        except FrameError as err:
+            self._drop_corrupt(key, path, ino, str(err))
+            return False
         try:
             read_into_hasher(fd, offset, dst, hasher, pool=self._pool)
         except EOFError as err:

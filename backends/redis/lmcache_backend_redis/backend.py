@@ -44,16 +44,7 @@ import torch
 
 from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import (
-    DTYPE_NAMES,
-    MAX_HEADER_BYTES,
-    Codec,
-    FrameError,
-    encode_parts,
-    header_span,
-    parse_header_prefix,
-    try_decode,
-)
+from lmcache_core.serde import MAX_HEADER_BYTES, Codec, Verdict, encode_parts, header_verdict, try_decode
 
 from .client import Client, Failure, call_deadline, classify, describe, make_client
 from .config import RedisConfig
@@ -328,7 +319,7 @@ class RedisBackend(StorageBackend):
         for reply in (size, frame):
             if isinstance(reply, BaseException):
                 if str(reply).startswith("WRONGTYPE"):
-                    self._bad_value(key, b"", 0, out, "not a string value")
+                    self._bad_value(key, Verdict.CORRUPT, "not a string value")
                     return False
                 self._add(misses=1, errors=1)
                 log.debug("redis get %s: %s", self._name(key), describe(reply))
@@ -337,28 +328,28 @@ class RedisBackend(StorageBackend):
             self._add(misses=1)
             return False
         if size > max_frame_bytes(out):
-            self._bad_value(key, frame, size, out, f"{size} bytes, more than a frame for this chunk can have")
+            # Only a prefix was read. Longer than any frame for ``out``: a frame of
+            # another shape if its header says so, else damaged (or not ours).
+            verdict = header_verdict(frame, size, self.codecs, expect_key=key, out=out)
+            self._bad_value(
+                key,
+                Verdict.CORRUPT if verdict is Verdict.OK else verdict,
+                f"{size} bytes, more than a frame for this chunk can have",
+            )
             return False
-        tensor, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
-        if tensor is None:
-            self._bad_value(key, frame, size, out, reason or "undecodable")
+        decoded = try_decode(frame, self.codecs, expect_key=key, out=out)
+        if decoded.verdict is not Verdict.OK:
+            self._bad_value(key, decoded.verdict, decoded.reason or "undecodable")
             return False
         self._add(hits=1, get_bytes=out.nbytes)
         return True
 
-    def _bad_value(self, key: ChunkKey, frame: bytes, size: int, out: torch.Tensor, reason: str) -> None:
-        """A value that did not decode into ``out``: either the caller asked for another
-        shape or dtype (the value is fine) or the value is corrupt or not ours."""
+    def _bad_value(self, key: ChunkKey, verdict: Verdict, reason: str) -> None:
+        """A value that did not decode into the caller's chunk: a miss. Of another shape
+        or dtype (``WRONG_SHAPE``: the value may be fine) it is left alone; corrupt or
+        not ours, it is counted (``corrupt``) and, with ``delete_corrupt``, deleted."""
         self._add(misses=1)
-        try:
-            header_span(frame)
-            info, _, _ = parse_header_prefix(frame, size)
-            caller_mismatch = info.key == key.to_str() and (
-                info.shape != tuple(out.shape) or info.dtype != DTYPE_NAMES.get(out.dtype)
-            )
-        except FrameError:
-            caller_mismatch = False
-        if caller_mismatch:
+        if verdict is Verdict.WRONG_SHAPE:
             log.debug("redis get %s: %s", self._name(key), reason)
             return
         self._add(corrupt=1)

@@ -31,7 +31,7 @@ from botocore.exceptions import ClientError
 
 from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend, prefix_count
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import DTYPE_NAMES, MAX_HEADER_BYTES, Codec, FrameError, encode, parse_header, try_decode
+from lmcache_core.serde import MAX_HEADER_BYTES, Codec, Verdict, encode, try_decode
 
 from .client import Failure, classify, describe, make_client, status_of
 from .config import S3Config
@@ -274,7 +274,7 @@ class S3Backend(StorageBackend):
             kind = classify(err)
             if isinstance(err, ClientError) and status_of(err) == 416:  # an empty object has no byte 0
                 self._gate.succeeded()
-                self._bad_frame(key, b"", out, "empty object")
+                self._bad_frame(key, Verdict.CORRUPT, "empty object")
                 return False
             if kind is Failure.MISSING:
                 self._gate.succeeded()
@@ -287,9 +287,9 @@ class S3Backend(StorageBackend):
                 return False
             self._raise("get", key, err)
         self._gate.succeeded()
-        tensor, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
-        if tensor is None:
-            self._bad_frame(key, frame, out, reason or "undecodable")
+        decoded = try_decode(frame, self.codecs, expect_key=key, out=out)
+        if decoded.verdict is not Verdict.OK:
+            self._bad_frame(key, decoded.verdict, decoded.reason or "undecodable")
             return False
         self._present.add(key)
         self._add(hits=1, get_bytes=out.nbytes)
@@ -313,18 +313,13 @@ class S3Backend(StorageBackend):
 
         return list(self._batch.map(one, keys, outs))
 
-    def _bad_frame(self, key: ChunkKey, frame: bytes | bytearray, out: torch.Tensor, reason: str) -> None:
-        """A frame that did not decode into ``out``: either the caller asked for another
-        shape/dtype (the object is fine) or the object is corrupt or not ours."""
+    def _bad_frame(self, key: ChunkKey, verdict: Verdict, reason: str) -> None:
+        """An object that did not decode into the caller's chunk: a miss. Of another
+        shape or dtype (``WRONG_SHAPE``: the object may be fine) it is left alone;
+        corrupt or not ours, it is counted (``corrupt``) and, with ``delete_corrupt``,
+        deleted."""
         self._add(misses=1)
-        try:
-            info, _, _ = parse_header(frame)
-            caller_mismatch = info.key == key.to_str() and (
-                info.shape != tuple(out.shape) or info.dtype != DTYPE_NAMES.get(out.dtype)
-            )
-        except FrameError:
-            caller_mismatch = False
-        if caller_mismatch:
+        if verdict is Verdict.WRONG_SHAPE:
             log.debug("s3 get %s: %s", self._object(key), reason)
             return
         self._present.discard(key)

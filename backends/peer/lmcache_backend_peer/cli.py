@@ -26,7 +26,7 @@ from lmcache_core.serde import FrameSeal
 from .client import format_address
 from .config import check_secret, parse_address
 from .evictions import DEFAULT_CAPACITY, MAX_CAPACITY, EvictionLog
-from .server import PeerServer
+from .server import PeerServer, SocketPathError
 from .shm import ArenaStore, ShmUnavailable
 from .store import FrameStore
 from .tenants import load_tenants
@@ -58,7 +58,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-size", type=_size, default=parse_size("1GiB"), help="memory budget, e.g. 2GiB (default 1GiB)")
     p.add_argument("--max-frame-size", type=_size, default=parse_size("256MiB"), help="largest message (default 256MiB)")
-    p.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline (default 5000)")
+    p.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=5000,
+        help="per-request deadline: once a request's first byte is in, the rest of its header must come within "
+        "this, and its body within this of the header (default 5000; idle connections between requests stay 300 s)",
+    )
     p.add_argument("--max-connections", type=int, default=256, help="concurrent authenticated connections (default 256)")
     p.add_argument(
         "--max-unauthenticated",
@@ -87,7 +93,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--unix-socket",
         type=Path,
         default=None,
-        help="also listen on this Unix socket (mode 0600) for engines on this host: same secrets, shared memory",
+        help="also listen on this Unix socket (mode 0600) for engines on this host: same secrets, shared memory. "
+        "A stale socket of this user there is replaced; anything else (a live socket, a file, a link, another "
+        "user's socket, a directory writable by all without the sticky bit) stops the node with an error",
     )
     p.add_argument(
         "--eviction-log",
@@ -209,6 +217,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except ValueError as err:
         parser.error(str(err))
+    except SocketPathError as err:  # names the path and what is there
+        print(f"{parser.prog}: --unix-socket: {err}", file=sys.stderr)
+        return 2
     except OSError as err:
         where = format_address(args.listen) + (f" and {args.unix_socket}" if args.unix_socket is not None else "")
         print(f"{parser.prog}: cannot listen on {where}: {err.strerror or err}", file=sys.stderr)

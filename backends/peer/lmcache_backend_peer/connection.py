@@ -145,12 +145,32 @@ class Connection:
         deadline = header_deadline if body_timeout is None else time.monotonic() + body_timeout
         return header, self.recv_body(header, deadline, reuse=reuse)
 
-    def recv_header(self, deadline: float, max_body: int) -> Header:
+    def recv_header(self, deadline: float, max_body: int, rest_timeout: float | None = None) -> Header:
         """Read and bound one message header (nothing is allocated for the body yet,
-        so the caller can decide whether it may: see the server's in-flight budget)."""
-        hbuf = bytearray(HEADER_SIZE)
-        self._recv_exact(memoryview(hbuf), deadline)
+        so the caller can decide whether it may: see the server's in-flight budget).
+
+        The header must arrive by ``deadline``; with ``rest_timeout`` only its first
+        byte must, and the rest within ``rest_timeout`` seconds of that byte. A server
+        waits long for the next request of a pooled connection (``deadline``), but a
+        request that has begun must not hold the connection that long: a client that
+        sends half a header and then nothing would otherwise keep its slot and thread
+        until the idle deadline."""
+        hbuf = memoryview(bytearray(HEADER_SIZE))
+        if rest_timeout is None:
+            self._recv_exact(hbuf, deadline)
+        else:
+            got = self._recv_some(hbuf, deadline)
+            self._recv_exact(hbuf[got:], time.monotonic() + rest_timeout)
         return decode_header(hbuf, max_body)
+
+    def _recv_some(self, buf: memoryview, deadline: float) -> int:
+        """Read at least one byte (at most ``buf.nbytes``) by ``deadline``."""
+        with self._socket_errors("waiting for a request"):
+            self.sock.settimeout(self._remaining(deadline))
+            r = self.sock.recv_into(buf, buf.nbytes)
+        if r == 0:
+            raise PeerClosed(f"{self.peer}: connection closed")
+        return r
 
     def recv_body(self, header: Header, deadline: float, *, reuse: bool = False) -> memoryview:
         """Read the body announced by ``header`` (see :meth:`recv` for ``reuse``)."""

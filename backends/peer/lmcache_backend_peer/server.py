@@ -9,7 +9,10 @@ authenticate within ``handshake_timeout``; only then does it count against
 ``max_connections`` (see :mod:`.limits`). Each request body is reserved against the node's
 ``max_inflight_bytes`` before it is allocated and must arrive within ``timeout`` of
 its header; a body that cannot be reserved in that time is answered ERROR ("busy")
-and the connection closed. An idle connection is dropped after ``idle_timeout``. A
+and the connection closed. An idle connection is dropped after ``idle_timeout``; but
+once a request's first byte has arrived, the rest of its header must arrive within
+``timeout`` (a half-sent header would otherwise hold a slot and a thread for the
+whole ``idle_timeout``). A
 malformed message closes the connection; a failing source answers ERROR. Nothing a
 client sends can crash the server or make it hold more than ``max_inflight_bytes``
 of request bodies (``max_frame_size`` per connection).
@@ -90,8 +93,9 @@ class PeerServer:
     source (a server holding one tenant's chunks only, like a tier's own server).
 
     With ``unix_socket`` the server also listens on that path (mode 0600), with the
-    same authentication; when ``source`` is an :class:`~lmcache_backend_peer.shm.ArenaStore`,
-    a client there may ask for its principal's arena (SHM_ATTACH, the fd comes by
+    same authentication (an existing file there is replaced only when it is a stale
+    socket of ours, see :func:`_listen_unix`; :class:`SocketPathError` otherwise);
+    when ``source`` is an :class:`~lmcache_backend_peer.shm.ArenaStore`, a client there may ask for its principal's arena (SHM_ATTACH, the fd comes by
     SCM_RIGHTS) and LOCATE keys in it (see :mod:`.shm`).
 
     With ``eviction_log`` (already watching ``source``) clients may ask EVICTIONS."""
@@ -177,9 +181,10 @@ class PeerServer:
         self.address: Address = self._sock.getsockname()[:2]
         self.unix_socket = unix_socket
         self._usock: socket.socket | None = None
+        self._unix_ident = (0, 0)
         if unix_socket is not None:
             try:
-                self._usock = _listen_unix(unix_socket)
+                self._usock, self._unix_ident = _listen_unix(unix_socket)
             except OSError:
                 self._sock.close()
                 raise
@@ -208,11 +213,10 @@ class PeerServer:
             t.join(timeout=5)
         self._sock.close()
         if self._usock is not None:
+            # Checked while the socket is still open: it keeps its inode alive, so
+            # no file made since can have been given the same inode number.
+            _unlink_if_ours(str(self.unix_socket), self._unix_ident)
             self._usock.close()
-            try:
-                os.unlink(str(self.unix_socket))
-            except OSError:
-                pass
         with self._lock:
             conns = list(self._conns)
         for c in conns:
@@ -282,7 +286,10 @@ class PeerServer:
                 self._refuse(conn, "no store for this principal on this node")
                 return
             while not self._stop.is_set():
-                header = conn.recv_header(time.monotonic() + self.idle_timeout, self.max_frame_size)
+                # Idle between requests up to idle_timeout (pooled connections wait
+                # here); once a request's first byte is in, the rest of its header must
+                # follow within timeout, like its body.
+                header = conn.recv_header(time.monotonic() + self.idle_timeout, self.max_frame_size, self.timeout)
                 self._count("requests")
                 admitted = self._admit_body(conn, header)
                 if admitted is None:
@@ -444,32 +451,173 @@ def _unix_peer(sock: socket.socket) -> Origin:
     return unix_origin(pid, uid)
 
 
-def _listen_unix(path: str) -> socket.socket:
-    """A listening Unix socket at ``path``, mode 0600 (owner only). A stale socket
-    file (nobody listening) is replaced; a live one or any other file is an error."""
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+class SocketPathError(OSError):
+    """The ``unix_socket`` path cannot be used safely; the message names the path and
+    says why (nothing at the path was removed or followed)."""
+
+
+_BIND_TRIES = 3
+_PROBE_TIMEOUT = 0.5
+
+
+def _listen_unix(path: str) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening Unix socket at ``path``, mode 0600 (owner only), and the identity
+    (device, inode) of the file it made, so that :func:`_unlink_if_ours` removes that
+    file and nothing else.
+
+    The path may have been created first by someone else (another local user, or a
+    stale file), so nothing there is trusted:
+
+    * ``bind`` itself creates the file, and fails on any existing name: it never
+      replaces or follows what is there (a symbolic link included);
+    * the umask is 0177 around it, so the socket is 0600 from the start, never wider;
+    * an existing name is replaced only when it is a stale socket of ours: a socket
+      file (``lstat``, not followed), owned by this process's user, that refuses a
+      connect. A live socket, a symbolic link, a regular file, FIFO or directory, or a
+      file of another user is refused with :class:`SocketPathError`, left as it is;
+    * the directory must not be writable by everyone without the sticky bit (then
+      any local user could rename our socket away and put theirs in its place);
+    * after binding, ``lstat`` checks that the name is our socket, owned by us,
+      mode 0600.
+    """
+    _check_directory(path)
+    for _ in range(_BIND_TRIES):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            probe.settimeout(0.5)
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale: its node is gone
-        else:
-            raise OSError(errno.EADDRINUSE, f"another node is listening on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            _bind_owner_only(sock, path)
+        except OSError as err:
+            sock.close()
+            if err.errno != errno.EADDRINUSE:
+                raise SocketPathError(f"{path}: cannot bind: {err.strerror or err}") from None
+            _remove_stale(path)  # raises unless a stale socket of ours was removed
+            continue
+        try:
+            ident = _check_bound(path)
+            sock.listen(128)
+            sock.settimeout(0.2)
+        except BaseException:
+            sock.close()
+            raise
+        return sock, ident
+    raise SocketPathError(f"{path}: a socket kept reappearing there while a stale one was replaced; is another node starting?")
+
+
+def _bind_owner_only(sock: socket.socket, path: str) -> None:
+    """Bind with the umask at 0177: the file is created 0600, with no moment wider
+    (unless a default ACL on the directory overrides the umask: :func:`_check_bound`
+    narrows the mode then)."""
     old = os.umask(0o177)
     try:
         sock.bind(path)
-    except OSError:
-        sock.close()
-        raise
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(128)
-    sock.settimeout(0.2)
-    return sock
+
+
+def _check_directory(path: str) -> None:
+    """Refuse a directory that lets any local user replace the socket."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.stat(parent)
+    except OSError as err:
+        raise SocketPathError(f"{path}: cannot use its directory {parent}: {err.strerror or err}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SocketPathError(f"{path}: {parent} is not a directory")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise SocketPathError(
+            f"{path}: its directory {parent} is writable by every user without the sticky bit, so anyone could "
+            "replace the socket; use a directory only the node's user can write (e.g. /run/lmcache) or one with "
+            "the sticky bit (like /tmp)"
+        )
+
+
+def _describe(st: os.stat_result) -> str:
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(st.st_mode):
+            return name
+    return "a file of an unknown kind"
+
+
+def _remove_stale(path: str) -> None:
+    """Remove what is at ``path`` if it is a stale socket of ours (see
+    :func:`_listen_unix`); otherwise raise :class:`SocketPathError` saying what is
+    there, and leave it. Gone already: nothing to do (the caller binds again)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise SocketPathError(f"{path}: cannot inspect it: {err.strerror or err}") from None
+    keep = "left in place; remove it or choose another path"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise SocketPathError(f"{path} is a symbolic link (to {target}), not a socket: never followed, {keep}")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketPathError(f"{path} exists and is {_describe(st)}, not a socket: {keep}")
+    if st.st_uid != os.geteuid():
+        raise SocketPathError(
+            f"{path} is a socket owned by uid {st.st_uid}, not by this node's user (uid {os.geteuid()}): {keep}"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(_PROBE_TIMEOUT)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        pass  # stale: nobody listens on it (its node is gone)
+    except socket.timeout:
+        raise SocketPathError(f"{path}: a process holds this socket but does not accept connections: {keep}") from None
+    except OSError as err:
+        raise SocketPathError(f"{path}: cannot tell whether this socket is in use ({err.strerror or err}): {keep}") from None
+    else:
+        raise SocketPathError(f"another node is listening on {path} (or another process is): stop it or choose another path")
+    finally:
+        probe.close()
+    try:
+        again = os.lstat(path)
+        if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):  # still the file we judged
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise SocketPathError(f"{path}: cannot remove the stale socket: {err.strerror or err}") from None
+    log.info("peer server: replaced the stale socket %s (nobody was listening on it)", path)
+
+
+def _check_bound(path: str) -> tuple[int, int]:
+    """(device, inode) of the socket just bound at ``path``, once ``lstat`` shows our
+    socket, mode 0600."""
+    try:
+        st = os.lstat(path)
+    except OSError as err:
+        raise SocketPathError(f"{path}: gone right after binding: {err.strerror or err}") from None
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise SocketPathError(f"{path}: replaced by something else right after binding; refusing to use it")
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        # The umask did not apply (a default ACL on the directory): narrow it now, on
+        # the file lstat just checked (it is a socket, not a link).
+        os.chmod(path, 0o600)
+    return st.st_dev, st.st_ino
+
+
+def _unlink_if_ours(path: str, ident: tuple[int, int]) -> None:
+    """Remove ``path`` if it is still the socket this server made (same device and
+    inode); anything put there since stays."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if (st.st_dev, st.st_ino) != ident:
+        log.warning("peer server: left %s in place: it is no longer the socket this node made", path)
+        return
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

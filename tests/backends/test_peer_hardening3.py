@@ -1,0 +1,428 @@
+"""Hardening round 2, finding 10 (the peer node's two items), on a real peer cache
+node (``lmcache-core serve`` in a child process, loopback and local paths only):
+
+* squatting ``--unix-socket``: whatever was at the path before the node (a regular
+  file, a FIFO, a directory, a symbolic link, a live socket, another user's socket)
+  used to be judged with a check that followed links and trusted any socket that
+  refused a connect: another user's stale socket was unlinked, a dangling link gave
+  "Address already in use", a directory writable by all without the sticky bit was
+  used, and on shutdown the node unlinked whatever was at the path by then. Now only
+  a stale socket of the node's own user is replaced; everything else stops the node
+  with a one-line error naming the path and what is there, and is left untouched;
+  shutdown removes the node's own socket only (same inode).
+* a partial request header: an authenticated client that sent half a header and
+  then nothing kept its connection (slot and thread) until the 300 s idle deadline.
+  Now the rest of a header must follow its first byte within ``--timeout-ms``, while
+  a connection idle *between* requests still stays.
+
+Cases that chown a squatting socket to another user need root (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import selectors
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_node import STARTUP_TIMEOUT, PeerNode  # noqa: E402
+
+from lmcache_backend_peer import PeerClient  # noqa: E402
+from lmcache_backend_peer import protocol as p  # noqa: E402
+from lmcache_backend_peer.auth import client_handshake  # noqa: E402
+from lmcache_backend_peer.connection import Connection  # noqa: E402
+from lmcache_core.keys import ChunkKey  # noqa: E402
+from lmcache_core.testing import random_key  # noqa: E402
+
+SECRET = "hardening3-test-secret-0123456789abcdef"
+OTHER_UID = 65534  # nobody
+IS_ROOT = os.geteuid() == 0
+
+
+# -- squatting the --unix-socket path ----------------------------------------------------------
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A private (0700) directory with a short path: Unix socket paths are limited to
+    107 bytes, which pytest's own tmp_path can exceed."""
+    d = Path(tempfile.mkdtemp(prefix="h3-", dir="/tmp"))
+    yield d
+    os.chmod(d, 0o700)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class Launch:
+    """What ``lmcache-core serve`` did with a socket path: started (then it is
+    stopped with SIGTERM), or exited with ``rc`` and ``stderr``."""
+
+    started: bool
+    rc: int | None
+    stderr: str
+
+
+def launch(sock: Path, secret: Path) -> Launch:
+    """Run a node on ``sock`` until it prints ``listening on`` or exits (bounded)."""
+    exe = shutil.which("lmcache-core", path=os.path.dirname(sys.executable))
+    assert exe
+    argv = [exe, "serve", "--listen", "127.0.0.1:0", "--secret-file", str(secret), "--max-size", "16MiB"]
+    proc = subprocess.Popen(
+        [*argv, "--unix-socket", str(sock), "--no-shm"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    started = False
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        if line.startswith("listening on "):
+            started = True
+            break
+    if started or proc.poll() is None:
+        proc.terminate()
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=15)
+    return Launch(started, None if started else proc.returncode, err)
+
+
+def stale_socket(path: Path) -> None:
+    """A socket file nobody listens on (what a killed node leaves)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+
+
+def listening_socket(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.listen(4)
+    return s
+
+
+def identity(path: Path) -> tuple[int, int, int, int]:
+    """(kind and mode, uid, device, inode) of ``path`` itself (links not followed)."""
+    st = os.lstat(path)
+    return st.st_mode, st.st_uid, st.st_dev, st.st_ino
+
+
+@dataclass
+class Squat:
+    """What is at the path before the node starts; ``check`` says it is untouched."""
+
+    phrase: str
+    """What the node's error must say about it."""
+    check: Callable[[], bool]
+    """Whether what was there is still there, untouched."""
+    cleanup: Callable[[], None] = lambda: None
+
+
+def squat(case: str, d: Path, sock: Path) -> Squat:
+    """Put ``case`` at ``sock`` (in directory ``d``)."""
+    elsewhere = d / "elsewhere"
+    elsewhere.mkdir()
+    if case == "regular file":
+        sock.write_text("someone's data\n")
+        before = identity(sock)
+        return Squat("regular file", lambda: identity(sock) == before and sock.read_text() == "someone's data\n")
+    if case == "FIFO":
+        os.mkfifo(sock, 0o600)
+        before = identity(sock)
+        return Squat("FIFO", lambda: identity(sock) == before)
+    if case == "directory":
+        sock.mkdir()
+        (sock / "inside").write_text("x")
+        before = identity(sock)
+        return Squat("directory", lambda: identity(sock) == before and (sock / "inside").exists())
+    if case == "symlink to a stale socket of ours":
+        target = elsewhere / "target.sock"
+        stale_socket(target)
+        sock.symlink_to(target)
+        before, tbefore = identity(sock), identity(target)
+        return Squat("symbolic link", lambda: (identity(sock), identity(target)) == (before, tbefore))
+    if case == "dangling symlink":
+        target = elsewhere / "would-be.sock"
+        sock.symlink_to(target)
+        before = identity(sock)
+        return Squat("symbolic link", lambda: identity(sock) == before and not os.path.lexists(target))
+    if case == "live socket of ours":
+        listener = listening_socket(sock)
+        before = identity(sock)
+
+        def still_live() -> bool:
+            if not os.path.lexists(sock) or identity(sock) != before:
+                return False
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(2)
+                probe.connect(str(sock))  # still ours to accept on
+                return True
+            except OSError:
+                return False
+            finally:
+                probe.close()
+
+        return Squat("another node is listening", still_live, listener.close)
+    if case in ("stale socket of another user", "live socket of another user"):
+        if not IS_ROOT:
+            pytest.skip("making a file of another user needs root")
+        other = listening_socket(sock) if case.startswith("live") else None
+        if other is None:
+            stale_socket(sock)
+        os.chown(sock, OTHER_UID, OTHER_UID)
+        before = identity(sock)
+        return Squat(
+            f"uid {OTHER_UID}",
+            lambda: os.path.lexists(sock) and identity(sock) == before,
+            other.close if other else lambda: None,
+        )
+    if case == "directory writable by all, no sticky bit":
+        os.chmod(d, 0o777)
+        return Squat("sticky bit", lambda: not os.path.lexists(sock))
+    raise AssertionError(case)
+
+
+REFUSED = [
+    "regular file",
+    "FIFO",
+    "directory",
+    "symlink to a stale socket of ours",
+    "dangling symlink",
+    "live socket of ours",
+    "stale socket of another user",
+    "live socket of another user",
+    "directory writable by all, no sticky bit",
+]
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_squatted_socket_path_is_refused_and_left_alone(short_dir: Path, case: str) -> None:
+    secret = short_dir / "peer.secret"
+    secret.write_text(SECRET + "\n")
+    sock = short_dir / "node.sock"
+    what = squat(case, short_dir, sock)
+    try:
+        got = launch(sock, secret)
+        print(f"{case}: started={got.started} rc={got.rc} stderr={got.stderr.strip()!r}")
+        assert not got.started, f"the node started on {case}"
+        assert got.rc == 2, got
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in got.stderr, got.stderr  # one clear line, never a traceback
+        assert str(sock) in lines[0] and what.phrase in lines[0], lines[0]
+        assert what.check(), f"{case} at {sock} was changed or removed"  # never unlinked, replaced or followed
+    finally:
+        what.cleanup()
+
+
+def test_a_stale_socket_of_ours_is_replaced_and_a_sticky_world_writable_directory_is_fine(short_dir: Path) -> None:
+    """Negative controls: what a killed node leaves is replaced (in a directory like
+    /tmp: writable by all, with the sticky bit), and the new socket is 0600 and serves."""
+    os.chmod(short_dir, 0o1777)
+    secret = short_dir / "peer.secret"
+    secret.write_text(SECRET + "\n")
+    sock = short_dir / "node.sock"
+    stale_socket(sock)
+    old = os.lstat(sock)
+    node = PeerNode(["--max-size", "16MiB", "--unix-socket", str(sock), "--no-shm"], secret)
+    try:
+        new = os.lstat(sock)  # (the inode number may be reused: compare creation times)
+        assert stat.S_ISSOCK(new.st_mode) and stat.S_IMODE(new.st_mode) == 0o600 and new.st_uid == os.geteuid()
+        assert new.st_ctime_ns > old.st_ctime_ns  # a new file
+        assert served_over(sock)
+        node.kill()  # a crash leaves its socket: the next start replaces it again
+        assert os.lstat(sock).st_ctime_ns == new.st_ctime_ns and not served_over(sock)
+        node.start()
+        assert os.lstat(sock).st_ctime_ns > new.st_ctime_ns and served_over(sock)
+    finally:
+        node.stop()
+    assert not os.path.lexists(sock)  # positive control: shutdown removes its own socket
+
+
+def served_over(sock: Path) -> bool:
+    """A lookup over ``sock`` is answered (the node listens there)."""
+    client = PeerClient(str(sock), SECRET.encode(), timeout=5.0, pool_size=0)
+    try:
+        return client.lookup([random_key()]) == 0
+    except p.PeerError:
+        return False
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("replacement", ["regular file", "another socket"])
+def test_shutdown_removes_only_the_nodes_own_socket(short_dir: Path, replacement: str) -> None:
+    secret = short_dir / "peer.secret"
+    secret.write_text(SECRET + "\n")
+    sock = short_dir / "node.sock"
+    node = PeerNode(["--max-size", "16MiB", "--unix-socket", str(sock), "--no-shm"], secret)
+    try:
+        os.rename(sock, short_dir / "moved.sock")  # someone moved the node's socket away...
+        if replacement == "regular file":  # ...and put something else at its path
+            sock.write_text("not the node's\n")
+        else:
+            stale_socket(sock)
+        before = identity(sock)
+    finally:
+        node.stop()
+    assert node.proc is not None and node.proc.returncode == 0
+    left = os.path.lexists(sock) and identity(sock) == before
+    print(f"after shutdown the {replacement} at the node's path is {'left' if left else 'GONE'}")
+    assert left
+
+
+# -- a partial request header is bounded by the request deadline -----------------------------
+REQUEST_TIMEOUT_S = 1.5
+HALF_HEADERS = 8
+HOLD_BOUND_S = REQUEST_TIMEOUT_S + 4.0
+"""How long the test waits for the node to drop a half-header connection (the old
+node held it for its 300 s idle deadline)."""
+
+
+@pytest.fixture(scope="module")
+def deadline_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerNode]:
+    """A node whose authenticated slots are exactly the half-header clients plus the
+    idle control connection, so holding them is seen by a fresh client."""
+    d = tmp_path_factory.mktemp("deadline-node")
+    (d / "peer.secret").write_text(SECRET + "\n")
+    node = PeerNode(
+        ["--max-size", "16MiB", "--timeout-ms", str(int(REQUEST_TIMEOUT_S * 1000)), "--max-connections", str(HALF_HEADERS + 1)],
+        d / "peer.secret",
+    )
+    yield node
+    node.stop()
+
+
+def authenticated(port: int) -> Connection:
+    conn = Connection(socket.create_connection(("127.0.0.1", port), timeout=5), "test")
+    client_handshake(conn, SECRET.encode(), time.monotonic() + 5)
+    return conn
+
+
+def lookup_message(rid: int, key: ChunkKey | None = None) -> bytes:
+    body = p.encode_keys([key or random_key()])
+    return p.pack_header(p.LOOKUP, rid, len(body)) + body
+
+
+def is_open(conn: Connection) -> bool:
+    """The node has not closed ``conn`` (nothing to read, no EOF)."""
+    conn.sock.settimeout(None)  # blocking: MSG_DONTWAIT then answers at once (a timeout would wait)
+    try:
+        return conn.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def drop_times(conns: list[Connection], since: float, bound_s: float) -> list[float | None]:
+    """Seconds from ``since`` until the node closed each of ``conns`` (None: still
+    open after ``bound_s``)."""
+    out: list[float | None] = [None] * len(conns)
+    sel = selectors.DefaultSelector()
+    for i, c in enumerate(conns):
+        sel.register(c.sock, selectors.EVENT_READ, i)
+    end = since + bound_s
+    while sel.get_map() and (left := end - time.monotonic()) > 0:
+        for key, _ in sel.select(left):
+            try:
+                data = conns[key.data].sock.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                out[key.data] = time.monotonic() - since
+                sel.unregister(key.fileobj)
+    sel.close()
+    return out
+
+
+def test_a_half_sent_header_is_dropped_at_the_request_deadline(deadline_node: PeerNode) -> None:
+    port = deadline_node.port
+    idle = authenticated(port)  # negative control: authenticated, idle between requests
+    idle_since = time.monotonic()
+    half = p.HEADER_SIZE // 2
+    attackers = [authenticated(port) for _ in range(HALF_HEADERS)]
+    try:
+        for i, c in enumerate(attackers):
+            c.sock.sendall(lookup_message(i + 1)[:half])  # half a header, then nothing
+        sent = time.monotonic()
+        # Positive control: the half-header connections hold their slots (with the idle
+        # one, all of --max-connections), so a fresh client is refused meanwhile.
+        fresh = PeerClient(("127.0.0.1", port), SECRET.encode(), timeout=1.0, pool_size=0)
+        with pytest.raises(p.PeerError):
+            fresh.lookup([random_key()])
+        times = drop_times(attackers, sent, HOLD_BOUND_S)
+        shown = ", ".join("held" if t is None else f"{t:.2f}" for t in times)
+        print(f"{HALF_HEADERS} half-header connections dropped after (s): {shown} (request deadline {REQUEST_TIMEOUT_S} s)")
+        assert all(t is not None for t in times), f"still held after {HOLD_BOUND_S} s: {shown}"
+        assert all(REQUEST_TIMEOUT_S - 0.1 <= t <= REQUEST_TIMEOUT_S + 1.5 for t in times if t is not None), shown
+        # Legitimate clients are served again: the slots came back.
+        served = sum(fresh.lookup([random_key()]) == 0 for _ in range(5))
+        assert served == 5
+        fresh.close()
+        # The idle connection stayed, past twice the request deadline...
+        time.sleep(max(0.0, idle_since + 2 * REQUEST_TIMEOUT_S - time.monotonic()))
+        assert is_open(idle), "the node dropped a connection idle between requests"
+        print(f"idle control connection open after {time.monotonic() - idle_since:.2f} s")
+        # ...and a request on it whose header comes in two parts within the deadline is answered.
+        k = random_key()
+        msg = lookup_message(77, k)
+        idle.sock.sendall(msg[:half])
+        time.sleep(REQUEST_TIMEOUT_S / 3)
+        idle.sock.sendall(msg[half:])
+        header, body = idle.recv(time.monotonic() + 5, 1 << 20)
+        assert (header.type, header.request_id, p.parse_body(header.type, body)) == (p.LOOKUP_OK, 77, p.Count(0))
+    finally:
+        for c in [idle, *attackers]:
+            c.close()
+
+
+def test_a_trickled_header_is_dropped_at_the_request_deadline(deadline_node: PeerNode) -> None:
+    """One byte every third of the deadline: each byte is on time, the header is not."""
+    conn = authenticated(deadline_node.port)
+    msg = lookup_message(5)
+    try:
+        start = time.monotonic()
+        sent = 0
+        dropped_at: float | None = None
+        while time.monotonic() - start < HOLD_BOUND_S and sent < p.HEADER_SIZE - 1:
+            try:
+                conn.sock.sendall(msg[sent : sent + 1])
+            except OSError:
+                break
+            sent += 1
+            time.sleep(REQUEST_TIMEOUT_S / 3)
+            if not is_open(conn):
+                dropped_at = time.monotonic() - start
+                break
+        print(f"trickled header: dropped after {dropped_at} s, {sent} of {p.HEADER_SIZE} bytes sent")
+        assert dropped_at is not None and dropped_at <= REQUEST_TIMEOUT_S + 1.5
+    finally:
+        conn.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence, TypeVar
 
@@ -132,14 +133,60 @@ class StorageBackend(abc.ABC):
     #: How many background writes the engine may run against this tier at once
     #: (declared, not probed). Remote tiers set it to overlap round trips.
     write_concurrency: int = 1
-    #: Set by the engine that owns the tier: called with each key the tier drops on
-    #: its own to make room (never for :meth:`remove`). Tiers that evict call
-    #: :meth:`evicted`; it may run under the tier's lock, so listeners must be quick.
-    on_evicted: Callable[[ChunkKey], None] | None = None
+    #: what :meth:`subscribe_evictions` was given (read by :meth:`evicted`)
+    _eviction_callback: Callable[[ChunkKey], None] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "on_evicted" in cls.__dict__:  # a plugin written for the attribute (before subscribe_evictions)
+            warnings.warn(
+                f"{cls.__module__}.{cls.__qualname__} overrides StorageBackend.on_evicted, which is deprecated and "
+                "goes in the next release: override subscribe_evictions(callback) instead (call super() first)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+
+    # -- evictions (KV events) ----------------------------------------------------------
+    def subscribe_evictions(self, callback: Callable[[ChunkKey], None]) -> None:
+        """From now on, report each key the tier drops on its own to make room (never
+        for :meth:`remove`) to ``callback``, through :meth:`evicted`.
+
+        The engine that owns the tier calls this once, when its first listener is added
+        (vLLM's KV events on); until then nobody listens. The default stores
+        ``callback``. A tier that learns of its evictions from elsewhere (a server's
+        notifications, a poll of its nodes) overrides it to start watching here, and
+        only here: call ``super().subscribe_evictions(callback)`` first, then start the
+        watcher. A second call replaces the callback. It must return within a bounded
+        time (a short wait for a subscription to be in place is fine)."""
+        if _overrides_on_evicted(type(self)):
+            # A plugin written for the attribute: its own on_evicted (a setter that
+            # starts its watcher) gets the callback, as the engine used to set it.
+            self.on_evicted = callback
+        else:
+            self._eviction_callback = callback
+
+    @property
+    def on_evicted(self) -> Callable[[ChunkKey], None] | None:
+        """Deprecated (one release): the callback :meth:`subscribe_evictions` was given.
+        Setting it subscribes (``None`` unsubscribes) with a ``DeprecationWarning``."""
+        return self._eviction_callback
+
+    @on_evicted.setter
+    def on_evicted(self, callback: Callable[[ChunkKey], None] | None) -> None:
+        warnings.warn(
+            "setting StorageBackend.on_evicted is deprecated and goes in the next release: call subscribe_evictions(callback)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if callback is None:
+            self._eviction_callback = None
+        else:
+            self.subscribe_evictions(callback)
 
     def evicted(self, key: ChunkKey) -> None:
-        """Report an eviction of ``key`` to the engine's listeners (never raises)."""
-        cb = self.on_evicted
+        """Report an eviction of ``key`` to the subscriber (:meth:`subscribe_evictions`);
+        never raises. It may run under the tier's lock, so subscribers must be quick."""
+        cb = self.on_evicted  # a legacy plugin's own attribute, else the subscribed callback
         if cb is not None:
             try:
                 cb(key)
@@ -210,6 +257,14 @@ class StorageBackend(abc.ABC):
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         raise NotImplementedError
+
+
+def _overrides_on_evicted(cls: type[StorageBackend]) -> bool:
+    """Whether ``cls`` or a base below :class:`StorageBackend` defines ``on_evicted``."""
+    for klass in cls.__mro__:
+        if "on_evicted" in klass.__dict__:
+            return klass is not StorageBackend
+    return False
 
 
 BackendFactory = Callable[[Mapping[str, Any], BackendContext], StorageBackend]

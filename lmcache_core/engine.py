@@ -373,10 +373,19 @@ class CacheEngine:
         """Call ``listener`` with a :class:`TierEvent` whenever a chunk reaches a tier
         (synchronous store, background write, promotion) or a tier evicts one. It runs
         on the thread that did the work, possibly under a tier's lock: it must be quick
-        and must not call back into the engine. Exceptions are logged and ignored."""
+        and must not call back into the engine. Exceptions are logged and ignored.
+
+        The first listener subscribes the engine to every tier's evictions
+        (:meth:`~lmcache_core.backend.StorageBackend.subscribe_evictions`): a tier that
+        watches a server or polls nodes for them starts doing so only then."""
+        first = not self._listeners
         self._listeners.append(listener)
-        for tier in self.tiers:
-            tier.on_evicted = lambda key, t=tier: self._emit(TierEvent("evicted", t.name, key))
+        if first:
+            for tier in self.tiers:
+                tier.subscribe_evictions(functools.partial(self._evicted, tier))
+
+    def _evicted(self, tier: StorageBackend, key: ChunkKey) -> None:
+        self._emit(TierEvent("evicted", tier.name, key))
 
     def _stored(self, tier: StorageBackend, key: ChunkKey) -> None:
         if self._listeners:

@@ -120,7 +120,7 @@ def test_evictions_are_reported_to_the_engine_listener(tmp_path: Path) -> None:
     fsize = frame_size(random_key(), random_chunk(SHAPE, seed=0))
     b = open_disk(tmp_path / "t", max_size=fsize * 3)
     seen: list = []
-    b.on_evicted = seen.append
+    b.subscribe_evictions(seen.append)
     keys = [random_key() for _ in range(6)]
     for i, k in enumerate(keys):
         assert b.put(k, random_chunk(SHAPE, seed=i))

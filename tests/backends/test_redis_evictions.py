@@ -49,7 +49,7 @@ def wait_until(cond: Any, what: str) -> None:
 def tier_on(server: RedisServer, rec: Recorder | None, **extra: Any) -> RedisBackend:
     b = create_redis_backend({"url": server.url, "prefix": PREFIX, **extra}, make_context(key_path="backends[1]"))
     if rec is not None:
-        b.on_evicted = rec
+        b.subscribe_evictions(rec)
         assert b.watcher is not None
         assert b.watcher.subscribed.wait(WAIT_S), b.stats().extra.get("key_events")
     return b
@@ -182,7 +182,7 @@ def test_cluster_expiries_are_reported_from_every_primary() -> None:
     rec = Recorder()
     tier = create_redis_backend({"cluster": cluster.seeds, "prefix": PREFIX, "ttl_s": 2}, make_context())
     try:
-        tier.on_evicted = rec
+        tier.subscribe_evictions(rec)
         assert tier.watcher is not None and tier.watcher.subscribed.wait(WAIT_S)
         keys = [random_key("cl") for _ in range(30)]
         for k in keys:
@@ -206,7 +206,7 @@ def test_an_acl_user_without_subscribe_gets_no_events_and_a_working_tier(
     )
     try:
         rec = Recorder()
-        tier.on_evicted = rec
+        tier.subscribe_evictions(rec)
         assert tier.watcher is not None
         wait_until(lambda: tier.watcher is not None and tier.watcher.reconnects >= 3, "retried")
         assert not tier.watcher.subscribed.is_set()

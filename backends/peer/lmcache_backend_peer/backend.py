@@ -19,8 +19,8 @@ earlier one are skipped.
 What the tier drops reaches the engine's listeners (KV events for routers) through
 :meth:`~lmcache_core.backend.StorageBackend.evicted`: the local store's LRU evictions,
 and with ``push`` what the nodes dropped (evicted, or removed by any client),
-asked every ``eviction_poll`` seconds on a background thread started once a listener
-is set (EVICTIONS, see
+asked every ``eviction_poll`` seconds on a background thread started when the engine
+subscribes (:meth:`subscribe_evictions`, on its first listener; EVICTIONS, see
 :mod:`.evictions`). A key counts as gone from the tier when one copy goes.
 
 Failure rule: a peer that is down, slow, speaks garbage or sends a corrupt frame is a
@@ -104,21 +104,16 @@ class PeerBackend(StorageBackend):
         self._closed = False
         store.on_drop = lambda key, _frame: self.evicted(key)
         self.eviction_poll = eviction_poll
-        self._on_evicted: Callable[[ChunkKey], None] | None = None
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
 
-    @property
-    def on_evicted(self) -> Callable[[ChunkKey], None] | None:
-        return self._on_evicted
-
-    @on_evicted.setter
-    def on_evicted(self, cb: Callable[[ChunkKey], None] | None) -> None:
-        """Set by the engine when someone listens (KV events on): only then poll the nodes.
-        Each reachable node's position is read here, before the first store can reach
-        it, so every drop from now on is reported (a node down now: from its first answer)."""
-        self._on_evicted = cb
-        if cb is not None and self.push and self.eviction_poll > 0 and self._peers and self._poller is None and not self._closed:
+    def subscribe_evictions(self, callback: Callable[[ChunkKey], None]) -> None:
+        """Called by the engine once someone listens (KV events on): only then poll the
+        nodes. Each reachable node's position is read here, before the first store can
+        reach it, so every drop from now on is reported (a node down now: from its first
+        answer)."""
+        super().subscribe_evictions(callback)
+        if self.push and self.eviction_poll > 0 and self._peers and self._poller is None and not self._closed:
             try:
                 self.poll_evictions()
             except Exception:  # never fail the engine's start-up over events

@@ -24,7 +24,8 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   credentials or missing ACL permissions mid-run raise :class:`BackendError` (the
   engine counts it and treats it as a miss).
 * What the server evicts (``maxmemory``) or expires (``ttl_s``) is reported to the
-  engine's listeners (KV events) once one is set: a :class:`~.events.KeyEventWatcher`
+  engine's listeners (KV events) once the engine subscribes
+  (:meth:`subscribe_evictions`, on its first listener): a :class:`~.events.KeyEventWatcher`
   subscribes to the server's keyspace notifications (``eviction_events``); names
   under this tier's ``prefix`` that are chunk keys and that the server no longer
   holds (checked with ``EXISTS``: anyone may publish on those channels) become
@@ -119,7 +120,6 @@ class RedisBackend(StorageBackend):
         self._last_flood_log = -_OOM_LOG_EVERY_S
         self._event_bucket = TokenBucket(cfg.max_key_events_per_s)
         self._closed = False
-        self._on_evicted: Callable[[ChunkKey], None] | None = None
         self.watcher: KeyEventWatcher | None = None
         self.client: Client | None = client
         if client is None:
@@ -139,15 +139,11 @@ class RedisBackend(StorageBackend):
         return f"RedisBackend({self.target!r}, prefix={self.cfg.prefix!r})"
 
     # -- what the server drops -------------------------------------------------------
-    @property
-    def on_evicted(self) -> Callable[[ChunkKey], None] | None:
-        return self._on_evicted
-
-    @on_evicted.setter
-    def on_evicted(self, cb: Callable[[ChunkKey], None] | None) -> None:
-        """Set by the engine when someone listens (KV events on): only then subscribe."""
-        self._on_evicted = cb
-        if cb is not None and self.cfg.eviction_events and self.watcher is None and not self._closed:
+    def subscribe_evictions(self, callback: Callable[[ChunkKey], None]) -> None:
+        """Called by the engine once someone listens (KV events on): only then subscribe
+        to the server's keyspace notifications (``eviction_events``)."""
+        super().subscribe_evictions(callback)
+        if self.cfg.eviction_events and self.watcher is None and not self._closed:
             self.watcher = KeyEventWatcher(self.cfg, self._password, self._key_events, retry_s=max(self.cfg.down_cooldown_s, 1.0))
             # Subscribed before the first store can be evicted (bounded: a server down now is read once it answers).
             self.watcher.subscribed.wait(min(self.cfg.socket_timeout_s, 2.0))

@@ -214,25 +214,35 @@ class RedisBackend(StorageBackend):
     def _open(self) -> bool:
         return not self._closed and self._gate.allow()
 
-    def _ok(self) -> None:
+    def mark_available(self) -> None:
+        """Record that the server answered (a call, or the factory's start-up check):
+        the health gate opens, if it was closed."""
         if self._gate.succeeded():
             log.warning("redis tier: %s answers again; lookups and stores resume", self.target)
+
+    def mark_unavailable(self, op: str, err: BaseException) -> None:
+        """Record that ``op`` failed with ``err`` because the server did not answer
+        (down, slow, loading: :attr:`.client.Failure.UNAVAILABLE`): an error is counted
+        and the health gate closes, so calls are misses at once until
+        ``down_cooldown_s`` passes (the factory's start-up check uses it too)."""
+        self._add(errors=1)
+        if self._gate.failed():
+            log.warning(
+                "redis tier: %s on %s failed (%s); every call is a miss for the next %.1fs",
+                op,
+                self.target,
+                describe(err),
+                self.cfg.down_cooldown_s,
+            )
 
     def _failed(self, op: str, err: BaseException) -> None:
         """Sort a failed call: unavailable -> close the gate (the caller returns a miss);
         credentials or anything unexpected -> raise :class:`BackendError`."""
-        self._add(errors=1)
         kind = classify(err)
         if kind is Failure.UNAVAILABLE:
-            if self._gate.failed():
-                log.warning(
-                    "redis tier: %s on %s failed (%s); every call is a miss for the next %.1fs",
-                    op,
-                    self.target,
-                    describe(err),
-                    self.cfg.down_cooldown_s,
-                )
+            self.mark_unavailable(op, err)
             return
+        self._add(errors=1)
         self._gate.succeeded()
         hint = ""
         if kind is Failure.DENIED:
@@ -271,7 +281,7 @@ class RedisBackend(StorageBackend):
         except Exception as err:
             self._failed("lookup", err)
             return 0
-        self._ok()
+        self.mark_available()
         n = 0
         for f in found:
             if not f:
@@ -306,7 +316,7 @@ class RedisBackend(StorageBackend):
             self._add(misses=len(keys))
             self._failed("get", err)
             return hits
-        self._ok()
+        self.mark_available()
         for i, (k, out) in enumerate(zip(keys, outs)):
             hits[i] = self._decode(k, out, replies[2 * i], replies[2 * i + 1])
         return hits
@@ -382,7 +392,7 @@ class RedisBackend(StorageBackend):
             self._add(skipped=sum(1 for d in done if not d))
             self._failed("put", err)
             return done
-        self._ok()
+        self.mark_available()
         for (i, _, _), reply in zip(frames, replies):
             if isinstance(reply, BaseException):
                 self._put_refused(items[i][0], reply)
@@ -468,7 +478,7 @@ class RedisBackend(StorageBackend):
         except Exception as err:
             self._failed("remove", err)
             raise BackendError(f"redis remove {self._name(key)}: {describe(err)}") from None
-        self._ok()
+        self.mark_available()
         return bool(n)
 
     # -- housekeeping ---------------------------------------------------------------

@@ -37,10 +37,10 @@ def _verify(backend: RedisBackend, ctx: BackendContext) -> None:
                     f"redis tier: TLS handshake with {where} failed: {describe(err)}. Check the scheme (rediss:// only "
                     f"if the server has tls-port), {ctx.key_path}.tls_ca_file and the certificate's host name"
                 ) from None
-            backend._failed("startup check", err)
+            backend.mark_unavailable("startup check", err)
             return
         raise BackendError(f"redis tier: cannot use {where}: {describe(err)}") from None
-    backend._ok()
+    backend.mark_available()
 
 
 def create_redis_backend(section: Mapping[str, Any], ctx: BackendContext) -> RedisBackend:

@@ -92,7 +92,11 @@ class S3Backend(StorageBackend):
     def _deadline(self) -> float:
         return time.monotonic() + self.op_deadline_s
 
-    def _unavailable(self, op: str, err: BaseException) -> None:
+    def mark_unavailable(self, op: str, err: BaseException) -> None:
+        """Record that ``op`` failed with ``err`` because the endpoint did not answer
+        (down, slow past the deadline: :attr:`.client.Failure.UNAVAILABLE`): an error is
+        counted and the health gate closes, so calls are misses at once until
+        ``down_cooldown_s`` passes (the factory's start-up check uses it too)."""
         was_down = self._gate.down
         self._gate.failed()
         self._add(errors=1)
@@ -143,7 +147,7 @@ class S3Backend(StorageBackend):
             n = self._probe(keys, n, self._deadline())
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
-                self._unavailable("lookup", err)
+                self.mark_unavailable("lookup", err)
                 return 0
             self._raise("lookup", None, err)
         self._gate.succeeded()
@@ -196,7 +200,7 @@ class S3Backend(StorageBackend):
             run_bounded(self._ops, deadline, "put", self._upload, name, frame, deadline)
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
-                self._unavailable("put", err)
+                self.mark_unavailable("put", err)
                 self._add(skipped=1)
                 return False
             self._raise("put", key, err)
@@ -234,7 +238,7 @@ class S3Backend(StorageBackend):
             removed = run_bounded(self._ops, self._deadline(), "remove", self._remove_remote, key)
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
-                self._unavailable("remove", err)
+                self.mark_unavailable("remove", err)
                 raise BackendError(f"s3 remove {self._object(key)}: {describe(err)}") from None
             self._raise("remove", key, err)
         self._gate.succeeded()
@@ -282,7 +286,7 @@ class S3Backend(StorageBackend):
                 self._add(misses=1)
                 return False
             if kind is Failure.UNAVAILABLE:
-                self._unavailable("get", err)
+                self.mark_unavailable("get", err)
                 self._add(misses=1)
                 return False
             self._raise("get", key, err)

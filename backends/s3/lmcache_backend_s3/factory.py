@@ -48,7 +48,7 @@ def _verify(backend: S3Backend, ctx: BackendContext) -> None:
                 "the key must be valid for this endpoint and allow s3:ListBucket, s3:GetObject, s3:PutObject"
             ) from None
         if kind is Failure.UNAVAILABLE:
-            backend._unavailable("startup check", err)
+            backend.mark_unavailable("startup check", err)
             return
         raise BackendError(f"s3 tier: cannot use {where}: {describe(err)}") from None
 

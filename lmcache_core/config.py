@@ -105,6 +105,9 @@ class BackendSection(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str
+    #: this tier's codec (``raw``, ``lz4``, ``fp8``, a plugin codec); unset: the
+    #: top-level ``serde``. Not passed to the tier's factory (see :meth:`options`).
+    serde: str | None = None
 
     def options(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -112,7 +115,11 @@ class BackendSection(BaseModel):
 
 class CoreConfig(StrictModel):
     chunk_size: int = Field(256, gt=0, description="tokens per chunk; a multiple of the engine's block size")
-    serde: str = Field("raw", description="codec for serialized tiers: raw, lz4, or a plugin codec")
+    serde: str = Field(
+        "raw",
+        description="codec for serialized tiers: raw, lz4, fp8 (lossy, opt-in) or a plugin codec; "
+        "a tier's own serde: key overrides it",
+    )
     backends: list[BackendSection] = Field(
         default_factory=lambda: [BackendSection(name="local_cpu", max_size="1GiB")],
         min_length=1,

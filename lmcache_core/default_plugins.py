@@ -1,5 +1,6 @@
 """The plugins that ship inside the core, registered through the same hooks as
-third-party ones: the CPU tier, the ``raw``/``lz4`` codecs and the eviction policies."""
+third-party ones: the CPU tier, the ``raw``/``lz4`` codecs, the lossy opt-in ``fp8`` codec and the
+eviction policies."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def register_backends(register: RegisterBackend) -> None:
 def register_codecs(register: RegisterCodec) -> None:
     register(RawCodec(), description="no compression")
     register(Lz4Codec(), description="LZ4 block compression")
+    from .fp8 import Fp8Codec
+
+    register(Fp8Codec(), description="LOSSY: float8 e4m3, a scale per 64 values (0.52x of bf16); per tier, opt-in")
 
 
 @hookimpl

@@ -33,7 +33,7 @@ from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
 from .quarantine import Quarantine
-from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs
+from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs, is_lossy, tier_codecs
 
 log = logging.getLogger(__name__)
 
@@ -305,22 +305,35 @@ class CacheEngine:
             codec, codecs = SealedCodec(codec, self.seal), SealedCodecs(codecs, self.seal)
         self.codecs = codecs
         self.codec = codec
+        #: each tier's codec (its section's ``serde``, else the top-level one); a
+        #: lossy codec's frames satisfy only the tiers configured with it
+        self.tier_codecs: list[Codec] = []
         self.pool = _make_pool(loaded, self.plugins)
         self.counters = metrics.EngineCounters()
         self.tiers: list[StorageBackend] = []
         try:
             for i, section in enumerate(cfg.backends):
+                tier_codec = self._tier_codec(section.serde, f"backends[{i}].serde", loaded.source_of("backends"))
                 ctx = BackendContext(
                     key_path=f"backends[{i}]",
                     source=loaded.source_of("backends"),
                     config=cfg,
                     pool=self.pool,
-                    codec=self.codec,
-                    codecs=self.codecs,
+                    codec=tier_codec,
+                    codecs=tier_codecs(self.codecs, tier_codec),
                     plugins=self.plugins,
                 )
                 tier = self.plugins.create_backend(section, ctx)
                 self.tiers.append(tier)
+                self.tier_codecs.append(tier_codec)
+                if is_lossy(tier_codec):
+                    log.warning(
+                        "%s (%s) stores KV with the LOSSY codec %r: its frames are approximations, served "
+                        "only by tiers configured with that codec",
+                        ctx.key_path,
+                        section.name,
+                        tier_codec.name,
+                    )
                 if ZERO_COPY in tier.capabilities and self.plugins.pool_bytes(section) == 0:
                     log.warning(
                         "%s (%s) keeps chunks in the memory pool but declares no pool_bytes when it "
@@ -615,8 +628,9 @@ class CacheEngine:
         metrics.labeled(metrics.TIER_BYTES, tier0.name, "put").inc(data.nbytes)
         return 1
 
-    def _write_behind(self, key: ChunkKey, data: ChunkData, upto: int | None = None) -> None:
-        """Queue ``data`` for the slower tiers (all, or those above tier ``upto``)."""
+    def _write_behind(self, key: ChunkKey, data: ChunkData, upto: int | None = None, source: int | None = None) -> None:
+        """Queue ``data`` for the slower tiers (all, or those above tier ``upto``;
+        for a promotion from tier ``source``, those that may take its chunk)."""
         buf: MemoryBuffer | None
         if isinstance(data, MemoryBuffer):
             buf = data.retain()
@@ -629,6 +643,8 @@ class CacheEngine:
         try:
             for i, w in enumerate(self._writers, start=1):
                 if (upto is None or i < upto) and self._writes[i] and not self._out(w.tier):
+                    if source is not None and not self._takes_from(i, source):
+                        continue
                     w.submit(key, buf)
         finally:
             buf.release()
@@ -796,16 +812,34 @@ class CacheEngine:
                 return True
         return False
 
+    def _tier_codec(self, name: str | None, key_path: str, source: str) -> Codec:
+        """The codec of a tier whose section says ``serde: name`` (the top-level
+        codec when it says nothing), sealed like it."""
+        if name is None:
+            return self.codec
+        codec = self.plugins.get_codec(name, key_path=key_path, source=source)
+        return SealedCodec(codec, self.seal) if self.seal is not None else codec
+
+    def _takes_from(self, dest: int, level: int) -> bool:
+        """Whether a chunk read from tier ``level`` may be promoted into tier
+        ``dest``. A lossy tier's chunk is an approximation: it goes only into tiers
+        with that same codec, and into tier 0 when that is this engine's own memory
+        (not shared), never into a lossless tier other readers take for exact KV."""
+        codec = self.tier_codecs[level]
+        if not is_lossy(codec) or self.tier_codecs[dest].name == codec.name:
+            return True
+        return dest == 0 and SHARED not in self.tiers[0].capabilities
+
     def _promote(self, key: ChunkKey, data: ChunkData, level: int) -> None:
         with self._origin_lock:
             self._origin[key] = self.tiers[level].name
             self._origin.move_to_end(key)
             while len(self._origin) > MAX_ORIGINS:
                 self._origin.popitem(last=False)
-        if not self._out(self.tiers[0]):
+        if not self._out(self.tiers[0]) and self._takes_from(0, level):
             self._put_tier0(self.tiers[0], key, data)
         if level > 1:
-            self._write_behind(key, data, upto=level)
+            self._write_behind(key, data, upto=level, source=level)
 
     # -- correctness canary -----------------------------------------------------------
     def _out(self, tier: StorageBackend) -> bool:

@@ -42,7 +42,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 import blake3
 import numpy as np
@@ -198,6 +198,61 @@ class Codec(Protocol):
     def decode(self, payload: memoryview, raw_len: int) -> bytes | memoryview: ...
 
 
+class TensorCodec(Codec, Protocol):
+    """The optional extension of :class:`Codec` for codecs that need the tensor's
+    dtype and shape (a quantizer such as ``fp8``): a codec that has
+    ``encode_tensor`` is given the tensor instead of its bytes, one that has
+    ``decode_tensor`` is given the header's dtype and shape (both checksummed with
+    the payload), so a frame decodes in any process with the codec installed.
+    Byte codecs (``raw``, ``lz4``, third-party ones) lack both and work as before.
+
+    ``decode_tensor`` returns a CPU tensor of exactly ``dtype`` and ``shape``
+    (written into ``out`` when given, and then ``out`` itself) or raises on a
+    payload it cannot have written; serde turns any exception into a
+    :class:`FrameError` and checks the result's dtype and shape.
+
+    ``lossy = True`` declares that a round trip does not give the same bits back:
+    such a codec's frames satisfy only a tier configured with that very codec (see
+    :func:`tier_codecs`), never a reader that expects exact KV."""
+
+    lossy: bool
+
+    def encode_tensor(self, tensor: torch.Tensor) -> bytes | memoryview: ...
+
+    def decode_tensor(
+        self, payload: memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+
+def is_lossy(codec: object) -> bool:
+    """Whether ``codec`` declares ``lossy = True`` (byte codecs do not: lossless)."""
+    return getattr(codec, "lossy", False) is True
+
+
+class TierCodecs(dict[str, "Codec"]):
+    """The codecs one tier may decode with (see :func:`tier_codecs`); ``refused``
+    names the installed lossy codecs left out, for the miss's reason."""
+
+    refused: frozenset[str] = frozenset()
+
+
+def tier_codecs(codecs: Mapping[str, Codec], codec: Codec) -> dict[str, Codec]:
+    """The codecs a tier that writes with ``codec`` reads with: every lossless one,
+    plus ``codec`` itself when it is lossy. A frame written by any other lossy codec
+    is then a miss (:class:`UnknownCodec`, verdict FOREIGN) for that tier: a tier
+    configured lossless never serves approximate KV as a hit, whoever wrote the
+    store. The sealing of ``codecs`` (:class:`SealedCodecs`) is kept."""
+    keep = {n: c for n, c in codecs.items() if not is_lossy(c) or n == codec.name}
+    refused = frozenset(codecs) - frozenset(keep)
+    if isinstance(codecs, SealedCodecs):
+        sealed = SealedCodecs(keep, codecs.seal)
+        sealed.refused = refused
+        return sealed
+    plain = TierCodecs(keep)
+    plain.refused = refused
+    return plain
+
+
 class RawCodec:
     name = "raw"
     max_ratio = 1
@@ -238,6 +293,11 @@ class SealedCodec:
         ratio = getattr(codec, "max_ratio", None)
         if ratio is not None:
             self.max_ratio = ratio
+        # the optional tensor-codec extension (:class:`TensorCodec`), forwarded only
+        # when the codec has it, so serde treats the wrapper exactly as the codec
+        for attr in ("lossy", "encode_tensor", "decode_tensor"):
+            if hasattr(codec, attr):
+                setattr(self, attr, getattr(codec, attr))
 
     def encode(self, raw: memoryview) -> bytes | memoryview:
         return self.inner.encode(raw)
@@ -255,6 +315,7 @@ class SealedCodecs(dict[str, Codec]):
     def __init__(self, codecs: Mapping[str, Codec], seal: FrameSeal) -> None:
         super().__init__({name: SealedCodec(getattr(c, "inner", c), seal) for name, c in codecs.items()})
         self.seal = seal
+        self.refused: frozenset[str] = frozenset()
 
 
 def seal_of(codec_or_codecs: object) -> FrameSeal | None:
@@ -413,10 +474,25 @@ def encode_parts(key: ChunkKey, tensor: torch.Tensor, codec: Codec, *, seal: Fra
     if tensor.dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype {tensor.dtype} cannot be framed")
     seal = seal if seal is not None else seal_of(codec)
-    raw = tensor_bytes(tensor)
-    meta = frame_meta(key, tensor, codec.name, raw.nbytes, seal=seal)
-    payload = memoryview(codec.encode(raw)).cast("B")
+    raw_len, payload = encode_payload(tensor, codec)
+    meta = frame_meta(key, tensor, codec.name, raw_len, seal=seal)
     return frame_header(meta, payload_checksum(meta, payload, seal), payload.nbytes), payload
+
+
+def encode_payload(tensor: torch.Tensor, codec: Codec) -> tuple[int, memoryview]:
+    """``(raw_len, payload)``: the tensor's byte length (the header's ``raw_len``)
+    and ``codec``'s payload for it. A :class:`TensorCodec` gets the tensor (its
+    dtype and shape), a byte codec its bytes. For tiers that build frames from the
+    pieces (:func:`frame_meta`, :func:`frame_header`) instead of
+    :func:`encode_parts`."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    encode_tensor = getattr(codec, "encode_tensor", None)
+    if encode_tensor is not None:
+        return tensor.numel() * tensor.element_size(), memoryview(encode_tensor(tensor)).cast("B")
+    raw = tensor_bytes(tensor)
+    return raw.nbytes, memoryview(codec.encode(raw)).cast("B")
 
 
 def encode(key: ChunkKey, tensor: torch.Tensor, codec: Codec, *, seal: FrameSeal | None = None) -> bytes:
@@ -568,6 +644,8 @@ def check_frame(
         raise WrongShape(f"frame declares {info.raw_len} raw bytes, more than the {max_raw_bytes} allowed")
     codec = codecs.get(info.codec)
     if codec is None:
+        if info.codec in getattr(codecs, "refused", ()):
+            raise UnknownCodec(f"codec {info.codec!r} is lossy and this tier reads exact KV only (its serde differs)")
         raise UnknownCodec(f"codec {info.codec!r} is not installed")
     ratio = getattr(codec, "max_ratio", None)
     if isinstance(ratio, int) and info.raw_len > ratio * info.payload_len + 64:
@@ -644,6 +722,8 @@ def decode(
     verify_payload(meta, payload, seal)
     if out is not None:
         return codec_output(codec, info, payload, out)
+    if getattr(codec, "decode_tensor", None) is not None:
+        return _tensor_decode(codec, info, payload, None)
     raw = _codec_decode(codec, info, payload)
     dtype = DTYPES[info.dtype]
     if info.raw_len == 0:  # torch cannot reinterpret an empty byte view
@@ -663,11 +743,29 @@ def _codec_decode(codec: Codec, info: FrameInfo, payload: memoryview) -> bytes |
     return raw
 
 
+def _tensor_decode(codec: Codec, info: FrameInfo, payload: memoryview, out: torch.Tensor | None) -> torch.Tensor:
+    """A :class:`TensorCodec`'s decode, held to the header: any exception, and any
+    result of another dtype or shape than the header's, is a :class:`FrameError`."""
+    dtype = DTYPES[info.dtype]
+    try:
+        got = cast(TensorCodec, codec).decode_tensor(payload, dtype, info.shape, out)
+    except Exception as err:  # a crafted payload is a miss, never a crash
+        raise FrameError(f"codec {info.codec} failed: {err}") from None
+    if not isinstance(got, torch.Tensor) or got.dtype != dtype or tuple(got.shape) != info.shape:
+        raise FrameError(f"codec {info.codec} decoded another dtype or shape than the header's")
+    if out is not None and got is not out:
+        out.copy_(got)
+        return out
+    return got
+
+
 def codec_output(codec: Codec, info: FrameInfo, payload: memoryview, out: torch.Tensor) -> torch.Tensor:
     """Decode ``payload`` with ``codec`` straight into ``out`` (already checked against
     ``info`` by :func:`check_frame`); returns ``out``. No checksum here: a caller
     that skips :func:`verify_payload` must know the bytes are the ones verified
     earlier (the peer tier's shared-memory path, whose arena only the node writes)."""
+    if getattr(codec, "decode_tensor", None) is not None:
+        return _tensor_decode(codec, info, payload, out)
     raw = _codec_decode(codec, info, payload)
     if info.raw_len == 0:
         return out

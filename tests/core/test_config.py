@@ -174,7 +174,7 @@ def test_known_but_missing_backend_says_what_to_install(name: str) -> None:
 def test_unknown_codec_lists_installed() -> None:
     loaded = load_config(env={"LMCACHE_CORE_SERDE": "zstd"}, overrides={"backends": [{"name": "local_cpu", "max_size": "1MiB"}]})
     with pytest.raises(
-        ConfigError, match=r"serde: unknown codec 'zstd' \(from env var LMCACHE_CORE_SERDE\); installed codecs: lz4, raw"
+        ConfigError, match=r"serde: unknown codec 'zstd' \(from env var LMCACHE_CORE_SERDE\); installed codecs: fp8, lz4, raw"
     ):
         CacheEngine(loaded, namespace=NS, plugins=PluginManager(load_entry_points=False))
 

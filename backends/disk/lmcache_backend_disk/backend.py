@@ -65,11 +65,11 @@ from lmcache_core.serde import (
     check_header,
     checksum_placeholder,
     frame_header,
+    encode_payload,
     frame_meta,
     payload_checksum,
     payload_hasher,
     seal_of,
-    tensor_bytes,
     try_decode,
 )
 
@@ -801,10 +801,8 @@ class DiskBackend(StorageBackend):
             _unlink_quiet(temp, dfd)
 
     def _frame(self, key: ChunkKey, data: torch.Tensor) -> "_PendingFrame":
-        raw = tensor_bytes(data)
-        payload = self._codec.encode(raw)
-        mv = memoryview(payload).cast("B")
-        meta = frame_meta(key, data, self._codec.name, raw.nbytes, seal=self._seal)
+        raw_len, mv = encode_payload(data, self._codec)  # a tensor codec (fp8) gets the tensor
+        meta = frame_meta(key, data, self._codec.name, raw_len, seal=self._seal)
         return _PendingFrame(meta, mv, self._seal)
 
     def _write(self, dfd: int, temp: str, frame: "_PendingFrame") -> None:

@@ -1,0 +1,359 @@
+"""The opt-in ``fp8`` codec (issue #35): fidelity and size on K/V-like data, decoding
+that refuses crafted payloads (never NaN, infinity or another length), and the rule
+that a lossy frame satisfies only a tier configured with that codec.
+
+Crafted payloads are framed with a valid checksum (:func:`_frame_with_payload`), so
+the refusal comes from the codec's own checks and not from a checksum mismatch; the
+same helper with the untouched payload decodes OK (the positive control). The safety
+tests each carry their control: the same reads with the unfiltered codec map, or with
+a raw writer, are hits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmcache_core.config import ConfigError, load_config
+from lmcache_core.engine import CacheEngine
+from lmcache_core.fp8 import GROUP, REL_ERROR_BOUND, Fp8Codec, payload_len, scale_limit
+from lmcache_core.keys import ChunkKey, KeyNamespace
+from lmcache_core.plugins import PluginManager, get_plugin_manager
+from lmcache_core.serde import (
+    FrameSeal,
+    RawCodec,
+    SealedCodec,
+    SealedCodecs,
+    Verdict,
+    decode,
+    encode,
+    frame_header,
+    frame_meta,
+    is_lossy,
+    payload_checksum,
+    tier_codecs,
+    try_decode,
+)
+
+KEY = ChunkKey(b"\x02" * 16, b"\x01" * 16)
+FP8 = Fp8Codec()
+CODECS = get_plugin_manager().codec_map()
+FLOATS = [torch.bfloat16, torch.float16, torch.float32]
+SECRET = "a frame secret of 32 bytes......"
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def _kv(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """K/V-like data, [layers, k/v, tokens, heads, head_size]: normal, heavy-tailed
+    (Student t, 3 degrees of freedom), or with per-channel outliers (channels whose
+    scale differs by e**1.5 on average, as in real K caches)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, 2, 256, 4, 64)
+    x = torch.randn(shape, generator=g)
+    if kind == "heavy":
+        chi2 = torch.randn((3, *shape), generator=g).pow(2).sum(0) / 3
+        x = x / chi2.sqrt()
+    elif kind == "outliers":
+        x = x * torch.exp(1.5 * torch.randn(64, generator=g))
+    return x.to(dtype)
+
+
+# -- fidelity and size ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("kind", ["normal", "heavy", "outliers"])
+def test_round_trip_relative_error_within_bound(kind: str, dtype: torch.dtype) -> None:
+    x = _kv(kind, dtype)
+    y = decode(encode(KEY, x, FP8), CODECS, expect_key=KEY)
+    assert y.dtype == dtype and y.shape == x.shape and bool(torch.isfinite(y).all())
+    err = _rel_err(y, x)
+    assert 0 < err <= REL_ERROR_BOUND, err  # lossy (not 0), within the documented 3%
+    out = torch.empty_like(x)
+    assert decode(encode(KEY, x, FP8), CODECS, expect_key=KEY, out=out) is out and torch.equal(out, y)
+
+
+def test_scale_per_group_beats_one_scale_per_chunk() -> None:
+    """The control for the granularity: (token, head) rows whose magnitudes span
+    six decades (as between layers) keep their precision with a scale per 64
+    values; with one scale for the whole chunk the small rows sink into float8's
+    subnormals and the error grows several times."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 2, 256, 4, 64, generator=g) * 10 ** (-6 * torch.rand(2, 2, 256, 4, 1, generator=g))
+    flat = x.reshape(-1)
+    scale = flat.abs().max() / 448
+    whole = ((flat / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape)
+    per_group = decode(encode(KEY, x, FP8), CODECS)
+
+    def row_err(y: torch.Tensor) -> float:  # the mean over (token, head) rows of their relative error
+        return float(((y - x).norm(dim=-1) / x.norm(dim=-1)).mean())
+
+    assert row_err(per_group) <= REL_ERROR_BOUND < 3 * REL_ERROR_BOUND < row_err(whole)
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.bfloat16, 0.52), (torch.float32, 0.27), (torch.float16, 0.52)])
+def test_bytes_per_value_including_header(dtype: torch.dtype, bound: float) -> None:
+    """A realistic chunk (256 tokens x k/v x 8 layers x 8 heads x 64): the whole fp8
+    frame, header included, against the chunk's bytes at its dtype; the raw frame is
+    the control (over 1.0: the header is counted)."""
+    x = torch.randn(8, 2, 256, 8, 64).to(dtype)
+    raw_bytes = x.numel() * x.element_size()
+    frame = encode(KEY, x, FP8)
+    assert len(frame) / raw_bytes <= bound
+    assert len(frame) - 1000 < payload_len(x.numel()) == 2 * x.numel() // GROUP + x.numel() < len(frame)
+    assert len(encode(KEY, x, RawCodec())) / raw_bytes > 1.0
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_zero_constant_and_extreme_rows(dtype: torch.dtype) -> None:
+    big = float(torch.finfo(dtype).max)
+    x = torch.zeros(6, GROUP, dtype=torch.float32)
+    x[1] = 3.0  # constant
+    x[2] = -1e-3
+    x[3, ::2] = big  # the dtype's largest values: clipped to 448 * scale_limit, finite
+    x[3, 1::2] = -big
+    x[4, 0], x[4, 1] = 1000.0, 1e-6  # a tiny value next to a large one: flushed toward 0, finite
+    x[5] = torch.tensor(float(torch.finfo(dtype).tiny))  # the smallest normal: kept as zero or tiny
+    x = x.to(dtype)
+    y = decode(encode(KEY, x, FP8), CODECS)
+    assert bool(torch.isfinite(y).all())
+    assert torch.equal(y[0], torch.zeros_like(y[0]))
+    for row, value in ((1, 3.0), (2, -1e-3)):
+        assert torch.allclose(y[row].float(), torch.full((GROUP,), value), rtol=1 / 16, atol=0)
+    assert float(y[3].float().abs().min()) >= 0.9 * big and float(y[3].float().abs().max()) <= big
+    assert abs(float(y[4, 0]) - 1000.0) <= 1000.0 / 16 and abs(float(y[4, 1])) <= 1e-3
+    assert float(y[5].float().abs().max()) <= 2 * float(torch.finfo(dtype).tiny)
+
+
+def test_odd_sizes_and_empty() -> None:
+    """A chunk whose size is not a multiple of the group, and an empty one."""
+    x = torch.randn(3, 5, 7).to(torch.bfloat16)
+    y = decode(encode(KEY, x, FP8), CODECS)
+    assert y.shape == x.shape and _rel_err(y, x) <= REL_ERROR_BOUND
+    e = torch.empty(0, 4, dtype=torch.float16)
+    assert decode(encode(KEY, e, FP8), CODECS).shape == (0, 4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_kv_is_not_stored(bad: float) -> None:
+    x = torch.randn(4, GROUP)
+    x[2, 3] = bad
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        encode(KEY, x, FP8)
+
+
+def test_integer_chunks_are_refused() -> None:
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        encode(KEY, torch.zeros(4, 64, dtype=torch.int32), FP8)
+
+
+def test_byte_codec_contract_unchanged() -> None:
+    """A tier that calls ``codec.encode(bytes)`` directly (a byte codec's contract)
+    gets a clear error from fp8, never a frame it could not decode."""
+    with pytest.raises(TypeError, match="encodes tensors"):
+        FP8.encode(memoryview(b"\0" * 128))
+
+
+# -- crafted payloads: each a miss, never NaN, infinity or another length --------------
+
+
+def _frame_with_payload(x: torch.Tensor, payload: bytes, *, dtype: str | None = None, shape: str | None = None) -> bytes:
+    """An fp8 frame for ``x``'s header with ``payload``, checksummed correctly."""
+    meta = frame_meta(KEY, x, "fp8", x.numel() * x.element_size())
+    if dtype is not None:
+        meta["dtype"] = dtype
+    if shape is not None:
+        meta["shape"] = shape
+    return frame_header(meta, payload_checksum(meta, payload), len(payload)) + payload
+
+
+def _good() -> tuple[torch.Tensor, bytes]:
+    x = torch.randn(4, 2 * GROUP).to(torch.bfloat16)
+    return x, bytes(FP8.encode_tensor(x))
+
+
+def _set_scale(payload: bytes, index: int, value: float) -> bytes:
+    bits = np.array([value], dtype=np.float32).view(np.uint32)[0] >> 16  # bfloat16 bits of value (truncated)
+    b = bytearray(payload)
+    b[2 * index : 2 * index + 2] = int(bits).to_bytes(2, "little")
+    return bytes(b)
+
+
+def test_crafting_helper_reaches_the_codec() -> None:
+    """Positive control: the helper's frame with the codec's own payload is a hit."""
+    x, payload = _good()
+    got = try_decode(_frame_with_payload(x, payload), CODECS, expect_key=KEY, out=torch.empty_like(x))
+    assert got.verdict is Verdict.OK and _rel_err(got.tensor, x) <= REL_ERROR_BOUND
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda p: p[:-1], id="truncated"),
+        pytest.param(lambda p: p + b"\0", id="one-byte-longer"),
+        pytest.param(lambda p: p[: 2 * 8], id="scales-only"),
+        pytest.param(lambda p: _set_scale(p, 1, float("nan")), id="scale-nan"),
+        pytest.param(lambda p: _set_scale(p, 2, float("inf")), id="scale-inf"),
+        pytest.param(lambda p: _set_scale(p, 0, -1.0), id="scale-negative"),
+        pytest.param(lambda p: _set_scale(p, 3, 1e38), id="scale-huge"),
+        pytest.param(lambda p: p[:20] + b"\x7f" + p[21:], id="nan-code"),
+        pytest.param(lambda p: p[:30] + b"\xff" + p[31:], id="negative-nan-code"),
+    ],
+)
+def test_crafted_payload_is_a_corrupt_miss(edit) -> None:  # type: ignore[no-untyped-def]
+    x, payload = _good()
+    bad = edit(payload)
+    assert bad != payload
+    for out in (torch.empty_like(x), None):
+        got = try_decode(_frame_with_payload(x, bad), CODECS, expect_key=KEY, out=out)
+        assert got.verdict is Verdict.CORRUPT and got.tensor is None, got
+
+
+def test_scale_at_the_limit_decodes_finite() -> None:
+    """The largest scale a frame may hold with the largest float8 codes: finite
+    values of the dtype (the limit is what keeps them so)."""
+    for dtype in FLOATS:
+        x = torch.zeros(GROUP, dtype=dtype)
+        limit = scale_limit(dtype)
+        payload = _set_scale(bytes(2) + bytes([0x7E, 0xFE] * (GROUP // 2)), 0, limit)
+        got = try_decode(_frame_with_payload(x, payload), CODECS, out=torch.empty_like(x))
+        assert got.verdict is Verdict.OK and bool(torch.isfinite(got.tensor).all())
+        assert float(got.tensor.float().abs().max()) == pytest.approx(448 * limit, rel=1e-2)
+
+
+def test_fp8_frame_of_an_integer_dtype_is_a_miss() -> None:
+    x, payload = _good()
+    frame = _frame_with_payload(x, payload, dtype="int16")
+    assert try_decode(frame, CODECS, expect_key=KEY).verdict is Verdict.CORRUPT
+
+
+def test_huge_declared_size_is_refused_before_allocating() -> None:
+    """A header claiming 256 MiB of float32 from a 1 KiB payload: refused by the
+    codec's ``max_ratio`` (4) before any allocation, even with a raised cap."""
+    x = torch.zeros(1 << 20, 64)
+    payload = b"\0" * 1024
+    frame = _frame_with_payload(x, payload)
+    got = try_decode(frame, CODECS, max_raw_bytes=1 << 40)
+    assert got.verdict is Verdict.CORRUPT and "at most 4x" in (got.reason or "")
+
+
+# -- a lossy frame satisfies only a tier configured with that codec --------------------
+
+
+def test_lossless_tier_refuses_fp8_frames_as_foreign() -> None:
+    x = _kv("normal", torch.bfloat16)
+    frame = encode(KEY, x, FP8)
+    raw_reader = tier_codecs(CODECS, CODECS["raw"])
+    got = try_decode(frame, raw_reader, expect_key=KEY, out=torch.empty_like(x))
+    assert got.verdict is Verdict.FOREIGN and "lossy" in (got.reason or "")
+    assert try_decode(frame, tier_codecs(CODECS, CODECS["lz4"]), expect_key=KEY).verdict is Verdict.FOREIGN
+    # controls: the tier configured with fp8, and the unfiltered map, decode it
+    assert try_decode(frame, tier_codecs(CODECS, FP8), expect_key=KEY).verdict is Verdict.OK
+    assert try_decode(frame, CODECS, expect_key=KEY).verdict is Verdict.OK
+    # an fp8 tier still reads lossless frames (exact KV is good for everyone)
+    raw_frame = encode(KEY, x, RawCodec())
+    got = try_decode(raw_frame, tier_codecs(CODECS, FP8), expect_key=KEY)
+    assert got.verdict is Verdict.OK and torch.equal(got.tensor, x)
+
+
+def test_sealed_fp8_frame_also_refused_by_sealed_lossless_tier() -> None:
+    seal = FrameSeal(SECRET)
+    sealed = SealedCodecs(CODECS, seal)
+    x = _kv("heavy", torch.float16)
+    frame = encode(KEY, x, SealedCodec(FP8, seal))
+    assert is_lossy(sealed["fp8"]) and b'"auth"' in frame[:2048]
+    raw_reader = tier_codecs(sealed, sealed["raw"])
+    assert isinstance(raw_reader, SealedCodecs)  # still checks the seal
+    assert try_decode(frame, raw_reader, expect_key=KEY).verdict is Verdict.FOREIGN
+    got = try_decode(frame, tier_codecs(sealed, sealed["fp8"]), expect_key=KEY)
+    assert got.verdict is Verdict.OK and _rel_err(got.tensor, x) <= REL_ERROR_BOUND
+    # the seal still applies to the fp8 tier: an unsealed fp8 frame is refused there
+    assert try_decode(encode(KEY, x, FP8), tier_codecs(sealed, sealed["fp8"]), expect_key=KEY).verdict is Verdict.FOREIGN
+
+
+CHUNK = 256
+SHAPE = (2, 2, CHUNK, 4, 64)
+
+
+def _disk_engine(disk: Path, serde: str | None, secret: bool) -> CacheEngine:
+    tier: dict[str, object] = {"name": "disk", "path": str(disk)}
+    if serde is not None:
+        tier["serde"] = serde
+    overrides: dict[str, object] = {
+        "chunk_size": CHUNK,
+        "backends": [{"name": "local_cpu", "max_size": "64MiB"}, tier],
+    }
+    if secret:
+        overrides["frame_secret"] = SECRET
+    return CacheEngine(load_config(env={}, overrides=overrides), namespace=KeyNamespace(model="fp8-test"))
+
+
+@pytest.mark.parametrize("secret", [False, True], ids=["plain", "sealed"])
+def test_shared_disk_fp8_frames_are_misses_for_a_raw_engine(tmp_path: Path, secret: bool) -> None:
+    """Two engines on one disk directory: what the fp8-configured one stores is a
+    miss for the raw-configured one and a hit (within the bound) for fp8 readers;
+    the control: what a raw writer stores is an exact hit for the raw reader."""
+    tokens = list(range(2 * CHUNK))
+    g = torch.Generator().manual_seed(3)
+    chunks = [torch.randn(SHAPE, generator=g).to(torch.bfloat16) for _ in range(2)]
+    with _disk_engine(tmp_path / "d", "fp8", secret) as writer:
+        assert writer.tier_codecs[1].name == "fp8" and writer.tier_codecs[0].name == "raw"
+        assert writer.store(tokens, chunks) == 2 and writer.flush(60)
+    with _disk_engine(tmp_path / "d", None, secret) as raw_reader:
+        outs = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(2)]
+        assert raw_reader.retrieve(tokens, outs) == 0
+        assert all(not bool(o.any()) for o in outs)
+    with _disk_engine(tmp_path / "d", "fp8", secret) as fp8_reader:
+        outs = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(2)]
+        assert fp8_reader.retrieve(tokens, outs) == 2
+        assert all(0 < _rel_err(o, c) <= REL_ERROR_BOUND for o, c in zip(outs, chunks))
+    with _disk_engine(tmp_path / "r", None, secret) as raw_writer:
+        assert raw_writer.store(tokens, chunks) == 2 and raw_writer.flush(60)
+    with _disk_engine(tmp_path / "r", None, secret) as raw_reader:
+        outs = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(2)]
+        assert raw_reader.retrieve(tokens, outs) == 2
+        assert all(torch.equal(o, c) for o, c in zip(outs, chunks))
+
+
+def _dict_engine(slow_serde: str) -> CacheEngine:
+    backends = [
+        {"name": "local_cpu", "max_size": "64MiB"},
+        {"name": "example_dict", "max_entries": 100},
+        {"name": "example_dict", "max_entries": 100, "serde": slow_serde},
+    ]
+    cfg = load_config(env={}, overrides={"chunk_size": 16, "backends": backends})
+    return CacheEngine(cfg, namespace=KeyNamespace(model="fp8-promote"), plugins=PluginManager())
+
+
+@pytest.mark.parametrize("slow_serde", ["fp8", "raw"])
+def test_chunk_from_a_lossy_tier_is_not_promoted_into_a_lossless_one(slow_serde: str) -> None:
+    """CPU tier, a raw tier, an fp8 tier: a chunk served by the fp8 tier goes into
+    this engine's own CPU tier but never into the raw tier (which would hand the
+    approximation out as exact KV). Control: served by a raw slowest tier, it is."""
+    tokens = list(range(16))
+    chunk = torch.randn(2, 16, 64).to(torch.bfloat16)
+    with _dict_engine(slow_serde) as eng:
+        assert [c.name for c in eng.tier_codecs] == ["raw", "raw", slow_serde]
+        assert eng.store(tokens, [chunk]) == 1 and eng.flush(10)
+        (key,) = eng.keys(eng.hashes(tokens))
+        eng.tiers[0].remove(key)
+        eng.tiers[1].remove(key)
+        out = torch.zeros_like(chunk)
+        assert eng.retrieve(tokens, [out]) == 1 and eng.flush(10)
+        assert eng.tiers[0].contains([key]) == 1
+        assert eng.tiers[1].contains([key]) == (0 if slow_serde == "fp8" else 1)
+        assert torch.equal(out, chunk) == (slow_serde == "raw")
+
+
+def test_per_tier_serde_is_checked_and_not_passed_to_the_factory() -> None:
+    """``serde`` in a tier's section selects its codec (the strict example factory
+    would refuse an unknown option); an unknown one names its key path."""
+    backends = [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "example_dict", "serde": "zstd"}]
+    with pytest.raises(ConfigError, match=r"backends\[1\]\.serde: unknown codec 'zstd'"):
+        CacheEngine(load_config(env={}, overrides={"backends": backends}), namespace=KeyNamespace(model="m"))

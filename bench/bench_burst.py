@@ -29,13 +29,14 @@ spread every cross-process ratio here carries); and a profile of one extra burst
 ``lmc`` (time inside the connector's hooks, by part). Bars: burst <= 1.1x ref,
 single <= 1.0x ref, identical tokens, no-reuse overhead <= 5%.
 
-    python bench/bench_burst.py [--quick] [--rounds N] [--repeat K] [--ratio R] [--variant k=v,...]
+    python bench/bench_burst.py [--quick] [--rounds N] [--repeat K] [--ratio R] [--variant k=v,...] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import tempfile
@@ -238,6 +239,7 @@ def main() -> int:
     ap.add_argument(
         "--ratio", type=float, default=1 / 3, help="vLLM's own KV cache for lmc and small, as a fraction of the working set"
     )
+    ap.add_argument("--json", type=Path, default=None, help="also write the medians and paired ratios here")
     args = ap.parse_args()
     users, ctx_tokens = (4, 1024) if args.quick else (8, 2048)
     rounds = args.rounds or (1 if args.quick else 5)
@@ -434,6 +436,19 @@ def main() -> int:
         f"same (ref limited to {fit} requests at once) vs ref: burst {floor:.2f}x, median of per-round ratios: "
         f"the scheduling floor at this ratio"
     )
+    if args.json is not None:
+        summary: dict[str, Any] = {
+            "seconds": {f"{n} single warm TTFT": med[n] for n in names} | {f"{n} burst": bmed[n] for n in names},
+            "ratios": {},
+            "identical": identical,
+        }
+        for name in lmcs:  # paired ratios: machine-wide slow spells cancel
+            summary["ratios"][f"{name} single vs ref"] = statistics.median(a / b for a, b in zip(single[name], single["ref"]))
+            summary["ratios"][f"{name} burst vs ref"] = statistics.median(a / b for a, b in zip(burst[name], burst["ref"]))
+            summary["ratios"][f"{name} no-reuse saving vs not"] = statistics.median(
+                a / b for a, b in zip(nr[name], nr[f"{name} skip_save"])
+            )
+        args.json.write_text(json.dumps(summary, indent=1))
     print(f"greedy tokens (8 per user, {users} users at once) identical across {', '.join(names)}: {identical}")
     if not identical:
         for name in names:

@@ -9,13 +9,16 @@ and a no-reuse workload (all prompts distinct) with and without the connector, r
 alternately. Targets: lmcache-core's warm TTFT within 1.5x of vLLM's prefix-cache
 hit; no-reuse TTFT within 5% of no connector.
 
-    python bench/bench_connector.py [--quick]
+    python bench/bench_connector.py [--quick] [--json PATH]
+
+``--json`` also writes the medians (seconds) for bench/bench_before_after.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -128,6 +131,7 @@ def no_reuse_workload(model: Path, tmp: Path, n: int, tokens: int, rounds: int, 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="also write the medians (seconds) here")
     args = ap.parse_args()
     n_docs, doc_tokens, repeats = (2, 1536, 2) if args.quick else (4, 3072, 3)
     nr_n, nr_tokens, nr_rounds = (4, 1024, 2) if args.quick else (6, 2048, 4)
@@ -159,6 +163,10 @@ def main() -> int:
         f"TTFT median: no connector {nr['recompute'] * 1000:.1f} ms, lmcache-core {nr['lmcache'] * 1000:.1f} ms, ratio {over:.3f}"
     )
     print(f"target: within 5% of no connector -> {'met' if over <= 1.05 else 'NOT met'}")
+    if args.json is not None:
+        metrics = {f"{name} {phase} TTFT": r[phase] for name, r in res.items() for phase in ("cold", "warm")}
+        metrics |= {"no-reuse TTFT, no connector": nr["recompute"], "no-reuse TTFT, lmcache-core": nr["lmcache"]}
+        args.json.write_text(json.dumps({"seconds": metrics, "ratios": {"no-reuse lmcache/recompute": over}}, indent=1))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Warm loads from Redis across a network, on real vLLM (CPU): round trips, TTFT
 against the CPU tier, and what an in-flight load does to other requests' decoding.
 
-    python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl]
+    python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH]
 
 Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``.
 Each vLLM engine is a fresh process (a writer stores, a reader with an empty CPU tier
@@ -138,6 +138,10 @@ def part_rtt(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     ]
 
 
+FIGURES: dict[str, dict[str, float]] = {"seconds": {}, "ratios": {}}
+"""What --json writes (for bench/bench_before_after.py)."""
+
+
 def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     from lmcache_connector.tiny_model import random_prompt
 
@@ -150,6 +154,12 @@ def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     from_redis, from_cpu = results[0], results[1:]
     cpu_ttft = statistics.median(r["ttft"] for r in from_cpu)
     ratio = from_redis["ttft"] / cpu_ttft
+    FIGURES["seconds"] |= {
+        "TTFT from Redis": from_redis["ttft"],
+        "load from Redis": from_redis["load_s"],
+        "TTFT from CPU": cpu_ttft,
+    }
+    FIGURES["ratios"]["TTFT Redis / CPU tier"] = ratio
     return [
         f"{tokens}-token prompt at 1 ms RTT: warm TTFT from Redis (CPU tier empty) {from_redis['ttft'] * 1e3:.0f} ms "
         f"(load {from_redis['load_s'] * 1e3:.0f} ms, {from_redis['pipelines']} round trips) vs from the CPU tier "
@@ -226,6 +236,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", nargs="+", default=["rtt", "ttft", "itl"], choices=["rtt", "ttft", "itl"])
+    ap.add_argument("--json", type=Path, default=None, help="also write the ttft part's figures here")
     args = ap.parse_args()
     spec, model = tiny_model()
     lines = [f"bench_remote_ttft: model {spec.tag()} (float32, 8 KiB of KV per token), chunks of {CS} tokens"]
@@ -244,6 +255,8 @@ def main() -> int:
         finally:
             redis_proc.terminate()
     print("\n".join(lines))
+    if args.json is not None:
+        args.json.write_text(json.dumps(FIGURES, indent=1))
     return 0
 
 

@@ -123,6 +123,7 @@ class Arm:
     tiers: str = "cpu"  # cpu | disk | node | redis
     chunk_size: int = 256
     prefix_caching: bool = True
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the server
 
 
 def free_port() -> int:
@@ -260,6 +261,7 @@ def server(
         # --kv-cache-memory-bytes: left in, every arm would get its size and the small
         # cache of vllm/lmc-* would silently be as large as the limit's
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.update(arm.env)
         if arm.connector:
             yaml_path = tmp / f"{arm.name}.yaml"
             yaml_path.write_text(json.dumps(cfg))  # JSON is YAML

@@ -165,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="3 minutes, 12 documents")
     p.add_argument("--json", default=None, help="write the samples and verdicts here")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="the same load on vLLM alone (no connector, no tiers): how much of the servers' RSS growth is vLLM's own",
+    )
+    p.add_argument(
+        "--server-env", nargs="*", default=[], metavar="K=V", help="extra environment for the server (e.g. MALLOC_ARENA_MAX=2)"
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.duration, a.docs, a.sample_every, a.sample, a.check_every = 180, 12, 20, 4, 60
@@ -179,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="serving-soak-") as tmpdir:
         tmp = Path(tmpdir)
         disk = tmp / "disk"
-        arm = bs.Arm("lmc-soak", connector=True, kv_bytes=a.small_kv, tiers="custom")
+        server_env = dict(kv.split("=", 1) for kv in a.server_env)
+        if a.control:
+            arm = bs.Arm("vllm-soak", kv_bytes=a.small_kv, env=server_env)
+        else:
+            arm = bs.Arm("lmc-soak", connector=True, kv_bytes=a.small_kv, tiers="custom", env=server_env)
         cfg = {
             "chunk_size": 256,
             "backends": [
@@ -193,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             f"soak: {a.duration:.0f} s at concurrency {a.concurrency}, {a.docs} documents of {a.doc_tokens} tokens "
             f"({working_set / 2**20:.0f} MiB of KV), reuse {a.reuse:.0%}; CPU tier {cpu_budget / 2**20:.0f} MiB + "
             f"disk {disk_budget / 2**20:.0f} MiB (a quarter of the working set)"
+            + ("; CONTROL: vLLM alone, no connector" if a.control else "")
+            + (f"; server environment {server_env}" if server_env else "")
         )
-        with bs.server(arm, model, a, tmp, config=cfg) as (base, proc):
+        with bs.server(arm, model, a, tmp, config=None if a.control else cfg) as (base, proc):
             t0 = time.monotonic()
             stop = t0 + a.duration
             done = threading.Event()

@@ -357,3 +357,32 @@ def test_per_tier_serde_is_checked_and_not_passed_to_the_factory() -> None:
     backends = [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "example_dict", "serde": "zstd"}]
     with pytest.raises(ConfigError, match=r"backends\[1\]\.serde: unknown codec 'zstd'"):
         CacheEngine(load_config(env={}, overrides={"backends": backends}), namespace=KeyNamespace(model="m"))
+
+
+def test_results_never_alias_the_codec_scratch_buffers() -> None:
+    """The codec keeps per-thread working buffers: a decoded tensor (no ``out``)
+    and an encoded payload must survive the next call, in this thread or another."""
+    import threading
+
+    a, b = _kv("normal", torch.float32, seed=1), _kv("heavy", torch.float32, seed=2)
+    fa, fb = encode(KEY, a, FP8), encode(KEY, b, FP8)
+    ya = decode(fa, CODECS)
+    ya_copy = ya.clone()
+    yb = decode(fb, CODECS)
+    assert torch.equal(ya, ya_copy) and not torch.equal(ya, yb)
+    assert encode(KEY, a, FP8) == fa  # deterministic, and b's encode did not touch it
+    results: dict[int, bool] = {}
+
+    def work(i: int) -> None:
+        x = _kv("outliers", torch.bfloat16, seed=10 + i)
+        ok = True
+        for _ in range(5):
+            ok &= _rel_err(decode(encode(KEY, x, FP8), CODECS), x) <= REL_ERROR_BOUND
+        results[i] = ok
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {0: True, 1: True, 2: True}

@@ -871,11 +871,13 @@ class CacheEngine:
             stored = self._read_copy(tier, key, fresh_t)
             if stored is None:
                 continue
+            blame = origin if origin is not None and levels.get(origin, -1) > level else tier.name
             try:
                 equal, detail = same(stored.tensor, fresh_t)
+                if not equal:
+                    equal, detail = self._within_codec_bound(levels[blame], stored.tensor, fresh_t, detail)
             finally:
                 stored.release()
-            blame = origin if origin is not None and levels.get(origin, -1) > level else tier.name
             verdicts.append(TierVerdict(tier.name, blame, equal, detail))
         charged: set[str] = set()
         if verdicts:
@@ -904,6 +906,25 @@ class CacheEngine:
                 self._origin.pop(key, None)
         self.counters.add(verified_chunks=1 if verdicts else 0)
         return verdicts
+
+    def _within_codec_bound(self, level: int, stored: torch.Tensor, fresh: torch.Tensor, detail: str) -> tuple[bool, str]:
+        """The canary's verdict on a copy that ``same`` found unequal, when it came
+        from a tier with a lossy codec (``level``: the tier charged): equal if the
+        relative error ``||stored - fresh|| / ||fresh||`` (float64) is within the
+        codec's declared ``error_bound``; another key's chunk is off by ~100%."""
+        codec = self.tier_codecs[level]
+        bound = getattr(codec, "error_bound", None)
+        if not is_lossy(codec) or not isinstance(bound, float) or not fresh.dtype.is_floating_point:
+            return False, detail
+        if stored.shape != fresh.shape or stored.dtype != fresh.dtype:
+            return False, detail
+        a, b = stored.to(torch.float64), fresh.to(torch.float64)
+        if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
+            return False, detail
+        rel = float(torch.linalg.vector_norm(a - b)) / max(float(torch.linalg.vector_norm(b)), 1e-30)
+        if rel <= bound:
+            return True, f"relative error {rel:.3g} within the {codec.name} codec's bound {bound:g}"
+        return False, f"{detail}; relative error {rel:.3g} above the {codec.name} codec's bound {bound:g}"
 
     def _read_copy(self, tier: StorageBackend, key: ChunkKey, like: torch.Tensor) -> MemoryBuffer | None:
         """``key``'s object in ``tier`` as a pool buffer (caller releases), or None

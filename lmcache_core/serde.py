@@ -213,7 +213,11 @@ class TensorCodec(Codec, Protocol):
 
     ``lossy = True`` declares that a round trip does not give the same bits back:
     such a codec's frames satisfy only a tier configured with that very codec (see
-    :func:`tier_codecs`), never a reader that expects exact KV."""
+    :func:`tier_codecs`), never a reader that expects exact KV. A lossy codec may
+    declare ``error_bound`` (a float): the largest relative error
+    ``||decoded - original|| / ||original||`` it can produce; the correctness
+    canary accepts a copy from its tier within that bound (without it, the canary
+    compares as for exact KV)."""
 
     lossy: bool
 

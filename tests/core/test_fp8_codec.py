@@ -386,3 +386,55 @@ def test_results_never_alias_the_codec_scratch_buffers() -> None:
     for t in threads:
         t.join(60)
     assert results == {0: True, 1: True, 2: True}
+
+
+def _exact(stored: torch.Tensor, fresh: torch.Tensor) -> tuple[bool, str]:
+    return torch.equal(stored, fresh), "bit-identical" if torch.equal(stored, fresh) else "values differ"
+
+
+def test_canary_accepts_fp8_copies_within_bound_and_catches_a_planted_chunk() -> None:
+    """``verify_fraction: 1.0`` on an fp8 tier: the fp8 copy and the CPU tier's copy
+    promoted from it differ from the recomputation bit-wise, yet are within the
+    codec's bound (0 mismatches); another key's chunk, fp8-framed under this key, is
+    still a mismatch charged to the fp8 tier (the control that the check can fail)."""
+    backends = [{"name": "local_cpu", "max_size": "64MiB"}, {"name": "example_dict", "max_entries": 100, "serde": "fp8"}]
+    cfg = load_config(env={}, overrides={"chunk_size": 16, "verify_fraction": 1.0, "backends": backends})
+    g = torch.Generator().manual_seed(9)
+    chunk = torch.randn(2, 16, 64, generator=g)  # float32: the exact comparison's tolerance would be 1e-4
+    other = torch.randn(2, 16, 64, generator=g)
+    tokens = list(range(16))
+    with CacheEngine(cfg, namespace=KeyNamespace(model="fp8-canary"), plugins=PluginManager()) as eng:
+        assert eng.store(tokens, [chunk]) == 1 and eng.flush(10)
+        (h,) = eng.hashes(tokens)
+        (key,) = eng.keys([h])
+        eng.tiers[0].remove(key)
+        out = torch.zeros_like(chunk)
+        assert eng.retrieve(tokens, [out]) == 1 and not torch.equal(out, chunk)  # promoted approximation
+        verdicts = eng.verify(h, chunk, _exact)
+        assert [(v.tier, v.blame, v.equal) for v in verdicts] == [
+            ("local_cpu", "example_dict", True),
+            ("example_dict", "example_dict", True),
+        ]
+        assert all("within the fp8 codec's bound" in v.detail for v in verdicts)
+        eng.tiers[0].remove(key)
+        eng.tiers[1].remove(key)
+        assert eng.tiers[1].put(key, other)  # planted: another key's data, a valid fp8 frame
+        (planted,) = eng.verify(h, chunk, _exact)
+        assert not planted.equal and planted.blame == "example_dict" and "above the fp8 codec's bound" in planted.detail
+
+
+def test_worst_case_round_trip_error_is_under_the_canary_bound() -> None:
+    """The canary bound rests on this: every value within float8's normal range of
+    its group's scale (above 2**-6 of 448 * scale) comes back within 2**-4 of
+    itself, whatever its magnitude; so even data made only of such values stays
+    well inside the bound."""
+    from lmcache_core.fp8 import CANARY_BOUND
+
+    g = torch.Generator().manual_seed(11)
+    mags = torch.exp2(-6 * torch.rand(4096, GROUP, generator=g))  # within 2**-6 of each group's max
+    mags[:, 0] = 1.0
+    x = mags * torch.where(torch.rand(4096, GROUP, generator=g) < 0.5, -1.0, 1.0)
+    y = decode(encode(KEY, x, FP8), CODECS)
+    worst = float(((y - x).abs() / x.abs()).max())
+    assert 0.04 < worst <= 1 / 16 + 1e-6  # the e4m3 step: 2**-3, half of it at most
+    assert _rel_err(y, x) <= 1 / 16 < CANARY_BOUND

@@ -868,7 +868,7 @@ class DiskBackend(StorageBackend):
                 if not self._read_verified(fd, offset, scratch, meta, key, path, st.st_ino):
                     return False
                 if isinstance(err, UnknownCodec):
-                    log.warning("disk tier: %s uses codec %r, which is not installed here", path, info.codec)
+                    log.warning("disk tier: %s: %s", path, err)  # not installed here, or lossy and not this tier's
                 else:
                     with self._lock:
                         self._extra["shape_mismatch"] += 1

@@ -238,11 +238,13 @@ def _quarantine_gauge(tier: str, quarantined: bool) -> None:
     metrics.TIER_QUARANTINED.labels(tier).set(1 if quarantined else 0)
 
 
-def _pool_claims(cfg: CoreConfig, plugins: PluginManager) -> list[tuple[int, int]]:
+def _pool_claims(loaded: LoadedConfig, plugins: PluginManager) -> list[tuple[int, int]]:
     """``(index in backends, bytes)`` for every configured tier that declares pool
     memory (``pool_bytes`` at registration: tiers that keep their chunks in the pool,
-    like ``local_cpu`` or a third-party zero-copy tier)."""
-    claims = [(i, plugins.pool_bytes(b)) for i, b in enumerate(cfg.backends)]
+    like ``local_cpu`` or a third-party zero-copy tier); a size that does not parse is
+    a :class:`ConfigError` naming its key and file."""
+    source = loaded.source_of("backends")
+    claims = [(i, plugins.pool_bytes(b, key_path=f"backends[{i}]", source=source)) for i, b in enumerate(loaded.config.backends)]
     return [(i, n) for i, n in claims if n > 0]
 
 
@@ -254,7 +256,7 @@ def _make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:
     sections that size it (rather than an allocator error naming no key, or the OOM
     killer later)."""
     cfg = loaded.config
-    claims = _pool_claims(cfg, plugins)
+    claims = _pool_claims(loaded, plugins)
     size = max(sum(n for _, n in claims) + cfg.staging_size, 1 << 20)
     avail = available_memory()
     if avail is None or size <= avail:

@@ -214,8 +214,12 @@ class LocalCpuBackend(StorageBackend):
 
 def pool_bytes(section: Mapping[str, Any]) -> int:
     """The pool memory a ``local_cpu`` tier declares (its ``max_size``), read before the
-    tier exists so the engine can size the pool; raises ValueError when it does not parse."""
-    return parse_size(section.get("max_size", LocalCpuConfig().max_size))
+    tier exists so the engine can size the pool; a ValueError naming ``max_size`` and
+    the value when it does not parse."""
+    try:
+        return parse_size(section.get("max_size", LocalCpuConfig().max_size))
+    except ValueError as err:
+        raise ValueError(f"max_size: {err}") from None
 
 
 def create_local_cpu(section: Mapping[str, Any], ctx: BackendContext) -> LocalCpuBackend:

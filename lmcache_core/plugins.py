@@ -141,6 +141,15 @@ def _core_version() -> str:
         return "unknown"
 
 
+_NAMES_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]*: ")
+
+
+def _under(key_path: str, message: str) -> str:
+    """``message`` placed under ``key_path``: ``"max_size: bad"`` becomes
+    ``"backends[0].max_size: bad"``; a message that names no key follows a colon."""
+    return f"{key_path}.{message}" if _NAMES_KEY.match(message) else f"{key_path}: {message}"
+
+
 class PluginManager:
     def __init__(self, *, load_entry_points: bool = True, env: Mapping[str, str] | None = None) -> None:
         self._pm = pluggy.PluginManager(PROJECT)
@@ -355,18 +364,20 @@ class PluginManager:
             )
         return codecs[name].codec
 
-    def pool_bytes(self, section: BackendSection) -> int:
-        """The bytes of the engine's pool the tier ``section`` configures declares it
-        keeps chunks in (0: none, or an unknown backend). A section whose size does not
-        parse declares 0 here; the tier's factory then reports the error with its key."""
+    def pool_bytes(self, section: BackendSection, *, key_path: str = "backends", source: str = "config") -> int:
+        """The bytes of the engine's pool the tier ``section`` (at ``key_path``, read from
+        ``source``) declares it keeps chunks in (0: none, or an unknown backend).
+
+        A size that does not parse is a :class:`ConfigError` naming the key and the value
+        (never 0: the pool would silently lose the tier's whole budget)."""
         info = self.backends().get(section.name)
         if info is None or info.pool_bytes is None:
             return 0
         declare: PoolBytes = resolve_ref(info.pool_bytes) if isinstance(info.pool_bytes, str) else info.pool_bytes
         try:
             return max(0, int(declare(section.options())))
-        except (ValueError, TypeError):
-            return 0
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{_under(key_path, str(err))} (backend {section.name!r}, from {source})") from None
 
     def create_backend(self, section: BackendSection, ctx: BackendContext) -> StorageBackend:
         backends = self.backends()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lmcache_core import CacheEngine, KeyNamespace, load_config
+from lmcache_core.config import BackendSection, ConfigError
 from lmcache_core.plugins import PluginManager
 
 from .helpers import make_distribution
@@ -163,10 +164,35 @@ def test_third_party_zero_copy_tier_gets_the_pool_it_declares(
 
 def test_local_cpu_declares_its_max_size(plugins: PluginManager) -> None:
     """The core's own CPU tier sizes the pool through the same declaration; a size
-    that does not parse is reported by the tier, with its key."""
+    that does not parse is reported with its key before the pool is built."""
     cfg = load_config(env={}, overrides={"staging_size": STAGING, "backends": [{"name": "local_cpu", "max_size": "3MiB"}]})
     with CacheEngine(cfg, namespace=KeyNamespace(model="cpu"), plugins=plugins) as engine:
         assert engine.pool.capacity == (3 << 20) + STAGING
     bad = load_config(env={}, overrides={"backends": [{"name": "local_cpu", "max_size": "lots"}]})
     with pytest.raises(ValueError, match=r"backends\[0\]\.max_size"):
         CacheEngine(bad, namespace=KeyNamespace(model="cpu"), plugins=plugins)
+
+
+def test_a_declared_size_that_does_not_parse_is_a_config_error(plugins: PluginManager) -> None:
+    """A pool size that does not parse is a ConfigError naming the key, the value and
+    the file, never 0 bytes: counted as 0, the pool was built without the tier's
+    budget, and a third-party tier whose factory parses the size differently (or not
+    at all) started with no pool behind it."""
+    bad = BackendSection(name="local_cpu", max_size="12XB")
+    with pytest.raises(ConfigError, match=r"^backends\.max_size: .*'12XB'.*'local_cpu'"):
+        plugins.pool_bytes(bad)
+    with pytest.raises(ConfigError, match=r"^backends\[1\]\.max_size: .*'12XB' \(backend 'local_cpu', from lmcache\.yaml\)$"):
+        plugins.pool_bytes(bad, key_path="backends[1]", source="lmcache.yaml")
+    # A third-party declaration whose error names no key still names the entry and value.
+    with pytest.raises(ConfigError, match=r"^backends\[0\]: expected a size .*'12XB' \(backend 'pool_tier', from f\)$"):
+        plugins.pool_bytes(BackendSection(name="pool_tier", max_size="12XB"), key_path="backends[0]", source="f")
+    # Through the engine: the error comes before any pool or tier exists.
+    cfg = load_config(env={}, overrides={"backends": [{"name": "pool_tier", "max_size": "12XB"}]})
+    with pytest.raises(ConfigError, match=r"^backends\[0\]: .*'12XB' \(backend 'pool_tier', from programmatic override\)$"):
+        CacheEngine(cfg, namespace=KeyNamespace(model="zc"), plugins=plugins)
+    # Controls: sizes that parse are declared as written; a tier that declares nothing
+    # (or an unknown name) claims none of the pool.
+    assert plugins.pool_bytes(BackendSection(name="local_cpu", max_size="12MB")) == 12_000_000
+    assert plugins.pool_bytes(BackendSection(name="pool_tier", max_size="12KiB")) == 12 << 10
+    assert plugins.pool_bytes(BackendSection(name="pool_tier_undeclared", max_size="12XB")) == 0
+    assert plugins.pool_bytes(BackendSection(name="no_such_tier", max_size="12XB")) == 0

@@ -30,7 +30,8 @@ Tiers that hold whole frames use :func:`encode` / :func:`try_decode`. Tiers that
 header and payload separately (the disk tier writes and reads them with positioned
 I/O, hashing the payload while the disk moves it) use the public pieces instead of
 copying this module's layout: :func:`frame_meta`, :func:`frame_header`,
-:func:`encode_parts` to write; :func:`header_span`, :func:`parse_header_prefix`,
+:func:`encode_parts` (or :func:`encode_payload`, which hands a :class:`TensorCodec`
+such as the lossy ``fp8`` the tensor) to write; :func:`header_span`, :func:`parse_header_prefix`,
 :func:`check_header`, :func:`payload_hasher` / :func:`verify_payload` to read.
 """
 
@@ -299,7 +300,7 @@ class SealedCodec:
             self.max_ratio = ratio
         # the optional tensor-codec extension (:class:`TensorCodec`), forwarded only
         # when the codec has it, so serde treats the wrapper exactly as the codec
-        for attr in ("lossy", "encode_tensor", "decode_tensor"):
+        for attr in ("lossy", "error_bound", "encode_tensor", "decode_tensor"):
             if hasattr(codec, attr):
                 setattr(self, attr, getattr(codec, attr))
 

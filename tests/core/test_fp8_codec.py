@@ -392,13 +392,17 @@ def _exact(stored: torch.Tensor, fresh: torch.Tensor) -> tuple[bool, str]:
     return torch.equal(stored, fresh), "bit-identical" if torch.equal(stored, fresh) else "values differ"
 
 
-def test_canary_accepts_fp8_copies_within_bound_and_catches_a_planted_chunk() -> None:
+@pytest.mark.parametrize("secret", [False, True], ids=["plain", "sealed"])
+def test_canary_accepts_fp8_copies_within_bound_and_catches_a_planted_chunk(secret: bool) -> None:
     """``verify_fraction: 1.0`` on an fp8 tier: the fp8 copy and the CPU tier's copy
     promoted from it differ from the recomputation bit-wise, yet are within the
     codec's bound (0 mismatches); another key's chunk, fp8-framed under this key, is
     still a mismatch charged to the fp8 tier (the control that the check can fail)."""
     backends = [{"name": "local_cpu", "max_size": "64MiB"}, {"name": "example_dict", "max_entries": 100, "serde": "fp8"}]
-    cfg = load_config(env={}, overrides={"chunk_size": 16, "verify_fraction": 1.0, "backends": backends})
+    overrides: dict[str, object] = {"chunk_size": 16, "verify_fraction": 1.0, "backends": backends}
+    if secret:
+        overrides["frame_secret"] = SECRET
+    cfg = load_config(env={}, overrides=overrides)
     g = torch.Generator().manual_seed(9)
     chunk = torch.randn(2, 16, 64, generator=g)  # float32: the exact comparison's tolerance would be 1e-4
     other = torch.randn(2, 16, 64, generator=g)

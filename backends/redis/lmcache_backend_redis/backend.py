@@ -51,7 +51,7 @@ from .client import Client, Failure, call_deadline, classify, describe, make_cli
 from .config import RedisConfig
 from .events import KeyEventWatcher
 from lmcache_core.health import HealthGate
-from .wire import pipelined, set_command
+from .wire import pipelined, read_ranges, set_command
 
 log = logging.getLogger(__name__)
 
@@ -306,12 +306,17 @@ class RedisBackend(StorageBackend):
             return hits
         try:
             with self._deadline():
-                pipe = self._pipeline()
-                for k, out in zip(keys, outs):
-                    name = self._name(k)
-                    pipe.strlen(name)
-                    pipe.getrange(name, 0, max_frame_bytes(out) - 1)
-                replies = pipe.execute(raise_on_error=False)
+                if self._single_pool is not None:  # replies parsed by wire.read_ranges, values received in place
+                    self._add(pipelines=1)
+                    names = [self._name(k).encode() for k in keys]
+                    replies = read_ranges(self._single_pool, names, [max_frame_bytes(out) for out in outs])
+                else:
+                    pipe = self._pipeline()
+                    for k, out in zip(keys, outs):
+                        name = self._name(k)
+                        pipe.strlen(name)
+                        pipe.getrange(name, 0, max_frame_bytes(out) - 1)
+                    replies = pipe.execute(raise_on_error=False)
         except Exception as err:
             self._add(misses=len(keys))
             self._failed("get", err)

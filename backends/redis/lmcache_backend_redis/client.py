@@ -134,6 +134,7 @@ class _DeadlineConnection:
     connects within the time left, and hands redis-py a :class:`_DeadlineSocket`."""
 
     socket_connect_timeout: float | None
+    deadline_socket: _DeadlineSocket | None = None
 
     def _connect(self) -> Any:
         left = _left_or_raise("connecting")
@@ -144,7 +145,8 @@ class _DeadlineConnection:
             sock = super()._connect()  # type: ignore[misc]
         finally:
             self.socket_connect_timeout = saved
-        return _DeadlineSocket(sock)
+        self.deadline_socket = _DeadlineSocket(sock)  # wire.read_ranges reads replies from it
+        return self.deadline_socket
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,7 +30,7 @@ import torch
 from lmcache_core.backend import BATCHED, SHARED, BackendError, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.memory import MemoryBuffer
-from lmcache_core.serde import Codec, seal_of, try_decode
+from lmcache_core.serde import Codec, Verdict, seal_of, try_decode
 
 from . import codes
 from .client import SetupFailed, StoreClient
@@ -337,13 +337,15 @@ class MooncakeBackend(StorageBackend):
 
     def _decode(self, key: ChunkKey, slot: MemoryBuffer, n: int, out: torch.Tensor) -> bool:
         frame = slot.tensor.numpy().data.cast("B")[:n]
-        tensor, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
-        if tensor is None:
+        decoded = try_decode(frame, self.codecs, expect_key=key, out=out)
+        if decoded.verdict is not Verdict.OK:
             self._count(misses=1)
-            if reason and ("caller expects" not in reason):
+            if decoded.verdict is not Verdict.WRONG_SHAPE:  # another shape may be fine; the rest is not ours
                 self._count(corrupt=1)
                 log.warning(
-                    "mooncake tier: object %s is not a valid frame for its key (%s); treated as a miss", self._name(key), reason
+                    "mooncake tier: object %s is not a valid frame for its key (%s); treated as a miss",
+                    self._name(key),
+                    decoded.reason,
                 )
             return False
         self._count(hits=1, get_bytes=out.numel() * out.element_size())

@@ -21,7 +21,7 @@ came in at 175-550 MB/s through it and at about 1.5 GB/s this way.
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from redis.exceptions import DataError, InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -55,21 +55,38 @@ def pipelined(pool: Any, commands: Sequence[list[Buffer]]) -> list[Any]:
     pooled) is dropped and the batch sent once more on a fresh one (``SET`` is
     idempotent); any other failure raises, and the connection is dropped so a
     half-read reply never reaches the next user."""
+
+    def exchange(conn: Any) -> list[Any]:
+        conn.send_packed_command([buf for cmd in commands for buf in cmd])
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as err:
+                replies.append(err)
+        return replies
+
+    return _on_pooled_connection(pool, exchange)
+
+
+def _on_pooled_connection(pool: Any, exchange: Callable[[Any], list[Any]]) -> list[Any]:
+    """``exchange(conn)`` on a pooled connection. A connection that turns out dead (the
+    server restarted since it was pooled) is dropped and the exchange run once more on
+    a fresh one (every exchange here is idempotent); any other failure raises, and the
+    connection is dropped so a half-read reply never reaches the next user."""
     for attempt in range(2):
         conn = pool.get_connection()
         try:
-            conn.send_packed_command([buf for cmd in commands for buf in cmd])
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as err:
-                    replies.append(err)
-            return replies
-        except RedisConnectionError:
+            return exchange(conn)
+        except socket.timeout as err:  # the call's deadline or the socket timeout, on our own reads
+            conn.disconnect()
+            raise RedisTimeoutError(f"reading replies: {err}") from err
+        except (RedisConnectionError, ConnectionError) as err:  # redis-py's, or the socket's own
             conn.disconnect()
             if attempt:
-                raise
+                if isinstance(err, RedisConnectionError):
+                    raise
+                raise RedisConnectionError(f"reading replies: {err}") from err
         except BaseException:
             conn.disconnect()
             raise
@@ -184,36 +201,21 @@ def read_ranges(pool: Any, names: Sequence[bytes], limits: Sequence[int]) -> lis
     if any(limit < 1 for limit in limits):
         raise DataError("read_ranges: every limit must be at least 1 byte")
     request = b"".join(_range_command(n, limit) for n, limit in zip(names, limits))
-    for attempt in range(2):
-        conn = pool.get_connection()
-        try:
-            sock = getattr(conn, "deadline_socket", None)
-            if sock is None or sock.fileno() < 0 or conn.can_read(timeout=0):
-                conn.disconnect()
-                conn.connect()
-                sock = conn.deadline_socket
-            conn.send_packed_command([request])
-            replies = _Replies(sock)
-            out: list[Any] = []
-            for limit in limits:
-                out.append(replies.reply(8))  # STRLEN: an integer (or an error)
-                out.append(replies.reply(limit))
-            if replies.start != replies.end:
-                raise InvalidResponse("bytes after the last reply")
-            return out
-        except socket.timeout as err:  # the call's deadline or the socket timeout
+
+    def exchange(conn: Any) -> list[Any]:
+        sock = getattr(conn, "deadline_socket", None)
+        if sock is None or sock.fileno() < 0 or conn.can_read(timeout=0):
             conn.disconnect()
-            raise RedisTimeoutError(f"reading replies: {err}") from err
-        except (RedisConnectionError, ConnectionError) as err:  # a dead pooled connection: once more
-            conn.disconnect()
-            if attempt:
-                raise RedisConnectionError(f"reading replies: {err}") from err
-            conn.disconnect()
-            if attempt:
-                raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-    raise AssertionError("unreachable")
+            conn.connect()
+            sock = conn.deadline_socket
+        conn.send_packed_command([request])
+        replies = _Replies(sock)
+        out: list[Any] = []
+        for limit in limits:
+            out.append(replies.reply(8))  # STRLEN: an integer (or an error)
+            out.append(replies.reply(limit))
+        if replies.start != replies.end:
+            raise InvalidResponse("bytes after the last reply")
+        return out
+
+    return _on_pooled_connection(pool, exchange)

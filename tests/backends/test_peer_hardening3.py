@@ -1,5 +1,6 @@
-"""Hardening round 2, finding 10 (the peer node's two items), on a real peer cache
-node (``lmcache-core serve`` in a child process, loopback and local paths only):
+"""A peer cache node cannot be kept from starting by what squats its ``--unix-socket``
+path, nor held by half-sent request headers; checked on a real node (``lmcache-core
+serve`` in a child process, loopback and local paths only):
 
 * squatting ``--unix-socket``: whatever was at the path before the node (a regular
   file, a FIFO, a directory, a symbolic link, a live socket, another user's socket)

@@ -24,6 +24,32 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def first_line(proc: subprocess.Popen[str], prefix: str, timeout: float = STARTUP_TIMEOUT) -> str | None:
+    """The first line ``proc`` prints on stdout that starts with ``prefix``, or None when
+    it closes stdout (exits) or ``timeout`` passes first. A thread reads stdout, so a
+    child that prints nothing never blocks the caller past ``timeout``."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            return None
+        if line is None:
+            return None
+        if line.startswith(prefix):
+            return line
+    return None
+
+
 class PeerNode:
     """``lmcache-core serve --listen 127.0.0.1:PORT`` with ``options``; the secret comes
     from ``secret_file`` (or a tenants file among ``options``)."""
@@ -44,27 +70,11 @@ class PeerNode:
             stderr=subprocess.PIPE,
             text=True,
         )
-        lines: queue.Queue[str | None] = queue.Queue()
         proc = self.proc
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            if line.startswith("listening on "):
-                self.port = int(line.rsplit(":", 1)[1])
-                return
+        line = first_line(proc, "listening on ")
+        if line is not None:
+            self.port = int(line.rsplit(":", 1)[1])
+            return
         self.kill()
         err = proc.stderr.read()[-2000:] if proc.stderr else ""
         raise AssertionError(f"peer node did not start: rc={proc.poll()} stderr={err}")

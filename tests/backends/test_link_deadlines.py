@@ -9,17 +9,16 @@ each: the same proxy passing bytes through serves a hit."""
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "soak"))
-from faults import ChildFaultProxy, TcpFaultProxy  # noqa: E402
+from faults import ChildFaultProxy, TcpFaultProxy, timed_call  # noqa: E402
 from peer_node import PeerNode  # noqa: E402
 
 from lmcache_backend_peer import create_peer_backend  # noqa: E402
@@ -28,16 +27,6 @@ from lmcache_core.testing import make_context, random_chunk, random_key  # noqa:
 MARGIN_S = 1.5  # thread hand-offs and scheduling on 2 shared CPUs
 SECRET = "link-deadline-secret-0123456789"
 CHUNK = (128, 1024)  # 256 KiB of float16
-
-
-def _timed(fn: Callable[[], Any], limit_s: float = 60.0) -> tuple[Any, float]:
-    result: list[Any] = []
-    t0 = time.monotonic()
-    th = threading.Thread(target=lambda: result.append(fn()), daemon=True)
-    th.start()
-    th.join(limit_s)
-    assert not th.is_alive(), f"the call was still running after {limit_s:.0f} s"
-    return result[0], time.monotonic() - t0
 
 
 # -- peer: a node behind the proxy ----------------------------------------------------------
@@ -66,7 +55,7 @@ def test_peer_get_ends_at_its_deadline(peer_link: tuple[PeerNode, TcpFaultProxy]
         out = torch.empty_like(data)
         assert tier.get(key, out) and torch.equal(out, data)  # negative control: the link passes bytes
         proxy.set_mode(mode)
-        hit, took = _timed(lambda: tier.get(key, torch.empty_like(data)))
+        hit, took = timed_call(lambda: tier.get(key, torch.empty_like(data)))
         assert hit is False
         assert took < 1.5 + MARGIN_S, f"a {mode} get took {took:.1f} s"
     finally:
@@ -100,7 +89,7 @@ def test_mooncake_calls_end_at_their_deadline_when_the_master_trickles(tmp_path:
             proxy.set_mode(mode)
             time.sleep(0.3)  # past the health gate's cooldown from the switch's dropped connections
             for call in (lambda: tier.get(key, torch.empty_like(data)), lambda: tier.contains([key])):
-                result, took = _timed(call)
+                result, took = timed_call(call)
                 assert result in (False, 0)
                 assert took < 1.0 + MARGIN_S, f"a {mode} call took {took:.1f} s"
     finally:

@@ -22,7 +22,6 @@ Cases that chown a squatting socket to another user need root (skipped otherwise
 from __future__ import annotations
 
 import os
-import queue
 import selectors
 import shutil
 import socket
@@ -30,7 +29,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +37,7 @@ from typing import Callable, Iterator
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_node import STARTUP_TIMEOUT, PeerNode  # noqa: E402
+from peer_node import PeerNode, first_line  # noqa: E402
 
 from lmcache_backend_peer import PeerClient  # noqa: E402
 from lmcache_backend_peer import protocol as p  # noqa: E402
@@ -82,27 +80,7 @@ def launch(sock: Path, secret: Path) -> Launch:
     proc = subprocess.Popen(
         [*argv, "--unix-socket", str(sock), "--no-shm"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    started = False
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        if line.startswith("listening on "):
-            started = True
-            break
+    started = first_line(proc, "listening on ") is not None
     if started or proc.poll() is None:
         proc.terminate()
     try:

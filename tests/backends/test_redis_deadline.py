@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "soak"))
-from faults import TcpFaultProxy  # noqa: E402
+from faults import TcpFaultProxy, timed_call  # noqa: E402
 from redis_server import RedisServer, redis_server  # noqa: E402,F401 - fixture
 
 from lmcache_backend_redis import create_redis_backend  # noqa: E402
@@ -43,18 +43,6 @@ def _tier(port: int, prefix: str, **opts: Any) -> Any:
     return create_redis_backend(section, make_context())
 
 
-def _timed(fn: Callable[[], Any], limit_s: float = 60.0) -> tuple[Any, float]:
-    """``fn()`` on a thread, with its duration; a call still running after ``limit_s``
-    fails the test instead of hanging it."""
-    result: list[Any] = []
-    t0 = time.monotonic()
-    th = threading.Thread(target=lambda: result.append(fn()), daemon=True)
-    th.start()
-    th.join(limit_s)
-    assert not th.is_alive(), f"the call was still running after {limit_s:.0f} s"
-    return result[0], time.monotonic() - t0
-
-
 def _stored(redis_server: RedisServer, prefix: str) -> tuple[Any, torch.Tensor]:
     key, data = random_key(), random_chunk(shape=CHUNK, seed=9)
     direct = _tier(redis_server.port, prefix)
@@ -72,7 +60,7 @@ def test_a_trickled_reply_ends_at_the_default_deadline(redis_server: RedisServer
         out = torch.empty_like(data)
         assert tier.get(key, out) and torch.equal(out, data)  # negative control: the link passes bytes
         proxy.set_mode("trickle")
-        hit, took = _timed(lambda: tier.get(key, torch.empty_like(data)))
+        hit, took = timed_call(lambda: tier.get(key, torch.empty_like(data)))
         assert hit is False
         assert took < tier.cfg.call_timeout_s + MARGIN_S, f"a trickled get took {took:.1f} s"
         assert tier.stats().errors >= 1
@@ -94,11 +82,11 @@ def test_a_reply_cut_off_midway_is_not_retried_past_the_deadline(
         "put": lambda: tier.put(random_key(), data),
     }
     try:
-        result, _ = _timed(calls[op])
+        result, _ = timed_call(calls[op])
         assert result in (True, 1), f"negative control: {op} through a passing link"
         proxy.stall_after = 0 if op != "get" else 1000  # small replies: nothing at all
         proxy.set_mode("stall")
-        result, took = _timed(calls[op])
+        result, took = timed_call(calls[op])
         assert result in (False, 0)
         assert took < 1.5 + MARGIN_S, f"a stalled {op} took {took:.1f} s"
     finally:
@@ -116,7 +104,7 @@ def test_waiting_for_a_pooled_connection_counts_against_the_deadline(redis_serve
         first = threading.Thread(target=lambda: tier.get(key, torch.empty_like(data)), daemon=True)
         first.start()
         time.sleep(0.3)  # the first call holds the only connection
-        result, took = _timed(lambda: tier.contains([key]))
+        result, took = timed_call(lambda: tier.contains([key]))
         assert result == 0 and took < 1.5 + MARGIN_S, f"waited {took:.1f} s for a pooled connection"
         first.join(10)
         assert not first.is_alive()

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 MODES = ("ok", "stopped", "slow", "5xx", "trickle", "stall")
 _5XX_BODY = b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code><Message>injected by the soak</Message></Error>"
@@ -162,6 +163,18 @@ class S3FaultProxy:
 
 
 TcpFaultProxy = S3FaultProxy
+
+
+def timed_call(fn: Callable[[], Any], limit_s: float = 60.0) -> tuple[Any, float]:
+    """``fn()`` on a thread, with its duration: for calls made through a faulty link, so
+    a call still running after ``limit_s`` fails the test instead of hanging it."""
+    result: list[Any] = []
+    t0 = time.monotonic()
+    th = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    th.start()
+    th.join(limit_s)
+    assert not th.is_alive(), f"the call was still running after {limit_s:.0f} s"
+    return result[0], time.monotonic() - t0
 
 
 class ChildFaultProxy:

@@ -55,7 +55,7 @@ from .wire import pipelined, read_ranges, set_command
 
 log = logging.getLogger(__name__)
 
-_OOM_LOG_EVERY_S = 60.0
+_LOG_EVERY_S = 60.0
 
 
 def max_frame_bytes(out: torch.Tensor) -> int:
@@ -116,8 +116,7 @@ class RedisBackend(StorageBackend):
         self._lock = threading.Lock()
         self._client_lock = threading.Lock()
         self._stats = BackendStats(self.name, extra={"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0})
-        self._last_oom_log = -_OOM_LOG_EVERY_S
-        self._last_flood_log = -_OOM_LOG_EVERY_S
+        self._last_log: dict[str, float] = {}  # _log_due: when each kind of warning was last logged
         self._event_bucket = TokenBucket(cfg.max_key_events_per_s)
         self._closed = False
         self.watcher: KeyEventWatcher | None = None
@@ -188,13 +187,18 @@ class RedisBackend(StorageBackend):
             self._add(**{f"server_{event}": 1})
             self.evicted(key)
 
-    def _flood_warning(self, dropped: int) -> None:
+    def _log_due(self, kind: str) -> bool:
+        """True at most once every ``_LOG_EVERY_S`` per ``kind`` of warning: a flood of
+        key events or a full server logs one line a minute, not one per event."""
         now = time.monotonic()
         with self._lock:
-            say = now - self._last_flood_log >= _OOM_LOG_EVERY_S
-            if say:
-                self._last_flood_log = now
-        if say:
+            if now - self._last_log.get(kind, -_LOG_EVERY_S) < _LOG_EVERY_S:
+                return False
+            self._last_log[kind] = now
+            return True
+
+    def _flood_warning(self, dropped: int) -> None:
+        if self._log_due("flood"):
             log.warning(
                 "redis tier: more than %d key events a second on %s (%d dropped now): a flood of keyspace "
                 "notifications, possibly forged by another client; evictions may go unreported",
@@ -458,12 +462,7 @@ class RedisBackend(StorageBackend):
         kind = classify(err)
         if kind is Failure.FULL:
             self._add(skipped=1, oom=1)
-            now = time.monotonic()
-            with self._lock:
-                say = now - self._last_oom_log >= _OOM_LOG_EVERY_S
-                if say:
-                    self._last_oom_log = now
-            if say:
+            if self._log_due("oom"):
                 log.warning(
                     "redis tier: %s is out of memory (%s); puts are skipped. Set maxmemory-policy allkeys-lru "
                     "(or volatile-lru with ttl_s) so the server evicts old chunks, or raise maxmemory",

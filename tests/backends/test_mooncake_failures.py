@@ -125,21 +125,39 @@ def test_segment_owner_down_is_a_bounded_miss(fresh_store: tuple[MooncakeMaster,
 ISOLATED = "LMCACHE_TEST_MOONCAKE_ISOLATED"
 
 
+# What the native client prints when a new client's own transfer buffer lands on an
+# address its process still has registered (see test_master_absent_at_startup).
+NATIVE_OVERLAP = "does not support overlapped memory region"
+
+
+def _run_isolated(case: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        # --show-capture=no: the child's assertion stays in the output we keep, not
+        # behind pages of native log lines.
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--show-capture=no", f"{__file__}::{case}"],
+        env={**os.environ, ISOLATED: "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 def test_master_absent_at_startup() -> None:
     """Runs the case below in a fresh interpreter. The native client keeps per-process
     state: a client whose teardown fails to unregister its local buffer (seen after a
     segment owner died, "Failed to unregister client local buffer on tear down") leaves
     that address registered, and a later client that gets the same address from malloc
     fails with "Transfer Engine does not support overlapped memory region". In one
-    long pytest process that made this reconnect case fail at random."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_master_absent_at_startup_case"],
-        env={**os.environ, ISOLATED: "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+    long pytest process that made this reconnect case fail at random, and once (CI,
+    2026-11-26, a loaded host) it happened inside the fresh interpreter too: every
+    reconnect for 30 s failed that way. That is the native client refusing its own
+    buffer, not the tier, so a run that failed with exactly that message is run once
+    more in another fresh interpreter; any other failure fails the test at once."""
+    proc = _run_isolated("test_master_absent_at_startup_case")
+    if proc.returncode != 0 and NATIVE_OVERLAP in proc.stdout + proc.stderr:
+        print(f"first run hit the native client's {NATIVE_OVERLAP!r}; running once more")
+        proc = _run_isolated("test_master_absent_at_startup_case")
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 @pytest.mark.skipif(os.environ.get(ISOLATED) != "1", reason="run in its own interpreter by test_master_absent_at_startup")

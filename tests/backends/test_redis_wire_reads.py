@@ -95,6 +95,32 @@ def test_the_tier_reads_chunks_through_it(redis_server: RedisServer) -> None:
         tier.close()
 
 
+def test_a_batch_read_holds_one_frame_not_one_per_key(redis_server: RedisServer) -> None:
+    """get_many judges each value as it arrives, in one scratch buffer: reading 24
+    chunks of 512 KiB allocates about one frame's worth of Python memory, not 24 (the
+    values used to be kept, each in a buffer of its own, until the last arrived)."""
+    import tracemalloc
+
+    tier = create_redis_backend({"url": redis_server.url, "prefix": "onebuf:"}, make_context())
+    try:
+        keys = [random_key() for _ in range(24)]
+        chunks = [random_chunk(shape=(256, 1024), seed=i) for i in range(24)]  # 512 KiB each (fp16)
+        assert all(tier.put_many(list(zip(keys, chunks))))
+        outs = [torch.empty_like(c) for c in chunks]
+        tier.get_many(keys[:1], outs[:1])  # connect before measuring
+        tracemalloc.start()
+        try:
+            hits = tier.get_many(keys, outs)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert hits == [True] * 24 and all(torch.equal(o, c) for o, c in zip(outs, chunks))
+        assert peak < 4 * chunks[0].nbytes, f"peak {peak / 2**20:.1f} MiB of Python memory for 24 x 512 KiB"
+        assert tier.stats().hits == 25  # each hit counted once
+    finally:
+        tier.close()
+
+
 # -- against a broken or hostile server ------------------------------------------------------
 def _setup_replies(buf: bytes) -> bytes:
     """Replies to the commands redis-py sends on connecting: ``HELLO 3`` (a RESP3 map

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import redis
 import torch
@@ -62,6 +62,19 @@ def max_frame_bytes(out: torch.Tensor) -> int:
     """The largest frame that can decode into ``out``: header, plus the payload of the
     largest codec output for it (LZ4's worst case on incompressible data)."""
     return 8 + MAX_HEADER_BYTES + out.nbytes + out.nbytes // 255 + 64
+
+
+class _Judged(NamedTuple):
+    """One key's read: ``verdict`` OK (decoded into the caller's tensor), another
+    :class:`Verdict` (a value that is not this chunk's frame), or None for a miss
+    (``reason`` set when the server answered with an error)."""
+
+    verdict: Verdict | None
+    reason: str = ""
+
+
+_HIT = _Judged(Verdict.OK)
+_MISS = _Judged(None)
 
 
 class TokenBucket:
@@ -308,12 +321,17 @@ class RedisBackend(StorageBackend):
         if not self._open():
             self._add(misses=len(keys))
             return hits
+        judged: list[_Judged] = [_MISS] * len(keys)
         try:
             with self._deadline():
-                if self._single_pool is not None:  # replies parsed by wire.read_ranges, values received in place
+                if self._single_pool is not None:  # replies parsed by wire.read_ranges, each judged as it arrives
                     self._add(pipelines=1)
                     names = [self._name(k).encode() for k in keys]
-                    replies = read_ranges(self._single_pool, names, [max_frame_bytes(out) for out in outs])
+
+                    def each(i: int, size: Any, frame: Any) -> None:
+                        judged[i] = self._judge(keys[i], outs[i], size, frame)
+
+                    read_ranges(self._single_pool, names, [max_frame_bytes(out) for out in outs], each)
                 else:
                     pipe = self._pipeline()
                     for k, out in zip(keys, outs):
@@ -321,43 +339,56 @@ class RedisBackend(StorageBackend):
                         pipe.strlen(name)
                         pipe.getrange(name, 0, max_frame_bytes(out) - 1)
                     replies = pipe.execute(raise_on_error=False)
+                    judged = [
+                        self._judge(k, out, replies[2 * i], replies[2 * i + 1]) for i, (k, out) in enumerate(zip(keys, outs))
+                    ]
         except Exception as err:
             self._add(misses=len(keys))
             self._failed("get", err)
             return hits
         self.mark_available()
         for i, (k, out) in enumerate(zip(keys, outs)):
-            hits[i] = self._decode(k, out, replies[2 * i], replies[2 * i + 1])
+            hits[i] = self._account(k, out, judged[i])
         return hits
 
-    def _decode(self, key: ChunkKey, out: torch.Tensor, size: Any, frame: Any) -> bool:
+    def _judge(self, key: ChunkKey, out: torch.Tensor, size: Any, frame: Any) -> _Judged:
+        """What one ``STRLEN`` + ``GETRANGE`` reply pair says, decoding a good frame
+        into ``out``. Only records: counting and logging wait for :meth:`_account`
+        (a read retried on a fresh connection judges the same key twice)."""
         for reply in (size, frame):
             if isinstance(reply, BaseException):
                 if str(reply).startswith("WRONGTYPE"):
-                    self._bad_value(key, Verdict.CORRUPT, "not a string value")
-                    return False
-                self._add(misses=1, errors=1)
-                log.debug("redis get %s: %s", self._name(key), describe(reply))
-                return False
+                    return _Judged(Verdict.CORRUPT, "not a string value")
+                return _Judged(None, describe(reply))
         if not size:
-            self._add(misses=1)
-            return False
+            return _MISS
         if size > max_frame_bytes(out):
             # Only a prefix was read. Longer than any frame for ``out``: a frame of
             # another shape if its header says so, else damaged (or not ours).
             verdict = header_verdict(frame, size, self.codecs, expect_key=key, out=out)
-            self._bad_value(
-                key,
+            return _Judged(
                 Verdict.CORRUPT if verdict is Verdict.OK else verdict,
                 f"{size} bytes, more than a frame for this chunk can have",
             )
-            return False
         decoded = try_decode(frame, self.codecs, expect_key=key, out=out)
         if decoded.verdict is not Verdict.OK:
-            self._bad_value(key, decoded.verdict, decoded.reason or "undecodable")
+            return _Judged(decoded.verdict, decoded.reason or "undecodable")
+        return _HIT
+
+    def _account(self, key: ChunkKey, out: torch.Tensor, judged: _Judged) -> bool:
+        """Count (and log) one judged reply; True for a hit."""
+        if judged.verdict is Verdict.OK:
+            self._add(hits=1, get_bytes=out.nbytes)
+            return True
+        if judged.verdict is None:
+            if judged.reason:  # an error reply for this key
+                self._add(misses=1, errors=1)
+                log.debug("redis get %s: %s", self._name(key), judged.reason)
+            else:
+                self._add(misses=1)
             return False
-        self._add(hits=1, get_bytes=out.nbytes)
-        return True
+        self._bad_value(key, judged.verdict, judged.reason)
+        return False
 
     def _bad_value(self, key: ChunkKey, verdict: Verdict, reason: str) -> None:
         """A value that did not decode into the caller's chunk: a miss. Of another shape

@@ -15,7 +15,10 @@ Reads (:func:`read_ranges`) are the mirror image: one write of ``STRLEN`` +
 each value received (``recv_into``) into a buffer of exactly its announced length,
 which is at most what was asked for. redis-py's parser reads a value through a
 growing intermediate buffer and copies it out again: on this host a 64 x 256 KiB batch
-came in at 175-550 MB/s through it and at about 1.5 GB/s this way.
+came in at 175-550 MB/s through it and at about 1.5 GB/s this way. The tier's reads
+go one step further: each value lands in one scratch buffer and is verified and
+decoded into its chunk before the next is received, so a batch never pages in fresh
+memory per value (64 x 2 MiB from a loopback server: 233 -> 133 ms).
 """
 
 from __future__ import annotations
@@ -150,9 +153,10 @@ class _Replies:
         if end != b"\r\n":
             raise InvalidResponse("a bulk value not followed by CRLF")
 
-    def reply(self, limit: int) -> Any:
-        """The next reply: an int, a bytearray of at most ``limit`` bytes, None (nil) or
-        a ``ResponseError`` (returned, not raised: it belongs to one key)."""
+    def reply(self, limit: int, into: memoryview | None = None) -> Any:
+        """The next reply: an int, a bytearray of at most ``limit`` bytes (with
+        ``into``: a view of its first bytes instead), None (nil) or a ``ResponseError``
+        (returned, not raised: it belongs to one key)."""
         head = self.line()
         kind, rest = head[:1], head[1:]
         if kind == b":":
@@ -165,6 +169,11 @@ class _Replies:
                 return None
             if n > limit:
                 raise InvalidResponse(f"a {n}-byte value where at most {limit} bytes were asked for")
+            if into is not None and n <= into.nbytes:
+                view = into[:n]
+                self.exact(view)
+                self.crlf()
+                return view
             value = bytearray(n)
             self.exact(memoryview(value))
             self.crlf()
@@ -189,7 +198,12 @@ def _range_command(name: bytes, limit: int) -> bytes:
     ) + b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n" % (len(name), name, len(last), last)
 
 
-def read_ranges(pool: Any, names: Sequence[bytes], limits: Sequence[int]) -> list[Any]:
+def read_ranges(
+    pool: Any,
+    names: Sequence[bytes],
+    limits: Sequence[int],
+    each: Callable[[int, Any, Any], None] | None = None,
+) -> list[Any]:
     """``STRLEN name`` and ``GETRANGE name 0 limit-1`` for every name, in one write on
     one pooled connection (a single server), replies parsed here: ``[size, value]`` per
     name, flat, as a redis-py pipeline returns them (an error reply in its slot as the
@@ -197,7 +211,14 @@ def read_ranges(pool: Any, names: Sequence[bytes], limits: Sequence[int]) -> lis
     connection found dead is dropped and the batch sent once more (reads are
     idempotent); any other failure raises and drops the connection, so a half-read
     reply never reaches the next user. A connection with unread bytes waiting (nothing
-    this tier sends leaves any) is dropped rather than used."""
+    this tier sends leaves any) is dropped rather than used.
+
+    With ``each``, values are handed over as they arrive instead:
+    ``each(i, size, value)`` per name, ``value`` a memoryview of one scratch buffer
+    that the next value overwrites (so a call holds one frame's memory, not one per
+    name, and never pages in fresh memory per value), and the list returned is empty.
+    ``each`` may run twice for the same ``i`` (a connection found dead mid-call is
+    retried from the start): it must only record what it saw."""
     if any(limit < 1 for limit in limits):
         raise DataError("read_ranges: every limit must be at least 1 byte")
     request = b"".join(_range_command(n, limit) for n, limit in zip(names, limits))
@@ -211,9 +232,15 @@ def read_ranges(pool: Any, names: Sequence[bytes], limits: Sequence[int]) -> lis
         conn.send_packed_command([request])
         replies = _Replies(sock)
         out: list[Any] = []
-        for limit in limits:
-            out.append(replies.reply(8))  # STRLEN: an integer (or an error)
-            out.append(replies.reply(limit))
+        if each is not None:
+            scratch = memoryview(bytearray(max(limits, default=1)))
+            for i, limit in enumerate(limits):
+                size = replies.reply(8)
+                each(i, size, replies.reply(limit, into=scratch))
+        else:
+            for limit in limits:
+                out.append(replies.reply(8))  # STRLEN: an integer (or an error)
+                out.append(replies.reply(limit))
         if replies.start != replies.end:
             raise InvalidResponse("bytes after the last reply")
         return out

@@ -455,3 +455,84 @@ def test_serve_engine_serves_the_cpu_tier() -> None:
         backend.close()
         server.close()
         engine.close()
+
+
+# -- pipelined batch reads --------------------------------------------------------------------
+def _fetch_all(client: PeerClient, keys: list, sizes: list[int] | None) -> dict[int, bytes | None]:
+    """Every frame fetch hands over, by index; a key handed over twice fails the test."""
+    seen: dict[int, bytes | None] = {}
+
+    def sink(i: int, f: memoryview | None) -> None:
+        assert i not in seen, f"key {i} handed over twice"
+        seen[i] = None if f is None else bytes(f)
+
+    assert client.fetch(keys, sink, sizes) == len(keys)
+    return seen
+
+
+def test_a_pipelined_fetch_survives_replies_the_server_cuts_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With sizes, fetch sends GETs of about FETCH_REPLY_BYTES each, two in flight. A
+    server whose replies are capped lower answers part of each; the rest of every
+    group is fetched afterwards, each key handed over once, in its own slot."""
+    from lmcache_backend_peer import client as peer_client
+
+    monkeypatch.setattr(peer_client, "FETCH_REPLY_BYTES", 200 << 10)  # groups of ~24 frames of 8 KiB
+    store = FrameStore(64 << 20)
+    server = PeerServer(store, ("127.0.0.1", 0), SECRET, max_frame_size=64 << 10)  # replies of at most 7 frames
+    items = [(random_key(), random_chunk(shape=(64, 64), seed=i)) for i in range(60)]
+    for k, t in items[:-1]:  # the last one is a miss
+        store.put_frame(k, encode(k, t, RawCodec()))
+    client = PeerClient(server.address, SECRET, timeout=2.0)
+    try:
+        keys = [k for k, _ in items]
+        got = _fetch_all(client, keys, [t.nbytes for _, t in items])
+        assert sorted(got) == list(range(60)) and got[59] is None
+        for i, (k, t) in enumerate(items[:-1]):
+            assert torch.equal(decode(got[i], {"raw": RawCodec()}, expect_key=k), t), i
+        assert server.stats["requests"] >= 60 // 7  # the cut-off rests were asked for: replies of <= 7 frames
+        assert server.stats["connections"] == 1  # and on the same pooled connection
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_pipelined_fetch_retries_once_on_a_pooled_connection_the_server_dropped() -> None:
+    store = FrameStore(32 << 20)
+    server = PeerServer(store, ("127.0.0.1", 0), SECRET, idle_timeout=0.2)
+    items = [(random_key(), random_chunk(shape=(512, 1024), seed=i)) for i in range(20)]  # 1 MiB each
+    for k, t in items:
+        store.put_frame(k, encode(k, t, RawCodec()))
+    client = PeerClient(server.address, SECRET, timeout=2.0)
+    try:
+        assert client.lookup([items[0][0]]) == 1  # pools a connection
+        time.sleep(0.6)  # the server has closed it by now
+        got = _fetch_all(client, [k for k, _ in items], [t.nbytes for _, t in items])
+        assert all(torch.equal(decode(got[i], {"raw": RawCodec()}, expect_key=k), t) for i, (k, t) in enumerate(items))
+        assert server.stats["connections"] == 2
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_large_batch_read_reuses_one_reply_buffer(node: PeerServer) -> None:
+    """80 chunks of 1 MiB (more than a connection keeps a buffer for) come in as
+    pipelined GETs of ~16 MiB into the connection's reused buffer: a repeated read
+    allocates almost no Python memory (it used to take one fresh 80 MiB reply)."""
+    import tracemalloc
+
+    items = fill(node, 80, shape=(512, 1024))
+    backend = client_backend([addr(node)], timeout_ms=5000)
+    try:
+        keys = [k for k, _ in items]
+        outs = [torch.empty_like(t) for _, t in items]
+        assert backend.get_many(keys, outs) == [True] * 80  # warms the connection's buffer
+        tracemalloc.start()
+        try:
+            hits = backend.get_many(keys, outs)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert hits == [True] * 80 and all(torch.equal(o, t) for o, (_, t) in zip(outs, items))
+        assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB of Python memory for an 80 MiB read"
+    finally:
+        backend.close()

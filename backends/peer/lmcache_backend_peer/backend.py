@@ -402,7 +402,8 @@ class PeerBackend(StorageBackend):
                 if frame is not None and self._decode(keys[i], frame, outs[i], peer.client.name):
                     done[i] = True
 
-            self._call(peer, "get", peer.client.fetch, [keys[i] for i in todo], sink)
+            # each frame is about its chunk's bytes: the client pipelines GETs of ~16 MiB of them
+            self._call(peer, "get", peer.client.fetch, [keys[i] for i in todo], sink, [outs[i].nbytes for i in todo])
         with self._lock:
             self._stats.misses += done.count(False)
         return done

@@ -57,11 +57,39 @@ from .protocol import (
 
 Address = tuple[str, int]
 T = TypeVar("T")
+
+FETCH_REPLY_BYTES = 16 << 20
+"""About how many bytes of frames one pipelined GET asks for (:meth:`PeerClient.fetch`)."""
+FETCH_DEPTH = 2
+"""Pipelined GETs in flight on one connection: the next is at the server while a reply
+is read, and requests (a few KiB of keys) can never fill the socket buffers."""
+
+
+def _byte_groups(n: int, sizes: Sequence[int] | None, limit: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of ``n`` keys of at most ``limit`` bytes each (at least one key,
+    at most MAX_KEYS_PER_MESSAGE); one run without ``sizes``."""
+    if sizes is None or n == 0:
+        return [(0, n)]
+    groups: list[tuple[int, int]] = []
+    lo, total = 0, 0
+    for i, size in enumerate(sizes[:n]):
+        if i > lo and (total + size > limit or i - lo >= MAX_KEYS_PER_MESSAGE):
+            groups.append((lo, i))
+            lo, total = i, 0
+        total += size
+    groups.append((lo, n))
+    return groups
+
+
 Consume = Callable[[object, Connection], T]
 
 
 class PeerRequestError(PeerError):
     """The peer answered with an ERROR message."""
+
+
+class _NothingAnswered(PeerClosed):
+    """A pipelined GET's connection closed before any reply: safe to retry once."""
 
 
 class PeerUnsupported(PeerError):
@@ -194,26 +222,34 @@ class PeerClient:
         ok = False
         try:
             conn.send(mtype, rid, parts, deadline)
-            header, body = conn.recv(deadline, self.max_frame_size, reuse=consume is not None)
-            if header.request_id != rid:
-                raise ProtocolError(f"{self.name}: reply to request {header.request_id}, expected {rid}")
-            msg = parse_body(header.type, body)
-            if header.type == ERROR and isinstance(msg, ErrorReply):
-                ok = True
-                raise PeerRequestError(f"{self.name}: {TYPE_NAMES[mtype]} refused: {msg.message}")
-            if header.type != reply_type:
-                raise ProtocolError(f"{self.name}: expected {TYPE_NAMES[reply_type]}, got {TYPE_NAMES[header.type]}")
+            msg = self._reply(conn, rid, mtype, reply_type, deadline, reuse=consume is not None)
             if consume is None:
                 ok = True
                 return msg
             result = consume(msg, conn)
             ok = True
             return result
+        except PeerRequestError:
+            ok = True  # the server refused in good order: the connection is in step
+            raise
         finally:
             if ok:
                 self._release(conn)
             else:
                 conn.close()
+
+    def _reply(self, conn: Connection, rid: int, mtype: int, reply_type: int, deadline: float, *, reuse: bool) -> object:
+        """Read and parse the reply to request ``rid``; an ERROR reply raises
+        :class:`PeerRequestError`, anything else unexpected :class:`ProtocolError`."""
+        header, body = conn.recv(deadline, self.max_frame_size, reuse=reuse)
+        if header.request_id != rid:
+            raise ProtocolError(f"{self.name}: reply to request {header.request_id}, expected {rid}")
+        msg = parse_body(header.type, body)
+        if header.type == ERROR and isinstance(msg, ErrorReply):
+            raise PeerRequestError(f"{self.name}: {TYPE_NAMES[mtype]} refused: {msg.message}")
+        if header.type != reply_type:
+            raise ProtocolError(f"{self.name}: expected {TYPE_NAMES[reply_type]}, got {TYPE_NAMES[header.type]}")
+        return msg
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys``, from the first, the peer holds."""
@@ -242,10 +278,24 @@ class PeerClient:
             pos += len(msg.frames)
         return out
 
-    def fetch(self, keys: Sequence[ChunkKey], sink: Callable[[int, memoryview | None], None]) -> int:
+    def fetch(
+        self,
+        keys: Sequence[ChunkKey],
+        sink: Callable[[int, memoryview | None], None],
+        sizes: Sequence[int] | None = None,
+    ) -> int:
         """Like :meth:`get`, without copies: ``sink(i, frame)`` is called for each
         answered key while the reply buffer is valid (the view must not be kept).
-        Returns how many keys were answered (all of them, or it raises)."""
+        Returns how many keys were answered (all of them, or it raises).
+
+        With ``sizes`` (the most bytes each key's frame can have), the keys go out as
+        requests of about :data:`FETCH_REPLY_BYTES` of replies each, pipelined on one
+        connection (the next request is on its way while a reply is read), so each
+        reply lands in the connection's reused buffer: one round trip for the batch,
+        and memory for one request's reply instead of the whole batch's."""
+        groups = _byte_groups(len(keys), sizes, FETCH_REPLY_BYTES)
+        if len(groups) > 1:
+            return self._fetch_pipelined(keys, groups, sink)
         pos = 0
 
         def consume(msg: object, _: Connection) -> int:
@@ -259,6 +309,69 @@ class PeerClient:
             batch = keys[pos : pos + MAX_KEYS_PER_MESSAGE]
             pos += int(self._request(GET, [encode_keys(batch)], GET_OK, consume))  # type: ignore[call-overload]
         return pos
+
+    def _fetch_pipelined(
+        self, keys: Sequence[ChunkKey], groups: list[tuple[int, int]], sink: Callable[[int, memoryview | None], None]
+    ) -> int:
+        """:meth:`fetch` as one GET per group, at most :data:`FETCH_DEPTH` in flight. A
+        reply that answers only part of its group (the server caps a reply's size)
+        leaves the rest to a plain :meth:`fetch` afterwards."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            conn, reused = self._acquire(deadline)
+            try:
+                answered, short = self._gets_in_flight(conn, keys, groups, sink, deadline)
+                break
+            except _NothingAnswered:
+                if not reused:
+                    raise
+                # A pooled connection the server has since dropped: one fresh try.
+        if short:
+            rest = [keys[i] for i in short]
+            answered += self.fetch(rest, lambda j, f: sink(short[j], f))
+        return answered
+
+    def _gets_in_flight(
+        self,
+        conn: Connection,
+        keys: Sequence[ChunkKey],
+        groups: list[tuple[int, int]],
+        sink: Callable[[int, memoryview | None], None],
+        deadline: float,
+    ) -> tuple[int, list[int]]:
+        """The pipelined GETs of :meth:`_fetch_pipelined` on ``conn``, which goes back
+        to the pool only when every reply was read: ``(keys answered, keys left)``."""
+        in_flight: list[tuple[int, int, int]] = []  # (request id, lo, hi), oldest first
+        short: list[int] = []
+        nxt = answered = 0
+        done = False
+        try:
+            while nxt < len(groups) or in_flight:
+                while nxt < len(groups) and len(in_flight) < FETCH_DEPTH:
+                    lo, hi = groups[nxt]
+                    rid = next(self._ids) & 0xFFFFFFFF
+                    conn.send(GET, rid, [encode_keys(keys[lo:hi])], deadline)
+                    in_flight.append((rid, lo, hi))
+                    nxt += 1
+                rid, lo, hi = in_flight.pop(0)
+                msg = self._reply(conn, rid, GET, GET_OK, deadline, reuse=True)
+                if not isinstance(msg, GetReply) or not 0 < len(msg.frames) <= hi - lo:
+                    raise ProtocolError(f"{self.name}: GET_OK answered a wrong number of keys")
+                for j, f in enumerate(msg.frames):
+                    sink(lo + j, f)
+                answered += len(msg.frames)
+                short += range(lo + len(msg.frames), hi)
+            done = True
+        except PeerClosed as err:
+            if answered == 0 and not short and not isinstance(err, _NothingAnswered):
+                raise _NothingAnswered(str(err)) from err  # nothing handed over yet: the caller may retry
+            raise
+        finally:
+            if done:
+                self._release(conn)
+            else:
+                conn.close()  # replies may still be on their way: never pooled out of step
+        return answered, short
 
     def put(self, key: ChunkKey, frame: Buffer) -> bool:
         """Push one frame; True when the peer stored it."""

@@ -79,10 +79,10 @@ def overhead(n_docs: int, doc_tokens: int, rounds: int, forced: int) -> None:
         for i, d in enumerate(docs):
             order = [("off", {"lmcache.verify": False}), ("sampled 1%", None)]
             for name, params in order if (r + i) % 2 == 0 else order[::-1]:
-                v0 = w.verified_chunks
+                v0 = w.totals.verified_chunks
                 t, _ = _ttft(llm, d, params)
                 arms[name].append(t)
-                sampled += name == "sampled 1%" and w.verified_chunks > v0
+                sampled += name == "sampled 1%" and w.totals.verified_chunks > v0
     for k in range(forced):
         arms["verified"].append(_ttft(llm, docs[k % n_docs], {"lmcache.verify": True})[0])
     mismatches = w.engine.stats()["verify_mismatches"]

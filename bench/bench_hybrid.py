@@ -67,7 +67,7 @@ def measure(family: str, model: Path, dtype: str, docs: list[list[int]], repeats
     w = get_kv_transfer_group().worker
     ttft(llm, random_prompt(64, 7))  # warm-up
     cold = [ttft(llm, d)[0] for d in docs]
-    saved_tokens = w.saved_tokens
+    saved_tokens = w.totals.saved_tokens
     stored = sum(t.stats().put_bytes for t in w.engine.tiers)
     warm, cached = [], []
     for _ in range(repeats):

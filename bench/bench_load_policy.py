@@ -160,9 +160,9 @@ def run_all(model: Path, lengths: list[int], reps: int, delay_ms: float, vocab: 
                 ttft(p)  # cold: computes and stores p
                 for mode in ("always", FASTER) if r % 2 == 0 else (FASTER, "always"):
                     w.load_policy = mode
-                    l0, b0 = w.loaded_tokens, w.bypassed_tokens
+                    l0, b0 = w.totals.loaded_tokens, w.bypassed_tokens
                     times[mode].append(ttft(p))
-                    loaded[mode] += w.loaded_tokens - l0
+                    loaded[mode] += w.totals.loaded_tokens - l0
                     bypassed[mode] += w.bypassed_tokens - b0
                 w.load_policy = FASTER
             for m in rows:

@@ -73,7 +73,7 @@ def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], 
     out: list[dict[str, Any]] = []
     for _ in range(passes):
         for p in prompts:
-            p0, l0 = pipelines(), w.load_seconds
+            p0, l0 = pipelines(), w.totals.load_seconds
             t = time.perf_counter()
             res = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
             out.append(
@@ -81,7 +81,7 @@ def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], 
                     "ttft": time.perf_counter() - t,
                     "cached": res[0].num_cached_tokens,
                     "pipelines": pipelines() - p0,
-                    "load_s": w.load_seconds - l0,
+                    "load_s": w.totals.load_seconds - l0,
                 }
             )
     if flush:

@@ -111,7 +111,7 @@ def test_removed_chunk_keeps_the_loaded_prefix(tiny_model, reference, monkeypatc
     with make_llm(tiny_model, extra=ASYNC) as llm:
         run(llm, [p])
         w = worker()
-        orig = w._load
+        orig = w.transfers.load
         removed: list[bool] = []
 
         def remove_then_load(t: Any, meta: Any) -> set[int]:
@@ -120,7 +120,7 @@ def test_removed_chunk_keeps_the_loaded_prefix(tiny_model, reference, monkeypatc
                 kv[t.block_ids] = 3.0
             return orig(t, meta)
 
-        monkeypatch.setattr(w, "_load", remove_then_load)
+        monkeypatch.setattr(w.transfers, "load", remove_then_load)
         before = w.stats()["loaded_tokens"]
         out = run(llm, [p])
         assert removed == [True]
@@ -141,14 +141,14 @@ def test_abort_during_async_load(tiny_model, reference, monkeypatch):
         run(llm, [p])
         w = worker()
         gate, entered = threading.Event(), threading.Event()
-        orig = w._load
+        orig = w.transfers.load
 
         def held(t: Any, meta: Any) -> set[int]:
             entered.set()
             assert gate.wait(30)
             return orig(t, meta)
 
-        monkeypatch.setattr(w, "_load", held)
+        monkeypatch.setattr(w.transfers, "load", held)
         eng = llm.llm_engine
         eng.add_request("abort-me", tokens_prompt(p), greedy())
         deadline = time.monotonic() + 30
@@ -162,7 +162,7 @@ def test_abort_during_async_load(tiny_model, reference, monkeypatch):
         assert not eng.has_unfinished_requests()
         gate.set()
         w.loads.drain()
-        monkeypatch.setattr(w, "_load", orig)
+        monkeypatch.setattr(w.transfers, "load", orig)
         # later requests run normally; the aborted request's blocks come back
         assert token_ids(run(llm, [q])) == ref[1:]
         assert token_ids(run(llm, [p])) == ref[:1]

@@ -51,12 +51,12 @@ def test_lying_tier_is_caught_quarantined_and_released(tiny_model, reference, tm
         eng = w.engine
         rows = []  # (cached tokens, chunks verified, quarantined after, tokens)
         for p in prompts * 2:
-            v0 = w.verified_chunks
+            v0 = w.totals.verified_chunks
             out = run(llm, [p])[0]
             rows.append(
                 (
                     out.num_cached_tokens,
-                    w.verified_chunks - v0,
+                    w.totals.verified_chunks - v0,
                     eng.quarantine.is_quarantined("liar"),
                     list(out.outputs[0].token_ids),
                 )
@@ -98,7 +98,7 @@ def test_negative_control_without_canary_the_liar_changes_outputs(tiny_model, re
         warm = [run(llm, [p])[0] for p in prompts]
         assert [o.num_cached_tokens for o in warm] == [2 * CS] * 3
         assert token_ids(warm) != ref
-        assert worker().verified_chunks == 0 and worker().engine.tiers[0].stats().extra["lies"] >= 6
+        assert worker().totals.verified_chunks == 0 and worker().engine.tiers[0].stats().extra["lies"] >= 6
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -120,7 +120,7 @@ def test_verify_everything_on_honest_tiers_finds_no_mismatch(tiny_model, referen
         assert all(o.num_cached_tokens == 0 for o in warm)  # every hit recomputed, none loaded
         assert token_ids(warm) == cold
         # 4 shared 2-chunk prefixes (verified by each request that hits them) + 3 one-chunk prompts
-        assert w.verified_chunks >= 8 * 2 + 3
+        assert w.totals.verified_chunks >= 8 * 2 + 3
         assert w.engine.stats()["verify_mismatches"] == {}
         assert w.engine.quarantine.quarantined() == []
-        assert w.verify_inexact == 0  # measured: vLLM-CPU recomputes KV bit for bit
+        assert w.totals.verify_inexact == 0  # measured: vLLM-CPU recomputes KV bit for bit

@@ -118,7 +118,7 @@ def test_hybrid_round_trip_hits_and_matches(models, reference, name):
         assert [o.num_cached_tokens for o in cold] == [0] * N_PROMPTS
         warm = _generate(llm, case, prompts)
         assert [o.num_cached_tokens for o in warm] == [case.hit] * N_PROMPTS
-        assert w.loaded_tokens == case.hit * N_PROMPTS and w.failed_loads == 0
+        assert w.totals.loaded_tokens == case.hit * N_PROMPTS and w.totals.failed_loads == 0
         assert token_ids(warm) == ref
         if w.layout.kind != "grouped":
             return
@@ -201,7 +201,7 @@ def test_hybrid_corrupt_frames_are_recomputed(models, reference, name):
             again = _generate(llm, case, prompts)
             assert token_ids(again) == ref
             w = worker()
-            assert w.failed_loads == len(prompts) and w.loaded_tokens == 0
+            assert w.totals.failed_loads == len(prompts) and w.totals.loaded_tokens == 0
             assert w.engine.tiers[0].stats().extra["corrupt_reads"] >= len(prompts)
 
 
@@ -251,6 +251,6 @@ def test_hybrid_canary_verifies_every_hit_without_mismatch(models, reference, na
         warm = _generate(llm, case, prompts)
         assert [o.num_cached_tokens for o in warm] == [0, 0]  # recomputed, not loaded
         assert token_ids(warm) == ref
-        assert w.verified_chunks == len(prompts) * (case.hit // w.cfg.chunk_size)
+        assert w.totals.verified_chunks == len(prompts) * (case.hit // w.cfg.chunk_size)
         assert w.engine.stats()["verify_mismatches"] == {}
-        assert w.verify_inexact == 0
+        assert w.totals.verify_inexact == 0

@@ -52,7 +52,7 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
             probe = random_prompt(LEN, 8200)
             run(llm, [probe], greedy(2))
             dt, _ = _ttft(llm, probe)
-            loaded = w.loaded_tokens
+            loaded = w.totals.loaded_tokens
             assert loaded >= 3 * CHUNK and dt >= 0.9
             assert w.engine.predict_read_seconds(0, w._chunk_bytes) >= 0.25
 
@@ -64,7 +64,7 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
                 assert out_h == out_c
                 cold.append(c)
                 warm.append(h)
-            assert w.loaded_tokens == loaded, "a short prompt was loaded from the 300 ms tier"
+            assert w.totals.loaded_tokens == loaded, "a short prompt was loaded from the 300 ms tier"
             assert w.bypassed_tokens >= 5 * 3 * CHUNK
             w.take_stats_delta()
             assert w._reported.get("bypassed_tokens", 0) == w.bypassed_tokens  # shipped to vLLM's metrics
@@ -83,7 +83,7 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
             c, out_c = _ttft(llm, p)
             h, out_h = _ttft(llm, p)
             assert out_h == out_c
-            assert w.loaded_tokens >= 2 * loaded
+            assert w.totals.loaded_tokens >= 2 * loaded
             assert h >= 0.9 and h > c + 0.25, f"always: {h * 1000:.0f} ms vs recompute {c * 1000:.0f} ms"
 
 
@@ -95,6 +95,6 @@ def test_fast_tier_is_always_loaded(tiny_model: Path) -> None:
         cold = token_ids(run(llm, prompts, greedy(4)))
         warm = token_ids(run(llm, prompts, greedy(4)))
         assert warm == cold
-        assert w.loaded_tokens >= 3 * 3 * CHUNK
+        assert w.totals.loaded_tokens >= 3 * 3 * CHUNK
         assert w.bypassed_tokens == 0
         assert w.prefill.fit.coefficients() is not None  # the policy had a recompute model to compare with

@@ -17,11 +17,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from lmcache_core import metrics
 from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
@@ -30,11 +29,12 @@ from .async_loads import LoadQueue
 from .async_saves import SaveQueue
 from .grouped_layout import GroupedLayout
 from .kv_events import RawEvent, TierEventBuffer
-from .groups import FULL, GroupPlan, boundary_hash
+from .groups import FULL, GroupPlan
 from .kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
 from .layerwise import LayerPipeline
-from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
-from .lookup_ipc import Hit, LookupServer
+from .hits import HitPlanner
+from .load_policy import PrefillModel
+from .lookup_ipc import LookupServer
 from .metadata import LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings
 from .transfers import (
@@ -44,7 +44,6 @@ from .transfers import (
     LoadReports,
     TransferCounters,
     Transfers,
-    boundary_pin,
 )
 
 from .log import get_logger
@@ -54,12 +53,6 @@ log = get_logger(__name__)
 # The per-layer KV layout contract the fingerprint is relative to: vLLM 0.32's [B, H, N, C]
 # views in a KVCacheLayout order (0.33 keeps it). Change it when vLLM changes what they hold.
 VLLM_TAG = "vllm-0.32"
-
-
-MAX_BOUNDARY_PROBES = 64
-#: async_loads: auto loads a hit in the background when reading it from a tier slower
-#: than memory is predicted to take longer than this (or has not been measured yet)
-ASYNC_LOAD_S = 0.005
 
 
 def _dtype_of(kv: Any) -> str:
@@ -101,17 +94,15 @@ class WorkerSide:
         self.layout: BlockLayout | TokenLayout | GroupedLayout | None = None
         self.engine: CacheEngine | None = None
         self.transfers: Transfers | None = None
+        self.hits: HitPlanner | None = None
         self.server: LookupServer | None = None
         self.tier_events: TierEventBuffer | None = None
-        self._chunk_bytes = 0
         self.totals = TransferCounters()
         self.reports = LoadReports()
         self._lock = threading.Lock()
         # load_policy: the engine's compute time per step, timed here (see load_policy.py)
         self.load_policy = self.cfg.load_policy
         self.prefill = PrefillModel()
-        self.bypassed_tokens = 0
-        self.bypassed_lookups = 0
         self._fwd_start: float | None = None
         self._step_load_s = 0.0
         self._reported: dict[str, float] = {}
@@ -171,9 +162,19 @@ class WorkerSide:
             transfers = DenseTransfers(
                 engine, layout, self.totals, self.reports, saver, self.block_size, self.settings, list(kv_caches)
             )
-        shape = layout.chunk_shape(self.cfg.chunk_size)
-        elem = torch.empty((), dtype=self._chunk_dtype(layout)).element_size()
-        self._chunk_bytes = int(torch.Size(shape).numel()) * elem
+        self.hits = HitPlanner(
+            engine,
+            chunk_size=self.cfg.chunk_size,
+            chunk_shape=tuple(layout.chunk_shape(self.cfg.chunk_size)),
+            chunk_dtype=torch.uint8 if isinstance(layout, GroupedLayout) else layout.dtype,
+            load_policy=self.load_policy,
+            load_margin=self.cfg.load_margin,
+            prefill=self.prefill,
+            boundary=self.plan is not None and self.plan.has_boundary,
+            background=self.settings.async_loads == AUTO
+            and isinstance(transfers, DenseTransfers)
+            and transfers.loads is not None,
+        )
         self.layout, self.engine, self.transfers = layout, engine, transfers
         log.info(
             "lmcache-core: %s layout, chunk %d tokens, tiers %s, transfer path %s%s",
@@ -186,99 +187,7 @@ class WorkerSide:
         if self.lookup_address:
             # Memory-only tiers: a scheduler in this process may call the lookup directly.
             inline = all(ZERO_COPY in t.capabilities for t in engine.tiers)
-            self.server = LookupServer(self.lookup_address, self._lookup, inline=inline)
-
-    @staticmethod
-    def _chunk_dtype(layout: BlockLayout | TokenLayout | GroupedLayout) -> torch.dtype:
-        """Element type of a chunk buffer: bytes over every group for grouped layouts."""
-        return torch.uint8 if isinstance(layout, GroupedLayout) else layout.dtype
-
-    # -- lookups (scheduler side, over IPC or inline) ----------------------------------
-    def _lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
-        assert self.engine is not None
-        boundary = self.plan is not None and self.plan.has_boundary
-        auto = self.settings.async_loads == AUTO and self.loads is not None
-        if not boundary and not auto and (self.load_policy == ALWAYS or pin_id is None):
-            return self.engine.lookup_hashes(hashes, pin_id=pin_id)
-        runs = self.engine.lookup_runs(hashes, pin_id=pin_id, record=False)
-        n = sum(c for _, c in runs)
-        k = self._worth_loading(hashes, runs, pin_id) if pin_id is not None and self.load_policy != ALWAYS else n
-        if boundary and k:
-            k = n = self._restorable(hashes, k, pin_id)
-        self.engine.record_lookup(len(hashes), n)
-        slow = auto and self._slow(runs, k)
-        if slow and pin_id is not None and self.layout is not None:
-            # Start reading the hit into the CPU tier now: vLLM schedules its load a
-            # step or more later (after allocating blocks), and the load then waits for
-            # this read instead of making its own.
-            shape = self.layout.chunk_shape(self.cfg.chunk_size)
-            self.engine.prefetch(hashes[:k], [shape] * k, self._chunk_dtype(self.layout))
-        return Hit(k, slow)
-
-    def _slow(self, runs: Sequence[tuple[int, int]], k: int) -> bool:
-        """Whether loading the first ``k`` chunks needs a tier slower than memory: one
-        that is not the zero-copy CPU tier and whose measured reads of that many bytes
-        take longer than ``ASYNC_LOAD_S`` (or have not been measured yet). Such a load
-        goes to the load thread (``async_loads: auto``), off vLLM's forward path."""
-        assert self.engine is not None
-        left = k
-        for level, count in runs:
-            if left <= 0:
-                break
-            take = min(count, left)
-            left -= take
-            tier = self.engine.tiers[level]
-            if ZERO_COPY in tier.capabilities:
-                continue
-            predicted = self.engine.predict_read_seconds(level, take * self._chunk_bytes)
-            if predicted is None or predicted > ASYNC_LOAD_S:
-                return True
-        return False
-
-    def _worth_loading(self, hashes: Sequence[bytes], runs: list[tuple[int, int]], pin_id: str) -> int:
-        """``faster_than_recompute``: the hit prefix worth loading; the chunks past it
-        are unpinned and counted as bypassed."""
-        assert self.engine is not None
-        per_chunk: list[float] = []
-        for level, count in runs:
-            age = self.engine.read_models[level].fit.age()
-            fresh = age is not None and age <= REPROBE_S
-            s = self.engine.predict_read_seconds(level, self._chunk_bytes) if fresh else None
-            per_chunk += [s or 0.0] * count  # never read (or not lately): load once to measure
-        n = len(per_chunk)
-        k = best_prefix(per_chunk, self.cfg.chunk_size, self.prefill, self.cfg.load_margin)
-        if k < n:
-            if k:
-                self.engine.lookup_hashes(hashes[:k], pin_id=pin_id, record=False)  # re-pin only what loads
-            else:
-                self.engine.unpin(pin_id)
-            tokens = (n - k) * self.cfg.chunk_size
-            with self._lock:
-                self.bypassed_tokens += tokens
-                self.bypassed_lookups += 1
-            metrics.BYPASSED_TOKENS.inc(tokens)
-            log.debug(
-                "lookup %s: loading %d of %d hit chunks (predicted load %.1f ms, recompute %.1f ms)",
-                pin_id,
-                k,
-                n,
-                1000 * sum(per_chunk),
-                1000 * (self.prefill.recompute_seconds(n * self.cfg.chunk_size) or 0.0),
-            )
-        return k
-
-    def _restorable(self, hashes: Sequence[bytes], n: int, pin_id: str | None) -> int:
-        """The longest prefix of ``n`` present chunks that also has its boundary object
-        (window pages / states), probing at most ``MAX_BOUNDARY_PROBES`` boundaries
-        from the longest down; that boundary is pinned with the chunks."""
-        assert self.engine is not None
-        bpin = None if pin_id is None else boundary_pin(pin_id)
-        for k in range(n, max(0, n - MAX_BOUNDARY_PROBES), -1):
-            if self.engine.lookup_hashes([boundary_hash(hashes[k - 1])], pin_id=bpin, record=False):
-                return k
-        if bpin is not None:
-            self.engine.unpin(bpin)
-        return 0
+            self.server = LookupServer(self.lookup_address, self.hits.lookup, inline=inline)
 
     # -- a step ------------------------------------------------------------------------
     def step_started(self, meta: LMCacheConnectorMetadata | None = None) -> None:
@@ -355,7 +264,7 @@ class WorkerSide:
         out: dict[str, float] = {
             "loaded_tokens": c.loaded_tokens,
             "saved_tokens": c.saved_tokens,
-            "bypassed_tokens": self.bypassed_tokens,
+            "bypassed_tokens": self.hits.bypassed_tokens if self.hits is not None else 0,
             "verified_chunks": c.verified_chunks,
             "verify_inexact": c.verify_inexact,
             "load_seconds": c.load_seconds,
@@ -411,8 +320,8 @@ class WorkerSide:
             "saved_tokens": c.saved_tokens,
             "failed_loads": c.failed_loads,
             "skipped_saves": c.skipped_saves,
-            "bypassed_tokens": self.bypassed_tokens,
-            "bypassed_lookups": self.bypassed_lookups,
+            "bypassed_tokens": self.hits.bypassed_tokens if self.hits is not None else 0,
+            "bypassed_lookups": self.hits.bypassed_lookups if self.hits is not None else 0,
             "load_policy": self.load_policy,
             "verified_chunks": c.verified_chunks,
             "verify_inexact": c.verify_inexact,

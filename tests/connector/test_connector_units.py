@@ -420,18 +420,18 @@ def test_auto_async_follows_the_tier_and_its_measured_speed(tmp_path):
     backends = [{"name": "local_cpu", "max_size": "64MiB"}, {"name": "disk", "path": str(tmp_path / "d"), "max_size": "1GiB"}]
     w = _worker(tmp_path, backends=backends)
     try:
-        nbytes = 3 * w._chunk_bytes
-        assert not w._slow([(0, 3)], 3), "a memory hit left the step"
-        assert w._slow([(0, 1), (1, 2)], 3), "an unmeasured disk hit stayed in the step"
+        nbytes = 3 * w.hits.chunk_bytes
+        assert not w.hits.slow([(0, 3)], 3), "a memory hit left the step"
+        assert w.hits.slow([(0, 1), (1, 2)], 3), "an unmeasured disk hit stayed in the step"
         for _ in range(4):
             w.engine.read_models[1].record(nbytes, 0.050)
             w.engine.read_models[1].record(nbytes // 3, 0.030)
-        assert w._slow([(1, 3)], 3), "a slow tier's hit stayed in the step"
+        assert w.hits.slow([(1, 3)], 3), "a slow tier's hit stayed in the step"
         w.engine.read_models[1] = type(w.engine.read_models[1])()
         for _ in range(4):
             w.engine.read_models[1].record(nbytes, 0.0004)
             w.engine.read_models[1].record(nbytes // 3, 0.0002)
-        assert not w._slow([(1, 3)], 3), "a fast tier's hit left the step"
-        assert not w._slow([(1, 3)], 0), "nothing to load is never slow"
+        assert not w.hits.slow([(1, 3)], 3), "a fast tier's hit left the step"
+        assert not w.hits.slow([(1, 3)], 0), "nothing to load is never slow"
     finally:
         w.close()

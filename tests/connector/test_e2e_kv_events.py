@@ -77,7 +77,7 @@ def test_zmq_subscriber_sees_tier_stores_and_evictions(tiny_model, tmp_path):
                     break
             assert sub.events, "the subscriber never received vLLM's own events"
             sub.events.clear()
-            assert worker()._chunk_bytes == CHUNK_BYTES
+            assert worker().hits.chunk_bytes == CHUNK_BYTES
             run(llm, [a])
             # The disk write is in the background: its event ships with a later step.
             for _ in range(30):

@@ -54,7 +54,7 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
             dt, _ = _ttft(llm, probe)
             loaded = w.totals.loaded_tokens
             assert loaded >= 3 * CHUNK and dt >= 0.9
-            assert w.engine.predict_read_seconds(0, w._chunk_bytes) >= 0.25
+            assert w.engine.predict_read_seconds(0, w.hits.chunk_bytes) >= 0.25
 
             cold, warm = [], []
             for i in range(5):
@@ -65,9 +65,9 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
                 cold.append(c)
                 warm.append(h)
             assert w.totals.loaded_tokens == loaded, "a short prompt was loaded from the 300 ms tier"
-            assert w.bypassed_tokens >= 5 * 3 * CHUNK
+            assert w.hits.bypassed_tokens >= 5 * 3 * CHUNK
             w.take_stats_delta()
-            assert w._reported.get("bypassed_tokens", 0) == w.bypassed_tokens  # shipped to vLLM's metrics
+            assert w._reported.get("bypassed_tokens", 0) == w.hits.bypassed_tokens  # shipped to vLLM's metrics
             ratio = statistics.median(warm) / statistics.median(cold)
             print(
                 f"bypassed: warm TTFT {statistics.median(warm) * 1000:.1f} ms vs recompute {statistics.median(cold) * 1000:.1f} ms ({ratio:.2f}x)"
@@ -96,5 +96,5 @@ def test_fast_tier_is_always_loaded(tiny_model: Path) -> None:
         warm = token_ids(run(llm, prompts, greedy(4)))
         assert warm == cold
         assert w.totals.loaded_tokens >= 3 * 3 * CHUNK
-        assert w.bypassed_tokens == 0
+        assert w.hits.bypassed_tokens == 0
         assert w.prefill.fit.coefficients() is not None  # the policy had a recompute model to compare with

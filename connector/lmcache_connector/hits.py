@@ -1,0 +1,152 @@
+"""What a lookup answers on the worker: how many of a request's chunks the cache
+holds *and* are worth loading, pinned until the load, with whether the load should
+leave vLLM's forward path.
+
+Built once the engine exists (``register_kv_caches``); the scheduler side reaches it
+over the lookup socket (or inline, see lookup_ipc.py). Decided here, in one call:
+
+* the hit in every tier, pinned under the request's id;
+* ``load_policy: faster_than_recompute``: the prefix whose predicted load beats
+  recomputing it (load_policy.py); the chunks past it are unpinned, counted bypassed;
+* models with a boundary object (sliding-window pages, recurrent states): the longest
+  prefix whose boundary is also held, that boundary pinned next to the chunks;
+* ``async_loads: auto``: whether a tier slower than memory serves the hit, and then
+  its read into the CPU tier starts now (prefetch), before vLLM schedules the load.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from lmcache_core import metrics
+from lmcache_core.backend import ZERO_COPY
+from lmcache_core.engine import CacheEngine
+
+from .groups import boundary_hash
+from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
+from .log import get_logger
+from .lookup_ipc import Hit
+from .transfers import boundary_pin
+
+log = get_logger(__name__)
+
+MAX_BOUNDARY_PROBES = 64
+#: async_loads: auto loads a hit in the background when reading it from a tier slower
+#: than memory is predicted to take longer than this (or has not been measured yet)
+ASYNC_LOAD_S = 0.005
+
+
+class HitPlanner:
+    def __init__(
+        self,
+        engine: CacheEngine,
+        *,
+        chunk_size: int,
+        chunk_shape: tuple[int, ...],
+        chunk_dtype: torch.dtype,
+        load_policy: str,
+        load_margin: float,
+        prefill: PrefillModel,
+        boundary: bool,
+        background: bool,
+    ) -> None:
+        """``boundary``: chunks restore only with their boundary object;
+        ``background``: ``async_loads: auto`` with a load thread to send slow hits to."""
+        self.engine = engine
+        self.chunk_size = chunk_size
+        self.chunk_shape = chunk_shape
+        self.chunk_dtype = chunk_dtype
+        self.chunk_bytes = int(torch.Size(chunk_shape).numel()) * torch.empty((), dtype=chunk_dtype).element_size()
+        self.load_policy = load_policy
+        self.load_margin = load_margin
+        self.prefill = prefill
+        self.boundary = boundary
+        self.background = background
+        self._lock = threading.Lock()
+        self.bypassed_tokens = 0
+        self.bypassed_lookups = 0
+
+    def lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
+        """The chunks to load from the first (pinned under ``pin_id``); a :class:`Hit`
+        carrying ``slow`` where that matters."""
+        policy = self.load_policy != ALWAYS and pin_id is not None
+        if not self.boundary and not self.background and not policy:
+            return self.engine.lookup_hashes(hashes, pin_id=pin_id)
+        runs = self.engine.lookup_runs(hashes, pin_id=pin_id, record=False)
+        n = sum(c for _, c in runs)
+        k = self._worth_loading(hashes, runs, pin_id) if policy and pin_id is not None else n
+        if self.boundary and k:
+            k = n = self._restorable(hashes, k, pin_id)
+        self.engine.record_lookup(len(hashes), n)
+        slow = self.background and self.slow(runs, k)
+        if slow and pin_id is not None:
+            # Start reading the hit into the CPU tier now: vLLM schedules its load a
+            # step or more later (after allocating blocks), and the load then waits for
+            # this read instead of making its own.
+            self.engine.prefetch(hashes[:k], [self.chunk_shape] * k, self.chunk_dtype)
+        return Hit(k, slow)
+
+    def slow(self, runs: Sequence[tuple[int, int]], k: int) -> bool:
+        """Whether loading the first ``k`` chunks needs a tier slower than memory: one
+        that is not the zero-copy CPU tier and whose measured reads of that many bytes
+        take longer than ``ASYNC_LOAD_S`` (or have not been measured yet). Such a load
+        goes to the load thread (``async_loads: auto``), off vLLM's forward path."""
+        left = k
+        for level, count in runs:
+            if left <= 0:
+                break
+            take = min(count, left)
+            left -= take
+            tier = self.engine.tiers[level]
+            if ZERO_COPY in tier.capabilities:
+                continue
+            predicted = self.engine.predict_read_seconds(level, take * self.chunk_bytes)
+            if predicted is None or predicted > ASYNC_LOAD_S:
+                return True
+        return False
+
+    def _worth_loading(self, hashes: Sequence[bytes], runs: list[tuple[int, int]], pin_id: str) -> int:
+        """``faster_than_recompute``: the hit prefix worth loading; the chunks past it
+        are unpinned and counted as bypassed."""
+        per_chunk: list[float] = []
+        for level, count in runs:
+            age = self.engine.read_models[level].fit.age()
+            fresh = age is not None and age <= REPROBE_S
+            s = self.engine.predict_read_seconds(level, self.chunk_bytes) if fresh else None
+            per_chunk += [s or 0.0] * count  # never read (or not lately): load once to measure
+        n = len(per_chunk)
+        k = best_prefix(per_chunk, self.chunk_size, self.prefill, self.load_margin)
+        if k < n:
+            if k:
+                self.engine.lookup_hashes(hashes[:k], pin_id=pin_id, record=False)  # re-pin only what loads
+            else:
+                self.engine.unpin(pin_id)
+            tokens = (n - k) * self.chunk_size
+            with self._lock:
+                self.bypassed_tokens += tokens
+                self.bypassed_lookups += 1
+            metrics.BYPASSED_TOKENS.inc(tokens)
+            log.debug(
+                "lookup %s: loading %d of %d hit chunks (predicted load %.1f ms, recompute %.1f ms)",
+                pin_id,
+                k,
+                n,
+                1000 * sum(per_chunk),
+                1000 * (self.prefill.recompute_seconds(n * self.chunk_size) or 0.0),
+            )
+        return k
+
+    def _restorable(self, hashes: Sequence[bytes], n: int, pin_id: str | None) -> int:
+        """The longest prefix of ``n`` present chunks that also has its boundary object
+        (window pages / states), probing at most ``MAX_BOUNDARY_PROBES`` boundaries
+        from the longest down; that boundary is pinned with the chunks."""
+        bpin = None if pin_id is None else boundary_pin(pin_id)
+        for k in range(n, max(0, n - MAX_BOUNDARY_PROBES), -1):
+            if self.engine.lookup_hashes([boundary_hash(hashes[k - 1])], pin_id=bpin, record=False):
+                return k
+        if bpin is not None:
+            self.engine.unpin(bpin)
+        return 0

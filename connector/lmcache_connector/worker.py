@@ -101,7 +101,6 @@ class WorkerSide:
         self.reports = LoadReports()
         self._lock = threading.Lock()
         # load_policy: the engine's compute time per step, timed here (see load_policy.py)
-        self.load_policy = self.cfg.load_policy
         self.prefill = PrefillModel()
         self._fwd_start: float | None = None
         self._step_load_s = 0.0
@@ -167,7 +166,7 @@ class WorkerSide:
             chunk_size=self.cfg.chunk_size,
             chunk_shape=tuple(layout.chunk_shape(self.cfg.chunk_size)),
             chunk_dtype=torch.uint8 if isinstance(layout, GroupedLayout) else layout.dtype,
-            load_policy=self.load_policy,
+            load_policy=self.cfg.load_policy,
             load_margin=self.cfg.load_margin,
             prefill=self.prefill,
             boundary=self.plan is not None and self.plan.has_boundary,
@@ -322,7 +321,7 @@ class WorkerSide:
             "skipped_saves": c.skipped_saves,
             "bypassed_tokens": self.hits.bypassed_tokens if self.hits is not None else 0,
             "bypassed_lookups": self.hits.bypassed_lookups if self.hits is not None else 0,
-            "load_policy": self.load_policy,
+            "load_policy": self.hits.load_policy if self.hits is not None else self.cfg.load_policy,
             "verified_chunks": c.verified_chunks,
             "verify_inexact": c.verify_inexact,
             "async_loads": 0,

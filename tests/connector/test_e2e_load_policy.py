@@ -46,7 +46,7 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
     with get_plugin_manager().registered(SlowGetPlugin(), name="slowget-test"):
         with make_llm(tiny_model, max_num_batched_tokens=2048, extra=_settings({"name": "slowget", "get_delay_ms": 300})) as llm:
             w = worker()
-            assert w.load_policy == "faster_than_recompute"
+            assert w.hits.load_policy == "faster_than_recompute"
             _train(llm, 8100)
             # an unmeasured tier is loaded once (that read measures it)
             probe = random_prompt(LEN, 8200)
@@ -78,7 +78,7 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
             assert statistics.median(warm) < statistics.median(cold) + 0.25, f"warm TTFT {ratio:.2f}x recompute"
 
             # negative control: the same engine told to always load pays the slow reads
-            w.load_policy = "always"
+            w.hits.load_policy = "always"
             p = random_prompt(LEN, 8400)
             c, out_c = _ttft(llm, p)
             h, out_h = _ttft(llm, p)

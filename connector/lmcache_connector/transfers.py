@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -40,6 +40,8 @@ from .options import ConnectorSettings
 from .verify import compare
 
 log = get_logger(__name__)
+
+R = TypeVar("R")
 
 
 def boundary_pin(pin_id: str) -> str:
@@ -150,6 +152,7 @@ class Transfers:
     """The part of the worker that touches vLLM's blocks, for one layout."""
 
     kind = ""
+    layout: BlockLayout | TokenLayout | GroupedLayout
 
     def __init__(
         self,
@@ -172,6 +175,56 @@ class Transfers:
     def load_step(self, meta: LMCacheConnectorMetadata) -> None:
         """The step's loads that run now, in ``start_load_kv``. Never raises."""
         raise NotImplementedError
+
+    def _guarded(
+        self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, load: Callable[[ChunkTransfer, LMCacheConnectorMetadata], R]
+    ) -> R | None:
+        """``load(t, meta)`` in the step: a failure recomputes the request's blocks
+        instead of reaching vLLM (None); the hit is unpinned either way."""
+        try:
+            return load(t, meta)
+        except Exception as err:  # never crash vLLM: recompute instead
+            log.warning("request %s: load failed, recomputing: %s: %s", t.req_id, type(err).__name__, err)
+            self.fail(t, meta, 0)
+            return None
+        finally:
+            self.unpin(t.req_id)
+
+    def _copy_chunks(
+        self,
+        t: ChunkTransfer,
+        meta: LMCacheConnectorMetadata,
+        shapes: list[tuple[int, ...]],
+        dtype: torch.dtype,
+        copy: Callable[[torch.Tensor, int, int], Any],
+        hold: bool = False,
+    ) -> tuple[int, int]:
+        """Read ``t``'s chunks in order (every tier in batches, lmcache_core.fetch) and
+        ``copy(chunk, lo, hi)`` each into vLLM's blocks, until the first missing one:
+        ``(tokens written, chunks copied)``. With ``hold`` the buffers are kept until
+        ``layout.finish()`` (asynchronous device copies still read them)."""
+        loaded = got = 0
+        held: list[Any] = []
+        chunks = self.engine.iter_chunks(t.hashes, shapes, dtype)
+        try:
+            for i, buf in enumerate(chunks):
+                lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
+                try:
+                    copy(buf.tensor, lo, hi)
+                finally:
+                    if hold:
+                        held.append(buf)
+                    else:
+                        buf.release()
+                loaded += hi - max(lo, t.write_from)
+                got += 1
+        finally:
+            chunks.close()
+            if held:
+                self.layout.finish()
+                for buf in held:
+                    buf.release()
+        return loaded, got
 
     def fail_all(self, meta: LMCacheConnectorMetadata) -> None:
         """Every load of the step reported failed (vLLM's KV memory is released)."""
@@ -227,6 +280,7 @@ class DenseTransfers(Transfers):
     """One KV-cache group: chunks are slices of each layer's blocks."""
 
     kind = "dense"
+    layout: BlockLayout | TokenLayout
 
     def __init__(
         self,
@@ -267,16 +321,10 @@ class DenseTransfers(Transfers):
         for t in meta.loads:
             if self.background(t):
                 continue  # handed to the load thread in start_step
-            try:
-                if pipe is not None:
-                    items += self._read_for_pipeline(t, meta)
-                else:
-                    self.load(t, meta)
-            except Exception as err:  # never crash vLLM: recompute instead
-                log.warning("request %s: load failed, recomputing: %s: %s", t.req_id, type(err).__name__, err)
-                self.fail(t, meta, 0)
-            finally:
-                self.unpin(t.req_id)
+            if pipe is not None:
+                items += self._guarded(t, meta, self._read_for_pipeline) or []
+            else:
+                self._guarded(t, meta, self.load)
         if pipe is not None and items:
             try:
                 pipe.load(items)
@@ -319,32 +367,17 @@ class DenseTransfers(Transfers):
     def load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> set[int]:
         """Copy the chunks into vLLM's blocks: the blocks that failed to load."""
         t0 = time.perf_counter()
-        loaded = got = 0
         failed: set[int] = set()
-        # Chunks come in order from every tier in batches (lmcache_core.fetch); on a
-        # GPU their copies are enqueued one after another and waited for once, their
-        # buffers held until then.
+        # On a GPU the copies are enqueued one after another and waited for once.
         batch = self.layout.device.type == "cuda"
-        held: list[Any] = []
-        chunks = self.engine.iter_chunks(t.hashes, self._chunk_shapes(t, meta), self.layout.dtype)
-        try:
-            for i, buf in enumerate(chunks):
-                lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
-                try:
-                    self.layout.load_chunk(buf.tensor, t.block_ids, lo, hi, t.write_from, wait=not batch)
-                finally:
-                    if batch:
-                        held.append(buf)
-                    else:
-                        buf.release()
-                loaded += hi - max(lo, t.write_from)
-                got += 1
-        finally:
-            chunks.close()
-            if held:
-                self.layout.finish()
-                for buf in held:
-                    buf.release()
+        loaded, got = self._copy_chunks(
+            t,
+            meta,
+            self._chunk_shapes(t, meta),
+            self.layout.dtype,
+            lambda chunk, lo, hi: self.layout.load_chunk(chunk, t.block_ids, lo, hi, t.write_from, wait=not batch),
+            hold=batch,
+        )
         if got < len(t.hashes):
             failed = self.fail(t, meta, got)
         dt = time.perf_counter() - t0
@@ -526,6 +559,7 @@ class GroupedTransfers(Transfers):
     are asynchronous are still copied in the step and reported finished."""
 
     kind = "grouped"
+    layout: GroupedLayout
 
     def __init__(
         self,
@@ -545,13 +579,7 @@ class GroupedTransfers(Transfers):
 
     def load_step(self, meta: LMCacheConnectorMetadata) -> None:
         for t in meta.loads:
-            try:
-                self.load(t, meta)
-            except Exception as err:  # never crash vLLM: recompute instead
-                log.warning("request %s: load failed, recomputing: %s: %s", t.req_id, type(err).__name__, err)
-                self.fail(t, meta, 0)
-            finally:
-                self.unpin(t.req_id)
+            self._guarded(t, meta, self.load)
 
     def fail(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> set[int]:
         """An asynchronous load fails as a whole request (vLLM cannot take block-level
@@ -570,21 +598,12 @@ class GroupedTransfers(Transfers):
 
     def load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         assert t.group_block_ids is not None
+        blocks = t.group_block_ids
         t0 = time.perf_counter()
-        loaded = got = 0
         shapes = [self.layout.chunk_shape(t.chunk_ends[i] - meta.chunk_start(t, i)) for i in range(len(t.hashes))]
-        chunks = self.engine.iter_chunks(t.hashes, shapes, torch.uint8)
-        try:
-            for i, buf in enumerate(chunks):
-                lo, hi = meta.chunk_start(t, i), t.chunk_ends[i]
-                try:
-                    self.layout.load_chunk(buf.tensor, t.group_block_ids, lo, hi, t.write_from)
-                finally:
-                    buf.release()
-                loaded += hi - max(lo, t.write_from)
-                got += 1
-        finally:
-            chunks.close()
+        loaded, got = self._copy_chunks(
+            t, meta, shapes, torch.uint8, lambda chunk, lo, hi: self.layout.load_chunk(chunk, blocks, lo, hi, t.write_from)
+        )
         if got < len(t.hashes):
             raise LookupError(f"chunk {t.first_chunk + got} is no longer in the cache")
         for bh, end in t.boundaries:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -21,6 +23,9 @@ from lmcache_backend_peer.connection import Connection
 from lmcache_core import CacheEngine, KeyNamespace, load_config
 from lmcache_core.serde import RawCodec, decode, encode
 from lmcache_core.testing import make_context, random_chunk, random_key
+
+sys.path.insert(0, str(Path(__file__).parent))
+from memtrace import peak_python_bytes  # noqa: E402
 
 SECRET = b"network-test-secret-42"
 HANG_BOUND = 10.0  # far above every timeout used here: only catches hangs
@@ -518,20 +523,13 @@ def test_a_large_batch_read_reuses_one_reply_buffer(node: PeerServer) -> None:
     """80 chunks of 1 MiB (more than a connection keeps a buffer for) come in as
     pipelined GETs of ~16 MiB into the connection's reused buffer: a repeated read
     allocates almost no Python memory (it used to take one fresh 80 MiB reply)."""
-    import tracemalloc
-
     items = fill(node, 80, shape=(512, 1024))
     backend = client_backend([addr(node)], timeout_ms=5000)
     try:
         keys = [k for k, _ in items]
         outs = [torch.empty_like(t) for _, t in items]
         assert backend.get_many(keys, outs) == [True] * 80  # warms the connection's buffer
-        tracemalloc.start()
-        try:
-            hits = backend.get_many(keys, outs)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        hits, peak = peak_python_bytes(lambda: backend.get_many(keys, outs))
         assert hits == [True] * 80 and all(torch.equal(o, t) for o, (_, t) in zip(outs, items))
         assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB of Python memory for an 80 MiB read"
     finally:

@@ -26,6 +26,7 @@ from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 sys.path.insert(0, str(Path(__file__).parent))
+from memtrace import peak_python_bytes  # noqa: E402
 from redis_server import RedisServer, redis_server  # noqa: E402,F401 - fixture
 
 from lmcache_backend_redis import create_redis_backend  # noqa: E402
@@ -99,8 +100,6 @@ def test_a_batch_read_holds_one_frame_not_one_per_key(redis_server: RedisServer)
     """get_many judges each value as it arrives, in one scratch buffer: reading 24
     chunks of 512 KiB allocates about one frame's worth of Python memory, not 24 (the
     values used to be kept, each in a buffer of its own, until the last arrived)."""
-    import tracemalloc
-
     tier = create_redis_backend({"url": redis_server.url, "prefix": "onebuf:"}, make_context())
     try:
         keys = [random_key() for _ in range(24)]
@@ -108,12 +107,7 @@ def test_a_batch_read_holds_one_frame_not_one_per_key(redis_server: RedisServer)
         assert all(tier.put_many(list(zip(keys, chunks))))
         outs = [torch.empty_like(c) for c in chunks]
         tier.get_many(keys[:1], outs[:1])  # connect before measuring
-        tracemalloc.start()
-        try:
-            hits = tier.get_many(keys, outs)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        hits, peak = peak_python_bytes(lambda: tier.get_many(keys, outs))
         assert hits == [True] * 24 and all(torch.equal(o, c) for o, c in zip(outs, chunks))
         assert peak < 4 * chunks[0].nbytes, f"peak {peak / 2**20:.1f} MiB of Python memory for 24 x 512 KiB"
         assert tier.stats().hits == 25  # each hit counted once

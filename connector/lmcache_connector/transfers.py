@@ -149,7 +149,9 @@ class ChunkSaver:
 
 
 class Transfers:
-    """The part of the worker that touches vLLM's blocks, for one layout."""
+    """The part of the worker that touches vLLM's blocks, for one layout. The base
+    class itself, with no engine (:meth:`idle`), stands in until vLLM registers its
+    KV caches: it has no loads or saves to run, and every call does nothing."""
 
     kind = ""
     layout: BlockLayout | TokenLayout | GroupedLayout
@@ -168,13 +170,20 @@ class Transfers:
         self.saver = saver
         self.block_size = block_size
 
+    @classmethod
+    def idle(cls, counters: TransferCounters, reports: LoadReports) -> "Transfers":
+        """The stand-in before registration: it moves nothing, and reports any load
+        (none can have been planned without an engine) as failed."""
+        return cls(None, counters, reports, None, 0)  # type: ignore[arg-type]
+
     # -- loads --------------------------------------------------------------------------
     def start_step(self, meta: LMCacheConnectorMetadata) -> None:
         """The step's metadata is bound (before its forward pass)."""
 
     def load_step(self, meta: LMCacheConnectorMetadata) -> None:
         """The step's loads that run now, in ``start_load_kv``. Never raises."""
-        raise NotImplementedError
+        for t in meta.loads:
+            self.reports.blocks_failed(set(t.block_ids))  # no engine yet (never planned): recompute
 
     def _guarded(
         self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, load: Callable[[ChunkTransfer, LMCacheConnectorMetadata], R]
@@ -232,13 +241,16 @@ class Transfers:
             self.fail(t, meta, 0)
 
     def fail(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> set[int]:
-        raise NotImplementedError
+        blocks = set(t.block_ids)
+        self.reports.blocks_failed(blocks)
+        return blocks
 
     def finished_loads(self, step_idle: bool) -> tuple[set[str], set[str]]:
         return self.reports.take_finished()
 
     def unpin(self, req_id: str) -> None:
-        self.engine.unpin(req_id)
+        if self.engine is not None:
+            self.engine.unpin(req_id)
 
     # -- saves --------------------------------------------------------------------------
     def save_layer(self, layer_name: str, meta: LMCacheConnectorMetadata) -> None:
@@ -249,7 +261,6 @@ class Transfers:
 
     def save_step(self, meta: LMCacheConnectorMetadata) -> None:
         """The step's saves, once every layer has written its KV. Never raises."""
-        raise NotImplementedError
 
     def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         return set()
@@ -263,7 +274,7 @@ class Transfers:
             self.counters.add(skipped_saves=1)
 
     def save(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
-        raise NotImplementedError
+        """Gather and store one transfer's chunks (the idle stand-in stores nothing)."""
 
     # -- life ---------------------------------------------------------------------------
     def suspend(self) -> None:

@@ -93,12 +93,12 @@ class WorkerSide:
         # built by register_kv_caches
         self.layout: BlockLayout | TokenLayout | GroupedLayout | None = None
         self.engine: CacheEngine | None = None
-        self.transfers: Transfers | None = None
         self.hits: HitPlanner | None = None
         self.server: LookupServer | None = None
         self.tier_events: TierEventBuffer | None = None
         self.totals = TransferCounters()
         self.reports = LoadReports()
+        self.transfers: Transfers = Transfers.idle(self.totals, self.reports)  # until register_kv_caches
         self._lock = threading.Lock()
         # load_policy: the engine's compute time per step, timed here (see load_policy.py)
         self.prefill = PrefillModel()
@@ -199,15 +199,13 @@ class WorkerSide:
         if self.saves is not None and meta is not None and meta.drain_saves:
             self.saves.drain()
         self._step_idle = meta is not None and meta.step_tokens == 0
-        if self.transfers is not None and meta is not None and not self.suspended:
+        if meta is not None and not self.suspended:
             self.transfers.start_step(meta)
         self._fwd_start = time.perf_counter()
         self._step_load_s = 0.0
 
     def start_load_kv(self, meta: LMCacheConnectorMetadata) -> None:
         transfers = self.transfers
-        if transfers is None:
-            return
         if self.suspended:  # vLLM's KV memory is released: report every load failed (recompute)
             transfers.fail_all(meta)
             for t in meta.loads:
@@ -221,16 +219,14 @@ class WorkerSide:
             self._step_load_s += time.perf_counter() - t_start
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self.transfers is not None:
-            self.transfers.wait_layer(layer_name)
+        self.transfers.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, meta: LMCacheConnectorMetadata | None) -> None:
-        if self.transfers is None or meta is None or self.suspended:
-            return
-        self.transfers.save_layer(layer_name, meta)
+        if meta is not None and not self.suspended:
+            self.transfers.save_layer(layer_name, meta)
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
-        if self.transfers is None or self.suspended:
+        if self.suspended:
             return
         if self._fwd_start is not None and meta.step_tokens > 0:
             self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start - self._step_load_s)
@@ -248,13 +244,11 @@ class WorkerSide:
     def take_finished_loads(self) -> tuple[set[str], set[str]]:
         """Asynchronous loads completed since the last call: (finished, failed); failed
         ones are in both sets, as vLLM expects."""
-        if self.transfers is None:
-            return self.reports.take_finished()
         return self.transfers.finished_loads(self._step_idle)
 
     def take_finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         """Finished requests whose background saves are all done (``finished_sending``)."""
-        return self.transfers.finished_saves(finished_req_ids) if self.transfers is not None else set()
+        return self.transfers.finished_saves(finished_req_ids)
 
     # -- metrics ------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
@@ -302,8 +296,7 @@ class WorkerSide:
         writes vLLM's blocks (background loads and saves, the layer pipeline), then
         touch no block until :meth:`resume`. Steps in between load and save nothing
         (a hit is then recomputed). What the tiers hold stays valid. Idempotent."""
-        if self.transfers is not None:
-            self.transfers.suspend()
+        self.transfers.suspend()
         self.suspended = True
 
     def resume(self) -> None:
@@ -326,15 +319,13 @@ class WorkerSide:
             "verify_inexact": c.verify_inexact,
             "async_loads": 0,
         }
-        if self.transfers is not None:
-            out.update(self.transfers.stats())
+        out.update(self.transfers.stats())
         if self.engine is not None:
             out["engine"] = self.engine.stats()
         return out
 
     def close(self) -> None:
-        if self.transfers is not None:
-            self.transfers.close()
+        self.transfers.close()
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -435,3 +435,41 @@ def test_auto_async_follows_the_tier_and_its_measured_speed(tmp_path):
         assert not w.hits.slow([(1, 3)], 0), "nothing to load is never slow"
     finally:
         w.close()
+
+
+def test_worker_before_registration_moves_nothing_and_picks_one_transfers_object(tmp_path):
+    """Until vLLM registers its KV caches the worker has no engine: every call is a
+    no-op, and a load (which no lookup could have planned) is reported failed, so vLLM
+    recomputes instead of trusting blocks nothing wrote. Registration then builds the
+    one transfers object for the layout: dense here, with the strategies the settings
+    ask for."""
+    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+    from lmcache_connector.options import load_settings
+    from lmcache_connector.transfers import DenseTransfers
+    from lmcache_connector.worker import WorkerSide
+
+    settings = load_settings(
+        {"chunk_size": 16, "backends": [{"name": "local_cpu", "max_size": "64MiB"}], "async_saves": True, "async_loads": False}
+    )
+    w = WorkerSide(settings, model_id="m", block_size=16, rank=0, world_size=1, lookup_address=None)
+    step = LMCacheConnectorMetadata(
+        chunk_size=16,
+        loads=[ChunkTransfer("L", [b"a" * 16], 0, [16], [2])],
+        saves=[ChunkTransfer("S", [b"b" * 16], 0, [16], [3])],
+        step_tokens=16,
+    )
+    w.step_started(step)
+    w.start_load_kv(step)
+    w.wait_for_save(step)
+    assert w.get_block_ids_with_load_errors() == {2}
+    assert w.take_finished_loads() == (set(), set()) and w.take_finished_saves({"S"}) == set()
+    assert w.engine is None and w.saves is None and w.stats()["saved_tokens"] == 0
+    w.register_kv_caches({f"l{i}": torch.zeros(16, 2, 16, 16) for i in range(2)})
+    try:
+        assert isinstance(w.transfers, DenseTransfers) and w.saves is not None and w.loads is None and w.pipeline is None
+        w.step_started(step)
+        w.wait_for_save(step)
+        w.saves.drain()
+        assert w.engine is not None and w.engine.lookup_hashes([b"b" * 16]) == 1
+    finally:
+        w.close()

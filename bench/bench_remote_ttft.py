@@ -1,7 +1,7 @@
 """Warm loads from Redis across a network, on real vLLM (CPU): round trips, TTFT
 against the CPU tier, and what an in-flight load does to other requests' decoding.
 
-    python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH]
+    python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH] [--serde fp8]
 
 Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``.
 Each vLLM engine is a fresh process (a writer stores, a reader with an empty CPU tier
@@ -112,8 +112,15 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen, int]:
     raise SystemExit("redis-server did not start")
 
 
+SERDE: str | None = None
+"""--serde: the Redis tier's codec (e.g. fp8), None for the default."""
+
+
 def redis_tier(host_port: str) -> dict[str, Any]:
-    return {"name": "redis", "url": f"redis://{host_port}/0", "socket_timeout_s": 30}
+    tier: dict[str, Any] = {"name": "redis", "url": f"redis://{host_port}/0", "socket_timeout_s": 30}
+    if SERDE is not None:
+        tier["serde"] = SERDE
+    return tier
 
 
 def run(model: Path, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int = 1, flush: bool = False) -> Any:
@@ -237,9 +244,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", nargs="+", default=["rtt", "ttft", "itl"], choices=["rtt", "ttft", "itl"])
     ap.add_argument("--json", type=Path, default=None, help="also write the ttft part's figures here")
+    ap.add_argument("--serde", default=None, help="the Redis tier's codec for the rtt and ttft parts (e.g. fp8)")
     args = ap.parse_args()
+    global SERDE
+    SERDE = args.serde
     spec, model = tiny_model()
-    lines = [f"bench_remote_ttft: model {spec.tag()} (float32, 8 KiB of KV per token), chunks of {CS} tokens"]
+    lines = [
+        f"bench_remote_ttft: model {spec.tag()} (float32, 8 KiB of KV per token), chunks of {CS} tokens, "
+        f"Redis tier serde {SERDE or 'default (raw)'}"
+    ]
     with tempfile.TemporaryDirectory(prefix="remote-redis-") as d:
         redis_proc, port = start_redis(Path(d))
         try:

@@ -25,18 +25,21 @@ def rss_bytes(pid: int) -> int:
 
 
 def first_line(proc: subprocess.Popen[str], prefix: str, timeout: float = STARTUP_TIMEOUT) -> str | None:
-    """The first line ``proc`` prints on stdout that starts with ``prefix``, or None when
-    it closes stdout (exits) or ``timeout`` passes first. A thread reads stdout, so a
-    child that prints nothing never blocks the caller past ``timeout``."""
-    lines: queue.Queue[str | None] = queue.Queue()
+    """The next line ``proc`` prints on stdout that starts with ``prefix``, or None when
+    it closes stdout (exits) or ``timeout`` passes first. One reader thread per process
+    feeds a queue kept on ``proc``, so a child that prints nothing never blocks the
+    caller past ``timeout``, and lines already read ahead are there for the next call."""
+    lines: queue.Queue[str | None] | None = getattr(proc, "_lines", None)
+    if lines is None:
+        lines = proc._lines = queue.Queue()  # type: ignore[attr-defined]
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
+        def pump(lines: queue.Queue[str | None] = lines) -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
+        threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         try:

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import queue
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,6 +24,9 @@ import torch
 from lmcache_backend_peer import PeerClient
 from lmcache_core import CacheEngine, ConfigError, KeyNamespace, load_config
 from lmcache_core.plugins import get_plugin_manager
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_node import first_line  # noqa: E402
 
 CHUNK = 16
 N_CHUNKS = 6
@@ -56,28 +57,10 @@ def engine(backends: list[dict[str, Any]]) -> CacheEngine:
 
 
 def read_line(proc: subprocess.Popen, prefix: str, timeout: float = STARTUP_TIMEOUT) -> str:
-    """The next stdout line starting with ``prefix``, or fail (never hang). A reader
-    thread feeds a queue, so lines already buffered are never missed."""
-    lines = getattr(proc, "_lines", None)
-    if lines is None:
-        lines = proc._lines = queue.Queue()  # type: ignore[attr-defined]
-
-        def pump() -> None:
-            for line in proc.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        if line.startswith(prefix):
-            return line[len(prefix) :].strip()
+    """The rest of the next stdout line starting with ``prefix``, or fail (never hang)."""
+    line = first_line(proc, prefix, timeout)
+    if line is not None:
+        return line[len(prefix) :].strip()
     proc.kill()
     raise AssertionError(f"child did not print {prefix!r}: rc={proc.wait(5)} stderr={proc.stderr.read()[-2000:]}")
 

@@ -240,6 +240,12 @@ class Transfers:
         for t in meta.loads:
             self.fail(t, meta, 0)
 
+    def _blocks_from(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> set[int]:
+        """The blocks that chunks ``from_chunk..`` of ``t`` write (from ``write_from`` on)."""
+        lo = max(meta.chunk_start(t, from_chunk), t.write_from)
+        hi = t.chunk_ends[-1]
+        return set(t.block_ids[lo // self.block_size : -(-hi // self.block_size)])
+
     def fail(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata, from_chunk: int) -> set[int]:
         blocks = set(t.block_ids)
         self.reports.blocks_failed(blocks)
@@ -356,9 +362,7 @@ class DenseTransfers(Transfers):
         """Report the blocks of chunks ``from_chunk..`` so vLLM recomputes them.
         Returns the blocks; a background load's go back to the load thread, which
         reports them with the request's completion."""
-        lo = max(meta.chunk_start(t, from_chunk), t.write_from)
-        hi = t.chunk_ends[-1]
-        blocks = set(t.block_ids[lo // self.block_size : -(-hi // self.block_size)])
+        blocks = self._blocks_from(t, meta, from_chunk)
         if not self.background(t):
             self.reports.blocks_failed(blocks)
         self.counters.add(failed_loads=1)
@@ -601,9 +605,7 @@ class GroupedTransfers(Transfers):
         if t.async_load:
             self.reports.finished(t.req_id, failed=True)
             return set()
-        lo = max(meta.chunk_start(t, from_chunk), t.write_from)
-        hi = t.chunk_ends[-1]
-        blocks = set(t.block_ids[lo // self.block_size : -(-hi // self.block_size)])
+        blocks = self._blocks_from(t, meta, from_chunk)
         self.reports.blocks_failed(blocks)
         return blocks
 

@@ -15,7 +15,6 @@ recompute, a failed save is skipped.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import Any
 
@@ -99,7 +98,6 @@ class WorkerSide:
         self.totals = TransferCounters()
         self.reports = LoadReports()
         self.transfers: Transfers = Transfers.idle(self.totals, self.reports)  # until register_kv_caches
-        self._lock = threading.Lock()
         # load_policy: the engine's compute time per step, timed here (see load_policy.py)
         self.prefill = PrefillModel()
         self._fwd_start: float | None = None

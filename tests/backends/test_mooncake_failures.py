@@ -7,6 +7,7 @@ an exception out of the tier and never wrong data."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -132,9 +133,20 @@ NATIVE_OVERLAP = "does not support overlapped memory region"
 
 def _run_isolated(case: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        # --show-capture=no: the child's assertion stays in the output we keep, not
-        # behind pages of native log lines.
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--show-capture=no", f"{__file__}::{case}"],
+        # --capture=sys: the native client's log (written to fd 2) comes back in
+        # stderr, where the retry below looks for its message, while the child's own
+        # report (stdout) keeps its assertion in view.
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--capture=sys",
+            "--show-capture=no",
+            f"{__file__}::{case}",
+        ],
         env={**os.environ, ISOLATED: "1"},
         capture_output=True,
         text=True,
@@ -157,7 +169,8 @@ def test_master_absent_at_startup() -> None:
     if proc.returncode != 0 and NATIVE_OVERLAP in proc.stdout + proc.stderr:
         print(f"first run hit the native client's {NATIVE_OVERLAP!r}; running once more")
         proc = _run_isolated("test_master_absent_at_startup_case")
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-2000:]
+    native = "\n".join(line for line in proc.stderr.splitlines() if line[:1] in ("E", "W"))
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + "\nnative errors:\n" + native[-3000:]
 
 
 @pytest.mark.skipif(os.environ.get(ISOLATED) != "1", reason="run in its own interpreter by test_master_absent_at_startup")
@@ -185,6 +198,32 @@ def test_master_absent_at_startup_case(tmp_path: Path) -> None:
     finally:
         b.close()
         master.kill()
+
+
+def test_master_that_does_not_answer_is_not_set_up(fresh_store: tuple[MooncakeMaster, SegmentOwner]) -> None:
+    """A stopped master still has its ports accept connections (the kernel does
+    that). The native setup would then wait 30 s per try, up to 20 tries, holding the
+    GIL: the whole process stops. The tier's probe asks the master's metadata server
+    for an answer first, so connecting fails within its probe time instead, and works
+    once the master runs again."""
+    master, _owner = fresh_store
+    assert master.proc is not None
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BackendError, match=r"did not answer a GET within"):
+            make(master)
+        assert time.monotonic() - t0 < FAST["setup_timeout_ms"] / 1000 + 1.5
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+    b = make(master)
+    try:
+        key, data = random_key(), random_chunk()
+        assert b.put(key, data)
+        out = torch.empty_like(data)
+        assert b.get(key, out) and torch.equal(out, data)
+    finally:
+        b.close()
 
 
 def test_put_rejected_for_space_is_a_counted_skip(fresh_store: tuple[MooncakeMaster, SegmentOwner]) -> None:

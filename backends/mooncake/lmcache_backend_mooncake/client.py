@@ -10,6 +10,8 @@ abandoned, never reused: the native object may still be inside ``setup``.
 from __future__ import annotations
 
 import socket
+import urllib.error
+import urllib.request
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
@@ -42,12 +44,19 @@ def reachable(host: str, port: int, timeout_s: float) -> str | None:
         return f"{host}:{port} does not accept connections ({err.strerror or err})"
 
 
-def metadata_endpoint(metadata: str) -> tuple[str, int] | None:
-    """``(host, port)`` of an http(s) metadata server, None for other kinds."""
-    u = urlsplit(metadata)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        return None
-    return u.hostname, u.port or (443 if u.scheme == "https" else 80)
+def answers_http(url: str, timeout_s: float) -> str | None:
+    """None when an HTTP server at ``url`` answers a GET (any status) within
+    ``timeout_s``, else why not. An open port is not enough: a stopped or wedged
+    process still has the kernel accept its connections."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # as a TCP connect, no proxy
+    try:
+        direct.open(url, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # 404 for an unknown key: the server answered
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "reason", None) or err
+        return f"{url.split('?')[0]} did not answer a GET within {timeout_s:g} s ({reason})"
+    return None
 
 
 def import_store() -> Any:
@@ -76,18 +85,18 @@ class StoreClient:
     def setup(self, probe_timeout_s: float = 2.0) -> None:
         """Connect to the master and mount ``segment_size`` bytes (if any); raises SetupFailed.
 
-        The native ``setup`` retries an absent master for about 90 s while holding the
-        GIL (no Python thread runs meanwhile, so no deadline can fire): the master and
-        an http metadata server are first checked to accept TCP connections."""
+        The native ``setup`` holds the GIL while it waits (no Python thread runs
+        meanwhile, so no deadline can fire): it retries an absent master for about 90 s,
+        and a master that accepts connections but does not answer (stopped, or still
+        starting on a loaded host) for 30 s per try, up to 20 tries. So the master is
+        first checked to accept TCP connections, and an http metadata server (the
+        master's own, in the documented setup) to answer a GET."""
         c = self.cfg
-        endpoints = [split_host_port(c.master)]
-        meta = metadata_endpoint(c.metadata)
-        if meta is not None:
-            endpoints.append(meta)
-        for host, port in endpoints:
-            why = reachable(host, port, probe_timeout_s)
-            if why is not None:
-                raise SetupFailed(why)
+        why = reachable(*split_host_port(c.master), probe_timeout_s)
+        if why is None and urlsplit(c.metadata).scheme in ("http", "https"):
+            why = answers_http(f"{c.metadata}?key=lmcache-probe", probe_timeout_s)
+        if why is not None:
+            raise SetupFailed(why)
         rc = self._store.setup(self.hostname, c.metadata, c.segment_size, c.buffer_size, c.protocol, c.rdma_devices, c.master)
         if rc != 0:
             raise SetupFailed(f"setup returned {rc}")

@@ -127,8 +127,9 @@ ISOLATED = "LMCACHE_TEST_MOONCAKE_ISOLATED"
 
 
 # What the native client prints when a new client's own transfer buffer lands on an
-# address its process still has registered (see test_master_absent_at_startup).
-NATIVE_OVERLAP = "does not support overlapped memory region"
+# address its process still has registered, and when its setup waited on a master
+# that had not answered yet (see test_master_absent_at_startup).
+NATIVE_FAULTS = ("does not support overlapped memory region", "RPC call timed out", "Failed to create client on port")
 
 
 def _run_isolated(case: str) -> subprocess.CompletedProcess[str]:
@@ -163,11 +164,15 @@ def test_master_absent_at_startup() -> None:
     long pytest process that made this reconnect case fail at random, and once (CI,
     2026-11-26, a loaded host) it happened inside the fresh interpreter too: every
     reconnect for 30 s failed that way. That is the native client refusing its own
-    buffer, not the tier, so a run that failed with exactly that message is run once
-    more in another fresh interpreter; any other failure fails the test at once."""
+    buffer, not the tier. Another CI run failed the same way with the message hidden;
+    a setup that waited on a master still starting would look alike (the native setup
+    then holds the GIL for 30 s per try; the tier now asks the master for an answer
+    first). So a run whose native log shows one of NATIVE_FAULTS is run once more in
+    another fresh interpreter; any other failure fails the test at once."""
     proc = _run_isolated("test_master_absent_at_startup_case")
-    if proc.returncode != 0 and NATIVE_OVERLAP in proc.stdout + proc.stderr:
-        print(f"first run hit the native client's {NATIVE_OVERLAP!r}; running once more")
+    seen = [m for m in NATIVE_FAULTS if m in proc.stderr]
+    if proc.returncode != 0 and seen:
+        print(f"first run failed with the native client's {seen}; running once more")
         proc = _run_isolated("test_master_absent_at_startup_case")
     native = "\n".join(line for line in proc.stderr.splitlines() if line[:1] in ("E", "W"))
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + "\nnative errors:\n" + native[-3000:]

@@ -34,6 +34,8 @@ from math import prod
 import numpy as np
 import torch
 
+from .serde import copy_into
+
 #: values per scale
 GROUP = 64
 #: the largest finite float8 e4m3fn value
@@ -145,9 +147,9 @@ class Fp8Codec:
         else:
             scale.mul_(_UNBIAS)  # at most 2**127: finite
         work2d.mul_(scale)  # at most 480 * scale_limit(dtype): finite in dtype
-        result = out if out is not None else torch.empty(shape, dtype=dtype)
-        result.copy_(work[:n].view(shape))  # never the scratch itself: it is reused
-        return result
+        if out is None:
+            return work[:n].view(shape).to(dtype, copy=True)  # never the scratch itself: it is reused
+        return copy_into(out, work[:n].view(shape))
 
 
 #: per-thread working buffers up to this size are kept for the next call (fresh
@@ -166,7 +168,10 @@ def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     bufs: dict[str, torch.Tensor] = _local.__dict__.setdefault("bufs", {})
     buf = bufs.get(name)
     if buf is None or buf.numel() < nbytes:
-        buf = bufs[name] = torch.empty(nbytes, dtype=torch.uint8)
+        # a normal tensor even when made under inference mode: the thread may call
+        # the codec outside it next time, and only then write an inference tensor fails
+        with torch.inference_mode(False):
+            buf = bufs[name] = torch.empty(nbytes, dtype=torch.uint8)
     return buf[:nbytes].view(dtype)
 
 

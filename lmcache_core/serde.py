@@ -759,9 +759,17 @@ def _tensor_decode(codec: Codec, info: FrameInfo, payload: memoryview, out: torc
     if not isinstance(got, torch.Tensor) or got.dtype != dtype or tuple(got.shape) != info.shape:
         raise FrameError(f"codec {info.codec} decoded another dtype or shape than the header's")
     if out is not None and got is not out:
-        out.copy_(got)
-        return out
+        return copy_into(out, got)
     return got
+
+
+def copy_into(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``out.copy_(src)`` from any thread: ``out`` may be an inference tensor (made
+    under ``torch.inference_mode``, as vLLM's KV cache and the pool views made under
+    it are), which torch lets only code in inference mode write, and tiers decode on
+    their own threads, outside it."""
+    with torch.inference_mode(out.is_inference()):
+        return out.copy_(src)
 
 
 def codec_output(codec: Codec, info: FrameInfo, payload: memoryview, out: torch.Tensor) -> torch.Tensor:
@@ -777,7 +785,7 @@ def codec_output(codec: Codec, info: FrameInfo, payload: memoryview, out: torch.
     if out.is_contiguous() and out.device.type == "cpu":
         out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
     else:
-        out.copy_(torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()).view(DTYPES[info.dtype]).reshape(info.shape))
+        copy_into(out, torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()).view(DTYPES[info.dtype]).reshape(info.shape))
     return out
 
 

@@ -388,6 +388,27 @@ def test_results_never_alias_the_codec_scratch_buffers() -> None:
     assert results == {0: True, 1: True, 2: True}
 
 
+def test_decodes_into_inference_tensors_from_threads_outside_inference_mode() -> None:
+    """vLLM's KV cache and the pool views made under it are inference tensors, and the
+    tiers decode on their own threads, outside inference mode, where torch refuses to
+    write such a tensor. Found on real vLLM: every fp8 frame read back by the disk
+    tier failed that way, and the tier removed it as corrupt."""
+    x = _kv("normal", torch.bfloat16)
+    frame = encode(KEY, x, FP8)
+    with torch.inference_mode():
+        out = torch.empty_like(x)
+        inside = decode(frame, CODECS)  # the thread's scratch buffers made in inference mode
+    assert out.is_inference() and _rel_err(inside, x) <= REL_ERROR_BOUND
+    assert decode(frame, CODECS, out=out) is out and _rel_err(out, x) <= REL_ERROR_BOUND
+    assert not decode(frame, CODECS).is_inference()  # and usable outside afterwards
+    # the raw codec into a non-contiguous inference tensor (a copy, not a byte write)
+    with torch.inference_mode():
+        strided = torch.empty((2, 2, 256, 4, 64), dtype=torch.bfloat16).transpose(0, 1)
+    want = x.transpose(0, 1)
+    assert decode(encode(KEY, want.contiguous(), RawCodec()), CODECS, out=strided) is strided
+    assert torch.equal(strided, want)
+
+
 def _exact(stored: torch.Tensor, fresh: torch.Tensor) -> tuple[bool, str]:
     return torch.equal(stored, fresh), "bit-identical" if torch.equal(stored, fresh) else "values differ"
 

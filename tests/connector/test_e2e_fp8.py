@@ -1,0 +1,37 @@
+"""The fp8 codec on real vLLM (CPU): a prompt saved through a disk tier with
+``serde: fp8`` is loaded back as a hit, its frames intact.
+
+Found by bench/bench_fp8_fidelity.py: vLLM's KV cache and the pool views made under it
+are inference tensors, the disk tier decodes on its own threads outside inference
+mode, and torch refused the codec's write there; every fp8 frame read back failed,
+was counted corrupt and removed, and every load was recomputed. The unit test
+tests/core/test_fp8_codec.py::test_decodes_into_inference_tensors_from_threads_outside_inference_mode
+holds the codec to it; this one holds the whole path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .conftest import make_llm, random_prompt, run, token_ids, worker
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_fp8_disk_tier_serves_hits_inside_vllm(tiny_model: Path, tmp_path: Path) -> None:
+    prompt = random_prompt(1500, 811)
+    tier = {"name": "disk", "path": str(tmp_path / "disk"), "max_size": "1GiB", "fsync": False, "serde": "fp8"}
+    with make_llm(tiny_model, extra={"chunk_size": 256, "backends": [tier]}) as llm:
+        (computed,) = run(llm, [prompt])
+        engine = worker().engine
+        assert engine.flush(120)
+        disk = engine.tiers[0]
+        assert disk.stats().puts == 5  # 1500 tokens: 5 whole chunks of 256
+        (loaded,) = run(llm, [prompt])
+        s = disk.stats()
+        assert loaded.num_cached_tokens == 1280, (loaded.num_cached_tokens, s)
+        assert s.hits == 5 and s.extra["corrupt_removed"] == 0 and s.chunks == 5, s
+        # Approximate KV, so the tokens are not required to match; they are reported.
+        same = sum(a == b for a, b in zip(*token_ids([computed, loaded])))
+        print(f"greedy tokens equal to the computed run's: {same}/{len(computed.outputs[0].token_ids)}")

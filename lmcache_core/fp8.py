@@ -87,6 +87,10 @@ class Fp8Codec:
     #: a float32 chunk of n values takes 4n bytes raw, more than n payload bytes
     max_ratio = 4
 
+    def accepts(self, dtype: torch.dtype) -> bool:
+        """Float KV only: byte pages (grouped layouts) and integers are framed raw."""
+        return dtype in SUPPORTED
+
     def encode(self, raw: memoryview) -> bytes:
         """Bytes without a dtype cannot be quantized: a tier that calls this (instead
         of :func:`~lmcache_core.serde.encode_payload`) cannot store fp8 frames."""

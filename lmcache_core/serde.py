@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import re
 import struct
 from collections.abc import Mapping
@@ -51,6 +52,8 @@ import torch
 import xxhash
 
 from .keys import ChunkKey
+
+log = logging.getLogger(__name__)
 
 FRAME_FORMAT = "lmcache-core/2"
 MAX_HEADER_BYTES = 64 * 1024
@@ -218,7 +221,10 @@ class TensorCodec(Codec, Protocol):
     declare ``error_bound`` (a float): the largest relative error
     ``||decoded - original|| / ||original||`` it can produce; the correctness
     canary accepts a copy from its tier within that bound (without it, the canary
-    compares as for exact KV)."""
+    compares as for exact KV).
+
+    ``accepts(dtype)``, when a codec has it, says which tensors it can encode: a
+    chunk of another dtype is framed raw instead (see :func:`frame_codec`)."""
 
     lossy: bool
 
@@ -300,7 +306,7 @@ class SealedCodec:
             self.max_ratio = ratio
         # the optional tensor-codec extension (:class:`TensorCodec`), forwarded only
         # when the codec has it, so serde treats the wrapper exactly as the codec
-        for attr in ("lossy", "error_bound", "encode_tensor", "decode_tensor"):
+        for attr in ("lossy", "error_bound", "accepts", "encode_tensor", "decode_tensor"):
             if hasattr(codec, attr):
                 setattr(self, attr, getattr(codec, attr))
 
@@ -466,6 +472,34 @@ def frame_header(meta: Mapping[str, str], checksum: str, payload_len: int) -> by
     return _U64.pack(len(header)) + header
 
 
+RAW: Codec = RawCodec()
+RAW_FALLBACK: set[tuple[str, str]] = set()
+"""(codec, dtype) pairs :func:`frame_codec` framed raw so far in this process (each said once in the log)."""
+
+
+def frame_codec(tensor: torch.Tensor, codec: Codec) -> Codec:
+    """The codec a frame of ``tensor`` is written with: ``codec``, or the raw codec
+    when ``codec`` declares (``accepts``) that it cannot encode ``tensor``'s dtype.
+    That is fp8 and the byte pages of the grouped layouts (hybrid and
+    sliding-window models, whose chunks are ``uint8`` pages): such a tier keeps
+    caching, at full size, and the log says so once per codec and dtype. A raw
+    frame is lossless, so any tier may serve it."""
+    accepts = getattr(codec, "accepts", None)
+    if accepts is None or accepts(tensor.dtype):
+        return codec
+    said = (codec.name, str(tensor.dtype).removeprefix("torch."))
+    if said not in RAW_FALLBACK:
+        RAW_FALLBACK.add(said)
+        log.warning(
+            "serde %s cannot encode %s chunks (byte pages of a hybrid or sliding-window model's cache): "
+            "a tier set to %s stores them raw, at full size",
+            said[0],
+            said[1],
+            said[0],
+        )
+    return RAW
+
+
 def encode_parts(key: ChunkKey, tensor: torch.Tensor, codec: Codec, *, seal: FrameSeal | None = None) -> tuple[bytes, memoryview]:
     """A frame as ``(header, payload)`` with ``header + payload == encode(...)`` byte
     for byte, without building the concatenation. Sealed with ``seal``, or with the
@@ -479,6 +513,7 @@ def encode_parts(key: ChunkKey, tensor: torch.Tensor, codec: Codec, *, seal: Fra
     if tensor.dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype {tensor.dtype} cannot be framed")
     seal = seal if seal is not None else seal_of(codec)
+    codec = frame_codec(tensor, codec)
     raw_len, payload = encode_payload(tensor, codec)
     meta = frame_meta(key, tensor, codec.name, raw_len, seal=seal)
     return frame_header(meta, payload_checksum(meta, payload, seal), payload.nbytes), payload

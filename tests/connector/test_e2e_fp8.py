@@ -35,3 +35,24 @@ def test_fp8_disk_tier_serves_hits_inside_vllm(tiny_model: Path, tmp_path: Path)
         # Approximate KV, so the tokens are not required to match; they are reported.
         same = sum(a == b for a, b in zip(*token_ids([computed, loaded])))
         print(f"greedy tokens equal to the computed run's: {same}/{len(computed.outputs[0].token_ids)}")
+
+
+def test_fp8_tier_stores_byte_pages_raw_for_a_sliding_window_model(tmp_path: Path) -> None:
+    """A model whose cache the connector moves as byte pages (every layer with a
+    sliding window: the grouped layout) cannot be quantized: the fp8 tier stores
+    its chunks raw, so it still serves hits, and they are exact (identical greedy
+    tokens). Before, every save was refused and the tier held nothing."""
+    from lmcache_connector.tiny_hybrid import build_hybrid_model
+
+    model = build_hybrid_model(tmp_path / "mistral_sw", "mistral_sw")
+    prompt = random_prompt(1500, 812)
+    tier = {"name": "disk", "path": str(tmp_path / "disk"), "max_size": "1GiB", "fsync": False, "serde": "fp8"}
+    with make_llm(model, extra={"chunk_size": 256, "backends": [tier]}) as llm:
+        (computed,) = run(llm, [prompt])
+        engine = worker().engine
+        assert engine.flush(120)
+        (loaded,) = run(llm, [prompt])
+        s = engine.tiers[0].stats()
+        # 5 chunks plus the window pages of the boundary (their own objects)
+        assert loaded.num_cached_tokens == 1280 and s.hits >= 5 and s.extra["corrupt_removed"] == 0, (loaded.num_cached_tokens, s)
+        assert token_ids([loaded]) == token_ids([computed])

@@ -23,6 +23,7 @@ from lmcache_core.fp8 import GROUP, REL_ERROR_BOUND, Fp8Codec, payload_len, scal
 from lmcache_core.keys import ChunkKey, KeyNamespace
 from lmcache_core.plugins import PluginManager, get_plugin_manager
 from lmcache_core.serde import (
+    RAW_FALLBACK,
     FrameSeal,
     RawCodec,
     SealedCodec,
@@ -148,9 +149,35 @@ def test_non_finite_kv_is_not_stored(bad: float) -> None:
         encode(KEY, x, FP8)
 
 
-def test_integer_chunks_are_refused() -> None:
+def test_chunks_fp8_cannot_take_are_framed_raw_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Byte pages (the grouped layouts of hybrid and sliding-window models store
+    ``uint8`` pages) and integers cannot be quantized: an fp8 tier frames them raw,
+    so it keeps caching (found on real vLLM: an fp8 tier stored nothing for Gemma 3,
+    gpt-oss, Mistral with sliding windows and GraniteMoeHybrid), and the log says so
+    once per dtype. The codec itself still refuses them."""
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
-        encode(KEY, torch.zeros(4, 64, dtype=torch.int32), FP8)
+        FP8.encode_tensor(torch.zeros(4, 64, dtype=torch.int32))
+    pages = torch.randint(0, 256, (3, 4096), dtype=torch.uint8)
+    RAW_FALLBACK.discard(("fp8", "uint8"))  # said already by an earlier test in this process
+    with caplog.at_level("WARNING", logger="lmcache_core.serde"):
+        frames = [encode(KEY, pages, FP8), encode(KEY, pages, SealedCodec(FP8, FrameSeal(SECRET)))]
+        encode(KEY, pages, FP8)
+    assert frame_meta(KEY, pages, "raw", pages.nbytes).items() <= json_meta(frames[0]).items()
+    fp8_tier = tier_codecs(CODECS, FP8)
+    assert torch.equal(decode(frames[0], fp8_tier), pages) and torch.equal(decode(frames[0], CODECS), pages)
+    sealed = SealedCodecs(CODECS, FrameSeal(SECRET))
+    assert torch.equal(decode(frames[1], sealed), pages)  # still sealed
+    assert try_decode(frames[1], CODECS).verdict is not Verdict.OK
+    said = [r for r in caplog.records if "cannot encode uint8" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    ints = torch.arange(256, dtype=torch.int32).reshape(4, 64)
+    assert torch.equal(decode(encode(KEY, ints, FP8), fp8_tier), ints)
+
+
+def json_meta(frame: bytes) -> dict[str, str]:
+    from lmcache_core.serde import parse_header
+
+    return parse_header(frame)[1]
 
 
 def test_byte_codec_contract_unchanged() -> None:

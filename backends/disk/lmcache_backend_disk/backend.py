@@ -66,6 +66,7 @@ from lmcache_core.serde import (
     checksum_placeholder,
     frame_header,
     encode_payload,
+    frame_codec,
     frame_meta,
     payload_checksum,
     payload_hasher,
@@ -801,8 +802,9 @@ class DiskBackend(StorageBackend):
             _unlink_quiet(temp, dfd)
 
     def _frame(self, key: ChunkKey, data: torch.Tensor) -> "_PendingFrame":
-        raw_len, mv = encode_payload(data, self._codec)  # a tensor codec (fp8) gets the tensor
-        meta = frame_meta(key, data, self._codec.name, raw_len, seal=self._seal)
+        codec = frame_codec(data, self._codec)  # raw for chunks the codec cannot take (fp8: byte pages)
+        raw_len, mv = encode_payload(data, codec)  # a tensor codec (fp8) gets the tensor
+        meta = frame_meta(key, data, codec.name, raw_len, seal=self._seal)
         return _PendingFrame(meta, mv, self._seal)
 
     def _write(self, dfd: int, temp: str, frame: "_PendingFrame") -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import Codec, FrameSeal, checksum_placeholder, encode_parts, frame_header, frame_meta
+from lmcache_core.serde import Codec, FrameSeal, checksum_placeholder, encode_parts, frame_codec, frame_header, frame_meta
 
 LZ4_SLACK = 16  # LZ4's worst case is n + n/255 + 16
 HEADER_SLACK = 64  # codec name and payload length digits may differ from the raw codec's
@@ -35,6 +35,6 @@ def frame_parts(key: ChunkKey, data: torch.Tensor, codec: Codec) -> tuple[bytes,
         data.device.type == "cpu"
         and data.is_contiguous()
         and payload.nbytes == data.numel() * data.element_size()
-        and codec.name == "raw"
+        and frame_codec(data, codec).name == "raw"
     )
     return header, payload, in_place

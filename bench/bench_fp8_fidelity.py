@@ -65,14 +65,17 @@ def build(family: str) -> Path:
     return build_hybrid_model(CACHE / f"hybrid-{family}", family)
 
 
-def chunk_errors(disk: str) -> dict[str, float]:
-    """Relative error of an fp8 round trip of every chunk stored (raw) under ``disk``."""
+def chunk_errors(disk: str, kv_axis: bool) -> dict[str, Any]:
+    """Relative error of an fp8 round trip of every chunk stored (raw) under ``disk``;
+    K and V apart when the chunk's axis 1 is k/v (``kv_axis``: dense attention; MLA's
+    chunk is ``[layers, blocks, 1, block_size, latent]``)."""
 
     from lmcache_core.fp8 import Fp8Codec
     from lmcache_core.serde import FrameError, RawCodec, decode
 
     fp8, codecs = Fp8Codec(), {"raw": RawCodec()}
     err: dict[str, list[float]] = {}
+    shape: list[int] = []
     for f in sorted(Path(disk).rglob("*")):
         if not f.is_file():
             continue
@@ -82,18 +85,39 @@ def chunk_errors(disk: str) -> dict[str, float]:
             continue  # the tier's own files (marker, usage)
         if not t.dtype.is_floating_point or t.numel() == 0:
             continue
+        shape = list(t.shape)
         back = fp8.decode_tensor(fp8.encode_tensor(t), t.dtype, tuple(t.shape), None)
         parts = (
-            {"K": (t[:, 0], back[:, 0]), "V": (t[:, 1], back[:, 1])} if t.dim() == 5 and t.shape[1] == 2 else {"all": (t, back)}
+            {"K": (t[:, 0], back[:, 0]), "V": (t[:, 1], back[:, 1])}
+            if kv_axis and t.dim() == 5 and t.shape[1] == 2
+            else {"all": (t, back)}
         )
         for name, (a, b) in parts.items():
             norm = float(a.float().norm())
             if norm > 0:
                 err.setdefault(name, []).append(float((b.float() - a.float()).norm()) / norm)
-    return {name: max(v) for name, v in err.items()} | {"chunks": float(len(next(iter(err.values()), [])))}
+    return {name: max(v) for name, v in err.items()} | {"chunks": float(len(next(iter(err.values()), []))), "shape": shape}
 
 
-def child(model: str, llm_kw: dict[str, Any], prompts: list[list[int]], tokens: int, codec: str, disk: str) -> None:
+def frame_codecs(disk: str) -> dict[str, int]:
+    """Frames under ``disk`` by the codec their header names (an fp8 tier frames the
+    byte pages of grouped layouts raw)."""
+    from lmcache_core.serde import FrameError, parse_header
+
+    n: dict[str, int] = {}
+    for f in Path(disk).rglob("*"):
+        if f.is_file():
+            try:
+                codec = parse_header(f.read_bytes())[1]["codec"]
+            except (FrameError, KeyError):
+                continue
+            n[codec] = n.get(codec, 0) + 1
+    return n
+
+
+def child(
+    model: str, llm_kw: dict[str, Any], prompts: list[list[int]], tokens: int, codec: str, disk: str, kv_axis: bool
+) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -126,8 +150,8 @@ def child(model: str, llm_kw: dict[str, Any], prompts: list[list[int]], tokens: 
         engine.flush(300)
         loaded, lp_l, hit = gen(p)
         out.append({"computed": computed, "loaded": loaded, "lp_computed": lp_c, "lp_loaded": lp_l, "hit": hit})
-    errors = chunk_errors(disk) if codec == "raw" else {}
-    print("RESULT " + json.dumps({"prompts": out, "errors": errors}), flush=True)
+    errors = chunk_errors(disk, kv_axis) if codec == "raw" else {}
+    print("RESULT " + json.dumps({"prompts": out, "errors": errors, "frames": frame_codecs(disk)}), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -152,7 +176,15 @@ def measure(family: str, n_prompts: int, tokens: int) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for codec in ("raw", "fp8"):
         with tempfile.TemporaryDirectory(prefix=f"fp8-fidelity-{family}-") as d:
-            job = {"model": str(model), "llm_kw": llm_kw, "prompts": prompts, "tokens": tokens, "codec": codec, "disk": d}
+            job = {
+                "model": str(model),
+                "llm_kw": llm_kw,
+                "prompts": prompts,
+                "tokens": tokens,
+                "codec": codec,
+                "disk": d,
+                "kv_axis": family != "deepseek_v2",  # MLA: one latent, no k/v axis
+            }
             r = run_child(__file__, job, f"{family} ({codec})")
         per = [
             (agreement(p["computed"], p["loaded"]), max_dlogp(p["lp_computed"], p["lp_loaded"]), p["hit"]) for p in r["prompts"]
@@ -163,6 +195,7 @@ def measure(family: str, n_prompts: int, tokens: int) -> dict[str, Any]:
             "first_difference": [f for (_, f), _, _ in per],
             "max_dlogp": max(d for _, d, _ in per),
         }
+        rows[codec]["frames"] = r["frames"]
         if codec == "raw":
             rows["errors"] = r["errors"]
     return rows
@@ -177,22 +210,28 @@ def main() -> None:
     a = ap.parse_args()
     print(f"bench_fp8_fidelity: {a.prompts} prompts per family, {a.tokens} greedy tokens each, disk tier raw vs fp8", flush=True)
     print(
-        "| family | hit tokens | K / V error (max over chunks) | greedy agreement raw / fp8 | first difference (fp8) | max abs d log p raw / fp8 |"
+        "| family | hit tokens raw / fp8 | frames of the fp8 tier | K / V error (max over chunks) "
+        "| greedy agreement raw / fp8 | first difference (fp8) | max abs d log p raw / fp8 |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     results: dict[str, Any] = {}
     for family in a.families:
         try:
             r = measure(family, a.prompts, a.tokens)
         except Exception as err:  # one family's failure is reported, the others still run
-            print(f"| {family} | failed: {type(err).__name__}: {str(err)[-300:]!r} | | | | |", flush=True)
+            print(f"| {family} | failed: {type(err).__name__}: {str(err)[-300:]!r} | | | | | |", flush=True)
             continue
         results[family] = r
-        e = r["errors"]
-        err_text = f"{e['K']:.2%} / {e['V']:.2%}" if "K" in e else (f"{e['all']:.2%} (whole chunk)" if "all" in e else "n/a")
-        raw, fp8 = r["raw"], r["fp8"]
+        e, raw, fp8 = r["errors"], r["raw"], r["fp8"]
+        frames = ", ".join(f"{n} {c}" for c, n in sorted(fp8["frames"].items())) or "none"
+        if "fp8" not in fp8["frames"]:
+            err_text = "n/a (byte pages, stored raw)"
+        elif "K" in e:
+            err_text = f"{e['K']:.2%} / {e['V']:.2%}"
+        else:
+            err_text = f"{e['all']:.2%} (whole chunk)" if "all" in e else "n/a"
         print(
-            f"| {family} | {raw['hit']} / {fp8['hit']} | {err_text} | {raw['agreement']:.1%} / {fp8['agreement']:.1%} | "
+            f"| {family} | {raw['hit']} / {fp8['hit']} | {frames} | {err_text} | {raw['agreement']:.1%} / {fp8['agreement']:.1%} | "
             f"{fp8['first_difference']} | {raw['max_dlogp']:.4f} / {fp8['max_dlogp']:.4f} |",
             flush=True,
         )

@@ -11,6 +11,7 @@ holds the codec to it; this one holds the whole path."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,22 +20,26 @@ from .conftest import make_llm, random_prompt, run, token_ids, worker
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_fp8_disk_tier_serves_hits_inside_vllm(tiny_model: Path, tmp_path: Path) -> None:
-    prompt = random_prompt(1500, 811)
-    tier = {"name": "disk", "path": str(tmp_path / "disk"), "max_size": "1GiB", "fsync": False, "serde": "fp8"}
-    with make_llm(tiny_model, extra={"chunk_size": 256, "backends": [tier]}) as llm:
+def _computed_then_loaded(model: Path, prompt: list[int], disk: Path) -> tuple[Any, Any, Any]:
+    """One engine with one fp8 disk tier: ``prompt`` computed (and saved), then asked
+    again; both outputs and the tier's stats after the second."""
+    tier = {"name": "disk", "path": str(disk), "max_size": "1GiB", "fsync": False, "serde": "fp8"}
+    with make_llm(model, extra={"chunk_size": 256, "backends": [tier]}) as llm:
         (computed,) = run(llm, [prompt])
         engine = worker().engine
         assert engine.flush(120)
-        disk = engine.tiers[0]
-        assert disk.stats().puts == 5  # 1500 tokens: 5 whole chunks of 256
         (loaded,) = run(llm, [prompt])
-        s = disk.stats()
-        assert loaded.num_cached_tokens == 1280, (loaded.num_cached_tokens, s)
-        assert s.hits == 5 and s.extra["corrupt_removed"] == 0 and s.chunks == 5, s
-        # Approximate KV, so the tokens are not required to match; they are reported.
-        same = sum(a == b for a, b in zip(*token_ids([computed, loaded])))
-        print(f"greedy tokens equal to the computed run's: {same}/{len(computed.outputs[0].token_ids)}")
+        return computed, loaded, engine.tiers[0].stats()
+
+
+def test_fp8_disk_tier_serves_hits_inside_vllm(tiny_model: Path, tmp_path: Path) -> None:
+    computed, loaded, s = _computed_then_loaded(tiny_model, random_prompt(1500, 811), tmp_path / "disk")
+    assert s.puts == 5  # 1500 tokens: 5 whole chunks of 256
+    assert loaded.num_cached_tokens == 1280, (loaded.num_cached_tokens, s)
+    assert s.hits == 5 and s.extra["corrupt_removed"] == 0 and s.chunks == 5, s
+    # Approximate KV, so the tokens are not required to match; they are reported.
+    same = sum(a == b for a, b in zip(*token_ids([computed, loaded])))
+    print(f"greedy tokens equal to the computed run's: {same}/{len(computed.outputs[0].token_ids)}")
 
 
 def test_fp8_tier_stores_byte_pages_raw_for_a_sliding_window_model(tmp_path: Path) -> None:
@@ -45,14 +50,7 @@ def test_fp8_tier_stores_byte_pages_raw_for_a_sliding_window_model(tmp_path: Pat
     from lmcache_connector.tiny_hybrid import build_hybrid_model
 
     model = build_hybrid_model(tmp_path / "mistral_sw", "mistral_sw")
-    prompt = random_prompt(1500, 812)
-    tier = {"name": "disk", "path": str(tmp_path / "disk"), "max_size": "1GiB", "fsync": False, "serde": "fp8"}
-    with make_llm(model, extra={"chunk_size": 256, "backends": [tier]}) as llm:
-        (computed,) = run(llm, [prompt])
-        engine = worker().engine
-        assert engine.flush(120)
-        (loaded,) = run(llm, [prompt])
-        s = engine.tiers[0].stats()
-        # 5 chunks plus the window pages of the boundary (their own objects)
-        assert loaded.num_cached_tokens == 1280 and s.hits >= 5 and s.extra["corrupt_removed"] == 0, (loaded.num_cached_tokens, s)
-        assert token_ids([loaded]) == token_ids([computed])
+    computed, loaded, s = _computed_then_loaded(model, random_prompt(1500, 812), tmp_path / "disk")
+    # 5 chunks plus the window pages of the boundary (their own objects)
+    assert loaded.num_cached_tokens == 1280 and s.hits >= 5 and s.extra["corrupt_removed"] == 0, (loaded.num_cached_tokens, s)
+    assert token_ids([loaded]) == token_ids([computed])

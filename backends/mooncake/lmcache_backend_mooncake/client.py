@@ -9,7 +9,9 @@ abandoned, never reused: the native object may still be inside ``setup``.
 
 from __future__ import annotations
 
+import http.client
 import socket
+import ssl
 import urllib.error
 import urllib.request
 from typing import Any, Sequence
@@ -53,8 +55,12 @@ def answers_http(url: str, timeout_s: float) -> str | None:
         direct.open(url, timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return None  # 404 for an unknown key: the server answered
+    except (http.client.HTTPException, ssl.SSLError):
+        return None  # it answered, if not as urllib wanted (a bad status line, a certificate we do not trust)
     except (OSError, ValueError) as err:
         reason = getattr(err, "reason", None) or err
+        if isinstance(reason, ssl.SSLError):
+            return None
         return f"{url.split('?')[0]} did not answer a GET within {timeout_s:g} s ({reason})"
     return None
 

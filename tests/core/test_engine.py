@@ -170,8 +170,11 @@ def test_full_write_queue_drops_instead_of_blocking() -> None:
         t.join(timeout=10)
         assert not t.is_alive(), "store blocked on a full write queue"
         dropped = eng.counters.dropped_writes
-        # At most one write in the slow put and two queued: the rest are dropped.
-        assert 5 <= dropped <= 6
+        # Two chunks always fit the queue, so at most 6 are dropped. How many more the
+        # writer takes before its put blocks depends on thread timing: it drains what
+        # is queued into one batch, and the store may queue more meanwhile (4 dropped,
+        # not 5-6, on a loaded CI host). Each chunk is either written or counted dropped.
+        assert 1 <= dropped <= 6
         assert eng.lookup(toks) == 8 * CS
         gate.set()
         assert eng.flush(10)

@@ -21,10 +21,10 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable
+
+from .client import answers_http, reachable
 
 START_TIMEOUT_S = 20.0
 RESTART_TRIES = 6
@@ -137,14 +137,8 @@ class LocalMaster:
             text = log.read_bytes()[offset:]
             if b"HTTP metadata server started" not in text or b"Master admin server started" not in text:
                 return False
-            # ... and both ports answer
-            with socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2):
-                pass
-            try:
-                urllib.request.urlopen(f"{self.metadata}?key=probe", timeout=0.5).close()
-            except urllib.error.HTTPError:
-                pass  # 404 for an unknown key: the server answers
-            return True
+            # ... and both ports answer, as the tier checks before its setup
+            return reachable("127.0.0.1", self.rpc_port, 0.2) is None and answers_http(f"{self.metadata}?key=probe", 0.5) is None
 
         _wait(ready, self.proc, "mooncake_master", log)
 

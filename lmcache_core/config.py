@@ -127,6 +127,10 @@ class CoreConfig(StrictModel):
     )
     save_unfull_chunk: bool = Field(False, description="also save the last, partial chunk of a prompt")
     save_decode_cache: bool = Field(False, description="also save KV produced during decode")
+    sub_chunk_hits: bool = Field(
+        True,
+        description="vLLM connector: load the whole blocks a prompt shares with a stored chunk whose rest differs",
+    )
     priority_limit: int | None = Field(None, description="requests whose priority value is above this are not saved")
     tenant_salt: str | None = Field(None, description="mixed into every key: tenants never share KV")
     layout: Literal["auto", "block", "token"] = Field(

@@ -126,6 +126,39 @@ def chunk_hashes(
     return out
 
 
+def sub_chunk_hashes(prev: bytes, tokens: TokenIds, step: int, *, extra: bytes = b"", count: int | None = None) -> list[bytes]:
+    """Hashes of the first ``step``, ``2*step``, ... tokens of one chunk's ``tokens``
+    (``count`` of them, by default every whole step below the chunk's end), chained
+    from ``prev``, the hash of the chunk before (or the seed).
+
+    They name *part* of a chunk, for sub-chunk hits: a prompt that shares a stored
+    chunk's first blocks but not its rest. The domain differs from chunk keys (a
+    sub-chunk hash is never a storage key) and the length is not hashed first, so one
+    pass over the tokens gives every prefix: ``h(extra, prev, block 1)``, then the
+    same state updated with block 2, and so on.
+    """
+    if step <= 0:
+        raise ValueError("step must be positive")
+    arr = as_token_array(tokens)
+    n = arr.size // step if count is None else min(count, arr.size // step)
+    if count is None and n * step == arr.size:
+        n -= 1  # the whole chunk is its own key, not a sub-chunk
+    if n <= 0:
+        return []
+    buf = arr.data.cast("B")
+    h = _KEYED.copy()
+    h.update(b"sub/v1")
+    h.update(_LEN.pack(len(prev), len(extra)))
+    h.update(prev)
+    h.update(extra)
+    out: list[bytes] = []
+    width = step * 4
+    for j in range(n):
+        h.update(buf[j * width : (j + 1) * width])
+        out.append(h.copy().digest())
+    return out
+
+
 @dataclass(frozen=True)
 class KeyNamespace:
     """What must match for two caches to share KV. Its ``id`` goes into every key."""

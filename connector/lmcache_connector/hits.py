@@ -11,13 +11,15 @@ over the lookup socket (or inline, see lookup_ipc.py). Decided here, in one call
 * models with a boundary object (sliding-window pages, recurrent states): the longest
   prefix whose boundary is also held, that boundary pinned next to the chunks;
 * ``async_loads: auto``: whether a tier slower than memory serves the hit, and then
-  its read into the CPU tier starts now (prefetch), before vLLM schedules the load.
+  its read into the CPU tier starts now (prefetch), before vLLM schedules the load;
+* sub-chunk hits (subchunks.py): when the scheduler offers a stored chunk for the
+  chunk right after the hit, whether it is present (pinned with the hit: ``tail``).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -69,25 +71,39 @@ class HitPlanner:
         self.bypassed_tokens = 0
         self.bypassed_lookups = 0
 
-    def lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> int:
+    def lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Mapping[int, bytes] | None = None) -> int:
         """The chunks to load from the first (pinned under ``pin_id``); a :class:`Hit`
-        carrying ``slow`` where that matters."""
+        carrying ``slow`` and ``tail`` where they matter. ``alts[i]``: a stored chunk
+        offered for chunk ``i`` (a sub-chunk hit), checked when the hit ends at ``i``."""
         policy = self.load_policy != ALWAYS and pin_id is not None
-        if not self.boundary and not self.background and not policy:
+        alts = None if self.boundary else alts
+        if not self.boundary and not self.background and not policy and not alts:
             return self.engine.lookup_hashes(hashes, pin_id=pin_id)
         runs = self.engine.lookup_runs(hashes, pin_id=pin_id, record=False)
         n = sum(c for _, c in runs)
         k = self._worth_loading(hashes, runs, pin_id) if policy and pin_id is not None else n
         if self.boundary and k:
             k = n = self._restorable(hashes, k, pin_id)
+        tail = None
+        if alts and k == n and k in alts:
+            tail, k = self._tail(hashes, k, alts[k], pin_id)
+            n = k
         self.engine.record_lookup(len(hashes), n)
-        slow = self.background and self.slow(runs, k)
+        slow = self.background and self.slow(runs, k + (tail is not None))
+        read = list(hashes[:k]) + ([tail] if tail is not None else [])
         if slow and pin_id is not None:
             # Start reading the hit into the CPU tier now: vLLM schedules its load a
             # step or more later (after allocating blocks), and the load then waits for
             # this read instead of making its own.
-            self.engine.prefetch(hashes[:k], [self.chunk_shape] * k, self.chunk_dtype)
-        return Hit(k, slow)
+            self.engine.prefetch(read, [self.chunk_shape] * len(read), self.chunk_dtype)
+        return Hit(k, slow, tail is not None)
+
+    def _tail(self, hashes: Sequence[bytes], k: int, alt: bytes, pin_id: str | None) -> tuple[bytes | None, int]:
+        """Stored chunk ``alt`` if it is present after the ``k`` hit chunks (pinned with
+        them), and the chunks of the hit still present (fewer if one was evicted
+        between the two probes)."""
+        got = self.engine.lookup_hashes([*hashes[:k], alt], pin_id=pin_id, record=False)
+        return (alt if got == k + 1 else None), min(got, k)
 
     def slow(self, runs: Sequence[tuple[int, int]], k: int) -> bool:
         """Whether loading the first ``k`` chunks needs a tier slower than memory: one

@@ -5,8 +5,11 @@ process. The scheduler side sends a request's chunk hashes to every worker rank 
 takes the smallest hit count. A reply that does not arrive within the timeout is a
 miss (0): the scheduler never blocks on a stuck worker. Messages are raw bytes (no
 pickle): ``[b"L1", seq, request_id, pin_flag, hashes...]`` and ``[b"L1", seq, count]``,
-the count followed by ``,s`` when loading the hit needs a tier slower than memory
-(the scheduler then loads it off the forward path: ``async_loads: auto``).
+the count followed by ``,`` and flags: ``s`` when loading the hit needs a tier slower
+than memory (the scheduler then loads it off the forward path: ``async_loads: auto``),
+``t`` when the stored chunk offered for the chunk after the hit is present and pinned.
+Those offers (sub-chunk hits, subchunks.py) travel in an optional sixth frame:
+``(chunk index: 4 bytes little-endian, stored chunk's hash)`` pairs.
 
 When the worker answering an address lives in the scheduler's own process (vLLM's
 single-process executor: one worker, in the engine core process) and declared its
@@ -19,6 +22,7 @@ per lookup in ``bench/bench_burst.py``.
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 import threading
 import time
@@ -40,26 +44,46 @@ def socket_path(engine_id: str, rank: int) -> str:
 
 
 class Hit(int):
-    """A lookup's answer: the chunks hit (it is that int), and ``slow``: loading them
-    needs a tier slower than memory (see the worker's ``async_loads: auto``)."""
+    """A lookup's answer: the chunks hit (it is that int); ``slow``: loading them
+    needs a tier slower than memory (see the worker's ``async_loads: auto``); ``tail``:
+    the stored chunk offered for the chunk right after the hit is present and pinned
+    (a sub-chunk hit, subchunks.py)."""
 
     slow: bool
+    tail: bool
 
-    def __new__(cls, chunks: int, slow: bool = False) -> "Hit":
+    def __new__(cls, chunks: int, slow: bool = False, tail: bool = False) -> "Hit":
         hit = super().__new__(cls, chunks)
-        hit.slow = bool(slow) and chunks > 0
+        hit.tail = bool(tail)
+        hit.slow = bool(slow) and (chunks > 0 or hit.tail)
         return hit
 
     def encode(self) -> bytes:
-        return str(int(self)).encode() + (b",s" if self.slow else b"")
+        flags = (b"s" if self.slow else b"") + (b"t" if self.tail else b"")
+        return str(int(self)).encode() + (b"," + flags if flags else b"")
 
     @classmethod
     def decode(cls, raw: bytes) -> "Hit":
-        count, _, flag = raw.partition(b",")
-        return cls(max(0, int(count)), flag == b"s")
+        count, _, flags = raw.partition(b",")
+        return cls(max(0, int(count)), b"s" in flags, b"t" in flags)
 
 
-LookupFn = Callable[[Sequence[bytes], str | None], int]
+LookupFn = Callable[..., int]  # (hashes, pin_id[, alts]) -> chunks hit
+Alts = dict[int, bytes]  # chunk index -> a stored chunk that starts with that chunk's first blocks
+_ALT = struct.Struct("<I")
+
+
+def encode_alts(alts: Alts) -> bytes:
+    return b"".join(_ALT.pack(i) + h for i, h in sorted(alts.items()))
+
+
+def decode_alts(blob: bytes) -> Alts | None:
+    """The offers of a lookup message (None when malformed: the lookup ignores them)."""
+    width = _ALT.size + HASH_BYTES
+    if len(blob) % width:
+        return None
+    return {_ALT.unpack_from(blob, o)[0]: blob[o + _ALT.size : o + width] for o in range(0, len(blob), width)}
+
 
 # Servers in this process that may be called directly, by address.
 _inline: dict[str, "LookupServer"] = {}
@@ -109,20 +133,21 @@ class LookupServer:
                 log.warning("lookup reply failed: %s", err)
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
-        if len(frames) != 5 or frames[0] != PROTO:
+        if len(frames) not in (5, 6) or frames[0] != PROTO:
             return [PROTO, frames[1] if len(frames) > 1 else b"", b"0"]
-        _, seq, req_id, pin, blob = frames
+        seq, req_id, pin, blob = frames[1:5]
         if len(blob) % HASH_BYTES:
             return [PROTO, seq, b"0"]
         hashes = [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
-        hit = self.answer(hashes, req_id.decode() if pin == b"1" else None)
+        alts = decode_alts(frames[5]) if len(frames) == 6 else None
+        hit = self.answer(hashes, req_id.decode() if pin == b"1" else None, alts)
         return [PROTO, seq, hit.encode()]
 
-    def answer(self, hashes: Sequence[bytes], pin_id: str | None) -> Hit:
+    def answer(self, hashes: Sequence[bytes], pin_id: str | None, alts: Alts | None = None) -> Hit:
         """Chunks hit (0 when the lookup fails: a failing cache is a miss, never a crash)."""
         try:
-            got = self._lookup(hashes, pin_id)
-            return Hit(max(0, int(got)), getattr(got, "slow", False))
+            got = self._lookup(hashes, pin_id, alts) if alts else self._lookup(hashes, pin_id)
+            return Hit(max(0, int(got)), getattr(got, "slow", False), getattr(got, "tail", False))
         except Exception as err:
             log.warning("lookup failed, reporting a miss: %s", err)
             return Hit(0)
@@ -138,10 +163,12 @@ class LookupServer:
 
 
 def _combine(answers: Sequence[Hit]) -> Hit:
-    """Ranks answer for their own shards: the request hits what every rank holds."""
+    """Ranks answer for their own shards: the request hits what every rank holds
+    (the offered chunk after it only when every rank holds that too)."""
     if not answers:
         return Hit(0)
-    return Hit(min(int(a) for a in answers), any(a.slow for a in answers))
+    n = min(int(a) for a in answers)
+    return Hit(n, any(a.slow for a in answers), all(a.tail and int(a) == n for a in answers))
 
 
 class LookupClient:
@@ -165,20 +192,23 @@ class LookupClient:
         s.connect(addr)
         return s
 
-    def lookup(self, hashes: Sequence[bytes], pin_id: str | None) -> Hit:
-        """The smallest hit over the ranks; slow when any rank's hit needs a slow tier."""
+    def lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Alts | None = None) -> Hit:
+        """The smallest hit over the ranks; slow when any rank's hit needs a slow tier.
+        ``alts``: stored chunks offered for sub-chunk hits (see the module's docstring)."""
         if not hashes:
             return Hit(0)
         with _inline_lock:
             local = [_inline.get(a) for a in self.addresses]
         if all(srv is not None for srv in local):
             self.inline_lookups += 1
-            return _combine([srv.answer(hashes, pin_id) for srv in local if srv is not None])
+            return _combine([srv.answer(hashes, pin_id, alts) for srv in local if srv is not None])
         with self._lock:
             self._seq += 1
             seq = str(self._seq).encode()
             blob = b"".join(hashes)
             msg = [PROTO, seq, (pin_id or "").encode(), b"1" if pin_id else b"0", blob]
+            if alts:
+                msg.append(encode_alts(alts))
             for s in self._socks:
                 s.send_multipart(msg)
             deadline = time.monotonic() + self.timeout_ms / 1000

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from lmcache_core.keys import chain_seed, chunk_hashes
+from lmcache_core.keys import as_token_array, chain_seed, chunk_hashes
 
 from .groups import GroupPlan, boundary_hash
 from .kv_events import EventTranslator
@@ -19,6 +19,7 @@ from .load_policy import step_pairs
 from .lookup_ipc import LookupClient
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
+from .subchunks import SubChunkIndex
 from .verify import sample
 
 if TYPE_CHECKING:
@@ -83,6 +84,12 @@ class _Req:
     slow: bool = False  # the looked-up hit needs a tier slower than memory (async_loads: auto)
     load_async: bool = False  # this request's load runs on the workers' load thread
     saved_async: bool = False  # async_saves: a save was planned, so vLLM holds its blocks at finish
+    # Sub-chunk hits (subchunks.py): the sub-chunk hashes of each prompt chunk (the
+    # trailing partial one included), and the stored chunk a lookup found for the
+    # chunk after the hit: (that chunk's index, the stored chunk's hash, the token
+    # where its matching blocks end).
+    subs: list[list[bytes]] = field(default_factory=list)
+    tail: tuple[int, bytes, int] | None = None
 
 
 class SchedulerSide:
@@ -121,6 +128,13 @@ class SchedulerSide:
         self.async_loads = False if self.hybrid else settings.async_loads
         self._loading: dict[str, set[int]] = {}
         self.async_load_requests = 0
+        # Sub-chunk hits: dense models only (a boundary object or recurrent state
+        # exists only at chunk boundaries).
+        plain = plan is None or not (plan.hybrid or plan.has_boundary or plan.has_state)
+        self.subs = SubChunkIndex(self.cs, block_size) if self.cfg.sub_chunk_hits and plain else None
+        if self.subs is not None and not self.subs.useful:
+            self.subs = None
+        self.tail_hits = 0  # lookups that hit a stored chunk's first blocks after their chunks
 
     # -- request state ------------------------------------------------------------------
     def _new_state(
@@ -151,8 +165,43 @@ class SchedulerSide:
         if partial_ok and len(prompt) % self.cs:
             partial = hashes.pop()
         st = _Req(req_id, len(prompt), seed, extras, hashes, partial, save, opts, request)
+        if self.subs is not None and (save or (self.can_load and not opts.skip_load)):
+            st.subs = self._sub_hashes(prompt, seed, hashes, extras)
         self._reqs[req_id] = st
         return st
+
+    def _sub_hashes(self, prompt: Sequence[int], seed: bytes, hashes: list[bytes], extras: dict[int, bytes]) -> list[list[bytes]]:
+        """Per prompt chunk (the trailing partial one too), the sub-chunk hashes of its
+        first blocks (subchunks.py)."""
+        assert self.subs is not None
+        arr = as_token_array(prompt)
+        cs = self.cs
+        out = []
+        for c in range(-(-arr.size // cs)):
+            prev = hashes[c - 1] if c else seed
+            whole = (c + 1) * cs <= arr.size
+            out.append(self.subs.prefixes(prev, arr[c * cs : (c + 1) * cs], extras.get(c, b""), whole=whole))
+        return out
+
+    def _offers(self, st: _Req, hashes: list[bytes]) -> dict[int, tuple[bytes, int]]:
+        """Stored chunks (with the tokens they share) that start with the first blocks
+        of the request's chunks, where the index knows one."""
+        if self.subs is None or not len(self.subs) or not st.subs:
+            return {}
+        offers = {}
+        for c, prefixes in enumerate(st.subs[: len(hashes) + 1]):
+            got = self.subs.candidate(prefixes, hashes[c] if c < len(hashes) else None)
+            if got is not None:
+                offers[c] = got
+        return offers
+
+    def _remember_chunks(self, st: _Req, chunks: range) -> None:
+        """Chunks of the prompt that are stored (saved or hit): index their first blocks."""
+        if self.subs is None:
+            return
+        for c in chunks:
+            if c < len(st.subs) and (c + 1) * self.cs <= st.prompt_len:
+                self.subs.remember(st.subs[c], st.hashes[c])
 
     def _state_for(self, request: "Request") -> _Req:
         st = self._reqs.get(request.request_id)
@@ -191,14 +240,23 @@ class SchedulerSide:
         hashes = self._lookup_hashes(st)
         if st.looked_up is None:
             # A producer looks up too (without pinning), so it never re-saves what is cached.
-            answer = self.lookup_client.lookup(hashes, st.req_id if self.can_load else None) if hashes else None
+            offers = self._offers(st, hashes) if self.can_load else {}
+            alts = {c: h for c, (h, _) in offers.items()} or None
+            pin = st.req_id if self.can_load else None
+            answer = self.lookup_client.lookup(hashes, pin, alts) if alts else self.lookup_client.lookup(hashes, pin)
             st.looked_up = int(answer or 0)
             st.slow = bool(getattr(answer, "slow", False))
+            st.tail = None
+            if getattr(answer, "tail", False) and st.looked_up in offers:
+                stored, tokens = offers[st.looked_up]
+                st.tail = (st.looked_up, stored, st.looked_up * self.cs + tokens)
+                self.tail_hits += 1
+            self._remember_chunks(st, range(min(st.looked_up, st.prompt_len // self.cs)))
         n = st.looked_up or 0
         full = st.prompt_len // self.cs
         if n > full:
             st.partial_saved = True
-        hit = self._chunk_end(st, n - 1) if n else 0
+        hit = st.tail[2] if st.tail else (self._chunk_end(st, n - 1) if n else 0)
         if n and self.can_load and st.save and self._verify_hit(st, hashes[n - 1], min(n, full)):
             return 0, False  # canary: vLLM recomputes the hit, the worker compares it when saving
         st.saved_full = max(st.saved_full, min(n, full))
@@ -238,14 +296,13 @@ class SchedulerSide:
         end = start + num_external_tokens
         c0, c1 = start // self.cs, -(-end // self.cs)
         hashes = self._lookup_hashes(st)[c0:c1]
-        st.load = ChunkTransfer(
-            st.req_id,
-            hashes,
-            c0,
-            [self._chunk_end(st, c) for c in range(c0, c0 + len(hashes))],
-            block_ids,
-            write_from=start,
-        )
+        ends = [self._chunk_end(st, c) for c in range(c0, c0 + len(hashes))]
+        tail = st.tail is not None and c1 - 1 == st.tail[0]
+        if tail:
+            assert st.tail is not None
+            hashes = hashes[: c1 - 1 - c0] + [st.tail[1]]
+            ends = ends[: c1 - 1 - c0] + [st.tail[2]]
+        st.load = ChunkTransfer(st.req_id, hashes, c0, ends, block_ids, write_from=start, tail_whole=tail)
         if self.hybrid:
             st.load.group_block_ids = tuple(list(t) for t in tables)
             st.load.async_load = True
@@ -397,6 +454,7 @@ class SchedulerSide:
         transfers: list[tuple[int, bytes, int]] = []  # (chunk, hash, end)
         for c in range(st.saved_full, n_full):
             transfers.append((c, st.hashes[c], (c + 1) * self.cs))
+        self._remember_chunks(st, range(st.saved_full, n_full))
         # The prompt's partial chunk, once the whole prompt is computed.
         if st.partial and not st.partial_saved and limit >= st.prompt_len and n_full == st.prompt_len // self.cs:
             transfers.append((n_full, st.partial, st.prompt_len))

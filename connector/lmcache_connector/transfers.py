@@ -401,7 +401,7 @@ class DenseTransfers(Transfers):
         return failed
 
     def _chunk_shapes(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> list[tuple[int, ...]]:
-        return [self.layout.chunk_shape(t.chunk_ends[i] - meta.chunk_start(t, i)) for i in range(len(t.hashes))]
+        return [self.layout.chunk_shape(meta.stored_tokens(t, i)) for i in range(len(t.hashes))]
 
     def _read_for_pipeline(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> list[LoadItem]:
         """layerwise: read a transfer's chunks from the cache (a miss fails the chunks
@@ -613,7 +613,7 @@ class GroupedTransfers(Transfers):
         assert t.group_block_ids is not None
         blocks = t.group_block_ids
         t0 = time.perf_counter()
-        shapes = [self.layout.chunk_shape(t.chunk_ends[i] - meta.chunk_start(t, i)) for i in range(len(t.hashes))]
+        shapes = [self.layout.chunk_shape(meta.stored_tokens(t, i)) for i in range(len(t.hashes))]
         loaded, got = self._copy_chunks(
             t, meta, shapes, torch.uint8, lambda chunk, lo, hi: self.layout.load_chunk(chunk, blocks, lo, hi, t.write_from)
         )

@@ -1,0 +1,53 @@
+"""Sub-chunk hits on real vLLM (CPU: blocks of 128 tokens, chunks of 256): a prompt
+that shares a stored chunk's first block but not its rest loads that block from the
+stored chunk, as vLLM's own prefix cache would serve it, with identical tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import make_llm, random_prompt, run, token_ids, worker
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+CS, BS = 256, 128
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"layerwise": True}, {"async_loads": True}],
+    ids=["sync", "layerwise", "async_loads"],
+)
+def test_shared_first_block_of_a_chunk_is_loaded(tiny_model, reference, extra):
+    # a and b share 3 chunks and 150 tokens of the 4th: one whole block of it
+    shared = random_prompt(3 * CS + 150, 401)
+    a = shared + random_prompt(300, 402)
+    b = shared + random_prompt(300, 403)
+    c = a[: 3 * CS + 140]  # ends inside the stored chunk: its own partial chunk is not stored
+    ref = reference([a, b, c])
+    with make_llm(tiny_model, extra=extra) as llm:
+        assert token_ids(run(llm, [a])) == ref[:1]
+        w = worker()
+        before = w.stats()["loaded_tokens"]
+        out = run(llm, [b])
+        assert out[0].num_cached_tokens == 3 * CS + BS
+        assert w.stats()["loaded_tokens"] - before == 3 * CS + BS
+        assert token_ids(out) == ref[1:2]
+        out = run(llm, [c])
+        assert out[0].num_cached_tokens == 3 * CS + BS
+        assert w.stats()["loaded_tokens"] - before == 2 * (3 * CS + BS)
+        assert token_ids(out) == ref[2:]
+        # vLLM counts a failed load as cached too (then recomputes it): none failed
+        assert w.stats()["failed_loads"] == 0
+
+
+def test_switched_off_loads_whole_chunks_only(tiny_model, reference):
+    """Negative control: without sub-chunk hits the same prompts hit 3 chunks."""
+    shared = random_prompt(3 * CS + 150, 401)
+    a = shared + random_prompt(300, 402)
+    b = shared + random_prompt(300, 403)
+    ref = reference([a, b])
+    with make_llm(tiny_model, extra={"sub_chunk_hits": False}) as llm:
+        run(llm, [a])
+        out = run(llm, [b])
+        assert out[0].num_cached_tokens == 3 * CS
+        assert token_ids(out) == ref[1:]

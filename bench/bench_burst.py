@@ -109,6 +109,7 @@ class Profile:
     def active(self) -> Iterator["Profile"]:
         import lmcache_connector.scheduler as sched_mod
         import lmcache_connector.worker as worker_mod
+        from lmcache_connector.hits import HitPlanner
         from lmcache_connector.kv_adapters import BlockLayout
         from lmcache_connector.lookup_ipc import LookupClient
         from lmcache_core.engine import CacheEngine
@@ -120,10 +121,10 @@ class Profile:
             (GPUModelRunner, "execute_model", "vLLM model runner execute_model"),
             (sched_mod.SchedulerSide, "get_num_new_matched_tokens", "  sched: get_num_new_matched_tokens"),
             (LookupClient, "lookup", "    lookup round trip (IPC)"),
-            (worker_mod.WorkerSide, "_lookup", "      worker: engine lookup (server thread)"),
+            (HitPlanner, "lookup", "      worker: engine lookup (server thread)"),
             (sched_mod, "chunk_hashes", "    hashing (chunk_hashes)"),
             (sched_mod.SchedulerSide, "update_state_after_alloc", "  sched: update_state_after_alloc"),
-            (sched_mod.SchedulerSide, "build_connector_meta", "  sched: build_connector_meta"),
+            (sched_mod.DenseScheduler, "build_connector_meta", "  sched: build_connector_meta"),
             (sched_mod.SchedulerSide, "request_finished", "  sched: request_finished"),
             (worker_mod.WorkerSide, "start_load_kv", "  worker: start_load_kv (loads)"),
             (CacheEngine, "retrieve_buffer", "    tier reads (retrieve_buffer)"),

@@ -1,7 +1,7 @@
 """``LMCacheCoreConnector``: the vLLM v1 KV connector (vLLM 0.32.0).
 
 A thin facade: vLLM builds one instance per role; the scheduler role delegates to
-:class:`~lmcache_connector.scheduler.SchedulerSide`, the worker role to
+:class:`~lmcache_connector.scheduler.SchedulerSide` (one object per mode), the worker role to
 :class:`~lmcache_connector.worker.WorkerSide`. Load it with::
 
     KVTransferConfig(kv_connector="LMCacheCoreConnector",
@@ -32,7 +32,7 @@ from .groups import GroupPlan, UnsupportedGroupError, describe_groups, effective
 from .lookup_ipc import LookupClient, socket_path
 from .metadata import LMCacheConnectorMetadata
 from .options import load_settings
-from .scheduler import SchedulerSide
+from .scheduler import SchedulerSide, make_scheduler
 from .stats import LMCacheConnectorStats, LMCachePromMetrics
 from .worker import WorkerSide
 
@@ -116,7 +116,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             if advice:
                 log.warning("lmcache-core: %s", advice)
             client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.lookup_timeout_ms)
-            self._sched = SchedulerSide(
+            self._sched = make_scheduler(
                 settings,
                 block_size=block_size,
                 can_load=ktc.is_kv_consumer,

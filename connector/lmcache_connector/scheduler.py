@@ -4,6 +4,10 @@ Per request it keeps the chunk hashes of the prompt (hashed once), the blocks vL
 gave it, and how many chunks are known to be in the cache (hit or already saved), so
 chunked prefill, preemption and decode never save a chunk twice. Lookups go to the
 worker(s) over IPC with a timeout that becomes a miss.
+
+One object per mode, chosen once (:func:`make_scheduler`): :class:`DenseScheduler`
+for models with one KV-cache group, :class:`GroupedScheduler` for several (sliding
+window, hybrid state-space); what they share is :class:`SchedulerSide`.
 """
 
 from __future__ import annotations
@@ -93,6 +97,11 @@ class _Req:
 
 
 class SchedulerSide:
+    """What every mode shares: per-request state, the lookup (with the canary's
+    sampling), the load planned once vLLM allocates, and saves of whole chunks. One
+    subclass per mode, chosen once by :func:`make_scheduler`: :class:`DenseScheduler`
+    (one KV-cache group) and :class:`GroupedScheduler` (several groups)."""
+
     def __init__(
         self,
         settings: ConnectorSettings,
@@ -108,33 +117,56 @@ class SchedulerSide:
         self.events = events  # KV events for routers: remembers the vLLM block hashes of saved chunks
         self.cs = self.cfg.chunk_size
         self.block_size = block_size
-        # Several KV-cache groups: boundary objects, per-group block tables, and loads
-        # reported asynchronously (vLLM can only fail a multi-group load per request).
         self.plan = plan
-        self.hybrid = plan is not None and plan.hybrid
-        self._async_loads: list[_Req] = []
         self.can_load = can_load
         self.can_save = can_save
         self.lookup_client = lookup
         self._reqs: dict[str, _Req] = {}
         self._unpins: list[str] = []
         self._hit_requests = 0  # requests with a hit so far (canary sampling)
-        # Saves run in the background on the workers (dense models; see async_saves.py).
-        self.async_saves = settings.async_saves and not self.hybrid
-        self.held_requests = 0  # finished requests whose blocks vLLM held for background saves
-        # Loads on the workers' load thread (dense models; see async_loads.py): every
-        # hit (true) or the hits a slower tier than memory serves (auto); the blocks
-        # each request in flight is loading into, until vLLM hears it finished.
-        self.async_loads = False if self.hybrid else settings.async_loads
+        # Loads sent to the workers the step after allocation (run in the background).
+        self._pending_loads: list[_Req] = []
+        # Modes that load on the workers' load thread report finished loads back
+        # (async_loads_reported); the blocks each request in flight is loading into.
+        self.async_loads: bool | str = False
         self._loading: dict[str, set[int]] = {}
+        # Counters and features a mode may turn on (read by tests and stats).
+        self.async_saves = False
+        self.held_requests = 0  # finished requests whose blocks vLLM held for background saves
         self.async_load_requests = 0
-        # Sub-chunk hits: dense models only (a boundary object or recurrent state
-        # exists only at chunk boundaries).
-        plain = plan is None or not (plan.hybrid or plan.has_boundary or plan.has_state)
-        self.subs = SubChunkIndex(self.cs, block_size) if self.cfg.sub_chunk_hits and plain else None
-        if self.subs is not None and not self.subs.useful:
-            self.subs = None
+        self.subs: SubChunkIndex | None = None
         self.tail_hits = 0  # lookups that hit a stored chunk's first blocks after their chunks
+
+    # -- what a mode decides ------------------------------------------------------------
+    def _partial_ok(self) -> bool:
+        """Whether the prompt's trailing partial chunk is saved and looked up."""
+        return False
+
+    def _prepared(self, st: _Req, prompt: Sequence[int]) -> None:
+        """A new request's state is built (its chunk hashes known)."""
+
+    def _offers(self, st: _Req, hashes: list[bytes]) -> dict[int, tuple[bytes, int]]:
+        """Stored chunks to offer with the lookup (sub-chunk hits): none here."""
+        return {}
+
+    def _looked_up(self, st: _Req, answer: Any, offers: dict[int, tuple[bytes, int]]) -> None:
+        """The lookup's answer arrived (``st.looked_up`` set)."""
+
+    def _load_async(self, st: _Req) -> bool:
+        """Whether this request's load runs in the background (vLLM then waits for
+        ``finished_recving`` before scheduling it)."""
+        raise NotImplementedError
+
+    def _planned_load(self, st: _Req, load: ChunkTransfer, tables: Sequence[Sequence[int]], start: int, end: int) -> None:
+        """``load`` (``st.load``) is planned for tokens ``start..end`` into ``tables``."""
+        raise NotImplementedError
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
+        raise NotImplementedError
+
+    def _delay_free(self, st: _Req | None) -> bool:
+        """``request_finished``'s answer: whether vLLM holds the request's blocks."""
+        return False
 
     # -- request state ------------------------------------------------------------------
     def _new_state(
@@ -150,7 +182,7 @@ class SchedulerSide:
         request: Any = None,
     ) -> _Req:
         save = self.can_save and not opts.skip_save
-        partial_ok = self.cfg.save_unfull_chunk and not self.hybrid
+        partial_ok = self._partial_ok()
         if self.cfg.priority_limit is not None and priority > self.cfg.priority_limit:
             save = False
         try:
@@ -165,43 +197,9 @@ class SchedulerSide:
         if partial_ok and len(prompt) % self.cs:
             partial = hashes.pop()
         st = _Req(req_id, len(prompt), seed, extras, hashes, partial, save, opts, request)
-        if self.subs is not None and (save or (self.can_load and not opts.skip_load)):
-            st.subs = self._sub_hashes(prompt, seed, hashes, extras)
+        self._prepared(st, prompt)
         self._reqs[req_id] = st
         return st
-
-    def _sub_hashes(self, prompt: Sequence[int], seed: bytes, hashes: list[bytes], extras: dict[int, bytes]) -> list[list[bytes]]:
-        """Per prompt chunk (the trailing partial one too), the sub-chunk hashes of its
-        first blocks (subchunks.py)."""
-        assert self.subs is not None
-        arr = as_token_array(prompt)
-        cs = self.cs
-        out = []
-        for c in range(-(-arr.size // cs)):
-            prev = hashes[c - 1] if c else seed
-            whole = (c + 1) * cs <= arr.size
-            out.append(self.subs.prefixes(prev, arr[c * cs : (c + 1) * cs], extras.get(c, b""), whole=whole))
-        return out
-
-    def _offers(self, st: _Req, hashes: list[bytes]) -> dict[int, tuple[bytes, int]]:
-        """Stored chunks (with the tokens they share) that start with the first blocks
-        of the request's chunks, where the index knows one."""
-        if self.subs is None or not len(self.subs) or not st.subs:
-            return {}
-        offers = {}
-        for c, prefixes in enumerate(st.subs[: len(hashes) + 1]):
-            got = self.subs.candidate(prefixes, hashes[c] if c < len(hashes) else None)
-            if got is not None:
-                offers[c] = got
-        return offers
-
-    def _remember_chunks(self, st: _Req, chunks: range) -> None:
-        """Chunks of the prompt that are stored (saved or hit): index their first blocks."""
-        if self.subs is None:
-            return
-        for c in chunks:
-            if c < len(st.subs) and (c + 1) * self.cs <= st.prompt_len:
-                self.subs.remember(st.subs[c], st.hashes[c])
 
     def _state_for(self, request: "Request") -> _Req:
         st = self._reqs.get(request.request_id)
@@ -220,10 +218,6 @@ class SchedulerSide:
         return st
 
     def _lookup_hashes(self, st: _Req) -> list[bytes]:
-        if self.plan is not None and self.plan.has_state:
-            # A recurrent state restores exactly its boundary: the hit must leave at
-            # least the last prompt token to compute, so it ends before the prompt does.
-            return st.hashes[: (st.prompt_len - 1) // self.cs]
         return st.hashes[: st.prompt_len // self.cs] + ([st.partial] if st.partial else [])
 
     def _chunk_end(self, st: _Req, chunk: int) -> int:
@@ -246,12 +240,7 @@ class SchedulerSide:
             answer = self.lookup_client.lookup(hashes, pin, alts) if alts else self.lookup_client.lookup(hashes, pin)
             st.looked_up = int(answer or 0)
             st.slow = bool(getattr(answer, "slow", False))
-            st.tail = None
-            if getattr(answer, "tail", False) and st.looked_up in offers:
-                stored, tokens = offers[st.looked_up]
-                st.tail = (st.looked_up, stored, st.looked_up * self.cs + tokens)
-                self.tail_hits += 1
-            self._remember_chunks(st, range(min(st.looked_up, st.prompt_len // self.cs)))
+            self._looked_up(st, answer, offers)
         n = st.looked_up or 0
         full = st.prompt_len // self.cs
         if n > full:
@@ -268,8 +257,7 @@ class SchedulerSide:
         if ext <= 0:
             return 0, False
         st.load_start, st.load_end = num_computed_tokens, hit
-        st.load_async = self.async_loads is True or (self.async_loads == AUTO and st.slow)
-        return ext, self.hybrid or st.load_async
+        return ext, self._load_async(st)
 
     def _verify_hit(self, st: _Req, last_hit: bytes, n_full: int) -> bool:
         """Whether this request's hit of ``n_full`` full chunks is recomputed and
@@ -291,84 +279,24 @@ class SchedulerSide:
         if st is None or num_external_tokens <= 0:
             return
         tables = blocks.get_block_ids()
-        block_ids = list(tables[0])
         start = st.load_start
         end = start + num_external_tokens
         c0, c1 = start // self.cs, -(-end // self.cs)
         hashes = self._lookup_hashes(st)[c0:c1]
         ends = [self._chunk_end(st, c) for c in range(c0, c0 + len(hashes))]
-        tail = st.tail is not None and c1 - 1 == st.tail[0]
-        if tail:
-            assert st.tail is not None
-            hashes = hashes[: c1 - 1 - c0] + [st.tail[1]]
-            ends = ends[: c1 - 1 - c0] + [st.tail[2]]
-        st.load = ChunkTransfer(st.req_id, hashes, c0, ends, block_ids, write_from=start, tail_whole=tail)
-        if self.hybrid:
-            st.load.group_block_ids = tuple(list(t) for t in tables)
-            st.load.async_load = True
-            if self.plan is not None and self.plan.has_boundary and hashes:
-                st.load.boundaries = [(boundary_hash(hashes[-1]), c1 * self.cs)]
-            self._async_loads.append(st)
-        elif st.load_async:
-            st.load.async_load = True
-            bs = self.block_size
-            self._loading[st.req_id] = set(block_ids[start // bs : -(-end // bs)])
-            self.async_load_requests += 1
-            self._async_loads.append(st)
+        st.load = ChunkTransfer(st.req_id, hashes, c0, ends, list(tables[0]), write_from=start)
+        self._planned_load(st, st.load, tables, start, end)
 
-    def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
-        meta = LMCacheConnectorMetadata(chunk_size=self.cs)
-        self._step_work(so, meta)
-        if self.hybrid:
-            self._build_hybrid(so, meta)
-            return meta
-        for pending in self._async_loads:  # async_loads: sent the step after allocation
+    def _emit_load(self, st: _Req, meta: LMCacheConnectorMetadata) -> None:
+        if st.load is not None:
+            meta.loads.append(st.load)
+            st.load = None
+
+    def _emit_pending_loads(self, meta: LMCacheConnectorMetadata) -> None:
+        """Background loads go out the step after their allocation."""
+        for pending in self._pending_loads:
             self._emit_load(pending, meta)
-        self._async_loads = []
-        for new in so.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
-            if st is None:
-                continue
-            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
-            self._emit_load(st, meta)
-            self._plan_save(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta)
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            st = self._reqs.get(rid)
-            if st is None:
-                continue
-            nb = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                st.block_ids = list(nb[0]) if nb else []
-            elif nb:
-                st.block_ids.extend(nb[0])
-            self._emit_load(st, meta)
-            self._plan_save(st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0), meta)
-        meta.unpins, self._unpins = self._unpins, []
-        if self.async_saves:
-            self._track_async_saves(so, meta)
-        return meta
-
-    # -- asynchronous saves (async_saves: true) -----------------------------------------
-    def _track_async_saves(self, so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
-        """Remember which requests have saves in the background (their blocks are held
-        at finish), and make the workers finish them before this step writes blocks a
-        preempted request just gave back."""
-        for t in meta.saves:
-            st = self._reqs.get(t.req_id)
-            if st is not None:
-                st.saved_async = True
-        for rid in getattr(so, "preempted_req_ids", None) or ():
-            st = self._reqs.get(rid)
-            if st is not None and st.saved_async:
-                meta.drain_saves = True
-
-    def _delay_free(self, st: _Req | None) -> bool:
-        """``request_finished``'s answer: hold the blocks until the workers report the
-        request's background saves done (``finished_sending``)."""
-        held = self.async_saves and st is not None and st.saved_async
-        self.held_requests += held
-        return held
+        self._pending_loads = []
 
     @staticmethod
     def _scheduled(so: "SchedulerOutput") -> list[tuple[str, int, int]]:
@@ -387,99 +315,6 @@ class SchedulerSide:
             meta.step_pairs = step_pairs(sched)
         except (AttributeError, TypeError) as err:  # a cost model input, never worth failing a step
             log.debug("step work not available: %s", err)
-
-    def _build_hybrid(self, so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
-        """Loads are asynchronous (issued the step after allocation, whether or not
-        the request runs); saves read every group's current block table from vLLM."""
-        for pending in self._async_loads:
-            self._emit_load(pending, meta)
-        self._async_loads = []
-        block_state = getattr(so, "kv_connector_block_state", None)
-        for rid, done, n in self._scheduled(so):
-            st = self._reqs.get(rid)
-            if st is None or not st.save:
-                continue
-            tables = block_state.get_block_ids(rid) if block_state is not None else None
-            if tables is None:
-                log.warning("request %s: vLLM gave no block tables this step; not saving it", rid)
-                st.save = False
-                continue
-            self._plan_save_hybrid(st, done + n, tables, meta)
-        meta.unpins, self._unpins = self._unpins, []
-
-    def _plan_save_hybrid(self, st: _Req, computed: int, tables: Sequence[Sequence[int]], meta: LMCacheConnectorMetadata) -> None:
-        assert self.plan is not None
-        _, n_full = self._savable(st, computed)
-        chunks = list(range(st.saved_full, n_full))
-        boundaries: list[tuple[bytes, int]] = []
-        if self.plan.has_state:
-            # vLLM materialises a recurrent state only where a step ends, and only the
-            # prompt's states are kept at their boundary.
-            c = computed // self.cs - 1
-            if computed % self.cs == 0 and computed <= st.prompt_len and 0 <= c < len(st.hashes):
-                boundaries.append((boundary_hash(st.hashes[c]), computed))
-        elif self.plan.has_boundary:
-            boundaries = [(boundary_hash(st.hashes[c]), (c + 1) * self.cs) for c in chunks]
-        if not chunks and not boundaries:
-            return
-        if self.events is not None and st.request is not None:
-            for c in chunks:
-                self.events.remember(st.request, c, st.hashes[c], (c + 1) * self.cs)
-            for key, end in boundaries:
-                self.events.remember_boundary(st.request, key, end)
-        first = chunks[0] if chunks else n_full
-        meta.saves.append(
-            ChunkTransfer(
-                st.req_id,
-                [st.hashes[c] for c in chunks],
-                first,
-                [(c + 1) * self.cs for c in chunks],
-                list(tables[0]),
-                group_block_ids=tuple(list(t) for t in tables),
-                boundaries=boundaries,
-                verify_below=st.verify_below,
-            )
-        )
-        st.saved_full = max(st.saved_full, n_full)
-
-    def _emit_load(self, st: _Req, meta: LMCacheConnectorMetadata) -> None:
-        if st.load is not None:
-            meta.loads.append(st.load)
-            st.load = None
-
-    def _plan_save(self, st: _Req, computed: int, meta: LMCacheConnectorMetadata) -> None:
-        if not st.save:
-            return
-        limit, n_full = self._savable(st, computed)
-        transfers: list[tuple[int, bytes, int]] = []  # (chunk, hash, end)
-        for c in range(st.saved_full, n_full):
-            transfers.append((c, st.hashes[c], (c + 1) * self.cs))
-        self._remember_chunks(st, range(st.saved_full, n_full))
-        # The prompt's partial chunk, once the whole prompt is computed.
-        if st.partial and not st.partial_saved and limit >= st.prompt_len and n_full == st.prompt_len // self.cs:
-            transfers.append((n_full, st.partial, st.prompt_len))
-            st.partial_saved = True
-        if not transfers:
-            return
-        need_blocks = -(-transfers[-1][2] // self.block_size)
-        if need_blocks > len(st.block_ids):
-            log.warning("request %s: %d blocks known, %d needed to save; skipping", st.req_id, len(st.block_ids), need_blocks)
-            return
-        first = transfers[0][0]
-        if self.events is not None and st.request is not None:
-            for c, h, end in transfers:
-                self.events.remember(st.request, c, h, end)
-        meta.saves.append(
-            ChunkTransfer(
-                st.req_id,
-                [h for _, h, _ in transfers],
-                first,
-                [e for _, _, e in transfers],
-                list(st.block_ids),
-                verify_below=st.verify_below,
-            )
-        )
-        st.saved_full = max(st.saved_full, n_full)
 
     def _savable(self, st: _Req, computed: int) -> tuple[int, int]:
         """(tokens that may be saved, full chunks among them whose hashes are known),
@@ -537,10 +372,268 @@ class SchedulerSide:
         reported finished.)"""
         self._loading.pop(request.request_id, None)
         st = self._reqs.pop(request.request_id, None)
-        if st is not None and st in self._async_loads:
-            self._async_loads.remove(st)
+        if st is not None and st in self._pending_loads:
+            self._pending_loads.remove(st)
         self._unpins.append(request.request_id)
         return self._delay_free(st), None
 
     def close(self) -> None:
         self.lookup_client.close()
+
+
+class DenseScheduler(SchedulerSide):
+    """One KV-cache group: loads before the forward pass or on the workers' load
+    thread (``async_loads``), saves in the step or in the background
+    (``async_saves``), the prompt's partial chunk (``save_unfull_chunk``) and
+    sub-chunk hits (``sub_chunk_hits``, subchunks.py)."""
+
+    def __init__(self, settings: ConnectorSettings, **kw: Any) -> None:
+        super().__init__(settings, **kw)
+        # Saves run in the background on the workers (see async_saves.py).
+        self.async_saves = settings.async_saves
+        # Loads on the workers' load thread (see async_loads.py): every hit (true) or
+        # the hits a slower tier than memory serves (auto).
+        self.async_loads = settings.async_loads
+        subs = SubChunkIndex(self.cs, self.block_size) if self.cfg.sub_chunk_hits else None
+        self.subs = subs if subs is not None and subs.useful else None
+
+    def _partial_ok(self) -> bool:
+        return self.cfg.save_unfull_chunk
+
+    # -- sub-chunk hits (subchunks.py) --------------------------------------------------
+    def _prepared(self, st: _Req, prompt: Sequence[int]) -> None:
+        if self.subs is not None and (st.save or (self.can_load and not st.opts.skip_load)):
+            st.subs = self._sub_hashes(prompt, st.seed, st.hashes, st.extras)
+
+    def _sub_hashes(self, prompt: Sequence[int], seed: bytes, hashes: list[bytes], extras: dict[int, bytes]) -> list[list[bytes]]:
+        """Per prompt chunk (the trailing partial one too), the sub-chunk hashes of its
+        first blocks."""
+        assert self.subs is not None
+        arr = as_token_array(prompt)
+        cs = self.cs
+        out = []
+        for c in range(-(-arr.size // cs)):
+            prev = hashes[c - 1] if c else seed
+            whole = (c + 1) * cs <= arr.size
+            out.append(self.subs.prefixes(prev, arr[c * cs : (c + 1) * cs], extras.get(c, b""), whole=whole))
+        return out
+
+    def _offers(self, st: _Req, hashes: list[bytes]) -> dict[int, tuple[bytes, int]]:
+        """Stored chunks (with the tokens they share) that start with the first blocks
+        of the request's chunks, where the index knows one."""
+        if self.subs is None or not len(self.subs) or not st.subs:
+            return {}
+        offers = {}
+        for c, prefixes in enumerate(st.subs[: len(hashes) + 1]):
+            got = self.subs.candidate(prefixes, hashes[c] if c < len(hashes) else None)
+            if got is not None:
+                offers[c] = got
+        return offers
+
+    def _looked_up(self, st: _Req, answer: Any, offers: dict[int, tuple[bytes, int]]) -> None:
+        st.tail = None
+        n = st.looked_up or 0
+        if getattr(answer, "tail", False) and n in offers:
+            stored, tokens = offers[n]
+            st.tail = (n, stored, n * self.cs + tokens)
+            self.tail_hits += 1
+        self._remember_chunks(st, range(min(n, st.prompt_len // self.cs)))
+
+    def _remember_chunks(self, st: _Req, chunks: range) -> None:
+        """Chunks of the prompt that are stored (saved or hit): index their first blocks."""
+        if self.subs is None:
+            return
+        for c in chunks:
+            if c < len(st.subs) and (c + 1) * self.cs <= st.prompt_len:
+                self.subs.remember(st.subs[c], st.hashes[c])
+
+    # -- loads --------------------------------------------------------------------------
+    def _load_async(self, st: _Req) -> bool:
+        st.load_async = self.async_loads is True or (self.async_loads == AUTO and st.slow)
+        return st.load_async
+
+    def _planned_load(self, st: _Req, load: ChunkTransfer, tables: Sequence[Sequence[int]], start: int, end: int) -> None:
+        c0, c1 = start // self.cs, -(-end // self.cs)
+        if st.tail is not None and c1 - 1 == st.tail[0]:
+            # a sub-chunk hit: the stored chunk is read whole, its first blocks written
+            _, stored, tail_end = st.tail
+            load.hashes[c1 - 1 - c0 :] = [stored]
+            load.chunk_ends[c1 - 1 - c0 :] = [tail_end]
+            load.tail_whole = True
+        if st.load_async:
+            load.async_load = True
+            bs = self.block_size
+            self._loading[st.req_id] = set(load.block_ids[start // bs : -(-end // bs)])
+            self.async_load_requests += 1
+            self._pending_loads.append(st)
+
+    # -- each step ----------------------------------------------------------------------
+    def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
+        meta = LMCacheConnectorMetadata(chunk_size=self.cs)
+        self._step_work(so, meta)
+        self._emit_pending_loads(meta)  # async_loads: sent the step after allocation
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._emit_load(st, meta)
+            self._plan_save(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(nb[0]) if nb else []
+            elif nb:
+                st.block_ids.extend(nb[0])
+            self._emit_load(st, meta)
+            self._plan_save(st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0), meta)
+        meta.unpins, self._unpins = self._unpins, []
+        if self.async_saves:
+            self._track_async_saves(so, meta)
+        return meta
+
+    def _plan_save(self, st: _Req, computed: int, meta: LMCacheConnectorMetadata) -> None:
+        if not st.save:
+            return
+        limit, n_full = self._savable(st, computed)
+        transfers: list[tuple[int, bytes, int]] = []  # (chunk, hash, end)
+        for c in range(st.saved_full, n_full):
+            transfers.append((c, st.hashes[c], (c + 1) * self.cs))
+        self._remember_chunks(st, range(st.saved_full, n_full))
+        # The prompt's partial chunk, once the whole prompt is computed.
+        if st.partial and not st.partial_saved and limit >= st.prompt_len and n_full == st.prompt_len // self.cs:
+            transfers.append((n_full, st.partial, st.prompt_len))
+            st.partial_saved = True
+        if not transfers:
+            return
+        need_blocks = -(-transfers[-1][2] // self.block_size)
+        if need_blocks > len(st.block_ids):
+            log.warning("request %s: %d blocks known, %d needed to save; skipping", st.req_id, len(st.block_ids), need_blocks)
+            return
+        first = transfers[0][0]
+        if self.events is not None and st.request is not None:
+            for c, h, end in transfers:
+                self.events.remember(st.request, c, h, end)
+        meta.saves.append(
+            ChunkTransfer(
+                st.req_id,
+                [h for _, h, _ in transfers],
+                first,
+                [e for _, _, e in transfers],
+                list(st.block_ids),
+                verify_below=st.verify_below,
+            )
+        )
+        st.saved_full = max(st.saved_full, n_full)
+
+    # -- asynchronous saves (async_saves: true) -----------------------------------------
+    def _track_async_saves(self, so: "SchedulerOutput", meta: LMCacheConnectorMetadata) -> None:
+        """Remember which requests have saves in the background (their blocks are held
+        at finish), and make the workers finish them before this step writes blocks a
+        preempted request just gave back."""
+        for t in meta.saves:
+            st = self._reqs.get(t.req_id)
+            if st is not None:
+                st.saved_async = True
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None and st.saved_async:
+                meta.drain_saves = True
+
+    def _delay_free(self, st: _Req | None) -> bool:
+        """Hold the blocks until the workers report the request's background saves
+        done (``finished_sending``)."""
+        held = self.async_saves and st is not None and st.saved_async
+        self.held_requests += held
+        return held
+
+
+class GroupedScheduler(SchedulerSide):
+    """Several KV-cache groups (sliding-window and hybrid state-space models): every
+    group's block table, boundary objects (window pages, recurrent states) saved and
+    loaded with the chunks, and loads reported asynchronously (vLLM can only fail a
+    multi-group load per request). Whole chunks only."""
+
+    def _lookup_hashes(self, st: _Req) -> list[bytes]:
+        assert self.plan is not None
+        if self.plan.has_state:
+            # A recurrent state restores exactly its boundary: the hit must leave at
+            # least the last prompt token to compute, so it ends before the prompt does.
+            return st.hashes[: (st.prompt_len - 1) // self.cs]
+        return super()._lookup_hashes(st)
+
+    def _load_async(self, st: _Req) -> bool:
+        return True
+
+    def _planned_load(self, st: _Req, load: ChunkTransfer, tables: Sequence[Sequence[int]], start: int, end: int) -> None:
+        assert self.plan is not None
+        load.group_block_ids = tuple(list(t) for t in tables)
+        load.async_load = True
+        if self.plan.has_boundary and load.hashes:
+            load.boundaries = [(boundary_hash(load.hashes[-1]), -(-end // self.cs) * self.cs)]
+        self._pending_loads.append(st)
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
+        """Loads are asynchronous (issued the step after allocation, whether or not
+        the request runs); saves read every group's current block table from vLLM."""
+        meta = LMCacheConnectorMetadata(chunk_size=self.cs)
+        self._step_work(so, meta)
+        self._emit_pending_loads(meta)
+        block_state = getattr(so, "kv_connector_block_state", None)
+        for rid, done, n in self._scheduled(so):
+            st = self._reqs.get(rid)
+            if st is None or not st.save:
+                continue
+            tables = block_state.get_block_ids(rid) if block_state is not None else None
+            if tables is None:
+                log.warning("request %s: vLLM gave no block tables this step; not saving it", rid)
+                st.save = False
+                continue
+            self._plan_save(st, done + n, tables, meta)
+        meta.unpins, self._unpins = self._unpins, []
+        return meta
+
+    def _plan_save(self, st: _Req, computed: int, tables: Sequence[Sequence[int]], meta: LMCacheConnectorMetadata) -> None:
+        assert self.plan is not None
+        _, n_full = self._savable(st, computed)
+        chunks = list(range(st.saved_full, n_full))
+        boundaries: list[tuple[bytes, int]] = []
+        if self.plan.has_state:
+            # vLLM materialises a recurrent state only where a step ends, and only the
+            # prompt's states are kept at their boundary.
+            c = computed // self.cs - 1
+            if computed % self.cs == 0 and computed <= st.prompt_len and 0 <= c < len(st.hashes):
+                boundaries.append((boundary_hash(st.hashes[c]), computed))
+        elif self.plan.has_boundary:
+            boundaries = [(boundary_hash(st.hashes[c]), (c + 1) * self.cs) for c in chunks]
+        if not chunks and not boundaries:
+            return
+        if self.events is not None and st.request is not None:
+            for c in chunks:
+                self.events.remember(st.request, c, st.hashes[c], (c + 1) * self.cs)
+            for key, end in boundaries:
+                self.events.remember_boundary(st.request, key, end)
+        first = chunks[0] if chunks else n_full
+        meta.saves.append(
+            ChunkTransfer(
+                st.req_id,
+                [st.hashes[c] for c in chunks],
+                first,
+                [(c + 1) * self.cs for c in chunks],
+                list(tables[0]),
+                group_block_ids=tuple(list(t) for t in tables),
+                boundaries=boundaries,
+                verify_below=st.verify_below,
+            )
+        )
+        st.saved_full = max(st.saved_full, n_full)
+
+
+def make_scheduler(settings: ConnectorSettings, *, plan: GroupPlan | None = None, **kw: Any) -> SchedulerSide:
+    """The scheduler side for the model's KV-cache groups (chosen once)."""
+    cls = GroupedScheduler if plan is not None and plan.hybrid else DenseScheduler
+    return cls(settings, plan=plan, **kw)

@@ -15,7 +15,7 @@ from lmcache_core.config import ConfigError, CoreConfig, LoadedConfig  # noqa: E
 from lmcache_connector.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
 from lmcache_connector.lookup_ipc import LookupClient, LookupServer  # noqa: E402
 from lmcache_connector.options import ConnectorSettings, load_settings, parse_request_options  # noqa: E402
-from lmcache_connector.scheduler import SchedulerSide  # noqa: E402
+from lmcache_connector.scheduler import make_scheduler  # noqa: E402
 
 
 def test_request_options():
@@ -62,7 +62,34 @@ def _image(ident, offset, length):
 
 def _sched(**cfg):
     settings = ConnectorSettings(LoadedConfig(CoreConfig(**cfg)))
-    return SchedulerSide(settings, block_size=128, can_load=True, can_save=True, lookup=_NoLookup())
+    return make_scheduler(settings, block_size=128, can_load=True, can_save=True, lookup=_NoLookup())
+
+
+def test_one_scheduler_object_per_mode():
+    """The mode is chosen once from the model's KV-cache groups: one group gets the
+    dense scheduler (partial chunks, sub-chunk hits, async options), several the
+    grouped one (whole chunks only, loads reported asynchronously)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from lmcache_connector.groups import describe_groups
+    from lmcache_connector.scheduler import DenseScheduler, GroupedScheduler
+
+    kw = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    specs = {"dense": [FullAttentionSpec(**kw)], "grouped": [SlidingWindowSpec(sliding_window=40, **kw), FullAttentionSpec(**kw)]}
+    settings = ConnectorSettings(LoadedConfig(CoreConfig(save_unfull_chunk=True)), async_saves=True, async_loads=True)
+    made = {}
+    for name, group_specs in specs.items():
+        groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(group_specs)]
+        plan = describe_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups), default_block_size=16)
+        made[name] = make_scheduler(settings, block_size=16, can_load=True, can_save=True, lookup=_NoLookup(), plan=plan)
+    dense, grouped = made["dense"], made["grouped"]
+    assert type(dense) is DenseScheduler and type(grouped) is GroupedScheduler
+    assert type(make_scheduler(settings, block_size=16, can_load=True, can_save=True, lookup=_NoLookup())) is DenseScheduler
+    assert dense.async_saves and dense.async_loads and dense.subs is not None
+    assert not grouped.async_saves and not grouped.async_loads and grouped.subs is None
+    tokens = list(range(300))
+    assert dense._state_for(_request(tokens)).partial is not None
+    assert grouped._state_for(_request(tokens)).partial is None
 
 
 def test_async_saves_option():

@@ -89,13 +89,13 @@ class HitPlanner:
             tail, k = self._tail(hashes, k, alts[k], pin_id)
             n = k
         self.engine.record_lookup(len(hashes), n)
-        slow = self.background and self.slow(runs, k + (tail is not None))
-        read = list(hashes[:k]) + ([tail] if tail is not None else [])
+        slow = self.background and self.slow(runs, k)
         if slow and pin_id is not None:
             # Start reading the hit into the CPU tier now: vLLM schedules its load a
             # step or more later (after allocating blocks), and the load then waits for
-            # this read instead of making its own.
-            self.engine.prefetch(read, [self.chunk_shape] * len(read), self.chunk_dtype)
+            # this read instead of making its own. (An offered chunk after the hit may
+            # be a partial one, of a size only the scheduler knows: the load reads it.)
+            self.engine.prefetch(hashes[:k], [self.chunk_shape] * k, self.chunk_dtype)
         return Hit(k, slow, tail is not None)
 
     def _tail(self, hashes: Sequence[bytes], k: int, alt: bytes, pin_id: str | None) -> tuple[bytes | None, int]:

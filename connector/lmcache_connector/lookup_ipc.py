@@ -195,7 +195,7 @@ class LookupClient:
     def lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Alts | None = None) -> Hit:
         """The smallest hit over the ranks; slow when any rank's hit needs a slow tier.
         ``alts``: stored chunks offered for sub-chunk hits (see the module's docstring)."""
-        if not hashes:
+        if not hashes and not alts:
             return Hit(0)
         with _inline_lock:
             local = [_inline.get(a) for a in self.addresses]

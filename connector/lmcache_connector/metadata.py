@@ -31,9 +31,9 @@ class ChunkTransfer:
     boundaries: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, end token)
     async_load: bool = False  # report completion through get_transfer_results (failed_recving)
     verify_below: int = 0  # saves: chunks below this index are compared with the cache (canary), not stored
-    # loads: the last hash is a whole stored chunk of which only the tokens up to its
-    # chunk_ends entry are written (a sub-chunk hit, subchunks.py)
-    tail_whole: bool = False
+    # loads: the last hash is a stored chunk of this many tokens of which only the
+    # tokens up to its chunk_ends entry are written (a sub-chunk hit, subchunks.py)
+    tail_tokens: int = 0
 
 
 @dataclass
@@ -54,6 +54,6 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
 
     def stored_tokens(self, t: ChunkTransfer, i: int) -> int:
         """Tokens of chunk ``i`` of ``t`` as stored (the chunk read from the cache)."""
-        if t.tail_whole and i == len(t.hashes) - 1:
-            return self.chunk_size
+        if t.tail_tokens and i == len(t.hashes) - 1:
+            return t.tail_tokens
         return t.chunk_ends[i] - self.chunk_start(t, i)

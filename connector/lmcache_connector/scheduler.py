@@ -91,9 +91,12 @@ class _Req:
     # Sub-chunk hits (subchunks.py): the sub-chunk hashes of each prompt chunk (the
     # trailing partial one included), and the stored chunk a lookup found for the
     # chunk after the hit: (that chunk's index, the stored chunk's hash, the token
-    # where its matching blocks end).
+    # where its matching blocks end, the tokens it holds); the prompt's block tail
+    # (its whole blocks past its last whole chunk) to save, and whether it was.
     subs: list[list[bytes]] = field(default_factory=list)
-    tail: tuple[int, bytes, int] | None = None
+    tail: tuple[int, bytes, int, int] | None = None
+    block_tail: tuple[bytes, int] | None = None  # (hash, tokens)
+    block_tail_saved: bool = False
 
 
 class SchedulerSide:
@@ -145,11 +148,11 @@ class SchedulerSide:
     def _prepared(self, st: _Req, prompt: Sequence[int]) -> None:
         """A new request's state is built (its chunk hashes known)."""
 
-    def _offers(self, st: _Req, hashes: list[bytes]) -> dict[int, tuple[bytes, int]]:
+    def _offers(self, st: _Req, hashes: list[bytes]) -> dict[int, tuple[bytes, int, int]]:
         """Stored chunks to offer with the lookup (sub-chunk hits): none here."""
         return {}
 
-    def _looked_up(self, st: _Req, answer: Any, offers: dict[int, tuple[bytes, int]]) -> None:
+    def _looked_up(self, st: _Req, answer: Any, offers: dict[int, tuple[bytes, int, int]]) -> None:
         """The lookup's answer arrived (``st.looked_up`` set)."""
 
     def _load_async(self, st: _Req) -> bool:
@@ -235,7 +238,7 @@ class SchedulerSide:
         if st.looked_up is None:
             # A producer looks up too (without pinning), so it never re-saves what is cached.
             offers = self._offers(st, hashes) if self.can_load else {}
-            alts = {c: h for c, (h, _) in offers.items()} or None
+            alts = {c: offer[0] for c, offer in offers.items()} or None
             pin = st.req_id if self.can_load else None
             answer = self.lookup_client.lookup(hashes, pin, alts) if alts else self.lookup_client.lookup(hashes, pin)
             st.looked_up = int(answer or 0)
@@ -402,8 +405,19 @@ class DenseScheduler(SchedulerSide):
 
     # -- sub-chunk hits (subchunks.py) --------------------------------------------------
     def _prepared(self, st: _Req, prompt: Sequence[int]) -> None:
-        if self.subs is not None and (st.save or (self.can_load and not st.opts.skip_load)):
-            st.subs = self._sub_hashes(prompt, st.seed, st.hashes, st.extras)
+        if self.subs is None or not (st.save or (self.can_load and not st.opts.skip_load)):
+            return
+        st.subs = self._sub_hashes(prompt, st.seed, st.hashes, st.extras)
+        full, rest = divmod(st.prompt_len, self.cs)
+        whole = rest // self.block_size * self.block_size
+        if whole and not st.partial:
+            # the prompt's last whole blocks past its last whole chunk: saved as a
+            # partial chunk of their own, so a prompt sharing them hits them (and
+            # looked up as such: another engine's saved tail of the same blocks)
+            start = st.hashes[full - 1] if full else st.seed
+            cut = prompt[: full * self.cs + whole]
+            h = chunk_hashes(cut, self.cs, seed=st.seed, extras=st.extras, include_partial=True, start=start, first_chunk=full)
+            st.block_tail = (h[-1], whole)
 
     def _sub_hashes(self, prompt: Sequence[int], seed: bytes, hashes: list[bytes], extras: dict[int, bytes]) -> list[list[bytes]]:
         """Per prompt chunk (the trailing partial one too), the sub-chunk hashes of its
@@ -418,26 +432,41 @@ class DenseScheduler(SchedulerSide):
             out.append(self.subs.prefixes(prev, arr[c * cs : (c + 1) * cs], extras.get(c, b""), whole=whole))
         return out
 
-    def _offers(self, st: _Req, hashes: list[bytes]) -> dict[int, tuple[bytes, int]]:
+    def _offers(self, st: _Req, hashes: list[bytes]) -> dict[int, tuple[bytes, int, int]]:
         """Stored chunks (with the tokens they share) that start with the first blocks
         of the request's chunks, where the index knows one."""
-        if self.subs is None or not len(self.subs) or not st.subs:
+        if self.subs is None or not st.subs:
             return {}
         offers = {}
-        for c, prefixes in enumerate(st.subs[: len(hashes) + 1]):
-            got = self.subs.candidate(prefixes, hashes[c] if c < len(hashes) else None)
-            if got is not None:
-                offers[c] = got
+        if len(self.subs):
+            for c, prefixes in enumerate(st.subs[: len(hashes) + 1]):
+                got = self.subs.candidate(prefixes, hashes[c] if c < len(hashes) else None)
+                if got is not None:
+                    offers[c] = got
+        full = st.prompt_len // self.cs
+        if st.block_tail is not None and full not in offers and len(hashes) == full:
+            # No index entry (e.g. a fresh engine on a shared store): the request's own
+            # block tail, as another engine would have saved it for the same prompt start.
+            h, whole = st.block_tail
+            offers[full] = (h, whole, whole)
         return offers
 
-    def _looked_up(self, st: _Req, answer: Any, offers: dict[int, tuple[bytes, int]]) -> None:
+    def _looked_up(self, st: _Req, answer: Any, offers: dict[int, tuple[bytes, int, int]]) -> None:
         st.tail = None
         n = st.looked_up or 0
         if getattr(answer, "tail", False) and n in offers:
-            stored, tokens = offers[n]
-            st.tail = (n, stored, n * self.cs + tokens)
+            stored, tokens, held = offers[n]
+            st.tail = (n, stored, n * self.cs + tokens, held)
             self.tail_hits += 1
+            if st.block_tail is not None and stored == st.block_tail[0]:
+                st.block_tail_saved = True  # its own block tail is what it hit
         self._remember_chunks(st, range(min(n, st.prompt_len // self.cs)))
+
+    def _remember_tail(self, st: _Req, chunk: int, h: bytes, tokens: int) -> None:
+        """The prompt's partial chunk ``chunk`` is stored as ``h`` (``tokens`` tokens):
+        index its whole blocks."""
+        if self.subs is not None and chunk < len(st.subs):
+            self.subs.remember(st.subs[chunk][: tokens // self.block_size], h, tokens)
 
     def _remember_chunks(self, st: _Req, chunks: range) -> None:
         """Chunks of the prompt that are stored (saved or hit): index their first blocks."""
@@ -456,10 +485,10 @@ class DenseScheduler(SchedulerSide):
         c0, c1 = start // self.cs, -(-end // self.cs)
         if st.tail is not None and c1 - 1 == st.tail[0]:
             # a sub-chunk hit: the stored chunk is read whole, its first blocks written
-            _, stored, tail_end = st.tail
+            _, stored, tail_end, held = st.tail
             load.hashes[c1 - 1 - c0 :] = [stored]
             load.chunk_ends[c1 - 1 - c0 :] = [tail_end]
-            load.tail_whole = True
+            load.tail_tokens = held
         if st.load_async:
             load.async_load = True
             bs = self.block_size
@@ -504,10 +533,17 @@ class DenseScheduler(SchedulerSide):
         for c in range(st.saved_full, n_full):
             transfers.append((c, st.hashes[c], (c + 1) * self.cs))
         self._remember_chunks(st, range(st.saved_full, n_full))
-        # The prompt's partial chunk, once the whole prompt is computed.
-        if st.partial and not st.partial_saved and limit >= st.prompt_len and n_full == st.prompt_len // self.cs:
-            transfers.append((n_full, st.partial, st.prompt_len))
-            st.partial_saved = True
+        # The prompt's partial chunk (or its block tail), once the whole prompt is computed.
+        if limit >= st.prompt_len and n_full == st.prompt_len // self.cs:
+            if st.partial and not st.partial_saved:
+                transfers.append((n_full, st.partial, st.prompt_len))
+                st.partial_saved = True
+                self._remember_tail(st, n_full, st.partial, st.prompt_len % self.cs)
+            elif st.block_tail and not st.block_tail_saved:
+                h, whole = st.block_tail
+                transfers.append((n_full, h, n_full * self.cs + whole))
+                st.block_tail_saved = True
+                self._remember_tail(st, n_full, h, whole)
         if not transfers:
             return
         need_blocks = -(-transfers[-1][2] // self.block_size)

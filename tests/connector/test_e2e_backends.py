@@ -19,7 +19,9 @@ from .conftest import random_prompt, spawn
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [random_prompt(700, 401), random_prompt(1000, 402)]
-HITS = [512, 768]
+# whole 256-token chunks, then each prompt's block tail (its last whole 128-token block)
+HITS = [512 + 128, 768 + 128]
+OBJECTS = 2 + 3 + 2  # stored: the chunks of both prompts and their block tails
 
 
 def _engine(model: Path, config: dict[str, Any], env: dict[str, str] | None = None, hold: bool = False) -> Any:
@@ -115,7 +117,7 @@ def test_s3_tier_across_processes(tiny_model):
         cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, section]}
         a = _run(tiny_model, cfg, env)
         assert a["flushed"]
-        assert s3.list_objects_v2(Bucket="lmcache-e2e").get("KeyCount", 0) == 2 + 3
+        assert s3.list_objects_v2(Bucket="lmcache-e2e").get("KeyCount", 0) == OBJECTS
         b = _run(tiny_model, cfg, env)
         _check(a, b, "s3")
     finally:
@@ -221,8 +223,7 @@ def test_two_engines_share_one_cache_node_through_shared_memory(tiny_model, tmp_
         assert a["flushed"] and a["cached"] == [0, 0]
         b = _run(tiny_model, cfg(True, False))
         _check(a, b, "peer")
-        chunks = sum(HITS) // 256
-        assert {t["name"]: t["shm_hits"] for t in b["tiers"]}["peer"] == chunks
+        assert {t["name"]: t["shm_hits"] for t in b["tiers"]}["peer"] == OBJECTS
         c = _run(tiny_model, cfg(False, False))
         _check(a, c, "peer")
         assert {t["name"]: t["shm_hits"] for t in c["tiers"]}["peer"] == 0

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CHUNK_BYTES = 256 << 10  # one 256-token chunk of the tiny model (checked below)
 BLOCK = 128  # vLLM-CPU block size
 CPU, DISK = "lmcache:local_cpu", "lmcache:disk"
+NO_SAVE = {"lmcache.skip_save": True}  # warm-up prompts of one whole block: no block tail saved
 
 
 class Subscriber:
@@ -71,7 +72,7 @@ def test_zmq_subscriber_sees_tier_stores_and_evictions(tiny_model, tmp_path):
         with make_llm(tiny_model, prefix_caching=True, extra={"backends": tiers}, kv_events_config=events_cfg) as llm:
             sub = Subscriber(endpoint)
             for i in range(50):  # the subscription reaches the publisher asynchronously
-                run(llm, [random_prompt(130, 700 + i)], greedy(2))  # one full vLLM block, under a chunk
+                run(llm, [random_prompt(130, 700 + i)], greedy(2, NO_SAVE))  # one full vLLM block, under a chunk
                 sub.drain(0.2)
                 if sub.events:
                     break
@@ -259,7 +260,7 @@ def test_zmq_subscriber_sees_redis_expiries(tiny_model, tmp_path):
         with make_llm(tiny_model, prefix_caching=True, extra={"backends": tiers}, kv_events_config=events_cfg) as llm:
             sub = Subscriber(endpoint)
             for i in range(50):  # the subscription reaches the publisher asynchronously
-                run(llm, [random_prompt(130, 710 + i)], greedy(2))
+                run(llm, [random_prompt(130, 710 + i)], greedy(2, NO_SAVE))
                 sub.drain(0.2)
                 if sub.events:
                     break
@@ -312,7 +313,7 @@ def test_zmq_subscriber_sees_peer_node_evictions(tiny_model, tmp_path):
         with make_llm(tiny_model, prefix_caching=True, extra={"backends": tiers}, kv_events_config=events_cfg) as llm:
             sub = Subscriber(endpoint)
             for i in range(50):  # the subscription reaches the publisher asynchronously
-                run(llm, [random_prompt(130, 730 + i)], greedy(2))
+                run(llm, [random_prompt(130, 730 + i)], greedy(2, NO_SAVE))
                 sub.drain(0.2)
                 if sub.events:
                     break

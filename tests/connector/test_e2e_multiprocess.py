@@ -19,5 +19,5 @@ def test_multiprocess_hit_token_identical(tiny_model, reference, executor):
         cold = run(llm, prompts)
         assert token_ids(cold) == ref
         warm = run(llm, prompts)
-        assert [o.num_cached_tokens for o in warm] == [768, 512]
+        assert [o.num_cached_tokens for o in warm] == [768 + 128, 512]  # 900: 3 chunks and a block tail
         assert token_ids(warm) == ref

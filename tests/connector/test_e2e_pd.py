@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300
 PROMPTS = [random_prompt(700, 801), random_prompt(1000, 802)]
-HITS = [512, 768]  # whole 256-token chunks; the consumer computes at least the last token
+# whole 256-token chunks and each prompt's block tail (its last whole 128-token block)
+HITS = [512 + 128, 768 + 128]
 
 
 def _start(args: list[str], ready: str) -> tuple[subprocess.Popen, str]:

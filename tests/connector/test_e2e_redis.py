@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_e2e_backends import _check, _run
+from .test_e2e_backends import OBJECTS, _check, _run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
 from redis_server import RedisServer  # noqa: E402
@@ -25,10 +25,10 @@ def test_redis_tier_across_processes(tiny_model: Path) -> None:
         cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, section]}
         a = _run(tiny_model, cfg)
         assert a["flushed"]
-        assert len(server.client().keys("e2e:*")) == 2 + 3  # the full chunks of both prompts
+        assert len(server.client().keys("e2e:*")) == OBJECTS  # the full chunks and block tails of both prompts
         b = _run(tiny_model, cfg)
         _check(a, b, "redis")
         redis_hits = {t["name"]: t["hits"] for t in b["tiers"]}["redis"]
-        assert redis_hits == 2 + 3
+        assert redis_hits == OBJECTS
     finally:
         server.stop()

@@ -51,3 +51,21 @@ def test_switched_off_loads_whole_chunks_only(tiny_model, reference):
         out = run(llm, [b])
         assert out[0].num_cached_tokens == 3 * CS
         assert token_ids(out) == ref[1:]
+
+
+def test_prompt_block_tail_is_saved_and_hit(tiny_model, reference):
+    """A prompt's whole blocks past its last whole chunk are saved (its "block tail"):
+    the same prompt again, and one that shares them, hit them as vLLM's own prefix
+    cache would; a remainder shorter than a block saves nothing more."""
+    a = random_prompt(2 * CS + 200, 411)  # 2 chunks, then one whole block and 72 tokens
+    b = a[: 2 * CS + 150] + random_prompt(100, 412)
+    short = random_prompt(CS + 100, 413)  # 1 chunk and less than a block
+    ref = reference([a, b, short])
+    with make_llm(tiny_model) as llm:
+        assert token_ids(run(llm, [a, short])) == [ref[0], ref[2]]
+        eng = worker().engine
+        assert eng.stats()["stored_chunks"] == 3 + 1  # a: 2 chunks + its block tail; short: 1 chunk
+        out = run(llm, [a, b, short])
+        assert [o.num_cached_tokens for o in out] == [2 * CS + BS, 2 * CS + BS, CS]
+        assert token_ids(out) == ref
+        assert worker().stats()["failed_loads"] == 0

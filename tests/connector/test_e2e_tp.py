@@ -19,7 +19,7 @@ from .conftest import random_prompt
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [random_prompt(1000, 1), random_prompt(900, 2)]
-HITS = [768, 768]
+HITS = [768 + 128, 768 + 128]  # 3 chunks, then each prompt's last whole block (its block tail)
 
 
 def _tp2(
@@ -60,17 +60,19 @@ def test_tensor_parallel_2_round_trip_and_restart(tiny_model, tmp_path):
     }
     first = _tp2(tiny_model, cfg, llm={"kv_events_config": events})
     assert first[0]["cached"] == [0, 0] and first[1]["cached"] == HITS
-    # KV events: both ranks report every chunk; the router hears of each once per tier.
+    # KV events: both ranks report every chunk (2 blocks) and block tail (1 block); the
+    # router hears of each once per tier.
     chunks = sum(n // 256 for n in (1000, 900))
+    objects = chunks + 2
     for medium in ("lmcache:local_cpu", "lmcache:disk"):
         stored = [h for kind, med, hs in first[0]["events"] if kind == "BlockStored" and med == medium for h in [hs]]
-        assert len(stored) == chunks and all(len(hs) == 2 for hs in stored), medium
-        assert len({tuple(hs) for hs in stored}) == chunks
+        assert len(stored) == objects and sorted(len(hs) for hs in stored) == [1, 1] + [2] * chunks, medium
+        assert len({tuple(hs) for hs in stored}) == objects
     assert first[0]["tokens"] == first[1]["tokens"] == ref[0]["tokens"] == ref[1]["tokens"]
     # Each rank wrote its own shard: twice the chunks of one rank, in two namespaces.
     names = [p.name for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.name.startswith("v1-")]
     namespaces = {n.split("-")[1] for n in names}
-    assert len(namespaces) == 2 and len(names) == 2 * sum(n // 256 for n in (1000, 900))
+    assert len(namespaces) == 2 and len(names) == 2 * objects
     restarted = _tp2(tiny_model, cfg)
     assert restarted[0]["cached"] == HITS and restarted[0]["tokens"] == ref[0]["tokens"]
 

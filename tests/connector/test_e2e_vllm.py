@@ -25,9 +25,10 @@ def test_hit_is_served_by_connector_and_token_identical(tiny_model, reference):
         w = worker()
         before = w.stats()["loaded_tokens"]
         warm = run(llm, prompts)
-        # chunk-aligned hits: 2 and 4 full chunks; the 200-token prompt has none
-        assert [o.num_cached_tokens for o in warm] == [512, 1024, 0]
-        assert w.stats()["loaded_tokens"] - before == 512 + 1024
+        # 2 and 4 full chunks, and the whole 128-token blocks past them (block tails):
+        # 700 = 512 + 128 + 60, 1100 = 1024 + 76 (no whole block), 200 = 128 + 72
+        assert [o.num_cached_tokens for o in warm] == [640, 1024, 128]
+        assert w.stats()["loaded_tokens"] - before == 640 + 1024 + 128
         assert token_ids(warm) == ref
 
 
@@ -61,13 +62,14 @@ def test_chunked_prefill_saves_each_chunk_once_then_full_hit(tiny_model, referen
         run(llm, [prompt])
         eng = worker().engine
         tier = eng.tiers[0].stats()
-        assert eng.stats()["stored_chunks"] == 1500 // CS
-        assert tier.puts == 1500 // CS and tier.chunks == 1500 // CS
+        stored = 1500 // CS + 1  # the whole chunks and the block tail (one 128-token block)
+        assert eng.stats()["stored_chunks"] == stored
+        assert tier.puts == stored and tier.chunks == stored
         warm = run(llm, [prompt])
-        assert warm[0].num_cached_tokens == (1500 // CS) * CS
+        assert warm[0].num_cached_tokens == (1500 // CS) * CS + 128
         assert token_ids(warm) == ref
         # the hit chunks are not stored again
-        assert eng.stats()["stored_chunks"] == 1500 // CS
+        assert eng.stats()["stored_chunks"] == stored
 
 
 def test_partial_prefix_hit_loads_exactly_shared_chunks(tiny_model, reference):
@@ -181,9 +183,9 @@ def test_roles_producer_then_consumer(tiny_model, reference, tmp_path):
         assert [o.num_cached_tokens for o in run(llm, prompts)] == [0, 0]  # producers never load
         eng = worker().engine
         assert eng.flush(30)
-        assert eng.stats()["stored_chunks"] == 4
+        assert eng.stats()["stored_chunks"] == 5  # 2 + 2 chunks, the 700-token prompt's block tail
     with make_llm(tiny_model, role="kv_consumer", extra={"backends": tiers}) as llm:
         out = run(llm, prompts)
-        assert [o.num_cached_tokens for o in out] == [512, 512]
+        assert [o.num_cached_tokens for o in out] == [640, 512]
         assert token_ids(out) == ref
         assert worker().engine.stats()["stored_chunks"] == 0  # consumers never save

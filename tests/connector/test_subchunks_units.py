@@ -48,7 +48,7 @@ def test_index_offers_the_longest_shared_prefix_of_another_chunk():
     pa, pb = idx.prefixes(SEED, a), idx.prefixes(SEED, b)
     assert idx.candidate(pb, hb) is None  # empty index
     idx.remember(pa, ha)
-    assert idx.candidate(pb, hb) == (ha, 32)  # b shares two blocks of a's chunk
+    assert idx.candidate(pb, hb) == (ha, 32, 64)  # b shares two blocks of a's chunk (of 64 tokens)
     assert idx.candidate(pa, ha) is None  # a's own chunk is a plain hit, not an offer
     # bounded: the least recently remembered entries go first
     for s in range(2, 4):

@@ -57,6 +57,8 @@ def chain_seed(tags: Mapping[str, str] | None = None) -> bytes:
 def as_token_array(tokens: TokenIds) -> np.ndarray:
     """Token ids as a contiguous little-endian uint32 array (a view where possible)."""
     if isinstance(tokens, np.ndarray):
+        if tokens.dtype == np.dtype("<u4") and tokens.ndim == 1 and tokens.flags.c_contiguous:
+            return tokens  # already the form this returns: every uint32 is in range
         arr = tokens
     elif isinstance(tokens, array):
         arr = np.frombuffer(tokens, dtype=np.dtype(tokens.typecode))

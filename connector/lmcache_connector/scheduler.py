@@ -27,6 +27,7 @@ from .subchunks import SubChunkIndex
 from .verify import sample
 
 if TYPE_CHECKING:
+    import numpy as np
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -407,7 +408,8 @@ class DenseScheduler(SchedulerSide):
     def _prepared(self, st: _Req, prompt: Sequence[int]) -> None:
         if self.subs is None or not (st.save or (self.can_load and not st.opts.skip_load)):
             return
-        st.subs = self._sub_hashes(prompt, st.seed, st.hashes, st.extras)
+        arr = as_token_array(prompt)  # converted once, sliced below without copies
+        st.subs = self._sub_hashes(arr, st.seed, st.hashes, st.extras)
         full, rest = divmod(st.prompt_len, self.cs)
         whole = rest // self.block_size * self.block_size
         if whole and not st.partial:
@@ -415,15 +417,14 @@ class DenseScheduler(SchedulerSide):
             # partial chunk of their own, so a prompt sharing them hits them (and
             # looked up as such: another engine's saved tail of the same blocks)
             start = st.hashes[full - 1] if full else st.seed
-            cut = prompt[: full * self.cs + whole]
+            cut = arr[: full * self.cs + whole]
             h = chunk_hashes(cut, self.cs, seed=st.seed, extras=st.extras, include_partial=True, start=start, first_chunk=full)
             st.block_tail = (h[-1], whole)
 
-    def _sub_hashes(self, prompt: Sequence[int], seed: bytes, hashes: list[bytes], extras: dict[int, bytes]) -> list[list[bytes]]:
+    def _sub_hashes(self, arr: "np.ndarray", seed: bytes, hashes: list[bytes], extras: dict[int, bytes]) -> list[list[bytes]]:
         """Per prompt chunk (the trailing partial one too), the sub-chunk hashes of its
-        first blocks."""
+        first blocks (``arr``: the prompt as :func:`as_token_array` gives it)."""
         assert self.subs is not None
-        arr = as_token_array(prompt)
         cs = self.cs
         out = []
         for c in range(-(-arr.size // cs)):

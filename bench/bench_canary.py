@@ -101,7 +101,7 @@ def overhead(n_docs: int, doc_tokens: int, rounds: int, forced: int) -> None:
 
 def determinism(n_prompts: int, tokens: int) -> None:
     import lmcache_connector.worker as worker_mod
-    from lmcache_connector.verify import compare
+    from lmcache_core.canary import compare
 
     model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / TEST_SPEC.tag(), TEST_SPEC)
     prompts = [random_prompt(tokens, 300 + i) for i in range(n_prompts)]

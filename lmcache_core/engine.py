@@ -5,7 +5,7 @@ contiguous prefix present in any tier; retrieve reads each chunk from the fastes
 tier holding it and promotes it upward; store writes the first tier synchronously
 and slower tiers in the background (write-through, bounded queues: a slow tier drops
 writes rather than blocking the caller). Any backend exception is a miss.
-A tier caught serving wrong KV by the correctness canary (:meth:`CacheEngine.verify`)
+A tier caught serving wrong KV by the correctness canary (:mod:`lmcache_core.canary`)
 is quarantined (:mod:`lmcache_core.quarantine`): every read and write skips it.
 """
 
@@ -14,12 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Generator, Iterator, Literal, Mapping, NamedTuple, Sequence, overload
 
 import torch
@@ -32,6 +29,8 @@ from .loadcost import TierReadModel
 from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
+from .canary import Canary
+from .writeback import TierWriter
 from .quarantine import Quarantine
 from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs, is_lossy, tier_codecs
 
@@ -42,8 +41,6 @@ ChunkData = torch.Tensor | MemoryBuffer
 
 #: keys in a tier's lookup window after it answered short of its window (see lookup_runs)
 LOOKUP_WINDOW = 16
-#: chunks one background write hands a slower tier at most (``put_many``)
-BATCH_WRITES = 16
 #: bytes of prefetches in flight at most (see CacheEngine.prefetch)
 PREFETCH_BYTES = 512 << 20
 #: how long a load waits for a prefetch of the same run before reading it itself
@@ -99,139 +96,6 @@ class TierEvent(NamedTuple):
 
 
 TierListener = Callable[[TierEvent], None]
-
-
-class _TierWriter:
-    """Background write-through for one slower tier, with as many writer threads as
-    the tier declares in ``write_concurrency`` (remote tiers overlap round trips)."""
-
-    def __init__(
-        self,
-        tier: StorageBackend,
-        maxsize: int,
-        counters: metrics.EngineCounters,
-        stored: Callable[[StorageBackend, ChunkKey], None],
-        in_service: Callable[[], bool] = lambda: True,
-    ) -> None:
-        self.tier = tier
-        self.counters = counters
-        self.stored = stored
-        self.in_service = in_service
-        self.q: queue.Queue[tuple[ChunkKey, MemoryBuffer] | None] = queue.Queue(maxsize=maxsize)
-        self._pending = 0
-        self._cv = threading.Condition()
-        self._stopping = threading.Event()
-        n = max(1, int(tier.write_concurrency))
-        self.threads = [threading.Thread(target=self._run, name=f"lmcache-write-{tier.name}-{i}", daemon=True) for i in range(n)]
-        for t in self.threads:
-            t.start()
-
-    def submit(self, key: ChunkKey, buf: MemoryBuffer) -> bool:
-        buf.retain()
-        with self._cv:
-            self._pending += 1
-        try:
-            self.q.put_nowait((key, buf))
-            return True
-        except queue.Full:
-            buf.release()
-            self._done()
-            self.counters.add(dropped_writes=1)
-            metrics.labeled(metrics.TIER_DROPPED, self.tier.name).inc()
-            return False
-
-    def _done(self) -> None:
-        with self._cv:
-            self._pending -= 1
-            self._cv.notify_all()
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                item = self.q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if item is None:
-                return
-            batch = [item]
-            # What else is queued goes in the same call (put_many: one round trip on a
-            # BATCHED tier), up to BATCH_WRITES chunks; a stop marker is put back.
-            while len(batch) < BATCH_WRITES:
-                try:
-                    more = self.q.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self.q.put(None)
-                    break
-                batch.append(more)
-            self._write(batch)
-
-    def _write(self, batch: list[tuple[ChunkKey, MemoryBuffer]]) -> None:
-        t0 = time.perf_counter()
-        try:
-            if not self.in_service():  # quarantined while the writes were queued
-                return
-            ok = self.tier.put_many([(key, buf.tensor) for key, buf in batch])
-            if len(ok) != len(batch):
-                raise ValueError(f"put_many answered {len(ok)} results for {len(batch)} chunks")
-            for (key, buf), stored in zip(batch, ok):
-                if stored:
-                    metrics.labeled(metrics.TIER_BYTES, self.tier.name, "put").inc(buf.nbytes)
-                    self.stored(self.tier, key)
-                else:
-                    metrics.labeled(metrics.TIER_DROPPED, self.tier.name).inc()
-        except Exception as err:
-            log.warning("tier %s: background put of %d chunks failed: %s", self.tier.name, len(batch), err)
-            self.counters.error(self.tier.name)
-            metrics.labeled(metrics.TIER_ERRORS, self.tier.name, "put").inc()
-        finally:
-            metrics.labeled(metrics.TIER_LATENCY, self.tier.name, "put").observe(time.perf_counter() - t0)
-            for _, buf in batch:
-                buf.release()
-                self._done()
-
-    def flush(self, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Drop queued writes (their buffers released) and end the threads; never
-        blocks on a full queue."""
-        self._stopping.set()
-        while True:
-            try:
-                item = self.q.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[1].release()
-                self._done()
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-MAX_ORIGINS = 1 << 16  # promoted chunks whose origin tier is remembered (for the canary)
-
-Compare = Callable[[torch.Tensor, torch.Tensor], tuple[bool, str]]
-
-
-@dataclass(frozen=True)
-class TierVerdict:
-    """One tier's stored copy compared with the recomputation: ``blame`` is the tier
-    charged for a mismatch (the tier the copy was promoted from, if any)."""
-
-    tier: str
-    blame: str
-    equal: bool
-    detail: str
 
 
 def _quarantine_gauge(tier: str, quarantined: bool) -> None:
@@ -363,13 +227,11 @@ class CacheEngine:
             cfg.verify_mismatch_limit, cfg.verify_window_s, cfg.quarantine_dir, on_change=_quarantine_gauge
         )
         self._writers = [
-            _TierWriter(t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t))
+            TierWriter(t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t))
             for t in self.tiers[1:]
         ]
-        # chunk -> name of the slower tier it was promoted from (a wrong promoted copy
-        # is that tier's fault); bounded, oldest forgotten first
-        self._origin: OrderedDict[ChunkKey, str] = OrderedDict()
-        self._origin_lock = threading.Lock()
+        #: the correctness canary: compares recomputed chunks with the tiers' copies
+        self.canary = Canary(self)
         # read latency/throughput per tier, measured on every successful read (load policies)
         self.read_models = [TierReadModel() for _ in self.tiers]
         self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey]]]] = {}
@@ -833,11 +695,7 @@ class CacheEngine:
         return dest == 0 and SHARED not in self.tiers[0].capabilities
 
     def _promote(self, key: ChunkKey, data: ChunkData, level: int) -> None:
-        with self._origin_lock:
-            self._origin[key] = self.tiers[level].name
-            self._origin.move_to_end(key)
-            while len(self._origin) > MAX_ORIGINS:
-                self._origin.popitem(last=False)
+        self.canary.promoted(key, self.tiers[level].name)
         if not self._out(self.tiers[0]) and self._takes_from(0, level):
             self._put_tier0(self.tiers[0], key, data)
         if level > 1:
@@ -850,120 +708,6 @@ class CacheEngine:
 
     def _accepts_writes(self, tier: StorageBackend) -> bool:
         return not self._out(tier)
-
-    def verify(self, chunk_hash: bytes, fresh: ChunkData, same: "Compare") -> list["TierVerdict"]:
-        """Compare the freshly computed chunk ``fresh`` with the object stored under
-        ``chunk_hash`` in every in-service tier that holds it (read straight from each
-        tier, no promotion). ``same(stored, fresh)`` returns ``(equal, detail)``.
-
-        A mismatch is charged to the tier that served the object -- for a copy that an
-        upper tier got by promotion, to the tier it was promoted from -- counted
-        (``lmcache_core:verify_mismatches_total{tier}``), logged with the key, and the
-        stored object is replaced by ``fresh``; ``verify_mismatch_limit`` mismatches
-        within ``verify_window_s`` quarantine the charged tier."""
-        key = ChunkKey(self._ns_id, chunk_hash)
-        fresh_t = fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh
-        verdicts: list[TierVerdict] = []
-        with self._origin_lock:
-            origin = self._origin.get(key)
-        levels = {t.name: i for i, t in enumerate(self.tiers)}
-        for level, tier in enumerate(self.tiers):
-            if self._out(tier):
-                continue
-            stored = self._read_copy(tier, key, fresh_t)
-            if stored is None:
-                continue
-            blame = origin if origin is not None and levels.get(origin, -1) > level else tier.name
-            try:
-                equal, detail = same(stored.tensor, fresh_t)
-                if not equal:
-                    equal, detail = self._within_codec_bound(levels[blame], stored.tensor, fresh_t, detail)
-            finally:
-                stored.release()
-            verdicts.append(TierVerdict(tier.name, blame, equal, detail))
-        charged: set[str] = set()
-        if verdicts:
-            metrics.VERIFIED_CHUNKS.inc()
-        for v in verdicts:
-            if v.equal:
-                continue
-            if v.blame not in charged:
-                charged.add(v.blame)
-                self.counters.mismatch(v.blame)
-                metrics.VERIFY_MISMATCHES.labels(v.blame).inc()
-                via = f" (promoted from tier {v.blame})" if v.blame != v.tier else ""
-                log.warning(
-                    "canary: chunk %s from tier %s%s differs from its recomputation (%s); replacing it",
-                    key,
-                    v.tier,
-                    via,
-                    v.detail,
-                )
-                self.quarantine.record_mismatch(v.blame, f"chunk {key}: {v.detail}")
-        for v in verdicts:
-            if not v.equal:
-                self._replace(levels[v.tier], key, fresh)
-        if charged:
-            with self._origin_lock:
-                self._origin.pop(key, None)
-        self.counters.add(verified_chunks=1 if verdicts else 0)
-        return verdicts
-
-    def _within_codec_bound(self, level: int, stored: torch.Tensor, fresh: torch.Tensor, detail: str) -> tuple[bool, str]:
-        """The canary's verdict on a copy that ``same`` found unequal, when it came
-        from a tier with a lossy codec (``level``: the tier charged): equal if the
-        relative error ``||stored - fresh|| / ||fresh||`` (float64) is within the
-        codec's declared ``error_bound``; another key's chunk is off by ~100%."""
-        codec = self.tier_codecs[level]
-        bound = getattr(codec, "error_bound", None)
-        if not is_lossy(codec) or not isinstance(bound, float) or not fresh.dtype.is_floating_point:
-            return False, detail
-        if stored.shape != fresh.shape or stored.dtype != fresh.dtype:
-            return False, detail
-        a, b = stored.to(torch.float64), fresh.to(torch.float64)
-        if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
-            return False, detail
-        rel = float(torch.linalg.vector_norm(a - b)) / max(float(torch.linalg.vector_norm(b)), 1e-30)
-        if rel <= bound:
-            return True, f"relative error {rel:.3g} within the {codec.name} codec's bound {bound:g}"
-        return False, f"{detail}; relative error {rel:.3g} above the {codec.name} codec's bound {bound:g}"
-
-    def _read_copy(self, tier: StorageBackend, key: ChunkKey, like: torch.Tensor) -> MemoryBuffer | None:
-        """``key``'s object in ``tier`` as a pool buffer (caller releases), or None
-        when the tier does not hold it, fails, or it has another shape."""
-        try:
-            if not tier.contains([key]):
-                return None
-            if ZERO_COPY in tier.capabilities:
-                got = tier.get_buffer(key)
-                if got is not None and (got.tensor.dtype != like.dtype or got.tensor.shape != like.shape):
-                    got.release()
-                    return None
-                return got
-            buf = self.allocate(tuple(like.shape), like.dtype)
-            if buf is None:
-                return None
-            if tier.get(key, buf.tensor):
-                return buf
-            buf.release()
-        except Exception as err:
-            self._tier_error(tier, "get", err)
-        return None
-
-    def _replace(self, level: int, key: ChunkKey, fresh: ChunkData) -> None:
-        """Overwrite ``key`` in tier ``level`` with ``fresh`` (not in a tier now
-        quarantined, nor in a shared tier this engine does not write)."""
-        tier = self.tiers[level]
-        if self._out(tier) or not self._writes[level]:
-            return
-        try:
-            tier.remove(key)
-            if isinstance(fresh, MemoryBuffer) and ZERO_COPY in tier.capabilities:
-                tier.put_buffer(key, fresh)
-            else:
-                tier.put(key, fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh)
-        except Exception as err:
-            self._tier_error(tier, "put", err)
 
     # -- housekeeping -----------------------------------------------------------------
     def _tier_error(self, tier: StorageBackend, op: str, err: BaseException) -> None:

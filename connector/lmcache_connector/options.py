@@ -8,7 +8,7 @@ overrides: ``config_file`` (a YAML path) and any core key (``chunk_size``,
 Per-request options come in ``kv_transfer_params`` (``SamplingParams.extra_args``):
 ``lmcache.skip_save: true``, ``lmcache.tag.<name>: <str>`` and ``lmcache.verify: true|false``
 (recompute this request's hit and compare it with the cache, or never; default: sampled
-with ``verify_fraction``, see :mod:`lmcache_connector.verify`). A malformed option
+with ``verify_fraction``, see :mod:`lmcache_core.canary`). A malformed option
 never fails the request: the request is served without the cache (no load, no save)
 and a warning says why.
 """

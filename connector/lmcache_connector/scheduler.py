@@ -24,7 +24,7 @@ from .lookup_ipc import LookupClient
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
 from .subchunks import SubChunkIndex
-from .verify import sample
+from lmcache_core.canary import sample
 
 if TYPE_CHECKING:
     import numpy as np

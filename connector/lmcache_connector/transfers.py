@@ -37,7 +37,7 @@ from .layerwise import LayerPipeline, LoadItem, SaveItem
 from .log import get_logger
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import ConnectorSettings
-from .verify import compare
+from lmcache_core.canary import compare
 
 log = get_logger(__name__)
 
@@ -117,7 +117,7 @@ class ChunkSaver:
     def store(self, h: bytes, buf: Any, n_tokens: int, verify: bool) -> bool:
         if verify:
             vd = self.value_dtype
-            verdicts = self.engine.verify(h, buf, lambda stored, fresh: compare(stored, fresh, vd))
+            verdicts = self.engine.canary.verify(h, buf, lambda stored, fresh: compare(stored, fresh, vd))
             if verdicts:
                 inexact = sum(1 for v in verdicts if v.equal and v.detail != "bit-identical")
                 self.counters.add(verified_chunks=1, verify_inexact=inexact)

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from lmcache_connector.options import parse_request_options  # noqa: E402
-from lmcache_connector.verify import compare, sample, tolerance  # noqa: E402
+from lmcache_core.canary import compare, sample, tolerance  # noqa: E402
 
 
 def _h(i: int) -> bytes:

@@ -462,7 +462,7 @@ def test_canary_accepts_fp8_copies_within_bound_and_catches_a_planted_chunk(secr
         eng.tiers[0].remove(key)
         out = torch.zeros_like(chunk)
         assert eng.retrieve(tokens, [out]) == 1 and not torch.equal(out, chunk)  # promoted approximation
-        verdicts = eng.verify(h, chunk, _exact)
+        verdicts = eng.canary.verify(h, chunk, _exact)
         assert [(v.tier, v.blame, v.equal) for v in verdicts] == [
             ("local_cpu", "example_dict", True),
             ("example_dict", "example_dict", True),
@@ -471,7 +471,7 @@ def test_canary_accepts_fp8_copies_within_bound_and_catches_a_planted_chunk(secr
         eng.tiers[0].remove(key)
         eng.tiers[1].remove(key)
         assert eng.tiers[1].put(key, other)  # planted: another key's data, a valid fp8 frame
-        (planted,) = eng.verify(h, chunk, _exact)
+        (planted,) = eng.canary.verify(h, chunk, _exact)
         assert not planted.equal and planted.blame == "example_dict" and "above the fp8 codec's bound" in planted.detail
 
 

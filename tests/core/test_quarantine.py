@@ -167,7 +167,7 @@ def test_engine_verify_charges_origin_replaces_and_quarantines(tmp_path: Path) -
         eng.store(toks, chunks)
         assert eng.flush(10)
         # all copies right: no mismatch
-        v = eng.verify(hashes[0], chunks[0], _exact)
+        v = eng.canary.verify(hashes[0], chunks[0], _exact)
         assert [(x.tier, x.equal) for x in v] == [("local_cpu", True), ("dict_tier", True)]
         # the slower tier lies; tier 0 lost the chunks, so a retrieve promotes a lie
         _lie(tier1)
@@ -176,7 +176,7 @@ def test_engine_verify_charges_origin_replaces_and_quarantines(tmp_path: Path) -
         out = torch.empty(SHAPE, dtype=torch.float16)
         assert eng.retrieve_hashes(hashes[:1], [out]) == 1 and not torch.equal(out, chunks[0])
         before = m.VERIFY_MISMATCHES.labels("dict_tier")._value.get()
-        v = eng.verify(hashes[0], chunks[0], _exact)
+        v = eng.canary.verify(hashes[0], chunks[0], _exact)
         # both copies differ; both are the slower tier's fault (tier 0's came from it)
         assert [(x.tier, x.blame, x.equal) for x in v] == [("local_cpu", "dict_tier", False), ("dict_tier", "dict_tier", False)]
         assert eng.stats()["verify_mismatches"] == {"dict_tier": 1}
@@ -186,7 +186,7 @@ def test_engine_verify_charges_origin_replaces_and_quarantines(tmp_path: Path) -
         assert eng.retrieve_hashes(hashes[:1], [out]) == 1 and torch.equal(out, chunks[0])
         assert eng.quarantine.quarantined() == []
         # a second mismatch within the window quarantines the liar
-        eng.verify(hashes[1], chunks[1], _exact)
+        eng.canary.verify(hashes[1], chunks[1], _exact)
         assert eng.stats()["quarantined"] == ["dict_tier"]
         assert m.TIER_QUARANTINED.labels("dict_tier")._value.get() == 1
         # no reads from it: chunk 2 (a lie, only there) is a miss now

@@ -234,7 +234,9 @@ class CacheEngine:
         self.canary = Canary(self)
         # read latency/throughput per tier, measured on every successful read (load policies)
         self.read_models = [TierReadModel() for _ in self.tiers]
-        self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey]]]] = {}
+        # pin id -> (tier, keys pinned there, position of the first key in the lookup;
+        # -1: an object pinned next to the hit with add_pins)
+        self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey], int]]] = {}
         self._pin_lock = threading.Lock()
         # reads the next window of a long load while the caller copies this one
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-fetch")
@@ -313,15 +315,21 @@ class CacheEngine:
         n = self.lookup_hashes(hashes, pin_id=pin_id)
         return self._chunk_tokens(len(tokens), n)
 
-    def lookup_hashes(self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True) -> int:
+    def lookup_hashes(
+        self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True, add_pins: bool = False
+    ) -> int:
         """Number of leading chunks present; with ``pin_id`` the hits in pinning tiers
         are pinned until :meth:`unpin` (so they are not evicted before the load). A
-        repeated lookup under the same ``pin_id`` replaces the earlier pins. With
-        ``record=False`` the lookup is not counted (a caller that probes several times
-        for one request counts once with :meth:`record_lookup`)."""
-        return sum(n for _, n in self.lookup_runs(hashes, pin_id=pin_id, record=record))
+        repeated lookup under the same ``pin_id`` replaces the earlier pins, unless
+        ``add_pins`` (an object probed next to a hit, e.g. its boundary: pinned with
+        it, released with it). With ``record=False`` the lookup is not counted (a
+        caller that probes several times for one request counts once with
+        :meth:`record_lookup`)."""
+        return sum(n for _, n in self.lookup_runs(hashes, pin_id=pin_id, record=record, add_pins=add_pins))
 
-    def lookup_runs(self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True) -> list[tuple[int, int]]:
+    def lookup_runs(
+        self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True, add_pins: bool = False
+    ) -> list[tuple[int, int]]:
         """:meth:`lookup_hashes` that also says where the hits are: ``(tier index,
         chunks)`` runs in prefix order, so a caller can predict the load time.
 
@@ -335,7 +343,7 @@ class CacheEngine:
         remote lookup) does work in proportion to its hits plus a constant per call.
         """
         runs: list[tuple[int, int]] = []
-        if pin_id is not None:
+        if pin_id is not None and not add_pins:
             self.unpin(pin_id)
         keys = self.keys(hashes)
         total = len(keys)
@@ -356,7 +364,7 @@ class CacheEngine:
                 windows[level] = LOOKUP_WINDOW if n < stop - pos else (None if w is None else w * 4)
                 if n > 0:
                     if pin_id is not None and PINNING in tier.capabilities:
-                        self._pin(tier, pin_id, keys[pos : pos + n])
+                        self._pin(tier, pin_id, keys[pos : pos + n], -1 if add_pins else pos)
                     pos += n
                     runs.append((level, n))
                     advanced = True
@@ -385,25 +393,46 @@ class CacheEngine:
         self.counters.add(load_errors=n_chunks)
         metrics.LOAD_ERRORS.inc(n_chunks)
 
-    def _pin(self, tier: StorageBackend, pin_id: str, keys: list[ChunkKey]) -> None:
+    def _pin(self, tier: StorageBackend, pin_id: str, keys: list[ChunkKey], pos: int) -> None:
         try:
             tier.pin(keys)
         except Exception as err:
             self._tier_error(tier, "pin", err)
             return
         with self._pin_lock:
-            self._pins.setdefault(pin_id, []).append((tier, keys))
+            self._pins.setdefault(pin_id, []).append((tier, keys, pos))
+
+    def _unpin_all(self, pinned: Sequence[tuple[StorageBackend, list[ChunkKey], int]]) -> None:
+        for tier, keys, _ in pinned:
+            try:
+                tier.unpin(keys)
+            except Exception as err:
+                self._tier_error(tier, "unpin", err)
 
     def unpin(self, pin_id: str) -> None:
         """Release the pins taken by a lookup under ``pin_id`` (only in the tiers that
         took them). Unknown ids are ignored."""
         with self._pin_lock:
             pinned = self._pins.pop(pin_id, None)
-        for tier, keys in pinned or ():
-            try:
-                tier.unpin(keys)
-            except Exception as err:
-                self._tier_error(tier, "unpin", err)
+        self._unpin_all(pinned or ())
+
+    def keep_pinned(self, pin_id: str, n_chunks: int) -> None:
+        """Keep only the first ``n_chunks`` chunks of ``pin_id``'s last lookup pinned
+        (the prefix a caller decided to load, without a second lookup); the rest are
+        released. Objects pinned next to the hit with ``add_pins`` stay pinned."""
+        drop: list[tuple[StorageBackend, list[ChunkKey], int]] = []
+        with self._pin_lock:
+            pinned = self._pins.pop(pin_id, [])
+            keep = []
+            for tier, keys, pos in pinned:
+                cut = len(keys) if pos < 0 else max(0, min(len(keys), n_chunks - pos))
+                if cut:
+                    keep.append((tier, keys[:cut], pos))
+                if cut < len(keys):
+                    drop.append((tier, keys[cut:], pos + cut))
+            if keep:
+                self._pins[pin_id] = keep
+        self._unpin_all(drop)
 
     # -- memory -----------------------------------------------------------------------
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:

@@ -31,7 +31,6 @@ from .groups import boundary_hash
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
 from .log import get_logger
 from .lookup_ipc import Hit
-from .transfers import boundary_pin
 
 log = get_logger(__name__)
 
@@ -84,10 +83,7 @@ class HitPlanner:
         k = self._worth_loading(hashes, runs, pin_id) if policy and pin_id is not None else n
         if self.boundary and k:
             k = n = self._restorable(hashes, k, pin_id)
-        tail = None
-        if alts and k == n and k in alts:
-            tail, k = self._tail(hashes, k, alts[k], pin_id)
-            n = k
+        tail = alts is not None and k == n and k in alts and self._tail(alts[k], pin_id)
         self.engine.record_lookup(len(hashes), n)
         slow = self.background and self.slow(runs, k)
         if slow and pin_id is not None:
@@ -96,14 +92,12 @@ class HitPlanner:
             # this read instead of making its own. (An offered chunk after the hit may
             # be a partial one, of a size only the scheduler knows: the load reads it.)
             self.engine.prefetch(hashes[:k], [self.chunk_shape] * k, self.chunk_dtype)
-        return Hit(k, slow, tail is not None)
+        return Hit(k, slow, tail)
 
-    def _tail(self, hashes: Sequence[bytes], k: int, alt: bytes, pin_id: str | None) -> tuple[bytes | None, int]:
-        """Stored chunk ``alt`` if it is present after the ``k`` hit chunks (pinned with
-        them), and the chunks of the hit still present (fewer if one was evicted
-        between the two probes)."""
-        got = self.engine.lookup_hashes([*hashes[:k], alt], pin_id=pin_id, record=False)
-        return (alt if got == k + 1 else None), min(got, k)
+    def _tail(self, alt: bytes, pin_id: str | None) -> bool:
+        """Whether stored chunk ``alt``, offered after the hit, is present (then pinned
+        with the hit)."""
+        return self.engine.lookup_hashes([alt], pin_id=pin_id, record=False, add_pins=True) == 1
 
     def slow(self, runs: Sequence[tuple[int, int]], k: int) -> bool:
         """Whether loading the first ``k`` chunks needs a tier slower than memory: one
@@ -136,10 +130,7 @@ class HitPlanner:
         n = len(per_chunk)
         k = best_prefix(per_chunk, self.chunk_size, self.prefill, self.load_margin)
         if k < n:
-            if k:
-                self.engine.lookup_hashes(hashes[:k], pin_id=pin_id, record=False)  # re-pin only what loads
-            else:
-                self.engine.unpin(pin_id)
+            self.engine.keep_pinned(pin_id, k)  # only what loads stays pinned
             tokens = (n - k) * self.chunk_size
             with self._lock:
                 self.bypassed_tokens += tokens
@@ -158,11 +149,13 @@ class HitPlanner:
     def _restorable(self, hashes: Sequence[bytes], n: int, pin_id: str | None) -> int:
         """The longest prefix of ``n`` present chunks that also has its boundary object
         (window pages / states), probing at most ``MAX_BOUNDARY_PROBES`` boundaries
-        from the longest down; that boundary is pinned with the chunks."""
-        bpin = None if pin_id is None else boundary_pin(pin_id)
+        from the longest down; that boundary is pinned with the chunks, the chunks
+        past it are released."""
         for k in range(n, max(0, n - MAX_BOUNDARY_PROBES), -1):
-            if self.engine.lookup_hashes([boundary_hash(hashes[k - 1])], pin_id=bpin, record=False):
+            if self.engine.lookup_hashes([boundary_hash(hashes[k - 1])], pin_id=pin_id, record=False, add_pins=True):
+                if pin_id is not None:
+                    self.engine.keep_pinned(pin_id, k)
                 return k
-        if bpin is not None:
-            self.engine.unpin(bpin)
+        if pin_id is not None:
+            self.engine.unpin(pin_id)
         return 0

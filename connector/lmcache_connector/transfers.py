@@ -44,11 +44,6 @@ log = get_logger(__name__)
 R = TypeVar("R")
 
 
-def boundary_pin(pin_id: str) -> str:
-    """The pin under which a request's boundary object is held (next to its chunks')."""
-    return f"{pin_id}/boundary"
-
-
 @dataclasses.dataclass
 class TransferCounters:
     """What the transfers did, cumulative (reported in ``stats`` and vLLM's metrics)."""
@@ -587,10 +582,6 @@ class GroupedTransfers(Transfers):
     ) -> None:
         super().__init__(engine, counters, reports, saver, block_size)
         self.layout = layout
-
-    def unpin(self, req_id: str) -> None:
-        self.engine.unpin(req_id)
-        self.engine.unpin(boundary_pin(req_id))
 
     def load_step(self, meta: LMCacheConnectorMetadata) -> None:
         for t in meta.loads:

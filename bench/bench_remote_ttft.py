@@ -1,7 +1,7 @@
 """Warm loads from Redis across a network, on real vLLM (CPU): round trips, TTFT
 against the CPU tier, and what an in-flight load does to other requests' decoding.
 
-    python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH] [--serde fp8]
+    python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH] [--serde fp8] [--itl-nice N ...]
 
 Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``.
 Each vLLM engine is a fresh process (a writer stores, a reader with an empty CPU tier
@@ -174,7 +174,7 @@ def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     ]
 
 
-def part_itl(port: int, quick: bool) -> list[str]:
+def part_itl(port: int, quick: bool, nice: int = 0) -> list[str]:
     """vLLM's OpenAI server (prefix caching off: every reuse is the connector's), CPU
     tier in front of Redis at 20 ms RTT. Two documents of ``n_chunks`` chunks: ``far``
     stored first and pushed out of the CPU tier by ``near``, so ``far`` loads from Redis
@@ -200,7 +200,7 @@ def part_itl(port: int, quick: bool) -> list[str]:
         tmp = Path(d)
         with LatencyProxy(("127.0.0.1", port), 20) as px:
             cpu = {"name": "local_cpu", "max_size": int(kv_doc * 1.5), "eviction": "lru"}
-            cfg = {"chunk_size": CS, "backends": [cpu, redis_tier(px.url_host_port)]}
+            cfg = {"chunk_size": CS, "backends": [cpu, redis_tier(px.url_host_port)], "background_nice": nice}
             arm = bs.Arm("lmc-redis-20ms", connector=True, kv_bytes=256 << 20, prefix_caching=False)
             with bs.server(arm, model, a, tmp, config=cfg) as (base, _):
                 name = str(model)
@@ -230,7 +230,7 @@ def part_itl(port: int, quick: bool) -> list[str]:
     p99 = {k: bs.pct(v, 99) for k, v in windows.items()}
     growth = p99["redis"] / p99["memory"] - 1
     return [
-        f"4 decoding requests, ITL p99: {p99['alone'] * 1e3:.1f} ms alone, {p99['memory'] * 1e3:.1f} ms while a fifth "
+        f"background_nice {nice}: 4 decoding requests, ITL p99: {p99['alone'] * 1e3:.1f} ms alone, {p99['memory'] * 1e3:.1f} ms while a fifth "
         f"request hits {n_chunks} chunks in memory (TTFT {ttfts['memory'] * 1e3:.0f} ms), {p99['redis'] * 1e3:.1f} ms "
         f"while it loads them from Redis at 20 ms RTT (TTFT {ttfts['redis'] * 1e3:.0f} ms; {loaded:.0f} tokens loaded): "
         f"the load in flight {growth:+.1%} -> {'PASS' if growth <= 0.10 else 'MISS'} (<= +10%)"
@@ -243,6 +243,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", nargs="+", default=["rtt", "ttft", "itl"], choices=["rtt", "ttft", "itl"])
+    ap.add_argument(
+        "--itl-nice", type=int, nargs="+", default=[0], help="the itl part once per background_nice value, side by side"
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the ttft part's figures here")
     ap.add_argument("--serde", default=None, help="the Redis tier's codec for the rtt and ttft parts (e.g. fp8)")
     args = ap.parse_args()
@@ -263,7 +266,8 @@ def main() -> int:
                 lines += part_ttft(model, port, spec.vocab_size, args.quick)
                 print(lines[-1], flush=True)
             if "itl" in args.parts:
-                lines += part_itl(port, args.quick)
+                for nice in args.itl_nice:
+                    lines += part_itl(port, args.quick, nice)
                 print(lines[-1], flush=True)
         finally:
             redis_proc.terminate()

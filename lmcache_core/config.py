@@ -148,6 +148,14 @@ class CoreConfig(StrictModel):
         "copy at memory speed instead of taking page faults; off by default: while it runs, the engine's own "
         "memory mappings (shared-memory loads from a node) wait on it",
     )
+    background_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="nice value added to lmcache-core's background threads (loads and prefetches off the forward "
+        "path, read-ahead, write-behind, asynchronous saves; Linux, per thread): the model's threads get the cores "
+        "first, a background transfer the rest",
+    )
     load_policy: Literal["always", "faster_than_recompute"] = Field(
         "always",
         description="always: load every hit; faster_than_recompute: load a hit prefix only when its measured "

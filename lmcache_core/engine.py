@@ -30,6 +30,7 @@ from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
 from .canary import Canary
+from .threads import lower_priority
 from .writeback import TierWriter
 from .quarantine import Quarantine
 from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs, is_lossy, tier_codecs
@@ -226,8 +227,9 @@ class CacheEngine:
         self.quarantine = Quarantine(
             cfg.verify_mismatch_limit, cfg.verify_window_s, cfg.quarantine_dir, on_change=_quarantine_gauge
         )
+        nice = functools.partial(lower_priority, cfg.background_nice)
         self._writers = [
-            TierWriter(t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t))
+            TierWriter(t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t), nice)
             for t in self.tiers[1:]
         ]
         #: the correctness canary: compares recomputed chunks with the tiers' copies
@@ -239,9 +241,9 @@ class CacheEngine:
         self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey], int]]] = {}
         self._pin_lock = threading.Lock()
         # reads the next window of a long load while the caller copies this one
-        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-fetch")
+        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-fetch", initializer=nice)
         # prefetches started at lookup (see prefetch), keyed by their first chunk
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-prefetch")
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-prefetch", initializer=nice)
         self._prefetch_lock = threading.Lock()
         self._prefetching: dict[bytes, Future[None]] = {}
         self._prefetch_bytes = 0

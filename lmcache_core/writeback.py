@@ -36,8 +36,11 @@ class TierWriter:
         counters: metrics.EngineCounters,
         stored: Callable[[StorageBackend, ChunkKey], None],
         in_service: Callable[[], bool] = lambda: True,
+        on_thread_start: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_thread_start`` runs first on each writer thread (its priority)."""
         self.tier = tier
+        self.on_thread_start = on_thread_start
         self.counters = counters
         self.stored = stored
         self.in_service = in_service
@@ -70,6 +73,7 @@ class TierWriter:
             self._cv.notify_all()
 
     def _run(self) -> None:
+        self.on_thread_start()
         while not self._stopping.is_set():
             try:
                 item = self.q.get(timeout=0.5)

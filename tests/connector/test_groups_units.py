@@ -26,6 +26,7 @@ from lmcache_connector.groups import (  # noqa: E402
     boundary_hash,
     describe_groups,
     effective_chunk_size,
+    state_advice,
 )
 from lmcache_connector.kv_adapters import LayoutError  # noqa: E402
 
@@ -184,3 +185,16 @@ def test_grouped_layout_respects_write_from_and_freed_windows():
     assert not lay.save_boundary(([1, 2, 3, 4], [10, 11, 12, 13], [0, 0, 0, NULL_BLOCK]), 64, out)
     with pytest.raises(LayoutError, match="no state block"):
         lay.load_boundary(out, ([0, 0, 30, 31], [40, 41, 42, 43], [0, 0, 0, 0]), 64, 0)
+
+
+def test_state_advice_names_the_settings_only_for_unaligned_states():
+    full = GroupInfo(0, FULL, 128, ("a",))
+    none = GroupPlan((full, GroupInfo(1, STATE, 4096, ("b", "c"), state_mode="none")))
+    advice = state_advice(none, 256)
+    assert advice is not None
+    assert "2 state-space layer(s)" in advice and "--enable-prefix-caching" in advice
+    assert "--max-num-batched-tokens set to a multiple of 256" in advice
+    # negative controls: states in "align" mode, and models without state layers
+    assert state_advice(GroupPlan((full, GroupInfo(1, STATE, 128, ("b",), state_mode="align"))), 256) is None
+    assert state_advice(GroupPlan((full, GroupInfo(1, WINDOW, 128, ("b",), window=64))), 256) is None
+    assert state_advice(GroupPlan((full,)), 256) is None

@@ -93,7 +93,7 @@ def make_shm(stack: ExitStack, tmp: Path) -> Callable[[str | None], StorageBacke
     stack.callback(server.close)
 
     def make(secret: str | None) -> StorageBackend:
-        cfg = {"unix_socket": sock, "secret": "bench-node-secret-0123456789", "max_size": 0, "push": True, "timeout_ms": 30000}
+        cfg = {"unix_socket": sock, "secret": "bench-node-secret-0123456789", "max_size": 0, "push": True, "timeout_s": 30.0}
         return create_peer_backend(cfg, make_context(pool_bytes=1 << 20, frame_secret=secret))
 
     return make

@@ -102,7 +102,7 @@ class Others:
         ctx = make_context(pool_bytes=1 << 20)
         self.tiers = {
             "peer": create_peer_backend(
-                {"peers": [address], "secret": secret, "max_size": 0, "push": True, "timeout_ms": 60_000}, ctx
+                {"peers": [address], "secret": secret, "max_size": 0, "push": True, "timeout_s": 60.0}, ctx
             ),
             "s3": create_s3_backend(
                 {
@@ -148,7 +148,7 @@ def main() -> None:
     try:
         ctx = make_context(pool_bytes=2 * total + (16 << 20))
         tier = create_mooncake_backend(
-            master.options(key_prefix="bench/", staging_size=total + total // 8 + (16 << 20), timeout_ms=60_000), ctx
+            master.options(key_prefix="bench/", staging_size=total + total // 8 + (16 << 20), timeout_s=60.0), ctx
         )
         raw = MooncakeDistributedStore()
         check(raw.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.master) == 0, "raw client setup")

@@ -93,7 +93,7 @@ def start_node(tmp: Path, max_size: str) -> tuple[subprocess.Popen, str, str, Pa
 
 def peer_section(secret: Path, *, tcp: str | None = None, sock: str | None = None, shm: bool = True) -> dict[str, Any]:
     """The engine's peer tier for the node: over TCP, or on its Unix socket (with or without shm)."""
-    section: dict[str, Any] = {"name": "peer", "secret_file": str(secret), "max_size": 0, "timeout_ms": 30_000}
+    section: dict[str, Any] = {"name": "peer", "secret_file": str(secret), "max_size": 0, "timeout_s": 30.0}
     if tcp is not None:
         section["peers"] = [tcp]
     else:

@@ -121,7 +121,7 @@ def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[floa
             assert pusher.put(k, encode(k, c, RawCodec()))
         pusher.close()
         backend = create_peer_backend(
-            {"peers": [address], "secret": secret, "max_size": 0, "timeout_ms": 30_000}, make_context(pool_bytes=1 << 20)
+            {"peers": [address], "secret": secret, "max_size": 0, "timeout_s": 30.0}, make_context(pool_bytes=1 << 20)
         )
         client = PeerClient((host, int(port)), secret.encode(), timeout=30)
         outs = [torch.empty(shape, dtype=torch.float16) for _ in range(n)]

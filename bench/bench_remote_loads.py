@@ -120,7 +120,7 @@ def peer_service(tmp: Path) -> Iterator[tuple[tuple[str, int], Callable[[str], d
                 "push": True,
                 "secret_file": str(secret),
                 "max_size": 0,
-                "timeout_ms": 60_000,
+                "timeout_s": 60.0,
             },
         )
     finally:
@@ -165,7 +165,7 @@ def mooncake_service(tmp: Path) -> Iterator[tuple[None, Callable[[str], dict[str
     master = LocalMaster(tmp)
     owner = LocalSegmentOwner(master, size_mib=1024)
     try:
-        yield None, lambda _: master.section(key_prefix="bench/", staging_size=256 << 20, timeout_ms=60_000)
+        yield None, lambda _: master.section(key_prefix="bench/", staging_size=256 << 20, timeout_s=60.0)
     finally:
         owner.kill()
         master.kill()

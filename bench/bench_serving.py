@@ -194,7 +194,7 @@ def helper_services(arm: Arm, tmp: Path, config: dict[str, Any] | None = None) -
                     "shm": True,
                     "secret_file": str(secret),
                     "max_size": 0,
-                    "timeout_ms": 30_000,
+                    "timeout_s": 30.0,
                 },
             ]
         elif arm.tiers == "redis":

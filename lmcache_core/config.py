@@ -13,13 +13,23 @@ import logging
 import os
 import re
 import stat
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, TypeVar
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +103,66 @@ def parse_size(value: Any) -> int:
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
 
+def renamed_keys(
+    data: Any,
+    renames: Mapping[str, str],
+    where: str = "",
+    source_of: Callable[[str], str] | None = None,
+) -> Any:
+    """Accept, for one release, the old millisecond spelling of keys that now take seconds.
+
+    ``renames`` maps each old key (``timeout_ms``, a number of milliseconds) to its new
+    key (``timeout_s``, seconds). For each old key in ``data`` the value divided by 1000
+    goes under the new key, with a ``DeprecationWarning`` and a log warning that name
+    both keys and the converted value. Giving both spellings, or an old value that is
+    not a number, is a :class:`ConfigError` naming the key path (``where`` is the
+    section's path, ``backends[1]``; ``source_of(path)`` says where the value came
+    from). ``data`` that is not a mapping is returned unchanged for the model to reject.
+
+    Config models use it through :attr:`StrictModel.renamed_ms_keys`; it is the one
+    place old spellings are converted."""
+    if not isinstance(data, Mapping) or not any(old in data for old in renames):
+        return data
+    out = dict(data)
+    for old, new in renames.items():
+        if old not in out:
+            continue
+        path = f"{where}.{old}" if where else old
+        src = f" (from {source_of(path)})" if source_of is not None else ""
+        if new in out:
+            raise ConfigError(f"{path}: both {old} (deprecated, milliseconds) and {new} (seconds) are set; give only {new}{src}")
+        value = out.pop(old)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
+            raise ConfigError(
+                f"{path}: expected a number of milliseconds, got {shown}{src}; it is deprecated: give {new} in seconds"
+            )
+        try:
+            seconds = value / 1000
+        except OverflowError:
+            raise ConfigError(f"{path}: a {len(str(value))}-digit number of milliseconds is too large{src}") from None
+        out[new] = seconds
+        msg = f"{path}{src} is deprecated: use {new}: {seconds!r} (seconds)"
+        warnings.warn(msg, DeprecationWarning, stacklevel=2)
+        log.warning("%s", msg)
+    return out
+
+
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, not ignored."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    #: old key (milliseconds) -> its new name (seconds), still accepted for one release
+    #: with a deprecation warning (see :func:`renamed_keys`). A section declares its own.
+    renamed_ms_keys: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        if not cls.renamed_ms_keys:
+            return data
+        ctx = info.context if isinstance(info.context, dict) else {}
+        return renamed_keys(data, cls.renamed_ms_keys, ctx.get("key_path", ""), ctx.get("source_of"))
 
 
 class BackendSection(BaseModel):
@@ -136,7 +202,13 @@ class CoreConfig(StrictModel):
     layout: Literal["auto", "block", "token"] = Field(
         "auto", description="layout adapter: block (any backend, required on CPU), token (GPU layouts)"
     )
-    lookup_timeout_ms: int = Field(2000, gt=0, description="scheduler-to-worker lookup timeout; past it the lookup is a miss")
+    lookup_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="scheduler-to-worker lookup timeout in seconds; past it the lookup is a miss",
+    )
+    renamed_ms_keys = {"lookup_timeout_ms": "lookup_timeout_s"}
     write_queue_size: int = Field(256, gt=0, description="chunks queued per slower tier before new writes to it are dropped")
     staging_size: ByteSize = Field(
         256 * 2**20,
@@ -265,6 +337,10 @@ def format_validation_error(err: ValidationError, prefix: str, source_of: Any) -
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+        raised = (e.get("ctx") or {}).get("error")
+        if isinstance(raised, ConfigError):  # raised by a validator (renamed_keys): names its key and source
+            lines.append(str(raised))
+            continue
         lines.append(f"{full or '<root>'}: {msg} (from {src})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
@@ -276,7 +352,7 @@ def validate_section(model: type[M], data: Mapping[str, Any], key_path: str, sou
     """Validate one config section against ``model``; errors name ``key_path`` and
     ``source``. Backends call this on their ``backends:`` entry."""
     try:
-        return model.model_validate(dict(data))
+        return model.model_validate(dict(data), context={"key_path": key_path, "source_of": lambda _path: source})
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, key_path, source)) from None
 
@@ -380,7 +456,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         if not name.startswith(ENV_PREFIX) or name in _RESERVED_ENV:
             continue
         key = name[len(ENV_PREFIX) :].lower()
-        if key not in fields:
+        if key not in fields and key not in CoreConfig.renamed_ms_keys:
             raise ConfigError(
                 f"{name}: unknown setting {key!r}; known: " + ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
             )
@@ -413,16 +489,39 @@ def load_config(
     else:
         data = _read_yaml(DEFAULT_YAML, "embedded default")
     sources = {k: file_src for k in data}
-    for key, (value, src) in _env_overrides(env).items():
+    _apply_layer(data, sources, _env_overrides(env))
+    _apply_layer(data, sources, {k: (v, overrides_source) for k, v in (overrides or {}).items()})
+
+    old_names = {new: old for old, new in CoreConfig.renamed_ms_keys.items()}
+
+    def source_of(path: str) -> str:
+        key = path.split(".")[0].split("[")[0]
+        if key not in sources:  # a value given under its old name is checked under the new one
+            key = old_names.get(key, key)
+        return sources.get(key, file_src)
+
+    try:
+        cfg = CoreConfig.model_validate(data, context={"key_path": "", "source_of": source_of})
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, "", source_of)) from None
+    for old, new in CoreConfig.renamed_ms_keys.items():  # the value now lives under its new name
+        if old in sources:
+            sources[new] = sources.pop(old)
+    return LoadedConfig(cfg, sources)
+
+
+def _apply_layer(data: dict[str, Any], sources: dict[str, str], layer: Mapping[str, tuple[Any, str]]) -> None:
+    """Put one source's keys over the earlier ones. A key replaces an earlier
+    source's value under either spelling of a renamed key (an override of
+    ``lookup_timeout_s`` replaces a file's ``lookup_timeout_ms``); both spellings
+    from one source are left for validation to refuse."""
+    renamed = dict(CoreConfig.renamed_ms_keys)
+    renamed.update({new: old for old, new in CoreConfig.renamed_ms_keys.items()})
+    for key in layer:
+        other = renamed.get(key)
+        if other is not None and other not in layer:
+            data.pop(other, None)
+            sources.pop(other, None)
+    for key, (value, src) in layer.items():
         data[key] = value
         sources[key] = src
-    for key, value in (overrides or {}).items():
-        data[key] = value
-        sources[key] = overrides_source
-    try:
-        cfg = CoreConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(
-            format_validation_error(err, "", lambda p: sources.get(p.split(".")[0].split("[")[0], file_src))
-        ) from None
-    return LoadedConfig(cfg, sources)

@@ -115,7 +115,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             for advice in (reservation_advice(vllm_config), state_advice(plan, cfg.chunk_size)):
                 if advice:
                     log.warning("lmcache-core: %s", advice)
-            client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.lookup_timeout_ms)
+            client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.lookup_timeout_s)
             self._sched = make_scheduler(
                 settings,
                 block_size=block_size,

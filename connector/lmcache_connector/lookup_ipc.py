@@ -174,9 +174,9 @@ def _combine(answers: Sequence[Hit]) -> Hit:
 class LookupClient:
     """Scheduler side: asks every worker rank; the answer is the minimum."""
 
-    def __init__(self, addresses: Sequence[str], timeout_ms: int) -> None:
+    def __init__(self, addresses: Sequence[str], timeout_s: float) -> None:
         self.addresses = list(addresses)
-        self.timeout_ms = timeout_ms
+        self.timeout_s = timeout_s
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket] = []
         self._seq = 0
@@ -211,13 +211,13 @@ class LookupClient:
                 msg.append(encode_alts(alts))
             for s in self._socks:
                 s.send_multipart(msg)
-            deadline = time.monotonic() + self.timeout_ms / 1000
+            deadline = time.monotonic() + self.timeout_s
             answers: list[Hit] = []
             for i, s in enumerate(self._socks):
                 got = self._recv(s, seq, deadline)
                 if got is None:
                     self.timeouts += 1
-                    log.warning("lookup to %s timed out after %d ms: treated as a miss", self.addresses[i], self.timeout_ms)
+                    log.warning("lookup to %s timed out after %g s: treated as a miss", self.addresses[i], self.timeout_s)
                     # Drop late replies by starting over with a fresh socket.
                     s.close(0)
                     self._socks[i] = self._connect(self.addresses[i])

@@ -47,7 +47,7 @@ def peer_link(tmp_path: Path) -> Iterator[tuple[PeerNode, TcpFaultProxy]]:
 def test_peer_get_ends_at_its_deadline(peer_link: tuple[PeerNode, TcpFaultProxy], mode: str) -> None:
     _, proxy = peer_link
     host, port = proxy.address
-    section = {"peers": [f"{host}:{port}"], "secret": SECRET, "max_size": 0, "push": True, "timeout_ms": 1500}
+    section = {"peers": [f"{host}:{port}"], "secret": SECRET, "max_size": 0, "push": True, "timeout_s": 1.5}
     tier = create_peer_backend(section, make_context())
     try:
         key, data = random_key(), random_chunk(shape=CHUNK, seed=5)
@@ -74,9 +74,9 @@ def test_mooncake_calls_end_at_their_deadline_when_the_master_trickles(tmp_path:
     proxy = ChildFaultProxy((host, int(port)), trickle=(16, 0.5), stall_after=0)
     opts = master.options(
         master=f"{proxy.address[0]}:{proxy.address[1]}",
-        timeout_ms=1000,
-        down_cooldown_ms=200,
-        setup_timeout_ms=5000,
+        timeout_s=1.0,
+        down_cooldown_s=0.2,
+        setup_timeout_s=5.0,
         staging_size="16MiB",
     )
     tier = create_mooncake_backend(opts, make_context())

@@ -80,7 +80,7 @@ class TestPeerPushToNode(BackendConformance):
     def make_backend(self, ctx: BackendContext, tmp_path: Path) -> StorageBackend:
         host, port = self._node.address
         return create_peer_backend(
-            {"peers": [f"{host}:{port}"], "secret": SECRET.decode(), "max_size": 0, "push": True, "timeout_ms": 5000},
+            {"peers": [f"{host}:{port}"], "secret": SECRET.decode(), "max_size": 0, "push": True, "timeout_s": 5.0},
             ctx,
         )
 

@@ -141,7 +141,7 @@ def test_engine_b_retrieves_what_engine_a_stored(engine_a: tuple[str, str], secr
 
 def test_engine_with_the_wrong_secret_gets_nothing(engine_a: tuple[str, str], tmp_path: Path) -> None:
     address, _ = engine_a
-    c = engine([{"name": "peer", "peers": [address], "secret": "wrong-secret-0123456789", "max_size": 0, "timeout_ms": 1000}])
+    c = engine([{"name": "peer", "peers": [address], "secret": "wrong-secret-0123456789", "max_size": 0, "timeout_s": 1.0}])
     try:
         tokens = tokens_for(7)
         assert c.lookup(tokens) == 0
@@ -154,7 +154,7 @@ def test_engine_with_the_wrong_secret_gets_nothing(engine_a: tuple[str, str], tm
 
 def test_standalone_node_shares_pushed_chunks(node: tuple[str, subprocess.Popen], secret_file: Path) -> None:
     address, proc = node
-    peer = {"name": "peer", "peers": [address], "secret_file": str(secret_file), "max_size": 0, "timeout_ms": 1000}
+    peer = {"name": "peer", "peers": [address], "secret_file": str(secret_file), "max_size": 0, "timeout_s": 1.0}
     writer = engine([{**peer, "push": True}])
     bad = engine([{**peer, "push": True, "secret_file": None, "secret": "wrong-secret-0123456789"}])
     reader = engine([peer])

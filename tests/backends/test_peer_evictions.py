@@ -34,7 +34,7 @@ from peer_node import PeerNode
 CHUNK = 16
 SHAPE = (2, CHUNK, 8)
 SECRET = "evictions-test-secret-0xBEEF"
-POLL_MS = 50
+POLL_S = 0.05
 WAIT_S = 15.0
 
 
@@ -67,7 +67,7 @@ def engine(peer: dict[str, Any]) -> tuple[CacheEngine, Recorder]:
             "chunk_size": CHUNK,
             "backends": [
                 {"name": "local_cpu", "max_size": "16MiB"},
-                {"name": "peer", "max_size": 0, "push": True, "timeout_ms": 2000, "eviction_poll_ms": POLL_MS, **peer},
+                {"name": "peer", "max_size": 0, "push": True, "timeout_s": 2.0, "eviction_poll_s": POLL_S, **peer},
             ],
         }
     )
@@ -134,7 +134,7 @@ def test_node_drops_reach_the_engine_exactly(node: tuple[PeerNode, dict[str, Any
         still = held(check, keys)
         assert len(still) == 3  # the budget holds three frames: three went
         wait_for(rec, set(keys) - still)
-        time.sleep(10 * POLL_MS / 1000)  # negative control: keys still held are never reported
+        time.sleep(10 * POLL_S)  # negative control: keys still held are never reported
         assert not set(rec.evicted) & still
         assert held(check, keys) == still
 
@@ -158,7 +158,7 @@ def test_tenants_read_only_their_own_drops(secret_file: Path, tmp_path: Path) ->
     b_check = client_for(n, "bob-secret-0123456789abc", "bob")
     try:
         b_keys = store(bob, 2, 1)
-        time.sleep(5 * POLL_MS / 1000)  # bob's first poll has learned the node's head
+        time.sleep(5 * POLL_S)  # bob's first poll has learned the node's head
         a_keys = store(alice, 3, 6)  # the node's LRU is shared: bob's chunk goes too
         assert held(b_check, b_keys) == set()
         a_held = held(a_check, a_keys)
@@ -176,7 +176,7 @@ def test_tenants_read_only_their_own_drops(secret_file: Path, tmp_path: Path) ->
 
 def test_a_restarted_node_is_noticed_and_read_from_zero(secret_file: Path) -> None:
     n = PeerNode(["--max-size", str(3 * frame_len() + frame_len() // 2)], secret_file)
-    eng, rec = engine({"peers": [n.address], "secret_file": str(secret_file), "retry_after_ms": 0})
+    eng, rec = engine({"peers": [n.address], "secret_file": str(secret_file), "retry_after_s": 0.0})
     check = client_for(n)
     try:
         assert eng.tiers[1].poll_evictions() == 0  # first contact: from the head on

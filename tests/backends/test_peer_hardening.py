@@ -53,14 +53,14 @@ NODE_OPTIONS = [
     "64MiB",
     "--max-inflight",
     "64MiB",
-    "--timeout-ms",
-    "2000",
+    "--timeout-s",
+    "2",
     "--max-unauthenticated",
     "32",
     "--max-unauthenticated-per-address",
     "4",
-    "--handshake-timeout-ms",
-    "500",
+    "--handshake-timeout-s",
+    "0.5",
 ]
 
 
@@ -184,7 +184,7 @@ def test_flood_from_one_host_never_starves_fresh_authenticated_connections(guard
 
 def test_flood_from_many_hosts_never_starves_pooled_authenticated_clients(guarded_node: PeerNode) -> None:
     keys = stored_keys(guarded_node)
-    section = {"peers": [guarded_node.address], "secret": SECRET, "max_size": 0, "timeout_ms": 2000, "retry_after_ms": 0}
+    section = {"peers": [guarded_node.address], "secret": SECRET, "max_size": 0, "timeout_s": 2.0, "retry_after_s": 0.0}
     backend = create_peer_backend(section, make_context())
     assert isinstance(backend, PeerBackend)
     try:
@@ -217,8 +217,8 @@ def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connec
             "32",
             "--max-unauthenticated-per-subnet",
             "32",
-            "--handshake-timeout-ms",
-            "3000",
+            "--handshake-timeout-s",
+            "3",
         ],
         secret_file,
     )
@@ -267,7 +267,7 @@ def test_stalled_puts_cannot_push_the_node_past_its_inflight_budget(shared_node:
         )
         # One stalled body was admitted (the probe does see allocations), never six.
         assert 40 * MiB <= grown <= budget + 24 * MiB, f"RSS grew {grown / MiB:.0f} MiB (6 x 60 MiB without the budget)"
-        # The others were told the node is busy after waiting up to --timeout-ms for room
+        # The others were told the node is busy after waiting up to --timeout-s for room
         # (one may get in when the first stalled body reaches its deadline and is dropped).
         busy = 0
         for s in socks:
@@ -321,8 +321,8 @@ def tier(node: PeerNode, secret: str, tenant: str | None = None) -> PeerBackend:
         "secret": secret,
         "push": True,
         "max_size": 0,
-        "timeout_ms": 2000,
-        "retry_after_ms": 0,
+        "timeout_s": 2.0,
+        "retry_after_s": 0.0,
         **({"tenant": tenant} if tenant else {}),
     }
     b = create_peer_backend(section, make_context())

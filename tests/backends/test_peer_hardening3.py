@@ -13,7 +13,7 @@ serve`` in a child process, loopback and local paths only):
   shutdown removes the node's own socket only (same inode).
 * a partial request header: an authenticated client that sent half a header and
   then nothing kept its connection (slot and thread) until the 300 s idle deadline.
-  Now the rest of a header must follow its first byte within ``--timeout-ms``, while
+  Now the rest of a header must follow its first byte within ``--timeout-s``, while
   a connection idle *between* requests still stays.
 
 Cases that chown a squatting socket to another user need root (skipped otherwise).
@@ -290,7 +290,7 @@ def deadline_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerNode
     d = tmp_path_factory.mktemp("deadline-node")
     (d / "peer.secret").write_text(SECRET + "\n")
     node = PeerNode(
-        ["--max-size", "16MiB", "--timeout-ms", str(int(REQUEST_TIMEOUT_S * 1000)), "--max-connections", str(HALF_HEADERS + 1)],
+        ["--max-size", "16MiB", "--timeout-s", str(REQUEST_TIMEOUT_S), "--max-connections", str(HALF_HEADERS + 1)],
         d / "peer.secret",
     )
     yield node

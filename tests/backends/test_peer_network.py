@@ -50,7 +50,7 @@ def fill(server: PeerServer, n: int, shape: tuple[int, ...] = (4, 64)) -> list[t
 
 
 def client_backend(peers: list[str], secret: bytes = SECRET, **extra: object) -> PeerBackend:
-    section = {"peers": peers, "secret": secret.decode(), "max_size": 0, "timeout_ms": 300, **extra}
+    section = {"peers": peers, "secret": secret.decode(), "max_size": 0, "timeout_s": 0.3, **extra}
     b = create_peer_backend(section, make_context())
     assert isinstance(b, PeerBackend)
     return b
@@ -180,7 +180,7 @@ def impostor(s: socket.socket) -> None:
 )
 def test_misbehaving_peer_is_a_bounded_miss(behave: Callable[[socket.socket], None]) -> None:
     fake = FakePeer(behave)
-    backend = client_backend([fake.address], retry_after_ms=0)
+    backend = client_backend([fake.address], retry_after_s=0.0)
     try:
         keys = [random_key() for _ in range(3)]
         out = torch.zeros(4, 64, dtype=torch.float16)
@@ -212,7 +212,7 @@ def test_unreachable_peer_is_a_miss_and_then_skipped() -> None:
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
     fake = FakePeer(silent)
-    backend = client_backend([f"127.0.0.1:{port}", fake.address], retry_after_ms=60_000)
+    backend = client_backend([f"127.0.0.1:{port}", fake.address], retry_after_s=60.0)
     try:
         assert backend.contains([random_key()]) == 0
         assert fake.accepted == 1
@@ -524,7 +524,7 @@ def test_a_large_batch_read_reuses_one_reply_buffer(node: PeerServer) -> None:
     pipelined GETs of ~16 MiB into the connection's reused buffer: a repeated read
     allocates almost no Python memory (it used to take one fresh 80 MiB reply)."""
     items = fill(node, 80, shape=(512, 1024))
-    backend = client_backend([addr(node)], timeout_ms=5000)
+    backend = client_backend([addr(node)], timeout_s=5.0)
     try:
         keys = [k for k, _ in items]
         outs = [torch.empty_like(t) for _, t in items]

@@ -177,8 +177,8 @@ def test_config_errors_name_key_and_source() -> None:
     msg = _err({"peers": ["a:1"], "secret": "s" * 16, "secret_file": "/x"})
     assert "exactly one" in msg
     assert "listen" in _err({"secret": "s" * 16})
-    msg = _err({"peers": ["a:1"], "secret": "s" * 16, "timeout_ms": 0})
-    assert "backends[1].timeout_ms" in msg
+    msg = _err({"peers": ["a:1"], "secret": "s" * 16, "timeout_s": 0.0})
+    assert "backends[1].timeout_s" in msg
     msg = _err({"peers": ["a:1"], "secret": "s" * 16, "max_size": "lots"})
     assert "backends[1].max_size" in msg
     msg = _err({"peers": ["a:1"], "secret": "s" * 16, "listne": "a:1"})

@@ -76,7 +76,7 @@ def _node(store: Any, path: str, **kw: Any) -> PeerServer:
 
 
 def _backend(path: str, **section: Any) -> PeerBackend:
-    cfg = {"unix_socket": path, "secret": SECRET, "max_size": 0, "push": True, "timeout_ms": 5000, **section}
+    cfg = {"unix_socket": path, "secret": SECRET, "max_size": 0, "push": True, "timeout_s": 5.0, **section}
     backend = create_peer_backend(cfg, make_context(pool_bytes=1 << 20))
     assert isinstance(backend, PeerBackend)
     return backend
@@ -440,7 +440,7 @@ def test_node_restart_misses_then_reattaches(tmp_path: Path) -> None:
     secret.write_text(SECRET)
     path = str(tmp_path / "n.sock")
     node = PeerNode(["--max-size", "16MiB", "--unix-socket", path], secret_file=secret)
-    backend = _backend(path, peers=[node.address], retry_after_ms=0, timeout_ms=2000)
+    backend = _backend(path, peers=[node.address], retry_after_s=0.0, timeout_s=2.0)
     try:
         assert backend.put(_key(0), _chunk(0)) and backend.contains([_key(0)]) == 1
         assert _get(backend, 0) is not None and backend.stats().extra["shm_hits"] == 1
@@ -502,7 +502,7 @@ def test_bytes_changed_in_the_arena_are_a_miss(shm_node: tuple[PeerServer, Arena
 
 
 def _sealed_backend(path: str, secret: str) -> PeerBackend:
-    cfg = {"unix_socket": path, "secret": SECRET, "max_size": 0, "push": True, "timeout_ms": 5000}
+    cfg = {"unix_socket": path, "secret": SECRET, "max_size": 0, "push": True, "timeout_s": 5.0}
     backend = create_peer_backend(cfg, make_context(pool_bytes=1 << 20, frame_secret=secret))
     assert isinstance(backend, PeerBackend)
     return backend

@@ -112,7 +112,7 @@ def test_lookup_hit_carries_slow_over_the_socket(tmp_path):
 
     addr = f"ipc://{tmp_path}/slow.ipc"
     server = LookupServer(addr, lambda hashes, pin: Hit(len(hashes) - 1, slow=pin == "far"))
-    client = LookupClient([addr], timeout_ms=2000)
+    client = LookupClient([addr], timeout_s=2.0)
     try:
         near, far = client.lookup([b"x" * 16] * 4, "near"), client.lookup([b"x" * 16] * 4, "far")
         assert (int(near), near.slow) == (3, False) and (int(far), far.slow) == (3, True)
@@ -221,7 +221,7 @@ def test_lookup_server_and_timeout(tmp_path):
         return len(hashes) - 1
 
     server = LookupServer(addr, lookup)
-    client = LookupClient([addr], timeout_ms=2000)
+    client = LookupClient([addr], timeout_s=2.0)
     try:
         assert client.lookup([b"x" * 16] * 5, "req-1") == 4
         assert client.lookup([b"y" * 16] * 3, None) == 2
@@ -233,7 +233,7 @@ def test_lookup_server_and_timeout(tmp_path):
     ctx = zmq.Context()
     silent = ctx.socket(zmq.ROUTER)
     silent.bind(f"ipc://{tmp_path}/silent.ipc")
-    client = LookupClient([f"ipc://{tmp_path}/silent.ipc"], timeout_ms=300)
+    client = LookupClient([f"ipc://{tmp_path}/silent.ipc"], timeout_s=0.3)
     try:
         t0 = time.monotonic()
         assert client.lookup([b"z" * 16] * 4, "r") == 0
@@ -258,7 +258,7 @@ def test_lookup_in_the_same_process_skips_the_socket(tmp_path):
         return len(hashes)
 
     server = LookupServer(addr, lookup, inline=True)
-    client = LookupClient([addr], timeout_ms=300)
+    client = LookupClient([addr], timeout_s=0.3)
     try:
         assert client.lookup([b"a" * 16] * 3, "r1") == 3
         assert client.lookup([b"a" * 16] * 3, "boom") == 0  # a failing cache is a miss
@@ -272,7 +272,7 @@ def test_lookup_in_the_same_process_skips_the_socket(tmp_path):
         client.close()
     # not declared inline: always over the socket, even in the same process
     server = LookupServer(addr, lookup)
-    client = LookupClient([addr], timeout_ms=2000)
+    client = LookupClient([addr], timeout_s=2.0)
     try:
         assert client.lookup([b"a" * 16] * 2, "r3") == 2
         assert client.inline_lookups == 0

@@ -305,7 +305,7 @@ def test_zmq_subscriber_sees_peer_node_evictions(tiny_model, tmp_path):
     endpoint = f"ipc://{tmp_path / 'kv-events.sock'}"
     sub = None
     peer = {"name": "peer", "peers": [node.address], "secret_file": str(secret), "push": True, "max_size": 0}
-    tiers = [{"name": "local_cpu", "max_size": "64MiB"}, {**peer, "eviction_poll_ms": 100}]
+    tiers = [{"name": "local_cpu", "max_size": "64MiB"}, {**peer, "eviction_poll_s": 0.1}]
     events_cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
     a, b = random_prompt(520, 521), random_prompt(520, 522)
     medium = "lmcache:peer"

@@ -82,7 +82,7 @@ def test_offers_travel_over_the_socket(tmp_path):
 
     addr = f"ipc://{tmp_path}/alts.ipc"
     server = LookupServer(addr, lookup)
-    client = LookupClient([addr], timeout_ms=2000)
+    client = LookupClient([addr], timeout_s=2.0)
     try:
         plain = client.lookup([b"x" * 16] * 4, "r1")
         offered = client.lookup([b"x" * 16] * 4, "r2", {3: b"y" * 16})

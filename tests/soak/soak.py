@@ -181,7 +181,7 @@ class Soak:
         # The node holds less than the working set, so S3 keeps serving reads too.
         self.node_budget = (3 + 8) * MiB
         self.node = PeerNode(
-            ["--max-size", "3MiB", "--max-frame-size", "1MiB", "--max-inflight", "8MiB", "--timeout-ms", "1000"], secret_file
+            ["--max-size", "3MiB", "--max-frame-size", "1MiB", "--max-inflight", "8MiB", "--timeout-s", "1"], secret_file
         )
         self.node_baseline = rss_of(self.node.pid)
         self.disk_dir = self.workdir / "disk"
@@ -206,9 +206,9 @@ class Soak:
                         "secret": SECRET,
                         "push": True,
                         "max_size": 0,
-                        "timeout_ms": int(PEER_TIMEOUT_S * 1000),
-                        "connect_timeout_ms": 300,
-                        "retry_after_ms": 500,
+                        "timeout_s": PEER_TIMEOUT_S,
+                        "connect_timeout_s": 0.3,
+                        "retry_after_s": 0.5,
                     },
                     {
                         "name": "s3",

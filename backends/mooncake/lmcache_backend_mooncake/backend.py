@@ -80,9 +80,9 @@ class MooncakeBackend(StorageBackend):
         self.codecs = dict(codecs)
         # Background writers get half the workers, so lookups and loads always find one free.
         self.write_concurrency = max(1, cfg.max_inflight // 2)
-        self.timeout_s = cfg.timeout_ms / 1000
+        self.timeout_s = cfg.timeout_s
         self._client_factory = client_factory
-        self._gate = HealthGate(cfg.down_cooldown_ms / 1000)
+        self._gate = HealthGate(cfg.down_cooldown_s)
         self._deadline = Deadline(cfg.max_inflight, self._gate)
         self._staging = Staging(cfg.staging_size, cfg.quarantine_s)
         self._regions: list[Region] = [(self._staging.base, self._staging.size)]
@@ -110,12 +110,12 @@ class MooncakeBackend(StorageBackend):
 
     # -- connection -----------------------------------------------------------------
     def connect(self) -> None:
-        """Set up a client (within ``setup_timeout_ms``) and register staging and the
+        """Set up a client (within ``setup_timeout_s``) and register staging and the
         pool with it. Raises :class:`BackendError` saying what failed and where."""
         client = self._client_factory(self.cfg)
         where = f"master {self.cfg.master} (metadata {self.cfg.metadata}, protocol {self.cfg.protocol})"
         try:
-            self._deadline.run("setup", self.cfg.setup_timeout_ms / 1000, client.setup)
+            self._deadline.run("setup", self.cfg.setup_timeout_s, client.setup)
             for base, size in self._regions:
                 client.register(base, size)
         except (SetupFailed, StoreUnavailable) as err:
@@ -171,7 +171,7 @@ class MooncakeBackend(StorageBackend):
     def _start(
         self, op: str, fn: Callable[[], list[int]], on_late: Callable[[], None] | None = None, nbytes: int = 0
     ) -> Pending[list[int]] | None:
-        """Start ``fn`` on a worker under its deadline (``timeout_ms`` plus ``nbytes`` at
+        """Start ``fn`` on a worker under its deadline (``timeout_s`` plus ``nbytes`` at
         :data:`DEADLINE_BYTES_PER_S`, so a large batch is not cut off for being large);
         None when it cannot start (gate closed, workers busy): it never reached the client."""
         try:

@@ -1,7 +1,8 @@
 """The ``mooncake`` section of ``backends:``: every option, its default and its bounds.
 
 Validated with :func:`lmcache_core.config.validate_section`, so a wrong value fails
-at startup with its key path and source. Sizes take units (``4GiB``, ``512MiB``).
+at startup with its key path and source. Sizes take units (``4GiB``, ``512MiB``);
+durations are seconds (the old ``*_ms`` spellings are accepted with a deprecation warning).
 """
 
 from __future__ import annotations
@@ -45,11 +46,20 @@ class MooncakeConfig(StrictModel):
     buffer_size: ByteSize = Field(64 << 20, description="the client's own transfer buffer (local_buffer_size)")
     replicas: int = Field(1, ge=1, le=16, description="memory replicas written per chunk")
     key_prefix: str = Field("lmcache/", description="object keys are {key_prefix}{chunk key}")
-    timeout_ms: int = Field(2000, gt=0, le=600_000, description="deadline of one store call (lookup, get, put)")
-    setup_timeout_ms: int = Field(15_000, gt=0, le=600_000, description="deadline of connecting to the master")
-    down_cooldown_ms: int = Field(
-        2000, ge=0, le=600_000, description="after the master fails or a call overruns, calls are misses for this long"
+    timeout_s: float = Field(
+        2.0, gt=0, le=600, allow_inf_nan=False, description="deadline in seconds of one store call (lookup, get, put)"
     )
+    setup_timeout_s: float = Field(
+        15.0, gt=0, le=600, allow_inf_nan=False, description="deadline in seconds of connecting to the master"
+    )
+    down_cooldown_s: float = Field(
+        2.0,
+        ge=0,
+        le=600,
+        allow_inf_nan=False,
+        description="after the master fails or a call overruns, calls are misses for this many seconds",
+    )
+    renamed_ms_keys = {"timeout_ms": "timeout_s", "setup_timeout_ms": "setup_timeout_s", "down_cooldown_ms": "down_cooldown_s"}
     max_inflight: int = Field(8, ge=1, le=256, description="store calls running at once (and background writers)")
     staging_size: ByteSize = Field(
         128 << 20, description="registered memory that gets land in (checked there, then copied into the pool)"

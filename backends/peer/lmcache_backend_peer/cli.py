@@ -13,10 +13,12 @@ SIGINT/SIGTERM.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -32,6 +34,8 @@ from .store import FrameStore
 from .tenants import load_tenants
 
 SECRET_ENV = "LMCACHE_PEER_SECRET"
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_HANDSHAKE_TIMEOUT_S = 1.0
 
 
 def _size(text: str) -> int:
@@ -59,12 +63,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-size", type=_size, default=parse_size("1GiB"), help="memory budget, e.g. 2GiB (default 1GiB)")
     p.add_argument("--max-frame-size", type=_size, default=parse_size("256MiB"), help="largest message (default 256MiB)")
     p.add_argument(
-        "--timeout-ms",
-        type=int,
-        default=5000,
-        help="per-request deadline: once a request's first byte is in, the rest of its header must come within "
-        "this, and its body within this of the header (default 5000; idle connections between requests stay 300 s)",
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="per-request deadline in seconds: once a request's first byte is in, the rest of its header must come "
+        f"within this, and its body within this of the header (default {DEFAULT_TIMEOUT_S:g}; idle connections "
+        "between requests stay 300 s)",
     )
+    p.add_argument("--timeout-ms", type=float, default=None, help="deprecated: --timeout-s in milliseconds")
     p.add_argument("--max-connections", type=int, default=256, help="concurrent authenticated connections (default 256)")
     p.add_argument(
         "--max-unauthenticated",
@@ -80,8 +86,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="of those, from one IPv4 /24, IPv6 /64 or local user (default: half of --max-unauthenticated)",
     )
     p.add_argument(
-        "--handshake-timeout-ms", type=int, default=1000, help="a new connection must authenticate within this (default 1000)"
+        "--handshake-timeout-s",
+        type=float,
+        default=None,
+        help=f"a new connection must authenticate within this many seconds (default {DEFAULT_HANDSHAKE_TIMEOUT_S:g})",
     )
+    p.add_argument("--handshake-timeout-ms", type=float, default=None, help="deprecated: --handshake-timeout-s in milliseconds")
     p.add_argument(
         "--max-inflight",
         type=_size,
@@ -165,11 +175,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _serve(parser.parse_args(argv), parser)
 
 
+def seconds_flag(args: argparse.Namespace, parser: argparse.ArgumentParser, name: str, default: float) -> float:
+    """The value of ``--<name>-s``, or of the deprecated ``--<name>-ms`` (accepted for
+    one release, converted to seconds with a warning), or ``default``. It must be a
+    positive, finite number of seconds; both flags at once are an error."""
+    attr = name.replace("-", "_")
+    seconds, millis = getattr(args, f"{attr}_s"), getattr(args, f"{attr}_ms")
+    if millis is not None:
+        if seconds is not None:
+            parser.error(f"give --{name}-s, or the deprecated --{name}-ms, not both")
+        seconds = millis / 1000
+        msg = f"--{name}-ms is deprecated: use --{name}-s {seconds:g} (seconds)"
+        warnings.warn(msg, DeprecationWarning, stacklevel=2)
+        print(f"{parser.prog}: {msg}", file=sys.stderr)
+    if seconds is None:
+        seconds = default
+    if not (math.isfinite(seconds) and seconds > 0):
+        parser.error(f"--{name}-s must be a positive number of seconds")
+    return float(seconds)
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.timeout_ms <= 0:
-        parser.error("--timeout-ms must be positive")
-    if args.handshake_timeout_ms <= 0:
-        parser.error("--handshake-timeout-ms must be positive")
+    timeout = seconds_flag(args, parser, "timeout", DEFAULT_TIMEOUT_S)
+    handshake_timeout = seconds_flag(args, parser, "handshake-timeout", DEFAULT_HANDSHAKE_TIMEOUT_S)
     for flag in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_address", "max_unauthenticated_per_subnet"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -204,9 +232,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             tenants=tenants,
             writable=not args.read_only,
             max_frame_size=args.max_frame_size,
-            timeout=args.timeout_ms / 1000,
+            timeout=timeout,
             max_connections=args.max_connections,
-            handshake_timeout=args.handshake_timeout_ms / 1000,
+            handshake_timeout=handshake_timeout,
             max_unauthenticated=args.max_unauthenticated,
             max_unauthenticated_per_address=args.max_unauthenticated_per_address,
             max_unauthenticated_per_subnet=args.max_unauthenticated_per_subnet,

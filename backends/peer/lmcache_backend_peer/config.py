@@ -1,7 +1,8 @@
 """The ``peer`` backend's config section, and host:port parsing.
 
 Validated with :func:`lmcache_core.config.validate_section`, so every error names
-the key path (``backends[1].peers[0]``) and where the value came from.
+the key path (``backends[1].peers[0]``) and where the value came from. Durations are
+seconds (the old ``*_ms`` spellings are accepted with a deprecation warning).
 """
 
 from __future__ import annotations
@@ -83,23 +84,39 @@ class PeerConfig(StrictModel):
     )
     max_size: ByteSize = Field(1 << 30, description="bytes of chunks kept (and served) by this tier; 0 keeps none")
     push: bool = Field(False, description="also send every put (and remove) to the peers, e.g. a shared cache node")
-    timeout_ms: int = Field(2000, gt=0, description="whole-request deadline (connect, auth, send, reply)")
-    connect_timeout_ms: int = Field(500, gt=0, description="TCP connect deadline (within timeout_ms)")
+    timeout_s: float = Field(
+        2.0, gt=0, allow_inf_nan=False, description="whole-request deadline in seconds (connect, auth, send, reply)"
+    )
+    connect_timeout_s: float = Field(
+        0.5, gt=0, allow_inf_nan=False, description="TCP connect deadline in seconds (within timeout_s)"
+    )
     max_frame_size: ByteSize = Field(256 << 20, description="largest message accepted or sent (bounds one reply)")
     pool_size: int = Field(4, ge=1, le=256, description="idle connections kept per peer")
-    retry_after_ms: int = Field(1000, ge=0, description="a peer that failed is skipped for this long")
+    retry_after_s: float = Field(
+        1.0, ge=0, allow_inf_nan=False, description="a peer that failed is skipped for this many seconds"
+    )
     max_connections: int = Field(64, ge=1, description="authenticated connections the server keeps at once")
     max_unauthenticated: int = Field(32, ge=1, description="connections still authenticating, kept apart from max_connections")
     max_unauthenticated_per_address: int = Field(4, ge=1, description="of those, from one client address")
-    handshake_timeout_ms: int = Field(1000, gt=0, description="a new connection must authenticate within this")
-    eviction_poll_ms: int = Field(
-        2000,
+    handshake_timeout_s: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="a new connection must authenticate within this many seconds"
+    )
+    eviction_poll_s: float = Field(
+        2.0,
         ge=0,
-        description="with push, ask the nodes this often what they dropped (KV events for routers); 0: never",
+        allow_inf_nan=False,
+        description="with push, ask the nodes every this many seconds what they dropped (KV events for routers); 0: never",
     )
     max_inflight: ByteSize | None = Field(
         None, description="request bytes the server holds at once across connections; null: 2 x max_frame_size"
     )
+    renamed_ms_keys = {
+        "timeout_ms": "timeout_s",
+        "connect_timeout_ms": "connect_timeout_s",
+        "retry_after_ms": "retry_after_s",
+        "handshake_timeout_ms": "handshake_timeout_s",
+        "eviction_poll_ms": "eviction_poll_s",
+    }
 
     @model_validator(mode="after")
     def _one_secret(self) -> "PeerConfig":
@@ -109,8 +126,8 @@ class PeerConfig(StrictModel):
             check_secret(self.secret.get_secret_value().encode())
         if self.listen is None and not self.peers and self.unix_socket is None:
             raise ValueError("give listen (serve), peers or unix_socket (ask), or both; with neither the tier does nothing")
-        if 0 < self.eviction_poll_ms < 50:
-            raise ValueError("eviction_poll_ms must be 0 (off) or at least 50")
+        if 0 < self.eviction_poll_s < 0.05:
+            raise ValueError("eviction_poll_s must be 0 (off) or at least 0.05")
         if self.max_frame_size < 1024:
             raise ValueError("max_frame_size must be at least 1KiB")
         return self

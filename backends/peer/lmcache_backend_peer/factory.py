@@ -20,7 +20,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
     cfg = validate_section(PeerConfig, section, ctx.key_path, ctx.source)
     secret = load_secret(cfg, ctx.key_path, ctx.source)
     store = FrameStore(cfg.max_size)
-    timeout = cfg.timeout_ms / 1000
+    timeout = cfg.timeout_s
     server = None
     if cfg.listen is not None:
         try:
@@ -36,7 +36,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
                 max_frame_size=cfg.max_frame_size,
                 timeout=timeout,
                 max_connections=cfg.max_connections,
-                handshake_timeout=cfg.handshake_timeout_ms / 1000,
+                handshake_timeout=cfg.handshake_timeout_s,
                 max_unauthenticated=cfg.max_unauthenticated,
                 max_unauthenticated_per_address=cfg.max_unauthenticated_per_address,
                 max_inflight_bytes=cfg.max_inflight,
@@ -55,7 +55,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
             a,
             secret,
             timeout=timeout,
-            connect_timeout=min(cfg.connect_timeout_ms, cfg.timeout_ms) / 1000,
+            connect_timeout=min(cfg.connect_timeout_s, cfg.timeout_s),
             max_frame_size=cfg.max_frame_size,
             pool_size=cfg.pool_size,
             tenant=cfg.tenant,
@@ -69,7 +69,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
         codecs=ctx.codecs,
         server=server,
         push=cfg.push,
-        retry_after=cfg.retry_after_ms / 1000,
+        retry_after=cfg.retry_after_s,
         shm=cfg.shm,
-        eviction_poll=cfg.eviction_poll_ms / 1000,
+        eviction_poll=cfg.eviction_poll_s,
     )

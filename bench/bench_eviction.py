@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE / "suite"))
 from lmcache_core.config import CoreConfig  # noqa: E402
 from lmcache_core.engine import CacheEngine  # noqa: E402
 from lmcache_core.keys import KeyNamespace  # noqa: E402
+from lmcache_core.testing.tokens import token_hashes  # noqa: E402
 
 CHUNK = 256
 CHUNK_SHAPE = (64,)  # float32: 256 bytes per chunk; only counts matter here
@@ -59,7 +60,7 @@ def replay(requests: list[tuple[list[int], bool]], max_size: int, policy: str) -
     prompt = cached = warm_prompt = warm_cached = 0
     with CacheEngine(cfg, namespace=KeyNamespace(model="bench-eviction")) as eng:
         for tokens, warm in requests:
-            hashes = eng.hashes(tokens)
+            hashes = token_hashes(eng, tokens)
             n = eng.lookup_hashes(hashes)
             loaded = 0
             for h in hashes[:n]:

@@ -7,6 +7,9 @@ and slower tiers in the background (write-through, bounded queues: a slow tier d
 writes rather than blocking the caller). Any backend exception is a miss.
 A tier caught serving wrong KV by the correctness canary (:mod:`lmcache_core.canary`)
 is quarantined (:mod:`lmcache_core.quarantine`): every read and write skips it.
+
+Chunks are addressed by prefix hash (the connector's scheduler hashes a prompt once);
+tests and benchmarks that think in token ids use :mod:`lmcache_core.testing.tokens`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from .backend import PINNING, SHARED, ZERO_COPY, BackendContext, StorageBackend
 from .config import ConfigError, CoreConfig, LoadedConfig, load_config, read_frame_secret
 from .fetch import fetch_run
 from .loadcost import TierReadModel
-from .keys import ChunkKey, KeyNamespace, TokenIds, chain_seed, chunk_hashes
+from .keys import ChunkKey, KeyNamespace
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
 from .canary import Canary
@@ -284,39 +287,11 @@ class CacheEngine:
     def chunk_size(self) -> int:
         return self.config.chunk_size
 
-    def hashes(
-        self,
-        tokens: TokenIds,
-        *,
-        tags: Mapping[str, str] | None = None,
-        extras: Mapping[int, bytes] | None = None,
-        include_partial: bool | None = None,
-    ) -> list[bytes]:
-        partial = self.config.save_unfull_chunk if include_partial is None else include_partial
-        return chunk_hashes(tokens, self.chunk_size, seed=chain_seed(tags), extras=extras, include_partial=partial)
-
     def keys(self, hashes: Sequence[bytes]) -> list[ChunkKey]:
         ns = self._ns_id
         return [ChunkKey(ns, h) for h in hashes]
 
-    def _chunk_tokens(self, n_tokens: int, n_chunks: int, start_chunk: int = 0) -> int:
-        cs = self.chunk_size
-        return max(0, min(n_tokens, (start_chunk + n_chunks) * cs) - start_chunk * cs)
-
     # -- lookup -----------------------------------------------------------------------
-    def lookup(
-        self,
-        tokens: TokenIds,
-        *,
-        tags: Mapping[str, str] | None = None,
-        extras: Mapping[int, bytes] | None = None,
-        pin_id: str | None = None,
-    ) -> int:
-        """Number of leading tokens of ``tokens`` whose KV is cached in some tier."""
-        hashes = self.hashes(tokens, tags=tags, extras=extras)
-        n = self.lookup_hashes(hashes, pin_id=pin_id)
-        return self._chunk_tokens(len(tokens), n)
-
     def lookup_hashes(
         self, hashes: Sequence[bytes], *, pin_id: str | None = None, record: bool = True, add_pins: bool = False
     ) -> int:
@@ -447,21 +422,6 @@ class CacheEngine:
         return buf
 
     # -- store ------------------------------------------------------------------------
-    def store(
-        self,
-        tokens: TokenIds,
-        chunks: Sequence[ChunkData],
-        *,
-        start_chunk: int = 0,
-        tags: Mapping[str, str] | None = None,
-        extras: Mapping[int, bytes] | None = None,
-    ) -> int:
-        """Store ``chunks[i]`` as chunk ``start_chunk + i`` of ``tokens``."""
-        hashes = self.hashes(tokens, tags=tags, extras=extras)[start_chunk : start_chunk + len(chunks)]
-        if len(hashes) < len(chunks):
-            raise ValueError(f"{len(chunks)} chunks given but tokens hold only {len(hashes)} from chunk {start_chunk}")
-        return self.store_hashes(hashes, chunks, n_tokens=self._chunk_tokens(len(tokens), len(chunks), start_chunk))
-
     def store_hashes(self, hashes: Sequence[bytes], chunks: Sequence[ChunkData], *, n_tokens: int | None = None) -> int:
         """Store chunks by prefix hash; returns how many new chunks reached the first
         tier. A chunk tier 0 already holds is skipped entirely, slower tiers included
@@ -545,20 +505,6 @@ class CacheEngine:
             buf.release()
 
     # -- retrieve ---------------------------------------------------------------------
-    def retrieve(
-        self,
-        tokens: TokenIds,
-        outs: Sequence[torch.Tensor],
-        *,
-        start_chunk: int = 0,
-        tags: Mapping[str, str] | None = None,
-        extras: Mapping[int, bytes] | None = None,
-    ) -> int:
-        """Fill ``outs[i]`` with chunk ``start_chunk + i``; returns how many leading
-        chunks were retrieved (the rest must be recomputed)."""
-        hashes = self.hashes(tokens, tags=tags, extras=extras, include_partial=True)
-        return self.retrieve_hashes(hashes[start_chunk : start_chunk + len(outs)], outs)
-
     def retrieve_hashes(self, hashes: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         n = 0
         for key, out in zip(self.keys(hashes), outs):

@@ -28,7 +28,9 @@ or the mixins you want, and supply the fixtures; pytest runs the rest::
             return lambda key, frame: write_raw_bytes(backend, key, frame)
 
 Eviction policies have their own suite, :class:`EvictionPolicyConformance`
-(implement ``make_policy(capacity)``).
+(implement ``make_policy(capacity)``). :mod:`lmcache_core.testing.tokens` drives a
+:class:`~lmcache_core.engine.CacheEngine` by token ids (store, look up, retrieve a
+token sequence), for tests and benchmarks.
 """
 
 from .conformance import (

@@ -11,6 +11,7 @@ from lmcache_core.config import load_config
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.plugins import get_plugin_manager
+from lmcache_core.testing.tokens import lookup_tokens, retrieve_tokens, store_tokens, token_hashes
 
 CHUNK = 256
 SHAPE = (2, 2, CHUNK, 4, 16)  # [layers, k/v, tokens, kv_heads, head_size]
@@ -39,7 +40,7 @@ def test_store_flush_restart_retrieve_identical(tmp_path: Path) -> None:
 
     e1 = engine(disk)
     try:
-        assert e1.store(tokens, chunks) == 4
+        assert store_tokens(e1, tokens, chunks) == 4
         assert e1.flush(timeout=60)
         disk_stats = next(t for t in e1.stats()["tiers"] if t["name"] == "disk")
         assert disk_stats["puts"] == 4
@@ -50,16 +51,16 @@ def test_store_flush_restart_retrieve_identical(tmp_path: Path) -> None:
     try:
         cpu, dsk = e2.tiers
         assert cpu.stats().chunks == 0
-        assert e2.lookup(tokens) == 4 * CHUNK  # served whether or not the background scan is over
+        assert lookup_tokens(e2, tokens) == 4 * CHUNK  # served whether or not the background scan is over
         assert dsk.wait_for_scan(60) and dsk.stats().chunks == 4
         outs = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(4)]
-        assert e2.retrieve(tokens, outs) == 4
+        assert retrieve_tokens(e2, tokens, outs) == 4
         for got, want in zip(outs, chunks):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         assert dsk.stats().hits == 4
         assert cpu.stats().chunks == 4  # promoted into the CPU tier
         other = list(range(5000, 5000 + 2 * CHUNK))
-        assert e2.lookup(other) == 0
+        assert lookup_tokens(e2, other) == 0
     finally:
         e2.close()
 
@@ -69,9 +70,9 @@ def test_corrupt_disk_chunk_is_recomputed_not_loaded(tmp_path: Path) -> None:
     tokens = list(range(3 * CHUNK))
     chunks = [torch.full(SHAPE, float(i), dtype=torch.float16) for i in range(3)]
     e1 = engine(disk)
-    e1.store(tokens, chunks)
+    store_tokens(e1, tokens, chunks)
     assert e1.flush(timeout=60)
-    key = e1.keys(e1.hashes(tokens))[1]
+    key = e1.keys(token_hashes(e1, tokens))[1]
     path = e1.tiers[1].directory.chunk_path(key)
     raw = bytearray(path.read_bytes())
     raw[-10] ^= 0xFF
@@ -82,10 +83,10 @@ def test_corrupt_disk_chunk_is_recomputed_not_loaded(tmp_path: Path) -> None:
     e2 = engine(disk)
     try:
         outs = [torch.zeros(SHAPE, dtype=torch.float16) for _ in range(3)]
-        assert e2.retrieve(tokens, outs) == 1  # chunk 1 is corrupt: only chunk 0 loads
+        assert retrieve_tokens(e2, tokens, outs) == 1  # chunk 1 is corrupt: only chunk 0 loads
         assert torch.equal(outs[0], chunks[0])
         assert not path.exists()
-        assert e2.lookup(tokens) == CHUNK
+        assert lookup_tokens(e2, tokens) == CHUNK
     finally:
         e2.close()
 
@@ -99,7 +100,7 @@ def test_engine_close_during_the_start_up_scan_leaves_no_scan_thread(tmp_path: P
     try:
         tokens = list(range(40 * CHUNK))
         g = torch.Generator().manual_seed(3)
-        assert e1.store(tokens, [torch.randn(SHAPE, generator=g) for _ in range(40)]) == 40
+        assert store_tokens(e1, tokens, [torch.randn(SHAPE, generator=g) for _ in range(40)]) == 40
         assert e1.flush(timeout=60)
     finally:
         e1.close()

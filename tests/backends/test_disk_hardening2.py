@@ -40,6 +40,7 @@ from lmcache_core.config import load_config
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import ChunkKey, KeyNamespace
 from lmcache_core.testing import make_context, random_chunk, random_key
+from lmcache_core.testing.tokens import retrieve_tokens, store_tokens, token_hashes
 
 SHAPE = (16, 64)  # 2 KiB of float16
 JOIN_S = 20.0  # a call that has not returned by then hangs
@@ -245,9 +246,10 @@ def test_put_over_a_fifo_replaces_it_and_the_scan_removes_planted_ones(tmp_path:
 
 
 def test_engine_retrieve_with_a_fifo_under_a_chunk_name_returns(tmp_path: Path) -> None:
-    """The hang as a user met it: ``engine.retrieve`` of a prefix whose second
-    chunk's file is a FIFO, 10 times (the FIFO planted again each time): every call
-    returns within the join timeout with the first chunk loaded, right."""
+    """The hang as a user met it: an engine retrieve (``retrieve_tokens``) of a
+    prefix whose second chunk's file is a FIFO, 10 times (the FIFO planted again
+    each time): every call returns within the join timeout with the first chunk
+    loaded, right."""
     chunk = 256
     shape = (2, 2, chunk, 4, 16)
     cfg = load_config(
@@ -258,17 +260,17 @@ def test_engine_retrieve_with_a_fifo_under_a_chunk_name_returns(tmp_path: Path) 
     chunks = [torch.full(shape, float(i + 1), dtype=torch.float16) for i in range(3)]
     fifo: Path | None = None
     try:
-        assert e.store(tokens, chunks) == 3 and e.flush(timeout=60)
+        assert store_tokens(e, tokens, chunks) == 3 and e.flush(timeout=60)
         disk = e.tiers[-1]
         assert isinstance(disk, DiskBackend)
-        fifo = disk.directory.chunk_path(e.keys(e.hashes(tokens))[1])
+        fifo = disk.directory.chunk_path(e.keys(token_hashes(e, tokens))[1])
         fifo.unlink()
         loaded = []
         for _ in range(10):
             if not fifo.exists():
                 os.mkfifo(fifo)
             outs = [torch.zeros(shape, dtype=torch.float16) for _ in range(3)]
-            loaded.append(bounded(lambda: e.retrieve(tokens, outs), fifo))
+            loaded.append(bounded(lambda: retrieve_tokens(e, tokens, outs), fifo))
             assert torch.equal(outs[0], chunks[0])
         assert loaded == [1] * 10
     finally:

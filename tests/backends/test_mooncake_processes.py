@@ -25,6 +25,7 @@ CHILD = textwrap.dedent(
     from lmcache_core.config import load_config
     from lmcache_core.engine import CacheEngine
     from lmcache_core.keys import KeyNamespace
+    from lmcache_core.testing.tokens import lookup_tokens, retrieve_tokens, store_tokens
 
     role, section, out_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     cfg = load_config(env={}, overrides={
@@ -37,14 +38,14 @@ CHILD = textwrap.dedent(
         if role == "store":
             g = torch.Generator().manual_seed(1234)
             chunks = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(5)]
-            stored = engine.store(tokens, chunks)
+            stored = store_tokens(engine, tokens, chunks)
             flushed = engine.flush(timeout=60)
             torch.save(chunks, out_path)
             report = {"stored": stored, "flushed": flushed}
         else:
-            hit = engine.lookup(tokens)
+            hit = lookup_tokens(engine, tokens)
             outs = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(5)]
-            got = engine.retrieve(tokens, outs)
+            got = retrieve_tokens(engine, tokens, outs)
             torch.save(outs, out_path)
             report = {"hit_tokens": hit, "retrieved": got}
             if role == "load-and-other":  # negative control: another key prefix, same process
@@ -53,7 +54,7 @@ CHILD = textwrap.dedent(
                     "chunk_size": 16, "backends": [{"name": "local_cpu", "max_size": "16MiB"}, other],
                 })
                 with CacheEngine(ocfg, namespace=KeyNamespace(model="m")) as oengine:
-                    report["other_hit_tokens"] = oengine.lookup(tokens)
+                    report["other_hit_tokens"] = lookup_tokens(oengine, tokens)
         report["tiers"] = {t["name"]: {"hits": t["hits"], "puts": t["puts"]} for t in engine.stats()["tiers"]}
     print(json.dumps(report))
     """

@@ -24,6 +24,7 @@ import torch
 from lmcache_backend_peer import PeerClient
 from lmcache_core import CacheEngine, ConfigError, KeyNamespace, load_config
 from lmcache_core.plugins import get_plugin_manager
+from lmcache_core.testing.tokens import lookup_tokens, retrieve_tokens, store_tokens, token_hashes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_node import first_line  # noqa: E402
@@ -129,12 +130,12 @@ def test_engine_b_retrieves_what_engine_a_stored(engine_a: tuple[str, str], secr
     try:
         assert b.tiers[0].stats().chunks == 0
         tokens = tokens_for(7)
-        assert b.lookup(tokens) == len(tokens)
+        assert lookup_tokens(b, tokens) == len(tokens)
         outs = [torch.zeros(SHAPE, dtype=torch.float16) for _ in range(N_CHUNKS)]
-        assert b.retrieve(tokens, outs) == N_CHUNKS
+        assert retrieve_tokens(b, tokens, outs) == N_CHUNKS
         assert digest(outs) == a_digest
         assert b.tiers[0].stats().chunks == N_CHUNKS  # promoted into B's CPU tier
-        assert b.lookup(tokens_for(8)) == 0  # not stored anywhere
+        assert lookup_tokens(b, tokens_for(8)) == 0  # not stored anywhere
     finally:
         b.close()
 
@@ -144,9 +145,9 @@ def test_engine_with_the_wrong_secret_gets_nothing(engine_a: tuple[str, str], tm
     c = engine([{"name": "peer", "peers": [address], "secret": "wrong-secret-0123456789", "max_size": 0, "timeout_s": 1.0}])
     try:
         tokens = tokens_for(7)
-        assert c.lookup(tokens) == 0
+        assert lookup_tokens(c, tokens) == 0
         outs = [torch.zeros(SHAPE, dtype=torch.float16) for _ in range(N_CHUNKS)]
-        assert c.retrieve(tokens, outs) == 0
+        assert retrieve_tokens(c, tokens, outs) == 0
         assert all(torch.count_nonzero(o) == 0 for o in outs)
     finally:
         c.close()
@@ -160,28 +161,28 @@ def test_standalone_node_shares_pushed_chunks(node: tuple[str, subprocess.Popen]
     reader = engine([peer])
     try:
         tokens, data = tokens_for(3), chunks_for(3)
-        assert writer.store(tokens, data) == N_CHUNKS
+        assert store_tokens(writer, tokens, data) == N_CHUNKS
         assert writer.flush(30)
         bad_tokens = tokens_for(4)
-        bad.store(bad_tokens, chunks_for(4))
+        store_tokens(bad, bad_tokens, chunks_for(4))
         assert bad.flush(30)
 
-        assert reader.lookup(tokens) == len(tokens)
+        assert lookup_tokens(reader, tokens) == len(tokens)
         outs = [torch.zeros(SHAPE, dtype=torch.float16) for _ in range(N_CHUNKS)]
-        assert reader.retrieve(tokens, outs) == N_CHUNKS
+        assert retrieve_tokens(reader, tokens, outs) == N_CHUNKS
         assert digest(outs) == digest(data)
-        assert reader.lookup(bad_tokens) == 0  # the wrong-secret PUTs stored nothing
+        assert lookup_tokens(reader, bad_tokens) == 0  # the wrong-secret PUTs stored nothing
         host, port = address.rsplit(":", 1)
         check = PeerClient((host, int(port)), SECRET.encode(), timeout=2.0)
-        assert check.lookup(bad.keys(bad.hashes(bad_tokens))) == 0
+        assert check.lookup(bad.keys(token_hashes(bad, bad_tokens))) == 0
         check.close()
 
         proc.kill()  # the node dies: a miss within the timeout, no hang, no crash
         proc.wait(10)
         fresh = tokens_for(5)
         t0 = time.monotonic()
-        assert reader.lookup(fresh) == 0
-        assert reader.retrieve(fresh, outs) == 0
+        assert lookup_tokens(reader, fresh) == 0
+        assert retrieve_tokens(reader, fresh, outs) == 0
         assert time.monotonic() - t0 < 15
     finally:
         writer.close()
@@ -222,7 +223,7 @@ def _engine_a_main(secret_file: str, seed: int) -> None:
     a = engine([{"name": "peer", "listen": "127.0.0.1:0", "secret_file": secret_file}])
     try:
         data = chunks_for(seed)
-        assert a.store(tokens_for(seed), data) == N_CHUNKS
+        assert store_tokens(a, tokens_for(seed), data) == N_CHUNKS
         if not a.flush(30):
             raise SystemExit("flush timed out")
         host, port = a.tiers[1].server.address

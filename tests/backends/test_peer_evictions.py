@@ -28,6 +28,7 @@ from lmcache_core import CacheEngine, KeyNamespace, load_config
 from lmcache_core.engine import TierEvent
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import RawCodec, encode
+from lmcache_core.testing.tokens import store_tokens, token_hashes
 
 from peer_node import PeerNode
 
@@ -79,9 +80,9 @@ def engine(peer: dict[str, Any]) -> tuple[CacheEngine, Recorder]:
 
 def store(eng: CacheEngine, seed: int, n: int) -> list[ChunkKey]:
     tokens = tokens_for(seed, n)
-    assert eng.store(tokens, chunks_for(seed, n)) == n
+    assert store_tokens(eng, tokens, chunks_for(seed, n)) == n
     assert eng.flush(30)
-    return list(eng.keys(eng.hashes(tokens)))
+    return list(eng.keys(token_hashes(eng, tokens)))
 
 
 def held(client: PeerClient, keys: list[ChunkKey]) -> set[ChunkKey]:
@@ -243,10 +244,10 @@ def test_a_node_older_than_the_message_turns_polling_off_and_keeps_serving(secre
         try:
             assert eng.tiers[1].stats().extra["eviction_events"] == {address: "off"}
             tokens = tokens_for(9, 2)
-            assert eng.store(tokens, chunks_for(9, 2)) == 2 and eng.flush(30)
+            assert store_tokens(eng, tokens, chunks_for(9, 2)) == 2 and eng.flush(30)
             host, port = address.rsplit(":", 1)
             check = PeerClient((host, int(port)), SECRET.encode(), timeout=2.0)
-            assert check.lookup(eng.keys(eng.hashes(tokens))) == 2  # pushes still land
+            assert check.lookup(eng.keys(token_hashes(eng, tokens))) == 2  # pushes still land
             check.close()
             assert eng.tiers[1].poll_evictions() == 0
             assert rec.evicted == []

@@ -23,6 +23,7 @@ from lmcache_backend_peer.connection import Connection
 from lmcache_core import CacheEngine, KeyNamespace, load_config
 from lmcache_core.serde import RawCodec, decode, encode
 from lmcache_core.testing import make_context, random_chunk, random_key
+from lmcache_core.testing.tokens import store_tokens, token_hashes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memtrace import peak_python_bytes  # noqa: E402
@@ -443,11 +444,11 @@ def test_serve_engine_serves_the_cpu_tier() -> None:
     engine = CacheEngine(load_config(overrides={"chunk_size": 16}), namespace=KeyNamespace(model="m"))
     tokens = list(range(64))
     chunks = [random_chunk(shape=(2, 16, 8), seed=i) for i in range(4)]
-    assert engine.store(tokens, chunks) == 4
+    assert store_tokens(engine, tokens, chunks) == 4
     server = serve_engine(engine, ("127.0.0.1", 0), SECRET)
     backend = client_backend([addr(server)])
     try:
-        keys = engine.keys(engine.hashes(tokens))
+        keys = engine.keys(token_hashes(engine, tokens))
         assert backend.contains(keys) == 4
         for k, c in zip(keys, chunks):
             out = torch.empty_like(c)

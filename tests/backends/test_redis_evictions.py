@@ -28,6 +28,7 @@ from lmcache_core import CacheEngine, KeyNamespace, load_config  # noqa: E402
 from lmcache_core.engine import TierEvent  # noqa: E402
 from lmcache_core.keys import ChunkKey  # noqa: E402
 from lmcache_core.testing import make_context, random_chunk, random_key  # noqa: E402
+from lmcache_core.testing.tokens import store_tokens, token_hashes  # noqa: E402
 
 WAIT_S = 15.0
 SHAPE = (4, 64, 128)  # 64 KiB of fp16
@@ -158,9 +159,9 @@ def test_engine_listener_sees_redis_evictions(lru_server: RedisServer) -> None:
         assert tier.watcher.subscribed.wait(WAIT_S)
         tokens = [i % 30000 for i in range(64 * 80)]
         data = [random_chunk(SHAPE, seed=i) for i in range(80)]
-        assert eng.store(tokens, data) == 80
+        assert store_tokens(eng, tokens, data) == 80
         assert eng.flush(60)
-        keys = eng.keys(eng.hashes(tokens))
+        keys = eng.keys(token_hashes(eng, tokens))
         gone = {k for k in keys if not raw.exists(PREFIX + k.to_str())}
         assert gone
         wait_until(lambda: {e.key for e in events if e.kind == "evicted" and e.tier == "redis"} == gone, "engine events")

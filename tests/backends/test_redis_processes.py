@@ -20,6 +20,7 @@ from redis_server import RedisServer, redis_server  # noqa: E402,F401 - fixtures
 from lmcache_core.config import load_config  # noqa: E402
 from lmcache_core.engine import CacheEngine  # noqa: E402
 from lmcache_core.keys import KeyNamespace  # noqa: E402
+from lmcache_core.testing.tokens import lookup_tokens, retrieve_tokens, store_tokens  # noqa: E402
 
 TOKENS = list(range(2000, 2080))  # 5 chunks of 16 tokens
 SHAPE = (2, 2, 16, 4, 8)
@@ -34,10 +35,10 @@ def run_engine(role: str, section: dict[str, Any], out_path: Path) -> dict[str, 
         if role == "store":
             g = torch.Generator().manual_seed(99)
             chunks = [torch.randn(SHAPE, generator=g).to(torch.bfloat16) for _ in range(5)]
-            report: dict[str, Any] = {"stored": engine.store(TOKENS, chunks), "flushed": engine.flush(timeout=60)}
+            report: dict[str, Any] = {"stored": store_tokens(engine, TOKENS, chunks), "flushed": engine.flush(timeout=60)}
         else:
             chunks = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(5)]
-            report = {"hit_tokens": engine.lookup(TOKENS), "retrieved": engine.retrieve(TOKENS, chunks)}
+            report = {"hit_tokens": lookup_tokens(engine, TOKENS), "retrieved": retrieve_tokens(engine, TOKENS, chunks)}
         torch.save(chunks, out_path)
         report["tiers"] = {t["name"]: {"hits": t["hits"], "puts": t["puts"]} for t in engine.stats()["tiers"]}  # type: ignore[attr-defined]
     return report

@@ -24,6 +24,7 @@ from lmcache_core.config import load_config  # noqa: E402
 from lmcache_core.engine import CacheEngine  # noqa: E402
 from lmcache_core.keys import KeyNamespace  # noqa: E402
 from lmcache_core.testing import make_context, random_chunk, random_key  # noqa: E402
+from lmcache_core.testing.tokens import lookup_tokens, retrieve_tokens, store_tokens  # noqa: E402
 
 FAST = {"connect_timeout_s": 0.5, "read_timeout_s": 0.5, "max_attempts": 2, "down_cooldown_s": 30}
 # Per call: 2 attempts x (0.5s + 0.5s) plus botocore's backoff (< 2s for 2 attempts), with slack for 2 CPUs.
@@ -228,23 +229,23 @@ def test_endpoint_stopped_mid_run_gives_misses_not_exceptions(monkeypatch: pytes
         tokens = list(range(64))
         chunks = [random_chunk(shape=(2, 16, 8), seed=i) for i in range(4)]
         with CacheEngine(cfg, namespace=KeyNamespace(model="m")) as a:
-            assert a.store(tokens, chunks) == 4
+            assert store_tokens(a, tokens, chunks) == 4
             assert a.flush(timeout=30)
         with CacheEngine(cfg, namespace=KeyNamespace(model="m")) as b:
-            assert b.lookup(tokens) == 64  # from the bucket: b's CPU tier is empty
+            assert lookup_tokens(b, tokens) == 64  # from the bucket: b's CPU tier is empty
             server.stop()
             outs = [torch.empty_like(c) for c in chunks]
-            n, dt = timed(b.retrieve, tokens, outs)
+            n, dt = timed(retrieve_tokens, b, tokens, outs)
             assert n == 0 and dt < BOUND_S
-            n, dt = timed(b.lookup, tokens)
+            n, dt = timed(lookup_tokens, b, tokens)
             assert n == 0 and dt < BOUND_S
-            n, dt = timed(b.lookup, list(range(100, 164)))
+            n, dt = timed(lookup_tokens, b, list(range(100, 164)))
             assert n == 0 and dt < BOUND_S
-            assert b.store(list(range(200, 232)), chunks[:2]) == 2  # the CPU tier still works
+            assert store_tokens(b, list(range(200, 232)), chunks[:2]) == 2  # the CPU tier still works
             assert b.flush(timeout=BOUND_S)
             s3_stats = [t for t in b.stats()["tiers"] if t["name"] == "s3"][0]  # type: ignore[union-attr]
             assert s3_stats["extra"]["endpoint_down"] is True
-            assert b.lookup(list(range(200, 232))) == 32
+            assert lookup_tokens(b, list(range(200, 232))) == 32
     finally:
         server.stop()
 
@@ -257,10 +258,10 @@ def test_silent_endpoint_never_blocks_store_on_the_engine(aws_env: None, silent_
     cfg = load_config(env={}, overrides={"chunk_size": 16, "backends": [{"name": "local_cpu", "max_size": "8MiB"}, section]})
     chunks = [random_chunk(shape=(2, 16, 8), seed=i) for i in range(4)]
     with CacheEngine(cfg, namespace=KeyNamespace(model="m")) as engine:
-        stored, dt = timed(engine.store, list(range(64)), chunks)
+        stored, dt = timed(store_tokens, engine, list(range(64)), chunks)
         assert stored == 4 and dt < 1.5
         outs = [torch.empty_like(c) for c in chunks]
-        assert engine.retrieve(list(range(64)), outs) == 4
+        assert retrieve_tokens(engine, list(range(64)), outs) == 4
         assert all(torch.equal(o, c) for o, c in zip(outs, chunks))
         assert engine.flush(timeout=30)  # the background puts end as timeouts, counted, not raised
         s3 = [t for t in engine.stats()["tiers"] if t["name"] == "s3"][0]  # type: ignore[union-attr]

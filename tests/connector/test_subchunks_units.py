@@ -13,6 +13,7 @@ from lmcache_core import CacheEngine, KeyNamespace  # noqa: E402
 from lmcache_core.config import load_config  # noqa: E402
 from lmcache_core.keys import chain_seed, chunk_hashes, sub_chunk_hashes  # noqa: E402
 from lmcache_core.plugins import PluginManager  # noqa: E402
+from lmcache_core.testing.tokens import token_hashes  # noqa: E402
 from lmcache_connector.hits import HitPlanner  # noqa: E402
 from lmcache_connector.load_policy import PrefillModel  # noqa: E402
 from lmcache_connector.lookup_ipc import Hit, LookupClient, LookupServer, _combine, decode_alts, encode_alts  # noqa: E402
@@ -121,7 +122,7 @@ def planner():
 def test_worker_checks_and_pins_the_offered_chunk(planner):
     eng, hits = planner
     a = toks(1, 3 * CS)
-    ha = eng.hashes(a)
+    ha = token_hashes(eng, a)
     eng.store_hashes(ha, [torch.randn(SHAPE) for _ in ha])
     other = b"\x01" * 16  # a chunk hash nobody stored
     got = hits.lookup(ha[:2] + [other], "r1", {2: ha[2]})

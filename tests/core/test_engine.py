@@ -21,6 +21,7 @@ from lmcache_core.config import load_config
 from lmcache_core.hookspecs import hookimpl
 from lmcache_core.local_cpu import LocalCpuBackend
 from lmcache_core.plugins import PluginManager
+from lmcache_core.testing.tokens import lookup_tokens, retrieve_tokens, store_tokens, token_hashes
 
 from .helpers import DictTier, TierPlugin
 
@@ -46,7 +47,7 @@ def prompt(seed: int, n_chunks: int) -> list[int]:
 def prepared(eng: CacheEngine, seed: int, n_chunks: int) -> tuple[list[int], list[torch.Tensor], list[Any]]:
     """A prompt, its chunk data and its keys in ``eng``'s namespace."""
     toks = prompt(seed, n_chunks)
-    return toks, chunks_for(toks), eng.keys(eng.hashes(toks))
+    return toks, chunks_for(toks), eng.keys(token_hashes(eng, toks))
 
 
 def empty_outs(n: int) -> list[torch.Tensor]:
@@ -80,14 +81,14 @@ def test_registered_test_plugin_is_scoped() -> None:
 def test_store_reaches_tier0_synchronously_and_round_trips(two_tiers: Any) -> None:
     eng, tier0, tier1 = two_tiers
     toks = prompt(1, 4)
-    assert eng.store(toks, chunks_for(toks)) == 4
-    keys = eng.keys(eng.hashes(toks))
+    assert store_tokens(eng, toks, chunks_for(toks)) == 4
+    keys = eng.keys(token_hashes(eng, toks))
     assert tier0.contains(keys) == 4  # no flush needed for tier 0
     assert eng.flush(10)
     assert tier1.contains(keys) == 4
-    assert eng.lookup(toks) == 4 * CS
+    assert lookup_tokens(eng, toks) == 4 * CS
     outs = empty_outs(4)
-    assert eng.retrieve(toks, outs) == 4
+    assert retrieve_tokens(eng, toks, outs) == 4
     assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(toks)))
 
 
@@ -98,11 +99,11 @@ def test_lookup_is_longest_prefix_across_all_tiers(two_tiers: Any) -> None:
         tier0.put(keys[i], data[i])
     for i in (1, 2, 4):  # tier 1 has 1, 2 and 4; nobody has 5
         tier1.put(keys[i], data[i])
-    assert eng.lookup(toks) == 5 * CS
-    assert eng.lookup(toks + [1, 2, 3]) == 5 * CS  # a partial tail never counts
+    assert lookup_tokens(eng, toks) == 5 * CS
+    assert lookup_tokens(eng, toks + [1, 2, 3]) == 5 * CS  # a partial tail never counts
     tier1.remove(keys[2])
-    assert eng.lookup(toks) == 2 * CS  # a gap in every tier ends the prefix
-    assert eng.lookup(prompt(3, 6)) == 0
+    assert lookup_tokens(eng, toks) == 2 * CS  # a gap in every tier ends the prefix
+    assert lookup_tokens(eng, prompt(3, 6)) == 0
 
 
 def test_retrieve_reads_fastest_tier_and_promotes(two_tiers: Any) -> None:
@@ -113,12 +114,12 @@ def test_retrieve_reads_fastest_tier_and_promotes(two_tiers: Any) -> None:
     tier1.put(keys[1], data[1])
     tier1.put(keys[2], data[2])
     outs = empty_outs(3)
-    assert eng.retrieve(toks, outs) == 3
+    assert retrieve_tokens(eng, toks, outs) == 3
     assert all(torch.equal(o, d) for o, d in zip(outs, data)), "chunk 0 must come from tier 0"
     assert tier0.contains(keys) == 3, "chunks read from tier 1 are promoted into tier 0"
     tier1.remove(keys[1])
     tier1.remove(keys[2])
-    assert eng.retrieve(toks, outs) == 3  # now served by tier 0 alone
+    assert retrieve_tokens(eng, toks, outs) == 3  # now served by tier 0 alone
 
 
 def test_retrieve_stops_at_first_missing_chunk(two_tiers: Any) -> None:
@@ -127,17 +128,17 @@ def test_retrieve_stops_at_first_missing_chunk(two_tiers: Any) -> None:
     tier0.put(keys[0], data[0])
     tier0.put(keys[2], data[2])
     outs = empty_outs(3)
-    assert eng.retrieve(toks, outs) == 1
+    assert retrieve_tokens(eng, toks, outs) == 1
     assert eng.counters.load_errors == 2  # chunks not loaded (1 and 2), not calls
 
 
 def test_wrong_shape_in_a_tier_is_a_miss_not_wrong_data(two_tiers: Any) -> None:
     eng, tier0, tier1 = two_tiers
     toks = prompt(6, 1)
-    key = eng.keys(eng.hashes(toks))[0]
+    key = eng.keys(token_hashes(eng, toks))[0]
     tier0.put(key, torch.ones(2, 2, CS, 16, dtype=torch.float16))
     out = torch.zeros(SHAPE, dtype=torch.float16)
-    assert eng.retrieve(toks, [out]) == 0
+    assert retrieve_tokens(eng, toks, [out]) == 0
 
 
 def test_slow_tier_never_blocks_store_and_flush_waits() -> None:
@@ -147,16 +148,16 @@ def test_slow_tier_never_blocks_store_and_flush_waits() -> None:
         slow = plugin.created[0]
         assert isinstance(slow, DictTier)
         toks = prompt(7, 3)
-        t = threading.Thread(target=eng.store, args=(toks, chunks_for(toks)))
+        t = threading.Thread(target=store_tokens, args=(eng, toks, chunks_for(toks)))
         t.start()
         t.join(timeout=10)
         assert not t.is_alive(), "store blocked on a slow tier"
-        assert eng.lookup(toks) == 3 * CS  # served from tier 0 meanwhile
+        assert lookup_tokens(eng, toks) == 3 * CS  # served from tier 0 meanwhile
         assert eng.flush(timeout=0.2) is False  # the slow tier has not finished
-        assert slow.contains(eng.keys(eng.hashes(toks))) == 0
+        assert slow.contains(eng.keys(token_hashes(eng, toks))) == 0
         gate.set()
         assert eng.flush(timeout=10) is True
-        assert slow.contains(eng.keys(eng.hashes(toks))) == 3
+        assert slow.contains(eng.keys(token_hashes(eng, toks))) == 3
 
 
 def test_full_write_queue_drops_instead_of_blocking() -> None:
@@ -165,7 +166,7 @@ def test_full_write_queue_drops_instead_of_blocking() -> None:
     with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}], plugin, write_queue_size=2) as eng:
         slow = plugin.created[0]
         toks = prompt(8, 8)
-        t = threading.Thread(target=eng.store, args=(toks, chunks_for(toks)))
+        t = threading.Thread(target=store_tokens, args=(eng, toks, chunks_for(toks)))
         t.start()
         t.join(timeout=10)
         assert not t.is_alive(), "store blocked on a full write queue"
@@ -175,7 +176,7 @@ def test_full_write_queue_drops_instead_of_blocking() -> None:
         # is queued into one batch, and the store may queue more meanwhile (4 dropped,
         # not 5-6, on a loaded CI host). Each chunk is either written or counted dropped.
         assert 1 <= dropped <= 6
-        assert eng.lookup(toks) == 8 * CS
+        assert lookup_tokens(eng, toks) == 8 * CS
         gate.set()
         assert eng.flush(10)
         assert len(slow.data) == 8 - dropped  # type: ignore[attr-defined]
@@ -186,21 +187,21 @@ def test_pins_protect_chunks_between_lookup_and_load() -> None:
     with engine([{"name": "local_cpu", "max_size": budget}]) as eng:
         tier0 = eng.tiers[0]
         a = prompt(9, 4)
-        assert eng.store(a, chunks_for(a)) == 4
-        assert eng.lookup(a, pin_id="req-a") == 4 * CS
+        assert store_tokens(eng, a, chunks_for(a)) == 4
+        assert lookup_tokens(eng, a, pin_id="req-a") == 4 * CS
         for s in range(10, 14):  # pressure: other prompts want the space
             other = prompt(s, 2)
-            eng.store(other, chunks_for(other))
-        assert eng.lookup(a) == 4 * CS, "a pinned chunk was evicted"
+            store_tokens(eng, other, chunks_for(other))
+        assert lookup_tokens(eng, a) == 4 * CS, "a pinned chunk was evicted"
         outs = empty_outs(4)
-        assert eng.retrieve(a, outs) == 4
+        assert retrieve_tokens(eng, a, outs) == 4
         assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(a)))
         eng.unpin("req-a")
         assert tier0.stats().extra["pinned"] == 0
         for s in range(20, 22):
             other = prompt(s, 2)
-            eng.store(other, chunks_for(other))
-        assert eng.lookup(a) < 4 * CS, "after unpin the chunks are evictable again"
+            store_tokens(eng, other, chunks_for(other))
+        assert lookup_tokens(eng, a) < 4 * CS, "after unpin the chunks are evictable again"
         eng.unpin("req-a")  # unpinning twice is harmless
 
 
@@ -214,14 +215,14 @@ def test_a_failing_backend_means_misses_not_exceptions(order: str) -> None:
     }[order]
     with engine(backends, TierPlugin()) as eng:
         toks = prompt(30, 3)
-        stored = eng.store(toks, chunks_for(toks))
+        stored = store_tokens(eng, toks, chunks_for(toks))
         assert eng.flush(10)
         outs = empty_outs(3)
         if order == "broken-only":
-            assert stored == 0 and eng.lookup(toks) == 0 and eng.retrieve(toks, outs) == 0
+            assert stored == 0 and lookup_tokens(eng, toks) == 0 and retrieve_tokens(eng, toks, outs) == 0
         else:
-            assert eng.lookup(toks) == 3 * CS
-            assert eng.retrieve(toks, outs) == 3
+            assert lookup_tokens(eng, toks) == 3 * CS
+            assert retrieve_tokens(eng, toks, outs) == 3
             assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(toks)))
         assert eng.counters.backend_errors.get("broken", 0) > 0
         stats = eng.stats()
@@ -231,10 +232,10 @@ def test_a_failing_backend_means_misses_not_exceptions(order: str) -> None:
 def test_tags_and_salt_separate_caches() -> None:
     with engine([{"name": "local_cpu", "max_size": "1MiB"}]) as eng:
         toks = prompt(40, 2)
-        eng.store(toks, chunks_for(toks), tags={"user": "a"})
-        assert eng.lookup(toks, tags={"user": "a"}) == 2 * CS
-        assert eng.lookup(toks, tags={"user": "b"}) == 0
-        assert eng.lookup(toks) == 0
+        store_tokens(eng, toks, chunks_for(toks), tags={"user": "a"})
+        assert lookup_tokens(eng, toks, tags={"user": "a"}) == 2 * CS
+        assert lookup_tokens(eng, toks, tags={"user": "b"}) == 0
+        assert lookup_tokens(eng, toks) == 0
     with engine([{"name": "local_cpu", "max_size": "1MiB"}], tenant_salt="t1") as eng:
         assert eng.namespace.salt == "t1" and eng.keys([b"\0" * 16])[0].namespace != NS.id
 
@@ -243,7 +244,7 @@ def test_store_with_more_chunks_than_tokens_is_an_error(two_tiers: Any) -> None:
     eng, _, _ = two_tiers
     toks = prompt(50, 2)
     with pytest.raises(ValueError, match="chunks given"):
-        eng.store(toks, chunks_for(toks) + [torch.zeros(SHAPE, dtype=torch.float16)])
+        store_tokens(eng, toks, chunks_for(toks) + [torch.zeros(SHAPE, dtype=torch.float16)])
 
 
 def test_write_behind_survives_a_cpu_tier_smaller_than_the_writes() -> None:
@@ -261,14 +262,14 @@ def test_write_behind_survives_a_cpu_tier_smaller_than_the_writes() -> None:
             buf = eng.allocate(SHAPE, torch.float16)
             assert buf is not None, f"pool exhausted at chunk {i}"
             buf.tensor.copy_(chunks[i])
-            assert eng.store_hashes(eng.hashes(toks)[i : i + 1], [buf]) == 1
+            assert eng.store_hashes(token_hashes(eng, toks)[i : i + 1], [buf]) == 1
             buf.release()
         assert eng.tiers[0].stats().bytes_used <= 64 * 1024
         gate.set()
         assert eng.flush(timeout=10)
-        assert slow.contains(eng.keys(eng.hashes(toks))) == n
+        assert slow.contains(eng.keys(token_hashes(eng, toks))) == n
         outs = empty_outs(n)
-        assert eng.retrieve(toks, outs) == n
+        assert retrieve_tokens(eng, toks, outs) == n
         assert all(torch.equal(a, b) for a, b in zip(outs, chunks))
 
 
@@ -287,7 +288,7 @@ class _ConcurrentTier(DictTier):
         with self._lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
-        time.sleep(0.05)  # a round trip
+        time.sleep(0.2)  # a round trip
         with self._lock:
             self.active -= 1
         return super().put(key, data)
@@ -318,10 +319,18 @@ def test_write_behind_uses_the_declared_write_concurrency(declared: int, monkeyp
     )
     with CacheEngine(loaded, namespace=NS, plugins=pm) as eng:
         toks = prompt(13, 12)
-        eng.store(toks, chunks_for(toks))
-        assert eng.flush(timeout=30)
+        chunks = chunks_for(toks)
         tier = plugin.created[0]
-        assert tier.contains(eng.keys(eng.hashes(toks))) == 12
+        # One chunk at a time, each once a write is in flight: a writer takes whatever
+        # is queued in one put_many, so chunks stored in one burst could all go to one
+        # thread on a slow machine; spaced like this, an idle writer takes the next.
+        for i, chunk in enumerate(chunks):
+            store_tokens(eng, toks, [chunk], start_chunk=i)
+            deadline = time.monotonic() + 5
+            while tier.active == 0 and tier.puts <= i and time.monotonic() < deadline:
+                time.sleep(0.001)
+        assert eng.flush(timeout=30)
+        assert tier.contains(eng.keys(token_hashes(eng, toks))) == 12
         # never more than declared; with 4 declared, puts do overlap (timing-robust bound)
         assert tier.max_active <= declared and (tier.max_active == 1 if declared == 1 else tier.max_active >= 2)
 
@@ -336,19 +345,19 @@ def test_listeners_see_stores_per_tier_and_evictions() -> None:
     ) as eng:
         eng.add_listener(events.append)
         a, b = prompt(31, 2), prompt(32, 2)
-        ka, kb = eng.keys(eng.hashes(a)), eng.keys(eng.hashes(b))
-        assert eng.store(a, chunks_for(a)) == 2
+        ka, kb = eng.keys(token_hashes(eng, a)), eng.keys(token_hashes(eng, b))
+        assert store_tokens(eng, a, chunks_for(a)) == 2
         assert eng.flush(10)
         assert sorted((e.kind, e.tier) for e in events) == [("stored", "dict_tier")] * 2 + [("stored", "local_cpu")] * 2
         assert {e.key for e in events} == set(ka)
         events.clear()
-        assert eng.store(a, chunks_for(a)) == 0  # already cached: no event
+        assert store_tokens(eng, a, chunks_for(a)) == 0  # already cached: no event
         assert events == []
-        assert eng.store(b, chunks_for(b)) == 2  # 4 chunks in a 3-chunk tier: a[0] goes (LRU)
+        assert store_tokens(eng, b, chunks_for(b)) == 2  # 4 chunks in a 3-chunk tier: a[0] goes (LRU)
         assert eng.flush(10)
         evicted = [e for e in events if e.kind == "evicted"]
         assert [(e.tier, e.key) for e in evicted] == [("local_cpu", ka[0])]
-        assert eng.lookup(a) == 2 * CS  # still in the slower tier
+        assert lookup_tokens(eng, a) == 2 * CS  # still in the slower tier
         stored = sorted((e.tier, str(e.key)) for e in events if e.kind == "stored")
         assert stored == sorted([("local_cpu", str(k)) for k in kb] + [("dict_tier", str(k)) for k in kb])
 
@@ -360,7 +369,7 @@ def test_a_failing_listener_never_breaks_a_store() -> None:
     with engine([{"name": "local_cpu", "max_size": f"{1 * CHUNK_BYTES}B"}]) as eng:
         eng.add_listener(boom)
         a = prompt(41, 3)
-        assert eng.store(a, chunks_for(a)) == 3  # every store evicts the previous chunk
+        assert store_tokens(eng, a, chunks_for(a)) == 3  # every store evicts the previous chunk
         assert eng.tiers[0].stats().evictions == 2
 
 
@@ -391,17 +400,17 @@ def test_an_engine_without_shared_writes_reads_shared_tiers_but_never_writes_the
     a = prompt(51, 2)
     reader, writer = make(False), make(True)
     try:
-        assert reader.store(a, chunks_for(a)) == 2  # its own CPU tier
+        assert store_tokens(reader, a, chunks_for(a)) == 2  # its own CPU tier
         assert reader.flush(10) and shared.puts == 0
-        assert writer.store(a, chunks_for(a)) == 2
+        assert store_tokens(writer, a, chunks_for(a)) == 2
         assert writer.flush(10) and shared.puts == 2
         fresh = make(False)
         try:
             outs = empty_outs(2)
-            assert fresh.retrieve(a, outs) == 2  # read from the shared tier, promoted locally
+            assert retrieve_tokens(fresh, a, outs) == 2  # read from the shared tier, promoted locally
             assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(a)))
             assert fresh.flush(10) and shared.puts == 2
-            assert fresh.tiers[0].contains(fresh.keys(fresh.hashes(a))) == 2
+            assert fresh.tiers[0].contains(fresh.keys(token_hashes(fresh, a))) == 2
         finally:
             fresh.close()
     finally:

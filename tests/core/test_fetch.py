@@ -14,6 +14,7 @@ import torch
 from lmcache_core import fetch
 from lmcache_core.engine import CacheEngine
 from lmcache_core.local_cpu import LocalCpuBackend
+from lmcache_core.testing.tokens import token_hashes
 
 from .helpers import DictTier, TierPlugin
 from .test_engine import CHUNK_BYTES, SHAPE, chunks_for, engine, prompt
@@ -51,7 +52,7 @@ def tiers() -> Iterator[tuple[CacheEngine, LocalCpuBackend, CountingTier]]:
 def _only_in_tier1(eng: CacheEngine, tier1: CountingTier, seed: int, n: int) -> tuple[list[bytes], list[torch.Tensor]]:
     toks = prompt(seed, n)
     data = chunks_for(toks)
-    hashes = eng.hashes(toks)
+    hashes = token_hashes(eng, toks)
     for k, d in zip(eng.keys(hashes), data):
         assert tier1.put(k, d)
     return hashes, data
@@ -171,11 +172,11 @@ def test_background_writes_are_batched() -> None:
         tier1 = eng.tiers[1]
         toks = prompt(9, 10)
         for i, d in enumerate(chunks_for(toks)):  # one store per step, as saves come
-            eng.store_hashes([eng.hashes(toks)[i]], [d])
+            eng.store_hashes([token_hashes(eng, toks)[i]], [d])
         gate.set()
         assert eng.flush(10)
         assert sum(tier1.put_batches) == 10 and len(tier1.put_batches) <= 3, tier1.put_batches
-        assert tier1.contains(eng.keys(eng.hashes(toks))) == 10
+        assert tier1.contains(eng.keys(token_hashes(eng, toks))) == 10
 
 
 def test_prefetch_reads_once_and_the_load_waits_for_it(tiers: Any) -> None:

@@ -38,6 +38,7 @@ from lmcache_core.serde import (
     tier_codecs,
     try_decode,
 )
+from lmcache_core.testing.tokens import retrieve_tokens, store_tokens, token_hashes
 
 KEY = ChunkKey(b"\x02" * 16, b"\x01" * 16)
 FP8 = Fp8Codec()
@@ -331,20 +332,20 @@ def test_shared_disk_fp8_frames_are_misses_for_a_raw_engine(tmp_path: Path, secr
     chunks = [torch.randn(SHAPE, generator=g).to(torch.bfloat16) for _ in range(2)]
     with _disk_engine(tmp_path / "d", "fp8", secret) as writer:
         assert writer.tier_codecs[1].name == "fp8" and writer.tier_codecs[0].name == "raw"
-        assert writer.store(tokens, chunks) == 2 and writer.flush(60)
+        assert store_tokens(writer, tokens, chunks) == 2 and writer.flush(60)
     with _disk_engine(tmp_path / "d", None, secret) as raw_reader:
         outs = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(2)]
-        assert raw_reader.retrieve(tokens, outs) == 0
+        assert retrieve_tokens(raw_reader, tokens, outs) == 0
         assert all(not bool(o.any()) for o in outs)
     with _disk_engine(tmp_path / "d", "fp8", secret) as fp8_reader:
         outs = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(2)]
-        assert fp8_reader.retrieve(tokens, outs) == 2
+        assert retrieve_tokens(fp8_reader, tokens, outs) == 2
         assert all(0 < _rel_err(o, c) <= REL_ERROR_BOUND for o, c in zip(outs, chunks))
     with _disk_engine(tmp_path / "r", None, secret) as raw_writer:
-        assert raw_writer.store(tokens, chunks) == 2 and raw_writer.flush(60)
+        assert store_tokens(raw_writer, tokens, chunks) == 2 and raw_writer.flush(60)
     with _disk_engine(tmp_path / "r", None, secret) as raw_reader:
         outs = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(2)]
-        assert raw_reader.retrieve(tokens, outs) == 2
+        assert retrieve_tokens(raw_reader, tokens, outs) == 2
         assert all(torch.equal(o, c) for o, c in zip(outs, chunks))
 
 
@@ -367,12 +368,12 @@ def test_chunk_from_a_lossy_tier_is_not_promoted_into_a_lossless_one(slow_serde:
     chunk = torch.randn(2, 16, 64).to(torch.bfloat16)
     with _dict_engine(slow_serde) as eng:
         assert [c.name for c in eng.tier_codecs] == ["raw", "raw", slow_serde]
-        assert eng.store(tokens, [chunk]) == 1 and eng.flush(10)
-        (key,) = eng.keys(eng.hashes(tokens))
+        assert store_tokens(eng, tokens, [chunk]) == 1 and eng.flush(10)
+        (key,) = eng.keys(token_hashes(eng, tokens))
         eng.tiers[0].remove(key)
         eng.tiers[1].remove(key)
         out = torch.zeros_like(chunk)
-        assert eng.retrieve(tokens, [out]) == 1 and eng.flush(10)
+        assert retrieve_tokens(eng, tokens, [out]) == 1 and eng.flush(10)
         assert eng.tiers[0].contains([key]) == 1
         assert eng.tiers[1].contains([key]) == (0 if slow_serde == "fp8" else 1)
         assert torch.equal(out, chunk) == (slow_serde == "raw")
@@ -456,12 +457,12 @@ def test_canary_accepts_fp8_copies_within_bound_and_catches_a_planted_chunk(secr
     other = torch.randn(2, 16, 64, generator=g)
     tokens = list(range(16))
     with CacheEngine(cfg, namespace=KeyNamespace(model="fp8-canary"), plugins=PluginManager()) as eng:
-        assert eng.store(tokens, [chunk]) == 1 and eng.flush(10)
-        (h,) = eng.hashes(tokens)
+        assert store_tokens(eng, tokens, [chunk]) == 1 and eng.flush(10)
+        (h,) = token_hashes(eng, tokens)
         (key,) = eng.keys([h])
         eng.tiers[0].remove(key)
         out = torch.zeros_like(chunk)
-        assert eng.retrieve(tokens, [out]) == 1 and not torch.equal(out, chunk)  # promoted approximation
+        assert retrieve_tokens(eng, tokens, [out]) == 1 and not torch.equal(out, chunk)  # promoted approximation
         verdicts = eng.canary.verify(h, chunk, _exact)
         assert [(v.tier, v.blame, v.equal) for v in verdicts] == [
             ("local_cpu", "example_dict", True),

@@ -41,6 +41,7 @@ from lmcache_core.serde import (
     try_decode,
 )
 from lmcache_core.testing import random_chunk, random_key
+from lmcache_core.testing.tokens import retrieve_tokens, store_tokens, token_hashes
 
 SECRET = "a-deployment-secret-of-32-bytes!"
 OTHER = "someone-else's-secret-0123456789"
@@ -290,14 +291,14 @@ def _plant_and_retrieve(eng: CacheEngine, plugin: SharedPlugin) -> tuple[int, to
     checksum, all 666.0) for the second in the shared tier; retrieve both."""
     tokens = list(range(32))
     chunks = [random_chunk(shape=(2, 16, 8), seed=s) for s in (1, 2)]
-    keys = eng.keys(eng.hashes(tokens))
-    assert eng.store(tokens, chunks) == 2 and eng.flush(10)
+    keys = eng.keys(token_hashes(eng, tokens))
+    assert store_tokens(eng, tokens, chunks) == 2 and eng.flush(10)
     for k in keys:
         eng.tiers[0].remove(k)
     tier = plugin.tiers[-1]
     tier.frames[keys[1]] = encode(keys[1], torch.full_like(chunks[1], 666.0), RawCodec())
     outs = [torch.zeros_like(c) for c in chunks]
-    n = eng.retrieve(tokens, outs)
+    n = retrieve_tokens(eng, tokens, outs)
     assert torch.equal(outs[0], chunks[0])
     return n, outs[1]
 

@@ -20,6 +20,7 @@ from lmcache_core.hookspecs import hookimpl
 from lmcache_core.keys import ChunkKey, KeyNamespace
 from lmcache_core.loadcost import LinearFit, TierReadModel
 from lmcache_core.plugins import PluginManager
+from lmcache_core.testing.tokens import token_hashes
 
 
 def test_fit_recovers_latency_and_throughput() -> None:
@@ -98,7 +99,7 @@ def test_engine_measures_each_tier_and_reports_where_hits_are() -> None:
         )
         with CacheEngine(cfg, namespace=KeyNamespace(model="m"), plugins=pm) as eng:
             tokens = list(range(16))  # 4 chunks
-            hashes = eng.hashes(tokens)
+            hashes = token_hashes(eng, tokens)
             data = [torch.full((64,), float(i)) for i in range(4)]
             eng.store_hashes(hashes, data)
             assert eng.flush(10)

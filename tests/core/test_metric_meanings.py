@@ -8,6 +8,7 @@ import torch
 
 from lmcache_core import CacheEngine, KeyNamespace, load_config, metrics
 from lmcache_core.plugins import PluginManager
+from lmcache_core.testing.tokens import lookup_tokens, retrieve_tokens, store_tokens, token_hashes
 
 SHARED = ("lookups", "lookup_tokens", "hit_tokens", "load_errors")
 CHUNK = 16
@@ -29,12 +30,12 @@ def test_engine_counters_and_registry_count_the_same_things() -> None:
     with CacheEngine(cfg, namespace=KeyNamespace(model="meanings"), plugins=PluginManager(load_entry_points=False)) as eng:
         tokens = list(range(4 * CHUNK))
         chunks = [torch.full((8, 8), float(i), dtype=torch.float16) for i in range(4)]
-        assert eng.store(tokens, chunks[:3]) == 3
+        assert store_tokens(eng, tokens, chunks[:3]) == 3
         before_reg, before = _registry(), eng.counters.snapshot()
-        assert eng.lookup(tokens) == 3 * CHUNK  # one lookup of 4 chunks, 3 found
-        eng.tiers[0].remove(eng.keys(eng.hashes(tokens))[1])  # chunk 1 vanishes after the lookup
+        assert lookup_tokens(eng, tokens) == 3 * CHUNK  # one lookup of 4 chunks, 3 found
+        eng.tiers[0].remove(eng.keys(token_hashes(eng, tokens))[1])  # chunk 1 vanishes after the lookup
         outs = [torch.empty(8, 8, dtype=torch.float16) for _ in range(3)]
-        assert eng.retrieve(tokens, outs) == 1  # chunks 1 and 2 fail to load
+        assert retrieve_tokens(eng, tokens, outs) == 1  # chunks 1 and 2 fail to load
         after_reg, after = _registry(), eng.counters.snapshot()
     counted = {k: after[k] - before[k] for k in SHARED}
     assert counted == {"lookups": 1, "lookup_tokens": 4 * CHUNK, "hit_tokens": 3 * CHUNK, "load_errors": 2}

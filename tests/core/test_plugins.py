@@ -20,6 +20,7 @@ from lmcache_core.config import ConfigError, load_config
 from lmcache_core.hookspecs import hookimpl
 from lmcache_core.plugins import PluginError, PluginManager
 from lmcache_core.testing import make_context
+from lmcache_core.testing.tokens import retrieve_tokens, store_tokens, token_hashes
 
 from .helpers import BROKEN_PLUGIN_SRC, GOOD_PLUGIN_SRC, make_distribution
 
@@ -177,14 +178,14 @@ def test_example_backend_selected_from_yaml(tmp_path: Path) -> None:
         assert isinstance(eng.tiers[1], DictBackend)
         toks = list(range(48))
         chunks = [torch.full((2, 16, 8), float(i), dtype=torch.float16) for i in range(3)]
-        assert eng.store(toks, chunks) == 3
+        assert store_tokens(eng, toks, chunks) == 3
         assert eng.flush(10)
-        keys = eng.keys(eng.hashes(toks))
+        keys = eng.keys(token_hashes(eng, toks))
         assert eng.tiers[1].contains(keys) == 3
         for k in keys:
             eng.tiers[0].remove(k)
         outs = [torch.empty(2, 16, 8, dtype=torch.float16) for _ in range(3)]
-        assert eng.retrieve(toks, outs) == 3  # served by example_dict, through lz4 frames
+        assert retrieve_tokens(eng, toks, outs) == 3  # served by example_dict, through lz4 frames
         assert all(torch.equal(o, c) for o, c in zip(outs, chunks))
 
 

@@ -13,6 +13,7 @@ import torch
 from lmcache_core import CacheEngine, KeyNamespace, load_config
 from lmcache_core.config import BackendSection, ConfigError
 from lmcache_core.plugins import PluginManager
+from lmcache_core.testing.tokens import retrieve_tokens, store_tokens
 
 from .helpers import make_distribution
 
@@ -127,7 +128,7 @@ def _fill(engine: CacheEngine, n: int) -> int:
     stored = 0
     for i in range(n):
         tokens = [i * 100 + t for t in range(engine.chunk_size)]
-        stored += engine.store(tokens, [torch.full((CHUNK // 4,), float(i))])
+        stored += store_tokens(engine, tokens, [torch.full((CHUNK // 4,), float(i))])
     return stored
 
 
@@ -153,7 +154,7 @@ def test_third_party_zero_copy_tier_gets_the_pool_it_declares(
             assert stored == wanted  # the whole budget lives in the pool
             assert engine.stats()["tiers"][0]["bytes_used"] == TIER
             out = torch.empty(CHUNK // 4)
-            assert engine.retrieve([3 * 100 + t for t in range(16)], [out]) == 1 and out[0].item() == 3.0
+            assert retrieve_tokens(engine, [3 * 100 + t for t in range(16)], [out]) == 1 and out[0].item() == 3.0
             assert "declares no pool_bytes" not in caplog.text
         else:
             # Negative control: without a declaration only the staging headroom exists.

@@ -14,6 +14,7 @@ import torch
 from lmcache_core import metrics as m
 from lmcache_core.cli import main as cli_main
 from lmcache_core.quarantine import RECHECK_S, MismatchWindow, Quarantine, list_control_files
+from lmcache_core.testing.tokens import lookup_tokens, store_tokens, token_hashes
 
 from .helpers import DictTier, TierPlugin
 from .test_engine import SHAPE, engine, prepared
@@ -163,8 +164,8 @@ def test_engine_verify_charges_origin_replaces_and_quarantines(tmp_path: Path) -
     with engine(backends, plugin, verify_mismatch_limit=2, quarantine_dir=str(tmp_path)) as eng:
         tier0, tier1 = eng.tiers
         toks, chunks, keys = prepared(eng, 1, 3)
-        hashes = eng.hashes(toks)
-        eng.store(toks, chunks)
+        hashes = token_hashes(eng, toks)
+        store_tokens(eng, toks, chunks)
         assert eng.flush(10)
         # all copies right: no mismatch
         v = eng.canary.verify(hashes[0], chunks[0], _exact)
@@ -195,9 +196,9 @@ def test_engine_verify_charges_origin_replaces_and_quarantines(tmp_path: Path) -
         # no writes to it
         puts = tier1.puts
         toks2, chunks2, _ = prepared(eng, 2, 2)
-        eng.store(toks2, chunks2)
+        store_tokens(eng, toks2, chunks2)
         assert eng.flush(10) and tier1.puts == puts
-        assert eng.lookup(toks2) == len(toks2)  # tier 0 still serves
+        assert lookup_tokens(eng, toks2) == len(toks2)  # tier 0 still serves
         # released by an operator (control file deleted)
         for f in list_control_files(tmp_path):
             f.path.unlink()
@@ -214,7 +215,7 @@ def test_quarantined_first_tier_still_writes_behind(tmp_path: Path) -> None:
         tier0, tier1 = eng.tiers
         eng.quarantine.record_mismatch("local_cpu")
         toks, chunks, keys = prepared(eng, 3, 2)
-        assert eng.store(toks, chunks) == 0
+        assert store_tokens(eng, toks, chunks) == 0
         assert eng.flush(10)
         assert tier0.contains(keys) == 0 and tier1.contains(keys) == 2
-        assert eng.lookup(toks) == len(toks)
+        assert lookup_tokens(eng, toks) == len(toks)

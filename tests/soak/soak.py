@@ -239,9 +239,11 @@ class Soak:
     def verify(self, engine: Any, d: int) -> float:
         import torch
 
+        from lmcache_core.testing.tokens import retrieve_tokens
+
         outs = [torch.full(CHUNK_SHAPE, float("nan"), dtype=torch.float16) for _ in self.expected[d]]
         t0 = time.monotonic()
-        n = engine.retrieve(self.docs[d], outs)
+        n = retrieve_tokens(engine, self.docs[d], outs)
         dt = time.monotonic() - t0
         bad = [i for i in range(n) if not torch.equal(outs[i], self.expected[d][i])]
         with self.lock:
@@ -252,6 +254,8 @@ class Soak:
         return dt
 
     def worker(self, engine: Any, i: int) -> None:
+        from lmcache_core.testing.tokens import lookup_tokens, store_tokens
+
         rng = random.Random(self.seed * 31 + i)
         end = time.monotonic() + self.duration_s
         while not self.stop.is_set() and time.monotonic() < end:
@@ -259,11 +263,11 @@ class Soak:
             r = rng.random()
             if r < 0.3:
                 t0 = time.monotonic()
-                engine.store(self.docs[d], self.expected[d])
+                store_tokens(engine, self.docs[d], self.expected[d])
                 self._record("store", time.monotonic() - t0)
             elif r < 0.5:
                 t0 = time.monotonic()
-                engine.lookup(self.docs[d])
+                lookup_tokens(engine, self.docs[d])
                 self._record("lookup", time.monotonic() - t0)
             else:
                 self._record("retrieve", self.verify(engine, d))
@@ -320,6 +324,7 @@ class Soak:
         from botocore.config import Config
 
         from lmcache_core.serde import FrameSeal, RawCodec, encode
+        from lmcache_core.testing.tokens import token_hashes
 
         engine = self.engine
         if engine is None:
@@ -335,7 +340,7 @@ class Soak:
         other = FrameSeal(OTHER_FRAME_SECRET)
         n = 0
         for d in self.rng.sample(range(len(self.docs)), docs):
-            for i, key in enumerate(engine.keys(engine.hashes(self.docs[d]))):
+            for i, key in enumerate(engine.keys(token_hashes(engine, self.docs[d]))):
                 fake = torch.full(CHUNK_SHAPE, 666.0, dtype=torch.float16)
                 frame = encode(key, fake, RawCodec(), seal=other if (d + i) % 2 else None)
                 path = disk.directory.chunk_path(key)

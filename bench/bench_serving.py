@@ -57,7 +57,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -667,6 +667,8 @@ def merge(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
 def report(merged: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace, machine: str) -> list[str]:
     keys = sorted({k for runs in merged.values() for k in runs}, key=lambda k: (k.split("@")[0], int(k.split("@")[1])))
     lines = [f"# bench_serving ({machine})", ""]
+    if args.server_env:
+        lines += [f"Server environment in every arm: `{' '.join(args.server_env)}`", ""]
     for key in keys:
         lines += [
             f"## {key}",
@@ -772,9 +774,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batched", type=int, default=2048)
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--repeat", type=int, default=1, help="rounds, the arms' order rotating")
+    p.add_argument(
+        "--server-env",
+        nargs="*",
+        default=[],
+        metavar="K=V",
+        help="extra environment for every arm's server (e.g. LD_PRELOAD=... ONEDNN_PRIMITIVE_CACHE_CAPACITY=256)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer, shorter requests; concurrency 1 and 4")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"))
     a = p.parse_args(argv)
+    bad = [kv for kv in a.server_env if "=" not in kv]
+    if bad:
+        p.error(f"--server-env takes K=V pairs, got {bad}")
+    server_env = dict(kv.split("=", 1) for kv in a.server_env)
     if a.quick:
         a.docs, a.doc_tokens, a.unique, a.chat_users, a.chat_turns, a.bench_prompts = 6, 1000, 8, 4, 3, 0
         a.concurrency = [c for c in a.concurrency if c <= 4] or [4]
@@ -790,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     log(
         f"bench_serving: {machine}; model {model.name}; docqa KV volume {working_set / 2**20:.0f} MiB = "
         f"{working_set / a.small_kv:.1f}x the small cache ({a.small_kv >> 20} MiB); floor --max-num-seqs {a.floor_seqs}; "
-        f"VLLM_CPU_NUM_OF_RESERVED_CPU=1 in every arm"
+        f"VLLM_CPU_NUM_OF_RESERVED_CPU=1 in every arm" + (f"; server environment {server_env}" if server_env else "")
     )
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmpdir:
@@ -799,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
             order = a.arms[r % len(a.arms) :] + a.arms[: r % len(a.arms)]
             for name in order:
                 arm = ARMS[name](a)
+                arm = replace(arm, env={**arm.env, **server_env})
                 log(f"round {r + 1}/{a.repeat}: {name}")
                 try:
                     rounds.append(run_arm(arm, model, 0, a, tmp))

@@ -152,9 +152,6 @@ class Canary:
             while len(self._origin) > MAX_ORIGINS:
                 self._origin.popitem(last=False)
 
-    def _out(self, tier: StorageBackend) -> bool:
-        return self._engine.quarantine.is_quarantined(tier.name)
-
     def verify(self, chunk_hash: bytes, fresh: ChunkData, same: Compare = compare) -> list[TierVerdict]:
         """Compare the freshly computed chunk ``fresh`` with the object stored under
         ``chunk_hash`` in every in-service tier that holds it (read straight from each
@@ -165,14 +162,14 @@ class Canary:
         (``lmcache_core:verify_mismatches_total{tier}``), logged with the key, and the
         stored object is replaced by ``fresh``; ``verify_mismatch_limit`` mismatches
         within ``verify_window_s`` quarantine the charged tier."""
-        key = ChunkKey(self._engine.namespace.id, chunk_hash)
+        (key,) = self._engine.keys([chunk_hash])  # the engine's namespace id, computed once
         fresh_t = fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh
         verdicts: list[TierVerdict] = []
         with self._lock:
             origin = self._origin.get(key)
         levels = {t.name: i for i, t in enumerate(self._engine.tiers)}
         for level, tier in enumerate(self._engine.tiers):
-            if self._out(tier):
+            if self._engine._out(tier):
                 continue
             stored = self._read_copy(tier, key, fresh_t)
             if stored is None:
@@ -258,7 +255,7 @@ class Canary:
         """Overwrite ``key`` in tier ``level`` with ``fresh`` (not in a tier now
         quarantined, nor in a shared tier this engine does not write)."""
         tier = self._engine.tiers[level]
-        if self._out(tier) or not self._engine._writes[level]:
+        if self._engine._out(tier) or not self._engine._writes[level]:
             return
         try:
             tier.remove(key)

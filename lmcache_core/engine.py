@@ -26,17 +26,17 @@ import torch
 
 from . import metrics
 from .backend import PINNING, SHARED, ZERO_COPY, BackendContext, StorageBackend
+from .canary import Canary
 from .config import ConfigError, CoreConfig, LoadedConfig, load_config, read_frame_secret
 from .fetch import fetch_run
 from .loadcost import TierReadModel
 from .keys import ChunkKey, KeyNamespace
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
-from .canary import Canary
-from .threads import lower_priority
-from .writeback import TierWriter
 from .quarantine import Quarantine
 from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs, is_lossy, tier_codecs
+from .threads import lower_priority
+from .writeback import TierWriter
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import logging
 import math
-import os
 import sys
 import threading
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .threads import idle_priority
 
 ALIGN = 256
 
@@ -108,16 +109,6 @@ def populate(
         if progress is not None:
             progress(done)
     return done, None
-
-
-def _idle_priority() -> None:
-    """Run the calling thread only when a core is otherwise idle (Linux
-    ``SCHED_IDLE``), so background work never takes a core from the engine's
-    threads; elsewhere, or where refused, it keeps its priority."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -247,7 +238,7 @@ class MemoryPool:
 
     def _populate(self) -> None:
         t0 = time.perf_counter()
-        _idle_priority()
+        idle_priority()
         try:
             # The thread holds ``self`` (and so the tensor) until it ends: the memory
             # it advises is never freed under it.

@@ -1,5 +1,5 @@
 """Priorities of lmcache-core's background threads (loads and prefetches off vLLM's
-forward path, read-ahead, write-behind, asynchronous saves).
+forward path, read-ahead, write-behind, asynchronous saves, the pool's populate).
 
 On a host whose cores run the model, a background transfer takes CPU from the
 forward pass of every other request: receiving, checking and copying a long prefix
@@ -29,3 +29,13 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except (AttributeError, OSError) as err:
         log.debug("could not lower the priority of thread %s: %s", threading.current_thread().name, err)
+
+
+def idle_priority() -> None:
+    """Run the calling thread only when a core is otherwise idle (Linux
+    ``SCHED_IDLE``), so background work never takes a core from the engine's
+    threads; elsewhere, or where refused, it keeps its priority."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass

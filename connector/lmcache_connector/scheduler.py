@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from lmcache_core.canary import sample
 from lmcache_core.keys import as_token_array, chain_seed, chunk_hashes
 
 from .groups import GroupPlan, boundary_hash
@@ -24,7 +25,6 @@ from .lookup_ipc import LookupClient
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
 from .subchunks import SubChunkIndex
-from lmcache_core.canary import sample
 
 if TYPE_CHECKING:
     import numpy as np

@@ -27,6 +27,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from lmcache_core import metrics
+from lmcache_core.canary import compare
 from lmcache_core.engine import CacheEngine
 
 from .async_loads import IDLE_WAIT_S, LoadQueue
@@ -37,7 +38,6 @@ from .layerwise import LayerPipeline, LoadItem, SaveItem
 from .log import get_logger
 from .metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import ConnectorSettings
-from lmcache_core.canary import compare
 
 log = get_logger(__name__)
 

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 
 from bench_connector import close, engine  # noqa: E402  (sets vLLM's env defaults first)
 
-from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random_prompt
+from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model, random_prompt
 
 SPEC = TinyModelSpec(
     hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096
@@ -109,9 +109,9 @@ class Profile:
     def active(self) -> Iterator["Profile"]:
         import lmcache_connector.scheduler as sched_mod
         import lmcache_connector.worker as worker_mod
-        from lmcache_connector.hits import HitPlanner
-        from lmcache_connector.kv_adapters import BlockLayout
-        from lmcache_connector.lookup_ipc import LookupClient
+        from lmcache_connector.features.hits import HitPlanner
+        from lmcache_connector.layouts.kv_adapters import BlockLayout
+        from lmcache_connector.protocol.lookup_ipc import LookupClient
         from lmcache_core.engine import CacheEngine
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner

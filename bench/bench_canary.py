@@ -28,7 +28,7 @@ from typing import Any
 
 from bench_connector import SPEC, close  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-from lmcache_connector.tiny_model import TEST_SPEC, build_tiny_model, random_prompt
+from lmcache_connector.dev.tiny_model import TEST_SPEC, build_tiny_model, random_prompt
 
 
 def _llm(model: Path, extra: dict[str, Any], **kw: Any) -> Any:

@@ -30,7 +30,7 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random_prompt  # noqa: E402
+from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model, random_prompt  # noqa: E402
 
 SPEC = TinyModelSpec(
     hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096

@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each reading process (root)")
     args = ap.parse_args()
-    from lmcache_connector.tiny_model import random_prompt
+    from lmcache_connector.dev.tiny_model import random_prompt
 
     spec, model = tiny_model()
     n, tokens = (3, 2048) if args.quick else (6, 4096)

@@ -3,7 +3,7 @@
     python bench/bench_fp8_fidelity.py [--families llama gemma3 ...] [--tokens 64] [--prompts 3] [--json PATH]
 
 For each family (the project's dense demo model and the small models of
-:mod:`lmcache_connector.tiny_hybrid`), two fresh engines, each with one tier: a
+:mod:`lmcache_connector.dev.tiny_hybrid`), two fresh engines, each with one tier: a
 disk tier whose codec is ``raw`` in one and ``fp8`` in the other. Each prompt is
 generated twice, greedily, ``--tokens`` tokens: first computed (nothing stored
 yet; its KV is then saved), then again with its prefix loaded from the tier.
@@ -57,10 +57,10 @@ FAMILIES: dict[str, tuple[int, dict[str, Any]]] = {
 
 def build(family: str) -> Path:
     if family == "llama":
-        from lmcache_connector.tiny_model import DEMO_SPEC, build_tiny_model
+        from lmcache_connector.dev.tiny_model import DEMO_SPEC, build_tiny_model
 
         return build_tiny_model(CACHE / DEMO_SPEC.tag(), DEMO_SPEC)
-    from lmcache_connector.tiny_hybrid import build_hybrid_model
+    from lmcache_connector.dev.tiny_hybrid import build_hybrid_model
 
     return build_hybrid_model(CACHE / f"hybrid-{family}", family)
 
@@ -167,7 +167,7 @@ def max_dlogp(a: dict[str, float], b: dict[str, float]) -> float:
 
 
 def measure(family: str, n_prompts: int, tokens: int) -> dict[str, Any]:
-    from lmcache_connector.tiny_hybrid import random_prompt
+    from lmcache_connector.dev.tiny_hybrid import random_prompt
 
     length, llm_kw = FAMILIES[family]
     model = build(family)

@@ -24,8 +24,8 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from lmcache_connector.tiny_hybrid import FAMILIES, build_hybrid_model  # noqa: E402
-from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model, random_prompt  # noqa: E402
+from lmcache_connector.dev.tiny_hybrid import FAMILIES, build_hybrid_model  # noqa: E402
+from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model, random_prompt  # noqa: E402
 
 DENSE = TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
 CHUNK = 512

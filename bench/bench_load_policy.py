@@ -132,7 +132,7 @@ def run_all(model: Path, lengths: list[int], reps: int, delay_ms: float, vocab: 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    from lmcache_connector.tiny_model import random_prompt
+    from lmcache_connector.dev.tiny_model import random_prompt
 
     sp = SamplingParams(max_tokens=1, temperature=0)
     llm = make_llm(model, max(lengths), "faster_than_recompute", delay_ms)
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
     args = ap.parse_args(argv)
-    from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model
+    from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model
 
     from lmcache_core.plugins import get_plugin_manager
 

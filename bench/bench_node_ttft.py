@@ -220,7 +220,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 prompts x 2048 tokens, 20 rounds of chunk loads")
     args = ap.parse_args()
-    from lmcache_connector.tiny_model import random_prompt
+    from lmcache_connector.dev.tiny_model import random_prompt
 
     spec, model = tiny_model()
     n, tokens, rounds = (2, 2048, 20) if args.quick else (8, 4096, 50)

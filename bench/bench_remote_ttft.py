@@ -131,7 +131,7 @@ def run(model: Path, backends: list[dict[str, Any]], prompts: list[list[int]], p
 
 
 def part_rtt(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
-    from lmcache_connector.tiny_model import random_prompt
+    from lmcache_connector.dev.tiny_model import random_prompt
 
     prompt = random_prompt(3900, 901, vocab)
     cpu = {"name": "local_cpu", "max_size": "1GiB"}
@@ -152,7 +152,7 @@ FIGURES: dict[str, dict[str, float]] = {"seconds": {}, "ratios": {}}
 
 
 def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
-    from lmcache_connector.tiny_model import random_prompt
+    from lmcache_connector.dev.tiny_model import random_prompt
 
     tokens = 8 * 1024 if quick else 63 * CS  # 16,128: the model allows 16,384 positions
     prompt = random_prompt(tokens + 1, 902, vocab)

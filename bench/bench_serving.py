@@ -83,7 +83,7 @@ def log(*a: Any) -> None:
 
 # -- the model and the prompts ----------------------------------------------------------
 def build_model() -> Path:
-    from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model
+    from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(**MODEL_KW)
     return build_tiny_model(Path.home() / ".cache" / "lmcache-core" / f"serving-{spec.tag()}", spec)
@@ -96,7 +96,7 @@ class Texts:
     def __init__(self, model: Path, seed: int = 0) -> None:
         from transformers import AutoTokenizer
 
-        from lmcache_connector.tiny_model import corpus
+        from lmcache_connector.dev.tiny_model import corpus
 
         self.tok = AutoTokenizer.from_pretrained(model)
         words = sorted(set(re.findall(r"[A-Za-z]{3,12}", " ".join(corpus(1 << 20)))))

@@ -35,8 +35,8 @@ for sub in ("", "connector", "cuda"):
         sys.path.insert(0, p)
 
 import lmcache_cuda  # noqa: E402
-from lmcache_connector.kv_adapters import BlockLayout, TokenLayout  # noqa: E402
-from lmcache_connector.layerwise import LayerPipeline, LoadItem, SaveItem  # noqa: E402
+from lmcache_connector.layouts.kv_adapters import BlockLayout, TokenLayout  # noqa: E402
+from lmcache_connector.transfers.layerwise import LayerPipeline, LoadItem, SaveItem  # noqa: E402
 from lmcache_cuda.paged_layout import int_view  # noqa: E402
 from lmcache_cuda.testing import poison_like, vllm_kv_caches  # noqa: E402
 

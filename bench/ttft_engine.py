@@ -23,7 +23,7 @@ SPEC_KW = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_
 
 def tiny_model() -> tuple[Any, Path]:
     """The benchmark model's spec and its directory (built on first use)."""
-    from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model
+    from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(**SPEC_KW)
     return spec, build_tiny_model(Path.home() / ".cache" / "lmcache-core" / spec.tag(), spec)

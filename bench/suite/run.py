@@ -115,7 +115,7 @@ class Workload:
 
 
 def docqa(doc_lengths: list[int], queries: int, vocab: int, question_tokens: int = 32) -> Workload:
-    from lmcache_connector.tiny_model import random_prompt
+    from lmcache_connector.dev.tiny_model import random_prompt
 
     docs = [random_prompt(n, 10_000 + i, vocab) for i, n in enumerate(doc_lengths)]
     w = Workload("docqa", f"long-document QA ({len(docs)} docs, {queries} questions each)")
@@ -127,7 +127,7 @@ def docqa(doc_lengths: list[int], queries: int, vocab: int, question_tokens: int
 
 
 def chat(users: int, rounds: int, vocab: int, system_tokens: int, turn_tokens: int, answer_tokens: int) -> Workload:
-    from lmcache_connector.tiny_model import random_prompt
+    from lmcache_connector.dev.tiny_model import random_prompt
 
     system = random_prompt(system_tokens, 30_000, vocab)
     w = Workload("chat", f"multi-round chat ({users} users, {rounds} rounds)")
@@ -405,7 +405,7 @@ def run_workload(
     try:
         sp = SamplingParams(max_tokens=1, temperature=0)
         # warm-up (not timed, not cached by anything later: its tokens are unrelated)
-        from lmcache_connector.tiny_model import random_prompt
+        from lmcache_connector.dev.tiny_model import random_prompt
 
         llm.generate([TokensPrompt(prompt_token_ids=random_prompt(300, 7, 64))], sp, use_tqdm=False)
         worker = lmc_worker() if system.kind == "lmc" else None
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=None, help="where to build the model (default ~/.cache/lmcache-core/<tag>)")
     args = ap.parse_args(argv)
 
-    from lmcache_connector.tiny_model import TinyModelSpec, build_tiny_model
+    from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model
     from tqdm import tqdm
 
     spec = TinyModelSpec(

@@ -26,14 +26,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_core.config import ConfigError
 
-from .cpu_cores import reservation_advice
-from .kv_events import EventTranslator, LMCacheCoreKVEvents, event_groups, events_enabled
-from .groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size, state_advice
-from .lookup_ipc import LookupClient, socket_path
-from .metadata import LMCacheConnectorMetadata
+from .features.cpu_cores import reservation_advice
+from .protocol.kv_events import EventTranslator, LMCacheCoreKVEvents, event_groups, events_enabled
+from .layouts.groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size, state_advice
+from .protocol.lookup_ipc import LookupClient, socket_path
+from .protocol.metadata import LMCacheConnectorMetadata
 from .options import load_settings
 from .scheduler import SchedulerSide, make_scheduler
-from .stats import LMCacheConnectorStats, LMCachePromMetrics
+from .protocol.stats import LMCacheConnectorStats, LMCachePromMetrics
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def _page_sizes(kv_cache_config: Any, plan: GroupPlan) -> tuple[dict[int, int], 
 class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
     """Supports vLLM's hybrid KV cache manager (``SupportsHMA``): models with
     sliding-window, full-attention and state-space layers keep their per-group
-    caches; see :mod:`lmcache_connector.groups`."""
+    caches; see :mod:`lmcache_connector.layouts.groups`."""
 
     _cache_hit_source = CacheHitSource.HOST
 

@@ -11,6 +11,6 @@ from lmcache_core.hookspecs import RegisterCommand, hookimpl
 def register_commands(register: RegisterCommand) -> None:
     register(
         "demo",
-        "lmcache_connector.demo:setup_command",
+        "lmcache_connector.dev.demo:setup_command",
         help="end-to-end demo on real vLLM: cold vs warm time to first token",
     )

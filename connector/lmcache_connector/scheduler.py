@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 from lmcache_core.canary import sample
 from lmcache_core.keys import as_token_array, chain_seed, chunk_hashes
 
-from .groups import GroupPlan, boundary_hash
-from .kv_events import EventTranslator
-from .load_policy import step_pairs
-from .lookup_ipc import LookupClient
-from .metadata import ChunkTransfer, LMCacheConnectorMetadata
+from .layouts.groups import GroupPlan, boundary_hash
+from .protocol.kv_events import EventTranslator
+from .features.load_policy import step_pairs
+from .protocol.lookup_ipc import LookupClient
+from .protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
-from .subchunks import SubChunkIndex
+from .features.subchunks import SubChunkIndex
 
 if TYPE_CHECKING:
     import numpy as np

@@ -4,9 +4,9 @@ planned them.
 
 The worker exists before vLLM hands over its KV tensors; ``register_kv_caches``
 builds everything that needs them at once: the layout, the engine, and the one
-:class:`~lmcache_connector.transfers.Transfers` object for the model's kind
-(:class:`~lmcache_connector.transfers.DenseTransfers` or
-:class:`~lmcache_connector.transfers.GroupedTransfers`), which owns the load and save
+:class:`~lmcache_connector.transfers.chunks.Transfers` object for the model's kind
+(:class:`~lmcache_connector.transfers.chunks.DenseTransfers` or
+:class:`~lmcache_connector.transfers.chunks.GroupedTransfers`), which owns the load and save
 strategies (in the step, background threads, layer by layer). Until then every call
 is a no-op. Nothing here may crash vLLM: a failed load marks its blocks for
 recompute, a failed save is skipped.
@@ -24,19 +24,19 @@ from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 
-from .async_loads import LoadQueue
-from .async_saves import SaveQueue
-from .grouped_layout import GroupedLayout
-from .kv_events import RawEvent, TierEventBuffer
-from .groups import FULL, GroupPlan
-from .kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
-from .layerwise import LayerPipeline
-from .hits import HitPlanner
-from .load_policy import PrefillModel
-from .lookup_ipc import LookupServer
-from .metadata import LMCacheConnectorMetadata
+from .transfers.async_loads import LoadQueue
+from .transfers.async_saves import SaveQueue
+from .layouts.grouped_layout import GroupedLayout
+from .protocol.kv_events import RawEvent, TierEventBuffer
+from .layouts.groups import FULL, GroupPlan
+from .layouts.kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
+from .transfers.layerwise import LayerPipeline
+from .features.hits import HitPlanner
+from .features.load_policy import PrefillModel
+from .protocol.lookup_ipc import LookupServer
+from .protocol.metadata import LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings
-from .transfers import (
+from .transfers.chunks import (
     ChunkSaver,
     DenseTransfers,
     GroupedTransfers,

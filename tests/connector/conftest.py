@@ -14,7 +14,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from lmcache_connector.tiny_model import TEST_SPEC, build_tiny_model, random_prompt  # noqa: E402
+from lmcache_connector.dev.tiny_model import TEST_SPEC, build_tiny_model, random_prompt  # noqa: E402
 from lmcache_connector.transfer_config import tokens_prompt  # noqa: E402
 
 

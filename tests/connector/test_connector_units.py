@@ -12,8 +12,8 @@ import zmq
 pytest.importorskip("vllm")
 
 from lmcache_core.config import ConfigError, CoreConfig, LoadedConfig  # noqa: E402
-from lmcache_connector.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
-from lmcache_connector.lookup_ipc import LookupClient, LookupServer  # noqa: E402
+from lmcache_connector.layouts.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
+from lmcache_connector.protocol.lookup_ipc import LookupClient, LookupServer  # noqa: E402
 from lmcache_connector.options import ConnectorSettings, load_settings, parse_request_options  # noqa: E402
 from lmcache_connector.scheduler import make_scheduler  # noqa: E402
 
@@ -71,7 +71,7 @@ def test_one_scheduler_object_per_mode():
     grouped one (whole chunks only, loads reported asynchronously)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-    from lmcache_connector.groups import describe_groups
+    from lmcache_connector.layouts.groups import describe_groups
     from lmcache_connector.scheduler import DenseScheduler, GroupedScheduler
 
     kw = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
@@ -108,7 +108,7 @@ def test_async_loads_option():
 
 
 def test_lookup_hit_carries_slow_over_the_socket(tmp_path):
-    from lmcache_connector.lookup_ipc import Hit
+    from lmcache_connector.protocol.lookup_ipc import Hit
 
     addr = f"ipc://{tmp_path}/slow.ipc"
     server = LookupServer(addr, lambda hashes, pin: Hit(len(hashes) - 1, slow=pin == "far"))
@@ -128,8 +128,8 @@ def test_load_queue_reports_completions_with_their_failed_blocks():
     request's blocks below it (vLLM's own prefix cache); wait_idle waits, bounded."""
     import threading
 
-    from lmcache_connector.async_loads import LoadQueue
-    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+    from lmcache_connector.transfers.async_loads import LoadQueue
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 
     gate = threading.Event()
 
@@ -162,8 +162,8 @@ def test_save_queue_reports_exactly_the_saved_requests_once_done():
     once its saves are done (a failing save counts as done), and only once."""
     import threading
 
-    from lmcache_connector.async_saves import SaveQueue
-    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+    from lmcache_connector.transfers.async_saves import SaveQueue
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 
     gate = threading.Event()
     done = []
@@ -304,7 +304,7 @@ def test_block_layout_round_trip_and_skips_shared_blocks(dtype):
 
 def test_block_layout_copies_runs_of_consecutive_blocks():
     """Consecutive block ids are copied as slices; mixed tables still land block by block."""
-    from lmcache_connector.kv_adapters import block_runs
+    from lmcache_connector.layouts.kv_adapters import block_runs
 
     assert block_runs([4, 5, 6, 10, 11]) == [(0, 4, 3), (3, 10, 2)]
     assert block_runs([4, 6]) is None and block_runs([]) is None
@@ -345,7 +345,7 @@ def test_cpu_core_reservation_advice():
     connector says how to give it back, and says nothing once the count is set."""
     from types import SimpleNamespace
 
-    from lmcache_connector.cpu_cores import ENV, reservation_advice
+    from lmcache_connector.features.cpu_cores import ENV, reservation_advice
 
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(local_world_size=1, world_size=1))
     two = reservation_advice(cfg, env={}, cores=2)
@@ -376,7 +376,7 @@ def test_async_saves_with_vllm_033_call_order(tmp_path):
     the order."""
     import threading
 
-    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 
     w = _worker(tmp_path, async_saves=True)
     gate = threading.Event()
@@ -409,7 +409,7 @@ def test_sleep_mode_drains_and_touches_no_block(tmp_path):
     failed, saves skipped); afterwards the cache serves as before."""
     import threading
 
-    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 
     w = _worker(tmp_path, async_saves=True)
     gate = threading.Event()
@@ -470,9 +470,9 @@ def test_worker_before_registration_moves_nothing_and_picks_one_transfers_object
     recomputes instead of trusting blocks nothing wrote. Registration then builds the
     one transfers object for the layout: dense here, with the strategies the settings
     ask for."""
-    from lmcache_connector.metadata import ChunkTransfer, LMCacheConnectorMetadata
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
     from lmcache_connector.options import load_settings
-    from lmcache_connector.transfers import DenseTransfers
+    from lmcache_connector.transfers.chunks import DenseTransfers
     from lmcache_connector.worker import WorkerSide
 
     settings = load_settings(

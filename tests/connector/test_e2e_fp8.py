@@ -47,7 +47,7 @@ def test_fp8_tier_stores_byte_pages_raw_for_a_sliding_window_model(tmp_path: Pat
     sliding window: the grouped layout) cannot be quantized: the fp8 tier stores
     its chunks raw, so it still serves hits, and they are exact (identical greedy
     tokens). Before, every save was refused and the tier held nothing."""
-    from lmcache_connector.tiny_hybrid import build_hybrid_model
+    from lmcache_connector.dev.tiny_hybrid import build_hybrid_model
 
     model = build_hybrid_model(tmp_path / "mistral_sw", "mistral_sw")
     computed, loaded, s = _computed_then_loaded(model, random_prompt(1500, 812), tmp_path / "disk")

@@ -63,7 +63,7 @@ N_PROMPTS = 3
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from lmcache_connector.tiny_hybrid import build_hybrid_model
+    from lmcache_connector.dev.tiny_hybrid import build_hybrid_model
 
     root = tmp_path_factory.mktemp("hybrid-models")
     return {name: build_hybrid_model(root / name, name) for name in {**CASES, **ROUND_TRIP_ONLY}}

@@ -152,7 +152,7 @@ def test_hybrid_groups_are_announced_like_vllms_own(family, tmp_path):
     announced."""
     from vllm.config import KVEventsConfig
 
-    from lmcache_connector.tiny_hybrid import build_hybrid_model
+    from lmcache_connector.dev.tiny_hybrid import build_hybrid_model
 
     case = HYBRID[family]
     model = build_hybrid_model(tmp_path / family, family)

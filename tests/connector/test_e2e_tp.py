@@ -92,7 +92,7 @@ def test_mla_tensor_parallel_2_stores_the_latent_kv_once(tmp_path):
     tokens, identically when every rank stores its own copy (measured; the two ranks'
     latent chunks were then bit-identical), so it is not the single copy."""
     pytest.importorskip("lmcache_backend_disk")
-    from lmcache_connector.tiny_hybrid import build_hybrid_model
+    from lmcache_connector.dev.tiny_hybrid import build_hybrid_model
 
     model = build_hybrid_model(tmp_path / "deepseek_v2", "deepseek_v2")
     prompts, llm = [random_prompt(1281, 31)], {"max_num_batched_tokens": 1280}

@@ -15,8 +15,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from lmcache_connector.grouped_layout import NULL_BLOCK, GroupedLayout, page_view  # noqa: E402
-from lmcache_connector.groups import (  # noqa: E402
+from lmcache_connector.layouts.grouped_layout import NULL_BLOCK, GroupedLayout, page_view  # noqa: E402
+from lmcache_connector.layouts.groups import (  # noqa: E402
     FULL,
     STATE,
     WINDOW,
@@ -28,7 +28,7 @@ from lmcache_connector.groups import (  # noqa: E402
     effective_chunk_size,
     state_advice,
 )
-from lmcache_connector.kv_adapters import LayoutError  # noqa: E402
+from lmcache_connector.layouts.kv_adapters import LayoutError  # noqa: E402
 
 BS = 16
 HEADS, HEAD = 2, 8

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmcache_connector.kv_events import EventTranslator, LMCacheCoreKVEvents, TierEventBuffer  # noqa: E402
+from lmcache_connector.protocol.kv_events import EventTranslator, LMCacheCoreKVEvents, TierEventBuffer  # noqa: E402
 from lmcache_core.engine import TierEvent  # noqa: E402
 from lmcache_core.keys import ChunkKey  # noqa: E402
 
@@ -76,8 +76,8 @@ def _ext(req: SimpleNamespace, a: int, b: int) -> list:
 
 
 def _hybrid(window: int = 6, state_mode: str = "align") -> list:
-    from lmcache_connector.groups import FULL, STATE, WINDOW, GroupInfo
-    from lmcache_connector.kv_events import EventGroup
+    from lmcache_connector.layouts.groups import FULL, STATE, WINDOW, GroupInfo
+    from lmcache_connector.protocol.kv_events import EventGroup
 
     w = GroupInfo(0, WINDOW, BS, (), window=window)
     s = GroupInfo(1, STATE, BS, (), state_mode=state_mode)

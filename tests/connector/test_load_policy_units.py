@@ -5,7 +5,7 @@ and a recompute cost that grows faster than the prompt gives a crossover length.
 
 from __future__ import annotations
 
-from lmcache_connector.load_policy import PrefillModel, best_prefix, step_pairs
+from lmcache_connector.features.load_policy import PrefillModel, best_prefix, step_pairs
 
 CS = 256
 

@@ -14,10 +14,10 @@ from lmcache_core.config import load_config  # noqa: E402
 from lmcache_core.keys import chain_seed, chunk_hashes, sub_chunk_hashes  # noqa: E402
 from lmcache_core.plugins import PluginManager  # noqa: E402
 from lmcache_core.testing.tokens import token_hashes  # noqa: E402
-from lmcache_connector.hits import HitPlanner  # noqa: E402
-from lmcache_connector.load_policy import PrefillModel  # noqa: E402
-from lmcache_connector.lookup_ipc import Hit, LookupClient, LookupServer, _combine, decode_alts, encode_alts  # noqa: E402
-from lmcache_connector.subchunks import SubChunkIndex  # noqa: E402
+from lmcache_connector.features.hits import HitPlanner  # noqa: E402
+from lmcache_connector.features.load_policy import PrefillModel  # noqa: E402
+from lmcache_connector.protocol.lookup_ipc import Hit, LookupClient, LookupServer, _combine, decode_alts, encode_alts  # noqa: E402
+from lmcache_connector.features.subchunks import SubChunkIndex  # noqa: E402
 
 SEED = chain_seed()
 

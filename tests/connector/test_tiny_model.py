@@ -8,7 +8,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from lmcache_connector.tiny_model import SPECIAL_TOKENS, TOKENIZER_VERSION, write_tokenizer
+from lmcache_connector.dev.tiny_model import SPECIAL_TOKENS, TOKENIZER_VERSION, write_tokenizer
 
 
 def test_tokenizer_reads_text_and_is_deterministic(tmp_path):

@@ -47,7 +47,7 @@ def test_namespace_and_key_string_are_golden():
 
 
 def test_boundary_hash_is_golden():
-    from lmcache_connector.groups import boundary_hash
+    from lmcache_connector.layouts.groups import boundary_hash
 
     assert boundary_hash(bytes.fromhex("70bfe0c68aa6c77b90d3674e786b8066")).hex() == "84c32f7cf81618ed3b975cba2cc488fe"
 

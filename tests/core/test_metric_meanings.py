@@ -43,7 +43,7 @@ def test_engine_counters_and_registry_count_the_same_things() -> None:
 
 
 def test_connector_stats_take_the_core_meanings() -> None:
-    from lmcache_connector.stats import COUNTERS
+    from lmcache_connector.protocol.stats import COUNTERS
 
     for key in SHARED:
         name, help_text = COUNTERS[key]

@@ -59,7 +59,7 @@ def test_engine_background_threads_run_at_background_nice(nice: int) -> None:
 @pytest.mark.parametrize("nice", [0, 5])
 def test_connector_transfer_queues_run_at_background_nice(nice: int) -> None:
     pytest.importorskip("vllm")
-    from lmcache_connector.async_saves import SaveQueue
+    from lmcache_connector.transfers.async_saves import SaveQueue
 
     q = SaveQueue(lambda t, meta: None, nice)
     try:

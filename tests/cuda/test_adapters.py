@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_connector.grouped_layout import NULL_BLOCK, GroupedLayout
-from lmcache_connector.groups import FULL, STATE, WINDOW, GroupInfo, GroupPlan
-from lmcache_connector.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout
-from lmcache_connector.layerwise import LayerPipeline, LoadItem, SaveItem
+from lmcache_connector.layouts.grouped_layout import NULL_BLOCK, GroupedLayout
+from lmcache_connector.layouts.groups import FULL, STATE, WINDOW, GroupInfo, GroupPlan
+from lmcache_connector.layouts.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout
+from lmcache_connector.transfers.layerwise import LayerPipeline, LoadItem, SaveItem
 import lmcache_cuda.ops
 from lmcache_cuda.paged_layout import int_view
 from lmcache_cuda.testing import VLLM_LAYOUTS, poison_like, vllm_kv_caches

@@ -9,7 +9,7 @@ import threading
 
 from lmcache_core.threads import lower_priority
 
-from .metadata import ChunkTransfer, LMCacheConnectorMetadata
+from ..protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 
 
 class TransferQueue:

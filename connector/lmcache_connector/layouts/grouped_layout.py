@@ -7,7 +7,7 @@ dtype or state shapes), and whole pages are copied: like :class:`BlockLayout` it
 looks inside a block, so the CPU backend's ISA-dependent block interior and the
 mamba conv/SSM state packing are carried as they are.
 
-Two kinds of objects (see :mod:`lmcache_connector.groups`):
+Two kinds of objects (see :mod:`lmcache_connector.layouts.groups`):
 
 * chunk object: the pages of the full-attention layers for the chunk's blocks,
   ``[n_full_layers * n_blocks * page_bytes]``;

@@ -32,12 +32,12 @@ from lmcache_core.engine import CacheEngine
 
 from .async_loads import IDLE_WAIT_S, LoadQueue
 from .async_saves import SaveQueue
-from .grouped_layout import GroupedLayout
-from .kv_adapters import BlockLayout, TokenLayout
+from ..layouts.grouped_layout import GroupedLayout
+from ..layouts.kv_adapters import BlockLayout, TokenLayout
 from .layerwise import LayerPipeline, LoadItem, SaveItem
-from .log import get_logger
-from .metadata import ChunkTransfer, LMCacheConnectorMetadata
-from .options import ConnectorSettings
+from ..log import get_logger
+from ..protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
+from ..options import ConnectorSettings
 
 log = get_logger(__name__)
 

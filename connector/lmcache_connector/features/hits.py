@@ -27,10 +27,10 @@ from lmcache_core import metrics
 from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 
-from .groups import boundary_hash
+from ..layouts.groups import boundary_hash
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
-from .log import get_logger
-from .lookup_ipc import Hit
+from ..log import get_logger
+from ..protocol.lookup_ipc import Hit
 
 log = get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """Small hybrid and sliding-window models built locally (random weights, the same
-word-level tokenizer as :mod:`lmcache_connector.tiny_model`): one per attention family
+word-level tokenizer as :mod:`lmcache_connector.dev.tiny_model`): one per attention family
 the connector supports beyond dense attention.
 
 * ``gemma3``: Gemma 3 text, sliding-window layers interleaved with full attention;

@@ -35,8 +35,8 @@ from typing import Callable
 
 import torch
 
-from .log import get_logger
-from .metadata import ChunkTransfer, LMCacheConnectorMetadata
+from ..log import get_logger
+from ..protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .transfer_queue import TransferQueue
 
 log = get_logger(__name__)

@@ -50,8 +50,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_block_
 
 from lmcache_core.engine import TierEvent
 
-from .groups import FULL, STATE, WINDOW, GroupInfo, GroupPlan
-from .log import get_logger
+from ..layouts.groups import FULL, STATE, WINDOW, GroupInfo, GroupPlan
+from ..log import get_logger
 
 log = get_logger(__name__)
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
-from .transfer_config import tokens_prompt
+from ..transfer_config import tokens_prompt
 from .tiny_model import DEMO_SPEC, TinyModelSpec, build_tiny_model, random_prompt
 
 QUICK_SPEC = TinyModelSpec(
@@ -85,7 +85,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> tuple[Any, Any]:
     """vLLM on CPU with the connector; returns the LLM and the connector's worker side."""
     from vllm import LLM
-    from .transfer_config import kv_transfer_config
+    from ..transfer_config import kv_transfer_config
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     extra: dict[str, Any] = {}
@@ -101,7 +101,7 @@ def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> t
         use_tqdm_on_load=args.verbose,
         kv_transfer_config=kv_transfer_config(extra),
     )
-    from .connector import LMCacheCoreConnector
+    from ..connector import LMCacheCoreConnector
 
     connector = get_kv_transfer_group()
     assert isinstance(connector, LMCacheCoreConnector) and connector.worker is not None
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmcache_connector.demo")
+    parser = argparse.ArgumentParser(prog="python -m lmcache_connector.dev.demo")
     command = setup_command(parser)
     return command(parser.parse_args(argv))
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .log import get_logger
+from ..log import get_logger
 
 log = get_logger(__name__)
 

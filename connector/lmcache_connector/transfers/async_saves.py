@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
-from .log import get_logger
-from .metadata import ChunkTransfer, LMCacheConnectorMetadata
+from ..log import get_logger
+from ..protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .transfer_queue import TransferQueue
 
 log = get_logger(__name__)

@@ -27,7 +27,7 @@ shape, dtype or block size miss instead of loading garbage.
 
 On CUDA, copies between the KV tensors and host (pool) buffers are enqueued on the
 current stream and finished (``finish``) before a buffer is handed to the cache or
-given back to the pool; :mod:`lmcache_connector.layerwise` overlaps them with the
+given back to the pool; :mod:`lmcache_connector.transfers.layerwise` overlaps them with the
 forward pass instead.
 """
 

@@ -32,7 +32,7 @@ import zmq
 
 from lmcache_core.keys import HASH_BYTES
 
-from .log import get_logger
+from ..log import get_logger
 
 log = get_logger(__name__)
 PROTO = b"L1"

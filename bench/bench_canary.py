@@ -100,7 +100,7 @@ def overhead(n_docs: int, doc_tokens: int, rounds: int, forced: int) -> None:
 
 
 def determinism(n_prompts: int, tokens: int) -> None:
-    import lmcache_connector.worker as worker_mod
+    import lmcache_connector.transfers.chunks as chunks_mod
     from lmcache_core.canary import compare
 
     model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / TEST_SPEC.tag(), TEST_SPEC)
@@ -130,14 +130,14 @@ def determinism(n_prompts: int, tokens: int) -> None:
             assert _worker().engine.flush(60)
             close(llm)
             llm = _llm(model, tiers, dtype=dtype, max_model_len=tokens + 64, max_num_batched_tokens=4096)
-            old = worker_mod.compare
-            worker_mod.compare = recording
+            old = chunks_mod.compare
+            chunks_mod.compare = recording
             try:
                 for p in prompts:
                     _ttft(llm, p, {"lmcache.verify": True})
                 mism = _worker().engine.stats()["verify_mismatches"]
             finally:
-                worker_mod.compare = old
+                chunks_mod.compare = old
                 close(llm)
         exact = sum(d == "bit-identical" for d in seen)
         rel = [float(d.split()[2]) for d in seen if d.startswith("relative error")]

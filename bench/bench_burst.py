@@ -222,11 +222,18 @@ def question(user: int, rnd: int) -> list[int]:
     return random_prompt(QUESTION, 50_000 + 1000 * rnd + user, SPEC.vocab_size)
 
 
-def parse_options(text: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def parse_options(text: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``key=value,...`` over ``base``; a dotted key (``connector.async_saves=true``)
+    sets one key of a section, keeping the section's other keys."""
+    out: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in (base or {}).items()}
     for kv in filter(None, text.split(",")):
         k, v = kv.split("=", 1)
-        out[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v, v)
+        value = int(v) if v.isdigit() else {"true": True, "false": False}.get(v, v)
+        section, dot, key = k.partition(".")
+        if dot:
+            out.setdefault(section, {})[key] = value
+        else:
+            out[k] = value
     return out
 
 
@@ -235,7 +242,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 users x 1k tokens, 1 burst round (smoke test)")
     ap.add_argument("--rounds", type=int, default=None, help="timed burst rounds (default 5, --quick 1)")
     ap.add_argument("--extra", default="", help="connector options for lmc, key=value,... (e.g. chunk_size=512)")
-    ap.add_argument("--variant", default="", help="add engine lmc2: lmc with these options on top (e.g. async_saves=true)")
+    ap.add_argument(
+        "--variant", default="", help="add engine lmc2: lmc with these options on top (e.g. connector.async_saves=true)"
+    )
     ap.add_argument("--repeat", type=int, default=1, help="run everything this many times on fresh engine processes")
     ap.add_argument(
         "--ratio", type=float, default=1 / 3, help="vLLM's own KV cache for lmc and small, as a fraction of the working set"
@@ -277,7 +286,7 @@ def main() -> int:
     }
     lmcs = ["lmc"]
     if args.variant:
-        specs["lmc2"] = dict(specs["lmc"], extra={**extra, **parse_options(args.variant)})
+        specs["lmc2"] = dict(specs["lmc"], extra=parse_options(args.variant, extra))
         names, lmcs = ("lmc", "lmc2", "ref", "same", "small"), ["lmc", "lmc2"]
         print(f"lmc2 = lmc with {specs['lmc2']['extra']}", flush=True)
     # One process per engine (vLLM keeps its connector in a process-wide global, so

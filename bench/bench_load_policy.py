@@ -116,7 +116,7 @@ def make_llm(model: Path, max_len: int, mode: str, delay_ms: float) -> Any:
         kw["kv_transfer_config"] = kv_transfer_config(
             {
                 "chunk_size": CHUNK,
-                "load_policy": mode,
+                "connector": {"load_policy": mode},
                 "backends": [{"name": "delayed", "get_delay_ms": delay_ms}],
             },
             kv_connector_module_path="lmcache_connector",

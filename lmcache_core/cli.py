@@ -6,7 +6,7 @@ Subcommands:
   distribution and version it came from, plus plugins that failed to load (exit
   status 1 if any did).
 - ``config``: the effective configuration (file, env overrides) with the source of
-  each top-level key, or the validation error.
+  each top-level key and of each key of the ``connector:`` section, or the validation error.
 - ``quarantine``: tiers that running engines took out of service after the
   correctness canary caught them serving wrong KV (``list``), and ``release``.
 - anything plugins add through the ``register_commands`` hook (for example ``demo``
@@ -27,7 +27,7 @@ from typing import Sequence, TextIO
 
 import yaml
 
-from .config import ConfigError, load_config
+from .config import MERGED_SECTIONS, ConfigError, load_config
 from .hookspecs import Command
 from .plugins import BUILTIN_COMMANDS, PluginManager
 from .quarantine import UnsafeDirError, cli_owners, default_dir, open_private_dir, printable, scan_control_files
@@ -74,6 +74,13 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 2
     data = loaded.config.model_dump(mode="json")
     for key, value in data.items():
+        if key in MERGED_SECTIONS:  # its keys come from sources of their own
+            sys.stdout.write(f"{key}:\n")
+            for sub, inner in value.items():
+                text = yaml.safe_dump({sub: inner}, sort_keys=False, default_flow_style=False).rstrip()
+                text = "\n".join("  " + line for line in text.splitlines())
+                sys.stdout.write(f"  # from {loaded.source_of(f'{key}.{sub}')}\n{text}\n")
+            continue
         text = yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False).rstrip()
         sys.stdout.write(f"# from {loaded.source_of(key)}\n{text}\n")
     return 0

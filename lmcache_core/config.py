@@ -26,6 +26,8 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    StrictBool,
+    StrictStr,
     ValidationError,
     ValidationInfo,
     model_validator,
@@ -103,6 +105,54 @@ def parse_size(value: Any) -> int:
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
 
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:60] + "..."
+
+
+def deprecated(msg: str, say: Callable[[str], None] | None = None) -> None:
+    """Say that a deprecated spelling was used: a ``DeprecationWarning``, and a log
+    warning (or ``say(msg)``, a command line's own way to tell its user)."""
+    warnings.warn(msg, DeprecationWarning, stacklevel=3)
+    if say is None:
+        log.warning("%s", msg)
+    else:
+        say(msg)
+
+
+def ms_to_seconds(
+    value: Any,
+    old: str,
+    new: str,
+    src: str = "",
+    *,
+    path: str | None = None,
+    both: bool = False,
+    sep: str = ": ",
+    say: Callable[[str], None] | None = None,
+) -> float:
+    """The one rule for an old millisecond spelling (``old``, a config key path or a
+    command-line flag) of a setting that now takes seconds (``new``): both spellings
+    at once, or an old value that is not a number, is a :class:`ConfigError` naming
+    ``path`` (the old key's full path, default ``old``) and ``src`` (`` (from ...)``); else the value divided by 1000, with a
+    deprecation warning (:func:`deprecated`, ``say``) that names both spellings and
+    the converted value (``new``, ``sep``, seconds). Used by :func:`renamed_keys` and
+    the peer node's ``--*-ms`` flags."""
+    path = old if path is None else path
+    if both:
+        raise ConfigError(f"{path}: both {old} (deprecated, milliseconds) and {new} (seconds) are set; give only {new}{src}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            f"{path}: expected a number of milliseconds, got {_shown(value)}{src}; it is deprecated: give {new} in seconds"
+        )
+    try:
+        seconds = value / 1000
+    except OverflowError:
+        raise ConfigError(f"{path}: a {len(str(value))}-digit number of milliseconds is too large{src}") from None
+    deprecated(f"{path}{src} is deprecated: use {new}{sep}{seconds!r} (seconds)", say)
+    return seconds
+
+
 def renamed_keys(
     data: Any,
     renames: Mapping[str, str],
@@ -119,8 +169,9 @@ def renamed_keys(
     section's path, ``backends[1]``; ``source_of(path)`` says where the value came
     from). ``data`` that is not a mapping is returned unchanged for the model to reject.
 
-    Config models use it through :attr:`StrictModel.renamed_ms_keys`; it is the one
-    place old spellings are converted."""
+    Config models use it through :attr:`StrictModel.renamed_ms_keys`; with
+    :func:`moved_keys` it is the one place old spellings are converted (the rule
+    itself: :func:`ms_to_seconds`)."""
     if not isinstance(data, Mapping) or not any(old in data for old in renames):
         return data
     out = dict(data)
@@ -129,22 +180,49 @@ def renamed_keys(
             continue
         path = f"{where}.{old}" if where else old
         src = f" (from {source_of(path)})" if source_of is not None else ""
-        if new in out:
-            raise ConfigError(f"{path}: both {old} (deprecated, milliseconds) and {new} (seconds) are set; give only {new}{src}")
-        value = out.pop(old)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
-            raise ConfigError(
-                f"{path}: expected a number of milliseconds, got {shown}{src}; it is deprecated: give {new} in seconds"
-            )
-        try:
-            seconds = value / 1000
-        except OverflowError:
-            raise ConfigError(f"{path}: a {len(str(value))}-digit number of milliseconds is too large{src}") from None
-        out[new] = seconds
-        msg = f"{path}{src} is deprecated: use {new}: {seconds!r} (seconds)"
-        warnings.warn(msg, DeprecationWarning, stacklevel=2)
-        log.warning("%s", msg)
+        out[new] = ms_to_seconds(out.pop(old), old, new, src, path=path, both=new in out)
+    return out
+
+
+def moved_keys(
+    data: Any,
+    moves: Mapping[str, str],
+    where: str = "",
+    source_of: Callable[[str], str] | None = None,
+) -> Any:
+    """Accept, for one release, keys that moved into a section.
+
+    ``moves`` maps each old key (``save_unfull_chunk``) to its new path in a section of
+    ``data`` (``connector.save_unfull_chunk``). For each old key in ``data`` its value
+    goes under the new path, unchanged, with a ``DeprecationWarning`` and a log warning
+    that name both (:func:`deprecated`). Giving both spellings is a
+    :class:`ConfigError` naming both and the source (``source_of(path)``), as is an
+    old key next to a section that is not a mapping. ``data`` that is not a mapping
+    is returned unchanged for the model to reject.
+
+    Every path uses it: :func:`load_config` on each source (file, env vars,
+    overrides) before the sources merge, and :attr:`StrictModel.moved_keys` on a model
+    built directly. It runs before :func:`renamed_keys` (an old ``lookup_timeout_ms``
+    moves, then converts to seconds)."""
+    if not isinstance(data, Mapping) or not any(old in data for old in moves):
+        return data
+    out = dict(data)
+    for old, new in moves.items():
+        if old not in out:
+            continue
+        section, key = new.split(".", 1)
+        path = f"{where}.{old}" if where else old
+        new_path = f"{where}.{new}" if where else new
+        src = f" (from {source_of(path)})" if source_of is not None else ""
+        current = out.get(section)
+        if current is None:
+            current = {}
+        if not isinstance(current, Mapping):
+            raise ConfigError(f"{path}: moved to {new_path}, but {section} is {_shown(current)}, not a mapping of keys{src}")
+        if key in current:
+            raise ConfigError(f"{path}: both {path} (deprecated) and {new_path} are set; give only {new_path}{src}")
+        out[section] = {**current, key: out.pop(old)}
+        deprecated(f"{path}{src} is deprecated: use {new_path}")
     return out
 
 
@@ -155,14 +233,34 @@ class StrictModel(BaseModel):
     #: old key (milliseconds) -> its new name (seconds), still accepted for one release
     #: with a deprecation warning (see :func:`renamed_keys`). A section declares its own.
     renamed_ms_keys: ClassVar[Mapping[str, str]] = {}
+    #: old key -> its new path in a section of this model (``connector.layout``), still
+    #: accepted for one release with a deprecation warning (see :func:`moved_keys`).
+    moved_keys: ClassVar[Mapping[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _renamed_keys(cls, data: Any, info: ValidationInfo) -> Any:
-        if not cls.renamed_ms_keys:
+        sections = {name: model for name, model in _sections(cls).items() if model.renamed_ms_keys}
+        if not cls.renamed_ms_keys and not cls.moved_keys and not sections:
             return data
         ctx = info.context if isinstance(info.context, dict) else {}
-        return renamed_keys(data, cls.renamed_ms_keys, ctx.get("key_path", ""), ctx.get("source_of"))
+        where, source_of = ctx.get("key_path", ""), ctx.get("source_of")
+        data = moved_keys(data, cls.moved_keys, where, source_of)
+        data = renamed_keys(data, cls.renamed_ms_keys, where, source_of)
+        for name, model in sections.items():  # here, where the section's key path is known
+            if isinstance(data, Mapping) and name in data:
+                inner = renamed_keys(data[name], model.renamed_ms_keys, f"{where}.{name}" if where else name, source_of)
+                data = {**data, name: inner}
+        return data
+
+
+def _sections(model: type[BaseModel]) -> dict[str, type["StrictModel"]]:
+    """The fields of ``model`` that are config sections themselves (``connector``)."""
+    return {
+        name: f.annotation
+        for name, f in model.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, StrictModel)
+    }
 
 
 class BackendSection(BaseModel):
@@ -179,6 +277,65 @@ class BackendSection(BaseModel):
         return dict(self.model_extra or {})
 
 
+ASYNC_AUTO: Literal["auto"] = (
+    "auto"  # connector.async_loads: in the background only when a tier slower than memory serves the hit
+)
+
+
+def _true_false_or_auto(value: Any) -> Any:
+    if value is not True and value is not False and value != ASYNC_AUTO:
+        raise ValueError(f"must be true, false or {ASYNC_AUTO}, got {_shown(value)}")
+    return value
+
+
+class ConnectorSection(StrictModel):
+    """``connector:``: the engine connector's policy. Each key merges on its own across
+    sources (file, env vars ``LMCACHE_CORE_CONNECTOR_<KEY>``, overrides such as
+    vLLM's ``kv_connector_extra_config``)."""
+
+    model_id: StrictStr | None = Field(
+        None, description="the model identity in every key (default: the engine's model name or path)"
+    )
+    async_saves: StrictBool = Field(
+        False, description="save in the background, on the engine's asynchronous save contract (vLLM: finished requests)"
+    )
+    async_loads: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or_auto)] = Field(
+        ASYNC_AUTO,
+        description="true: load every hit in the background, off the forward path; false: in the step; auto: in the "
+        "background only the hits a tier slower than memory serves",
+    )
+    layerwise: StrictBool = Field(False, description="load and save layer by layer, overlapping the forward pass")
+    save_unfull_chunk: bool = Field(False, description="also save the last, partial chunk of a prompt")
+    save_decode_cache: bool = Field(False, description="also save KV produced during decode")
+    sub_chunk_hits: bool = Field(
+        True,
+        description="load the whole KV blocks a prompt shares with a stored chunk whose rest differs",
+    )
+    priority_limit: int | None = Field(None, description="requests whose priority value is above this are not saved")
+    layout: Literal["auto", "block", "token"] = Field(
+        "auto", description="layout adapter: block (any backend, required on CPU), token (GPU layouts)"
+    )
+    lookup_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="scheduler-to-worker lookup timeout in seconds; past it the lookup is a miss",
+    )
+    renamed_ms_keys = {"lookup_timeout_ms": "lookup_timeout_s"}
+    load_policy: Literal["always", "faster_than_recompute"] = Field(
+        "always",
+        description="always: load every hit; faster_than_recompute: load a hit prefix only when its measured "
+        "load time beats the measured recompute time (the rest is recomputed, counted as bypassed)",
+    )
+    load_margin: float = Field(
+        0.2, ge=0.0, lt=1.0, description="faster_than_recompute: a load must be this fraction faster than recomputing"
+    )
+
+
+#: the sections whose keys merge one by one across sources (file, env, overrides)
+MERGED_SECTIONS: dict[str, type[StrictModel]] = {"connector": ConnectorSection}
+
+
 class CoreConfig(StrictModel):
     chunk_size: int = Field(256, gt=0, description="tokens per chunk; a multiple of the engine's block size")
     serde: str = Field(
@@ -191,24 +348,11 @@ class CoreConfig(StrictModel):
         min_length=1,
         description="ordered tiers, fastest first",
     )
-    save_unfull_chunk: bool = Field(False, description="also save the last, partial chunk of a prompt")
-    save_decode_cache: bool = Field(False, description="also save KV produced during decode")
-    sub_chunk_hits: bool = Field(
-        True,
-        description="vLLM connector: load the whole blocks a prompt shares with a stored chunk whose rest differs",
-    )
-    priority_limit: int | None = Field(None, description="requests whose priority value is above this are not saved")
     tenant_salt: str | None = Field(None, description="mixed into every key: tenants never share KV")
-    layout: Literal["auto", "block", "token"] = Field(
-        "auto", description="layout adapter: block (any backend, required on CPU), token (GPU layouts)"
+    connector: ConnectorSection = Field(
+        default_factory=lambda: ConnectorSection(),
+        description="the connector's policy: what it saves and loads, and how (merged key by key across sources)",
     )
-    lookup_timeout_s: float = Field(
-        2.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="scheduler-to-worker lookup timeout in seconds; past it the lookup is a miss",
-    )
-    renamed_ms_keys = {"lookup_timeout_ms": "lookup_timeout_s"}
     write_queue_size: int = Field(256, gt=0, description="chunks queued per slower tier before new writes to it are dropped")
     staging_size: ByteSize = Field(
         256 * 2**20,
@@ -227,14 +371,6 @@ class CoreConfig(StrictModel):
         description="nice value added to lmcache-core's background threads (loads and prefetches off the forward "
         "path, read-ahead, write-behind, asynchronous saves; Linux, per thread): the model's threads get the cores "
         "first, a background transfer the rest",
-    )
-    load_policy: Literal["always", "faster_than_recompute"] = Field(
-        "always",
-        description="always: load every hit; faster_than_recompute: load a hit prefix only when its measured "
-        "load time beats the measured recompute time (the rest is recomputed, counted as bypassed)",
-    )
-    load_margin: float = Field(
-        0.2, ge=0.0, lt=1.0, description="faster_than_recompute: a load must be this fraction faster than recomputing"
     )
     verify_fraction: float = Field(
         0.01,
@@ -262,6 +398,23 @@ class CoreConfig(StrictModel):
     frame_secret_file: str | None = Field(
         None, description="file holding frame_secret (its first line, at most 4 KiB); the alternative to frame_secret"
     )
+
+    #: the connector's keys that were top-level before ``connector:``, and the old
+    #: millisecond spelling of ``connector.lookup_timeout_s`` (moved, then converted)
+    moved_keys = {
+        key: f"connector.{key}"
+        for key in (
+            "save_unfull_chunk",
+            "save_decode_cache",
+            "sub_chunk_hits",
+            "priority_limit",
+            "layout",
+            "lookup_timeout_s",
+            "lookup_timeout_ms",
+            "load_policy",
+            "load_margin",
+        )
+    }
 
     @model_validator(mode="after")
     def _one_secret(self) -> "CoreConfig":
@@ -309,13 +462,27 @@ def read_frame_secret(cfg: CoreConfig) -> str | None:
 
 @dataclass
 class LoadedConfig:
-    """The validated config plus where each top-level key came from."""
+    """The validated config plus where each key came from: each top-level key, and
+    each key of a merged section (``connector.async_loads``) on its own."""
 
     config: CoreConfig
     sources: dict[str, str] = field(default_factory=dict)
 
     def source_of(self, key: str) -> str:
-        return self.sources.get(key.split(".")[0].split("[")[0], "default")
+        """Where the value at ``key`` (``chunk_size``, ``backends[1].path``,
+        ``connector.async_loads``) came from; ``default`` when no source set it. For a
+        whole merged section (``connector``): its keys' sources, comma-separated."""
+        return _source_in(self.sources, key, "default")
+
+
+def _source_in(sources: Mapping[str, str], path: str, default: str) -> str:
+    parts = path.split("[")[0].split(".")
+    if parts[0] in MERGED_SECTIONS and parts[0] not in sources:
+        if len(parts) > 1:
+            return sources.get(f"{parts[0]}.{parts[1]}", default)
+        inner = sorted({src for key, src in sources.items() if key.startswith(parts[0] + ".")})
+        return ", ".join(inner) or default
+    return sources.get(parts[0], default)
 
 
 def _loc_to_path(loc: tuple[Any, ...]) -> str:
@@ -351,6 +518,8 @@ M = TypeVar("M", bound=BaseModel)
 def validate_section(model: type[M], data: Mapping[str, Any], key_path: str, source: str) -> M:
     """Validate one config section against ``model``; errors name ``key_path`` and
     ``source``. Backends call this on their ``backends:`` entry."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{key_path or '<root>'}: expected a mapping of keys, got {type(data).__name__} (from {source})")
     try:
         return model.model_validate(dict(data), context={"key_path": key_path, "source_of": lambda _path: source})
     except ValidationError as err:
@@ -449,22 +618,85 @@ def _read_yaml(text: str, where: str) -> dict[str, Any]:
     return data
 
 
-def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+def _env_overrides(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ``LMCACHE_CORE_<KEY>`` variables as one source: its data (a merged section's
+    keys gathered under it: ``LMCACHE_CORE_CONNECTOR_ASYNC_LOADS`` is
+    ``connector.async_loads``, ``LMCACHE_CORE_CONNECTOR`` a YAML mapping of them) and
+    the variable each key path came from."""
     fields = CoreConfig.model_fields
-    out: dict[str, tuple[Any, str]] = {}
-    for name, raw in env.items():
+    data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, raw in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or name in _RESERVED_ENV:
             continue
         key = name[len(ENV_PREFIX) :].lower()
-        if key not in fields and key not in CoreConfig.renamed_ms_keys:
-            raise ConfigError(
-                f"{name}: unknown setting {key!r}; known: " + ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
-            )
+        section, _, sub = key.partition("_")
+        if key not in fields and key not in CoreConfig.moved_keys and not _section_key(section, sub):
+            raise ConfigError(f"{name}: unknown setting {key!r}{_env_hint(key)}")
         if key in _RAW_ENV_KEYS:
             value: Any = raw if raw.strip() else None
         else:
             value = safe_yaml(raw, f"env var {name}") if raw.strip() else None
-        out[key] = (value, f"env var {name}")
+        src = f"env var {name}"
+        if key in MERGED_SECTIONS:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{name}: expected a YAML mapping of {key} keys ({{async_loads: true}}), got {_shown(value)}")
+            pairs = [(str(k), v) for k, v in value.items()]
+        elif key not in fields and key not in CoreConfig.moved_keys:
+            pairs, key = [(sub, value)], section
+        else:
+            data[key], sources[key] = value, src
+            continue
+        inner = data.setdefault(key, {})
+        for sub, v in pairs:
+            path = f"{key}.{sub}"
+            if path in sources:
+                raise ConfigError(f"{path}: set by both {sources[path]} and {src}; give it once")
+            inner[sub], sources[path] = v, src
+    return data, sources
+
+
+def _section_key(section: str, key: str) -> bool:
+    model = MERGED_SECTIONS.get(section)
+    return model is not None and (key in model.model_fields or key in model.renamed_ms_keys)
+
+
+def _env_hint(key: str) -> str:
+    import difflib
+
+    names = [k for k in CoreConfig.model_fields if k not in MERGED_SECTIONS]
+    names += [f"{s}_{k}" for s, model in MERGED_SECTIONS.items() for k in model.model_fields]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
+    sections = ", ".join(f"{ENV_PREFIX}{s.upper()}_<KEY> for {s}.<key>" for s in MERGED_SECTIONS)
+    return f"{hint} ({sections}); known: " + ", ".join(ENV_PREFIX + k.upper() for k in sorted(names))
+
+
+def _layer(data: Mapping[str, Any], source_of: Callable[[str], str]) -> dict[tuple[str, ...], tuple[Any, str]]:
+    """One source's keys, old spellings moved (:func:`moved_keys`), as ``{path: (value,
+    source)}`` with a merged section's keys one by one (``("connector", "layout")``)."""
+    moved = {new: old for old, new in CoreConfig.moved_keys.items() if old in data}
+    data = moved_keys(data, CoreConfig.moved_keys, "", source_of)
+    out: dict[tuple[str, ...], tuple[Any, str]] = {}
+    for key, value in data.items():
+        if key in MERGED_SECTIONS and isinstance(value, Mapping):
+            for sub, v in value.items():
+                path = f"{key}.{sub}"
+                out[(key, sub)] = (v, source_of(moved.get(path, path)))
+        else:
+            out[(key,)] = (value, source_of(key))
+    return out
+
+
+def _renamed_paths() -> dict[tuple[str, ...], tuple[str, ...]]:
+    """Both directions of every millisecond rename, as paths (``connector.lookup_timeout_ms``
+    and ``connector.lookup_timeout_s``)."""
+    out: dict[tuple[str, ...], tuple[str, ...]] = {}
+    models: list[tuple[tuple[str, ...], type[StrictModel]]] = [((), CoreConfig)]
+    models += [((name,), model) for name, model in MERGED_SECTIONS.items()]
+    for prefix, model in models:
+        for old, new in model.renamed_ms_keys.items():
+            out[prefix + (old,)], out[prefix + (new,)] = prefix + (new,), prefix + (old,)
     return out
 
 
@@ -476,7 +708,10 @@ def load_config(
     overrides_source: str = "programmatic override",
 ) -> LoadedConfig:
     """Load the config: file (``path`` or ``$LMCACHE_CORE_CONFIG``, else the embedded
-    default), then ``LMCACHE_CORE_<KEY>`` env vars, then ``overrides``."""
+    default), then ``LMCACHE_CORE_<KEY>`` env vars, then ``overrides``. A later source
+    replaces a key of an earlier one; a merged section (``connector``) merges key by
+    key, so an override of ``connector.async_loads`` keeps the file's other connector
+    keys. Old spellings are moved within each source (:func:`moved_keys`)."""
     env = os.environ if env is None else env
     if path is None and env.get(ENV_CONFIG_PATH):
         path = env[ENV_CONFIG_PATH]
@@ -488,40 +723,64 @@ def load_config(
         data = _read_yaml(read_config_text(p), str(p))
     else:
         data = _read_yaml(DEFAULT_YAML, "embedded default")
-    sources = {k: file_src for k in data}
-    _apply_layer(data, sources, _env_overrides(env))
-    _apply_layer(data, sources, {k: (v, overrides_source) for k, v in (overrides or {}).items()})
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError(f"{overrides_source}: expected a mapping of config keys, got {type(overrides).__name__}")
+    env_data, env_sources = _env_overrides(env)
+    merged = _layer(data, lambda _p: file_src)
+    _apply_layer(merged, _layer(env_data, lambda p: env_sources.get(p, "env")))
+    _apply_layer(merged, _layer(overrides or {}, lambda _p: overrides_source))
 
-    old_names = {new: old for old, new in CoreConfig.renamed_ms_keys.items()}
+    data = {}
+    for key_path, (value, _src) in merged.items():
+        if len(key_path) == 1:
+            data[key_path[0]] = value
+        elif not isinstance(data.get(key_path[0], {}), Mapping):
+            continue  # the section itself was given as something else: validation refuses it
+        else:
+            data.setdefault(key_path[0], {})[key_path[1]] = value
+    sources = {".".join(map(str, key_path)): src for key_path, (_value, src) in merged.items()}
+    renamed = _renamed_paths()
 
     def source_of(path: str) -> str:
-        key = path.split(".")[0].split("[")[0]
-        if key not in sources:  # a value given under its old name is checked under the new one
-            key = old_names.get(key, key)
-        return sources.get(key, file_src)
+        key = path.split("[")[0].split(".")
+        if ".".join(key[:2]) not in sources and ".".join(key[:1]) not in sources:
+            # a value given under its old name is checked under the new one
+            other = renamed.get(tuple(key[:2])) or renamed.get(tuple(key[:1]))
+            if other is not None:
+                return sources.get(".".join(other), file_src)
+        return _source_in(sources, path, file_src)
 
     try:
         cfg = CoreConfig.model_validate(data, context={"key_path": "", "source_of": source_of})
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, "", source_of)) from None
-    for old, new in CoreConfig.renamed_ms_keys.items():  # the value now lives under its new name
-        if old in sources:
+    for old_path, new_path in renamed.items():  # the value now lives under its new name
+        old, new = ".".join(old_path), ".".join(new_path)
+        if old in sources and new not in sources and new_path[-1] in _fields_at(new_path):
             sources[new] = sources.pop(old)
     return LoadedConfig(cfg, sources)
 
 
-def _apply_layer(data: dict[str, Any], sources: dict[str, str], layer: Mapping[str, tuple[Any, str]]) -> None:
-    """Put one source's keys over the earlier ones. A key replaces an earlier
-    source's value under either spelling of a renamed key (an override of
-    ``lookup_timeout_s`` replaces a file's ``lookup_timeout_ms``); both spellings
-    from one source are left for validation to refuse."""
-    renamed = dict(CoreConfig.renamed_ms_keys)
-    renamed.update({new: old for old, new in CoreConfig.renamed_ms_keys.items()})
-    for key in layer:
-        other = renamed.get(key)
+def _fields_at(path: tuple[str, ...]) -> Mapping[str, Any]:
+    model = MERGED_SECTIONS[path[0]] if len(path) > 1 else CoreConfig
+    return model.model_fields
+
+
+def _apply_layer(merged: dict[tuple[str, ...], tuple[Any, str]], layer: Mapping[tuple[str, ...], tuple[Any, str]]) -> None:
+    """Put one source's keys over the earlier ones. A merged section's keys replace
+    one by one; a section given as something other than a mapping replaces the whole
+    section (for validation to refuse). A key replaces an earlier source's value under
+    either spelling of a renamed key (an override of ``connector.lookup_timeout_s``
+    replaces a file's ``connector.lookup_timeout_ms``); both spellings from one source
+    are left for validation to refuse."""
+    renamed = _renamed_paths()
+    for path in layer:
+        other = renamed.get(path)
         if other is not None and other not in layer:
-            data.pop(other, None)
-            sources.pop(other, None)
-    for key, (value, src) in layer.items():
-        data[key] = value
-        sources[key] = src
+            merged.pop(other, None)
+        if len(path) == 1 and path[0] in MERGED_SECTIONS:  # the whole section, not a mapping
+            for earlier in [p for p in merged if p[0] == path[0]]:
+                del merged[earlier]
+        elif len(path) == 2:
+            merged.pop(path[:1], None)
+    merged.update(layer)

@@ -102,7 +102,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             )
             settings = self.settings = settings.with_chunk_size(chunk)
         cfg = settings.core
-        if plan.hybrid and cfg.save_unfull_chunk:
+        if plan.hybrid and cfg.connector.save_unfull_chunk:
             log.info("lmcache-core: save_unfull_chunk has no effect with several KV-cache groups (whole chunks only)")
         world = vllm_config.parallel_config.world_size
         engine_id = ktc.engine_id or "default"
@@ -115,7 +115,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             for advice in (reservation_advice(vllm_config), state_advice(plan, cfg.chunk_size)):
                 if advice:
                     log.warning("lmcache-core: %s", advice)
-            client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.lookup_timeout_s)
+            client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.connector.lookup_timeout_s)
             self._sched = make_scheduler(
                 settings,
                 block_size=block_size,

@@ -2,8 +2,9 @@
 
 Configuration: the core's YAML/env config, then ``kv_connector_extra_config``
 overrides: ``config_file`` (a YAML path) and any core key (``chunk_size``,
-``backends``, ...), plus connector keys (``model_id``, ``async_saves``, ``async_loads``, ``layerwise``). Errors name
-``kv_connector_extra_config.<key>``.
+``backends``, ...), the connector's own keys under ``connector:`` (``model_id``,
+``async_saves``, ``async_loads``, ``layerwise``, ``save_unfull_chunk``, ...). Errors name
+the key path and ``kv_connector_extra_config`` as its source.
 
 Per-request options come in ``kv_transfer_params`` (``SamplingParams.extra_args``):
 ``lmcache.skip_save: true``, ``lmcache.tag.<name>: <str>`` and ``lmcache.verify: true|false``
@@ -15,33 +16,52 @@ and a warning says why.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from lmcache_core.config import CoreConfig, LoadedConfig, load_config
+from lmcache_core.config import ASYNC_AUTO, ConfigError, CoreConfig, LoadedConfig, load_config, moved_keys
 
 from .log import get_logger
 
 log = get_logger(__name__)
 
-CONNECTOR_KEYS = {"config_file", "model_id", "async_saves", "async_loads", "layerwise"}
-AUTO = "auto"  # async_loads: in the background only when a tier slower than memory serves the hit
+AUTO = ASYNC_AUTO  # connector.async_loads: in the background only when a tier slower than memory serves the hit
 SKIP_SAVE = "lmcache.skip_save"
 VERIFY = "lmcache.verify"
 TAG_PREFIX = "lmcache.tag."
+SOURCE = "kv_connector_extra_config"  # the source its errors and warnings name
+#: the keys only kv_connector_extra_config took before ``connector:`` (the core's own
+#: moved keys, ``save_unfull_chunk`` and the rest, are moved by load_config from every source)
+EXTRA_CONFIG_MOVES = {key: f"connector.{key}" for key in ("model_id", "async_saves", "async_loads", "layerwise")}
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
+    """The loaded configuration; the connector's own keys are in ``core.connector``
+    (the properties below read the switches from there)."""
+
     loaded: LoadedConfig
-    model_id: str | None = None
-    async_saves: bool = False  # see async_saves.py
-    async_loads: bool | str = AUTO  # True, False or "auto"; see async_loads.py
-    layerwise: bool = False  # see layerwise.py
 
     @property
     def core(self) -> CoreConfig:
         return self.loaded.config
+
+    @property
+    def model_id(self) -> str | None:
+        return self.core.connector.model_id
+
+    @property
+    def async_saves(self) -> bool:  # see transfers/async_saves.py
+        return self.core.connector.async_saves
+
+    @property
+    def async_loads(self) -> bool | str:  # True, False or "auto"; see transfers/async_loads.py
+        return self.core.connector.async_loads
+
+    @property
+    def layerwise(self) -> bool:  # see transfers/layerwise.py
+        return self.core.connector.layerwise
 
     def with_chunk_size(self, chunk_size: int) -> "ConnectorSettings":
         """The same settings with the chunk size the model needs (the key's source
@@ -51,29 +71,21 @@ class ConnectorSettings:
 
 
 def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
-    """Core config with ``kv_connector_extra_config`` applied on top."""
+    """Core config with ``kv_connector_extra_config`` applied on top: ``config_file``
+    names the YAML file, every other key overrides the core config (``connector:
+    {...}`` merges key by key; the connector's old flat keys move there with a
+    deprecation warning, see :func:`lmcache_core.config.moved_keys`)."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError(f"kv_connector_extra_config: expected a mapping of keys, got {type(extra).__name__}")
     extra = dict(extra or {})
     path = extra.pop("config_file", None)
-    model_id = extra.pop("model_id", None)
-    if model_id is not None and not isinstance(model_id, str):
-        from lmcache_core.config import ConfigError
-
-        raise ConfigError("kv_connector_extra_config.model_id: must be a string (from kv_connector_extra_config)")
-    switches = {key: extra.pop(key, False) for key in ("async_saves", "layerwise")}
-    switches["async_loads"] = extra.pop("async_loads", AUTO)
-    for key, value in switches.items():
-        if key == "async_loads" and value == AUTO:
-            continue
-        if not isinstance(value, bool):
-            from lmcache_core.config import ConfigError
-
-            raise ConfigError(
-                f"kv_connector_extra_config.{key}: must be true or false"
-                + (" or auto" if key == "async_loads" else "")
-                + f", got {value!r} (from kv_connector_extra_config)"
-            )
-    loaded = load_config(path, overrides=extra, overrides_source="kv_connector_extra_config")
-    return ConnectorSettings(loaded, model_id, switches["async_saves"], switches["async_loads"], switches["layerwise"])
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(
+            f"kv_connector_extra_config.config_file: expected the path of a YAML file, got {type(path).__name__} "
+            "(from kv_connector_extra_config)"
+        )
+    extra = moved_keys(extra, EXTRA_CONFIG_MOVES, "", lambda _path: SOURCE)
+    return ConnectorSettings(load_config(path, overrides=extra, overrides_source=SOURCE))
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ class SchedulerSide:
     ) -> _Req:
         save = self.can_save and not opts.skip_save
         partial_ok = self._partial_ok()
-        if self.cfg.priority_limit is not None and priority > self.cfg.priority_limit:
+        if self.cfg.connector.priority_limit is not None and priority > self.cfg.connector.priority_limit:
             save = False
         try:
             extras = mm_extras(mm_features, self.cs)
@@ -323,7 +323,7 @@ class SchedulerSide:
     def _savable(self, st: _Req, computed: int) -> tuple[int, int]:
         """(tokens that may be saved, full chunks among them whose hashes are known),
         hashing decode-phase chunks as they complete."""
-        limit = computed if self.cfg.save_decode_cache else min(computed, st.prompt_len)
+        limit = computed if self.cfg.connector.save_decode_cache else min(computed, st.prompt_len)
         n_full = limit // self.cs
         if n_full > len(st.hashes):
             self._extend_hashes(st, n_full)
@@ -398,11 +398,11 @@ class DenseScheduler(SchedulerSide):
         # Loads on the workers' load thread (see async_loads.py): every hit (true) or
         # the hits a slower tier than memory serves (auto).
         self.async_loads = settings.async_loads
-        subs = SubChunkIndex(self.cs, self.block_size) if self.cfg.sub_chunk_hits else None
+        subs = SubChunkIndex(self.cs, self.block_size) if self.cfg.connector.sub_chunk_hits else None
         self.subs = subs if subs is not None and subs.useful else None
 
     def _partial_ok(self) -> bool:
-        return self.cfg.save_unfull_chunk
+        return self.cfg.connector.save_unfull_chunk
 
     # -- sub-chunk hits (subchunks.py) --------------------------------------------------
     def _prepared(self, st: _Req, prompt: Sequence[int]) -> None:

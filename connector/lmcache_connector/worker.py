@@ -135,7 +135,7 @@ class WorkerSide:
             }
             value_dtype = full.pop() if len(full) == 1 else None
         else:
-            layout = make_layout(self.cfg.layout, kv_caches, self.block_size)
+            layout = make_layout(self.cfg.connector.layout, kv_caches, self.block_size)
             dtype = str(layout.dtype).removeprefix("torch.")
         ns = KeyNamespace(
             model=self.model_id,
@@ -164,8 +164,8 @@ class WorkerSide:
             chunk_size=self.cfg.chunk_size,
             chunk_shape=tuple(layout.chunk_shape(self.cfg.chunk_size)),
             chunk_dtype=torch.uint8 if isinstance(layout, GroupedLayout) else layout.dtype,
-            load_policy=self.cfg.load_policy,
-            load_margin=self.cfg.load_margin,
+            load_policy=self.cfg.connector.load_policy,
+            load_margin=self.cfg.connector.load_margin,
             prefill=self.prefill,
             boundary=self.plan is not None and self.plan.has_boundary,
             background=self.settings.async_loads == AUTO
@@ -312,7 +312,7 @@ class WorkerSide:
             "skipped_saves": c.skipped_saves,
             "bypassed_tokens": self.hits.bypassed_tokens if self.hits is not None else 0,
             "bypassed_lookups": self.hits.bypassed_lookups if self.hits is not None else 0,
-            "load_policy": self.hits.load_policy if self.hits is not None else self.cfg.load_policy,
+            "load_policy": self.hits.load_policy if self.hits is not None else self.cfg.connector.load_policy,
             "verified_chunks": c.verified_chunks,
             "verify_inexact": c.verify_inexact,
             "async_loads": 0,

@@ -41,8 +41,8 @@ def token_hashes(
     the keys the engine stores them under (see :meth:`CacheEngine.keys`). ``tags``
     seed the chain, ``extras`` mix bytes into the chunks they index; a partial last
     chunk is hashed when ``include_partial`` says so, by default when the engine
-    saves partial chunks (``save_unfull_chunk``)."""
-    partial = engine.config.save_unfull_chunk if include_partial is None else include_partial
+    saves partial chunks (``connector.save_unfull_chunk``)."""
+    partial = engine.config.connector.save_unfull_chunk if include_partial is None else include_partial
     return chunk_hashes(tokens, engine.chunk_size, seed=chain_seed(tags), extras=extras, include_partial=partial)
 
 

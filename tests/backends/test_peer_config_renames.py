@@ -121,4 +121,4 @@ def test_node_flags_in_seconds_and_deprecated_milliseconds(capsys: pytest.Captur
         with pytest.raises(SystemExit), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             seconds_flag(args, parser, "timeout", 5.0)
-    assert "not both" in capsys.readouterr().err
+    assert "both --timeout-ms (deprecated, milliseconds) and --timeout-s (seconds) are set" in capsys.readouterr().err

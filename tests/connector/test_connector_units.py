@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import zmq
 
 pytest.importorskip("vllm")
 
-from lmcache_core.config import ConfigError, CoreConfig, LoadedConfig  # noqa: E402
+from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, LoadedConfig  # noqa: E402
 from lmcache_connector.layouts.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
 from lmcache_connector.protocol.lookup_ipc import LookupClient, LookupServer  # noqa: E402
 from lmcache_connector.options import ConnectorSettings, load_settings, parse_request_options  # noqa: E402
@@ -30,10 +31,48 @@ def test_request_options():
 def test_extra_config_overrides_and_errors(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("chunk_size: 512\nbackends: [{name: local_cpu, max_size: 64MiB}]\n")
-    s = load_settings({"config_file": str(f), "save_unfull_chunk": True, "model_id": "m1"})
-    assert s.core.chunk_size == 512 and s.core.save_unfull_chunk and s.model_id == "m1"
+    s = load_settings({"config_file": str(f), "connector": {"save_unfull_chunk": True, "model_id": "m1"}})
+    assert s.core.chunk_size == 512 and s.core.connector.save_unfull_chunk and s.model_id == "m1"
     with pytest.raises(ConfigError, match=r"chunk_sise.*unknown key.*kv_connector_extra_config"):
         load_settings({"chunk_sise": 5})
+
+
+def test_extra_config_connector_section_merges_with_the_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("connector:\n  save_unfull_chunk: true\n  load_policy: faster_than_recompute\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the new spelling warns about nothing
+        s = load_settings({"config_file": str(f), "connector": {"async_loads": True, "layerwise": True}})
+    assert s.async_loads is True and s.layerwise is True
+    assert s.core.connector.save_unfull_chunk and s.core.connector.load_policy == "faster_than_recompute"
+    assert s.loaded.source_of("connector.async_loads") == "kv_connector_extra_config"
+    assert s.loaded.source_of("connector.save_unfull_chunk") == str(f)
+    assert s.with_chunk_size(64).core.connector == s.core.connector and s.with_chunk_size(64).core.chunk_size == 64
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("async_loads", False), ("async_saves", True), ("layerwise", True), ("model_id", "m1"), ("save_unfull_chunk", True)],
+)
+def test_extra_config_old_flat_keys_move_with_one_warning(key, value):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        s = load_settings({key: value})
+    msgs = [str(w.message) for w in record if issubclass(w.category, DeprecationWarning)]
+    assert msgs == [f"{key} (from kv_connector_extra_config) is deprecated: use connector.{key}"]
+    assert getattr(s.core.connector, key) == value
+    assert s.loaded.source_of(f"connector.{key}") == "kv_connector_extra_config"
+    with pytest.raises(ConfigError, match=rf"{key}: both {key} \(deprecated\) and connector\.{key} are set"):
+        load_settings({key: value, "connector": {key: value}})
+
+
+def test_extra_config_that_is_not_a_mapping_is_a_config_error():
+    with pytest.raises(ConfigError, match="kv_connector_extra_config: expected a mapping of keys, got list"):
+        load_settings([("chunk_size", 64)])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.config_file: expected the path of a YAML file, got int"):
+        load_settings({"config_file": 5})
+    with pytest.raises(ConfigError, match=r"connector\.model_id: .*valid string.*\(from kv_connector_extra_config\)"):
+        load_settings({"connector": {"model_id": 5}})
 
 
 class _NoLookup:
@@ -76,7 +115,8 @@ def test_one_scheduler_object_per_mode():
 
     kw = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
     specs = {"dense": [FullAttentionSpec(**kw)], "grouped": [SlidingWindowSpec(sliding_window=40, **kw), FullAttentionSpec(**kw)]}
-    settings = ConnectorSettings(LoadedConfig(CoreConfig(save_unfull_chunk=True)), async_saves=True, async_loads=True)
+    connector = ConnectorSection(save_unfull_chunk=True, async_saves=True, async_loads=True)
+    settings = ConnectorSettings(LoadedConfig(CoreConfig(connector=connector)))
     made = {}
     for name, group_specs in specs.items():
         groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(group_specs)]
@@ -94,17 +134,21 @@ def test_one_scheduler_object_per_mode():
 
 def test_async_saves_option():
     assert load_settings({}).async_saves is False
-    assert load_settings({"async_saves": True}).async_saves is True
-    with pytest.raises(ConfigError, match="kv_connector_extra_config.async_saves: must be true or false"):
-        load_settings({"async_saves": "yes"})
+    assert load_settings({"connector": {"async_saves": True}}).async_saves is True
+    with pytest.raises(
+        ConfigError, match=r"connector\.async_saves: Input should be a valid boolean \(from kv_connector_extra_config\)"
+    ):
+        load_settings({"connector": {"async_saves": "yes"}})
 
 
 def test_async_loads_option():
     assert load_settings({}).async_loads == "auto"  # background loads for hits a slower tier serves
-    assert load_settings({"async_loads": True}).async_loads is True
-    assert load_settings({"async_loads": False}).async_loads is False
-    with pytest.raises(ConfigError, match="kv_connector_extra_config.async_loads: must be true or false or auto"):
-        load_settings({"async_loads": 1})
+    assert load_settings({"connector": {"async_loads": True}}).async_loads is True
+    assert load_settings({"connector": {"async_loads": False}}).async_loads is False
+    with pytest.raises(
+        ConfigError, match=r"connector\.async_loads: .*must be true, false or auto, got 1 \(from kv_connector_extra_config\)"
+    ):
+        load_settings({"connector": {"async_loads": 1}})
 
 
 def test_lookup_hit_carries_slow_over_the_socket(tmp_path):
@@ -378,7 +422,7 @@ def test_async_saves_with_vllm_033_call_order(tmp_path):
 
     from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 
-    w = _worker(tmp_path, async_saves=True)
+    w = _worker(tmp_path, connector={"async_saves": True})
     gate = threading.Event()
     real = w.saves._save
     w.saves._save = lambda t, meta: (gate.wait(10), real(t, meta))
@@ -411,7 +455,7 @@ def test_sleep_mode_drains_and_touches_no_block(tmp_path):
 
     from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 
-    w = _worker(tmp_path, async_saves=True)
+    w = _worker(tmp_path, connector={"async_saves": True})
     gate = threading.Event()
     real = w.saves._save
     w.saves._save = lambda t, meta: (gate.wait(10), real(t, meta))
@@ -476,7 +520,11 @@ def test_worker_before_registration_moves_nothing_and_picks_one_transfers_object
     from lmcache_connector.worker import WorkerSide
 
     settings = load_settings(
-        {"chunk_size": 16, "backends": [{"name": "local_cpu", "max_size": "64MiB"}], "async_saves": True, "async_loads": False}
+        {
+            "chunk_size": 16,
+            "backends": [{"name": "local_cpu", "max_size": "64MiB"}],
+            "connector": {"async_saves": True, "async_loads": False},
+        }
     )
     w = WorkerSide(settings, model_id="m", block_size=16, rank=0, world_size=1, lookup_address=None)
     step = LMCacheConnectorMetadata(

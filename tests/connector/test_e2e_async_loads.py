@@ -21,7 +21,7 @@ from .plugins_for_tests import FlakyPlugin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CS = 256
-ASYNC = {"async_loads": True}
+ASYNC = {"connector": {"async_loads": True}}
 
 
 def _scheduler(llm: Any) -> Any:

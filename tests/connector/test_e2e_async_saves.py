@@ -22,7 +22,7 @@ def test_background_saves_hit_and_give_every_block_back(tiny_model, reference):
     prefixes = [random_prompt(2 * CS, 500 + i) for i in range(3)]
     prompts = [prefixes[i % 3] + random_prompt(50 + 9 * i, 510 + i) for i in range(9)]
     ref = reference(prompts)
-    with make_llm(tiny_model, max_num_batched_tokens=1024, extra={"async_saves": True}) as llm:
+    with make_llm(tiny_model, max_num_batched_tokens=1024, extra={"connector": {"async_saves": True}}) as llm:
         w = worker()
         assert w.saves is not None
         assert token_ids(run(llm, prompts)) == ref
@@ -60,7 +60,9 @@ def test_preemption_waits_for_background_saves(tiny_model, reference, monkeypatc
 
     monkeypatch.setattr(Scheduler, "_preempt_request", count)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would override the small cache
-    with make_llm(tiny_model, kv_cache_memory_bytes=2 << 20, max_model_len=1024, extra={"async_saves": True}) as llm:
+    with make_llm(
+        tiny_model, kv_cache_memory_bytes=2 << 20, max_model_len=1024, extra={"connector": {"async_saves": True}}
+    ) as llm:
         w = worker()
         out = run(llm, prompts, greedy(180))
         assert token_ids(out) == ref

@@ -19,7 +19,7 @@ def test_layerwise_token_identical_and_layer_by_layer(tiny_model, reference):
     prefixes = [random_prompt(3 * CS, 700 + i) for i in range(2)]
     prompts = [prefixes[i % 2] + random_prompt(30 + 9 * i, 710 + i) for i in range(4)]
     ref = reference(prompts)
-    with make_llm(tiny_model, max_num_batched_tokens=1024, extra={"layerwise": True}) as llm:
+    with make_llm(tiny_model, max_num_batched_tokens=1024, extra={"connector": {"layerwise": True}}) as llm:
         w = worker()
         assert w.pipeline is not None and w.pipeline.num_layers == len(w.layout.layers)
         assert token_ids(run(llm, prompts)) == ref

@@ -39,7 +39,7 @@ def _train(llm: Any, seed: int) -> None:
 
 
 def _settings(tier: dict[str, Any]) -> dict[str, Any]:
-    return {"chunk_size": CHUNK, "backends": [tier], "load_policy": "faster_than_recompute"}
+    return {"chunk_size": CHUNK, "backends": [tier], "connector": {"load_policy": "faster_than_recompute"}}
 
 
 def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> None:

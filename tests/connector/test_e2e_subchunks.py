@@ -14,7 +14,7 @@ CS, BS = 256, 128
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"layerwise": True}, {"async_loads": True}],
+    [{}, {"connector": {"layerwise": True}}, {"connector": {"async_loads": True}}],
     ids=["sync", "layerwise", "async_loads"],
 )
 def test_shared_first_block_of_a_chunk_is_loaded(tiny_model, reference, extra):
@@ -46,7 +46,7 @@ def test_switched_off_loads_whole_chunks_only(tiny_model, reference):
     a = shared + random_prompt(300, 402)
     b = shared + random_prompt(300, 403)
     ref = reference([a, b])
-    with make_llm(tiny_model, extra={"sub_chunk_hits": False}) as llm:
+    with make_llm(tiny_model, extra={"connector": {"sub_chunk_hits": False}}) as llm:
         run(llm, [a])
         out = run(llm, [b])
         assert out[0].num_cached_tokens == 3 * CS

@@ -145,7 +145,7 @@ def test_skip_save_and_tags(tiny_model, reference):
 
 def test_priority_limit(tiny_model):
     p, q = random_prompt(600, 111), random_prompt(600, 112)
-    with make_llm(tiny_model, extra={"priority_limit": 0}, scheduling_policy="priority") as llm:
+    with make_llm(tiny_model, extra={"connector": {"priority_limit": 0}}, scheduling_policy="priority") as llm:
         eng = worker().engine
         run(llm, [p], priority=[5])
         assert eng.stats()["stored_chunks"] == 0
@@ -159,11 +159,11 @@ def test_unfull_chunk_and_decode_saving(tiny_model, reference):
     with make_llm(tiny_model) as llm:
         run(llm, [p])
         assert worker().engine.stats()["stored_chunks"] == 1  # the 44-token tail is dropped
-    with make_llm(tiny_model, extra={"save_unfull_chunk": True}) as llm:
+    with make_llm(tiny_model, extra={"connector": {"save_unfull_chunk": True}}) as llm:
         run(llm, [p])
         assert worker().engine.stats()["stored_chunks"] == 2
         assert run(llm, [p])[0].num_cached_tokens == 299
-    with make_llm(tiny_model, extra={"save_decode_cache": True}) as llm:
+    with make_llm(tiny_model, extra={"connector": {"save_decode_cache": True}}) as llm:
         out = run(llm, [p], greedy(300))
         assert token_ids(out) == ref
         # prompt (300) + 299 decoded tokens with KV computed: chunks 0 and 1 complete

@@ -2,7 +2,9 @@
 work for one release: the value is converted, with a ``DeprecationWarning`` and a log
 warning naming the old key, the new key and the converted value. Both spellings from
 one source, or an old value that is not a number, is a ``ConfigError`` naming the key
-path and its source. A key that was never renamed warns about nothing."""
+path and its source. A key that was never renamed warns about nothing. (The
+connector's keys moved into ``connector:``; the moves are tested in
+test_config_connector_section.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_core.config import ConfigError, CoreConfig, load_config, renamed_keys
+from lmcache_core.config import ConfigError, CoreConfig, load_config, ms_to_seconds, renamed_keys
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -23,85 +25,95 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_new_key_is_seconds_and_does_not_warn(tmp_path: Path) -> None:
-    p = write(tmp_path, "lookup_timeout_s: 0.25\n")
+    p = write(tmp_path, "connector:\n  lookup_timeout_s: 0.25\n")
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         loaded = load_config(p, env={})
-    assert loaded.config.lookup_timeout_s == 0.25
-    assert loaded.source_of("lookup_timeout_s") == str(p)
-    assert CoreConfig().lookup_timeout_s == 2.0  # the default: 2000 ms before
+    assert loaded.config.connector.lookup_timeout_s == 0.25
+    assert loaded.source_of("connector.lookup_timeout_s") == str(p)
+    assert CoreConfig().connector.lookup_timeout_s == 2.0  # the default: 2000 ms before
 
 
 def test_old_key_gives_the_same_value_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    new = load_config(write(tmp_path, "lookup_timeout_s: 1.5\n"), env={}).config
-    p = write(tmp_path, "lookup_timeout_ms: 1500\n")
+    new = load_config(write(tmp_path, "connector:\n  lookup_timeout_s: 1.5\n"), env={}).config
+    p = write(tmp_path, "connector:\n  lookup_timeout_ms: 1500\n")
     with caplog.at_level(logging.WARNING, logger="lmcache_core.config"):
-        with pytest.warns(DeprecationWarning, match=r"lookup_timeout_ms .*is deprecated: use lookup_timeout_s: 1\.5 \(seconds\)"):
+        with pytest.warns(
+            DeprecationWarning, match=r"connector\.lookup_timeout_ms .*is deprecated: use lookup_timeout_s: 1\.5 \(seconds\)"
+        ):
             loaded = load_config(p, env={})
     assert loaded.config == new
-    assert loaded.config.lookup_timeout_s == 1.5
-    assert loaded.source_of("lookup_timeout_s") == str(p)  # the source follows the value to its new name
-    assert f"lookup_timeout_ms (from {p}) is deprecated: use lookup_timeout_s: 1.5 (seconds)" in caplog.text
+    assert loaded.config.connector.lookup_timeout_s == 1.5
+    assert loaded.source_of("connector.lookup_timeout_s") == str(p)  # the source follows the value to its new name
+    assert f"connector.lookup_timeout_ms (from {p}) is deprecated: use lookup_timeout_s: 1.5 (seconds)" in caplog.text
 
 
 def test_old_key_from_env_and_overrides_is_converted() -> None:
-    with pytest.warns(DeprecationWarning, match="LMCACHE_CORE_LOOKUP_TIMEOUT_MS"):
-        loaded = load_config(None, env={"LMCACHE_CORE_LOOKUP_TIMEOUT_MS": "300"})
-    assert loaded.config.lookup_timeout_s == 0.3
-    assert loaded.source_of("lookup_timeout_s") == "env var LMCACHE_CORE_LOOKUP_TIMEOUT_MS"
+    with pytest.warns(DeprecationWarning, match="LMCACHE_CORE_CONNECTOR_LOOKUP_TIMEOUT_MS"):
+        loaded = load_config(None, env={"LMCACHE_CORE_CONNECTOR_LOOKUP_TIMEOUT_MS": "300"})
+    assert loaded.config.connector.lookup_timeout_s == 0.3
+    assert loaded.source_of("connector.lookup_timeout_s") == "env var LMCACHE_CORE_CONNECTOR_LOOKUP_TIMEOUT_MS"
     with pytest.warns(DeprecationWarning, match="kv_connector_extra_config"):
-        loaded = load_config(None, env={}, overrides={"lookup_timeout_ms": 2000}, overrides_source="kv_connector_extra_config")
-    assert loaded.config.lookup_timeout_s == 2.0
+        loaded = load_config(
+            None,
+            env={},
+            overrides={"connector": {"lookup_timeout_ms": 2000}},
+            overrides_source="kv_connector_extra_config",
+        )
+    assert loaded.config.connector.lookup_timeout_s == 2.0
     with pytest.warns(DeprecationWarning):
-        assert CoreConfig(lookup_timeout_ms=40).lookup_timeout_s == 0.04  # type: ignore[call-arg]
+        assert CoreConfig(connector={"lookup_timeout_ms": 40}).connector.lookup_timeout_s == 0.04  # type: ignore[arg-type]
 
 
 def test_both_spellings_from_one_source_are_an_error(tmp_path: Path) -> None:
-    p = write(tmp_path, "lookup_timeout_ms: 1500\nlookup_timeout_s: 2\n")
-    with pytest.raises(ConfigError, match=r"lookup_timeout_ms: both lookup_timeout_ms .* and lookup_timeout_s .*are set") as err:
+    p = write(tmp_path, "connector:\n  lookup_timeout_ms: 1500\n  lookup_timeout_s: 2\n")
+    with pytest.raises(
+        ConfigError, match=r"connector\.lookup_timeout_ms: both lookup_timeout_ms .* and lookup_timeout_s .*are set"
+    ) as err:
         load_config(p, env={})
     assert f"(from {p})" in str(err.value)
-    env = {"LMCACHE_CORE_LOOKUP_TIMEOUT_MS": "100", "LMCACHE_CORE_LOOKUP_TIMEOUT_S": "0.1"}
-    with pytest.raises(ConfigError, match=r"lookup_timeout_ms: both .*\(from env var LMCACHE_CORE_LOOKUP_TIMEOUT_MS\)"):
+    env = {"LMCACHE_CORE_CONNECTOR_LOOKUP_TIMEOUT_MS": "100", "LMCACHE_CORE_CONNECTOR_LOOKUP_TIMEOUT_S": "0.1"}
+    with pytest.raises(ConfigError, match=r"lookup_timeout_ms: both .*\(from env var LMCACHE_CORE_CONNECTOR_LOOKUP_TIMEOUT_MS\)"):
         load_config(None, env=env)
     with pytest.raises(ConfigError, match="both"):
-        load_config(None, env={}, overrides={"lookup_timeout_ms": 100, "lookup_timeout_s": 0.1})
+        load_config(None, env={}, overrides={"connector": {"lookup_timeout_ms": 100, "lookup_timeout_s": 0.1}})
 
 
 def test_a_later_source_replaces_either_spelling(tmp_path: Path) -> None:
-    p = write(tmp_path, "lookup_timeout_ms: 1500\n")
+    p = write(tmp_path, "connector:\n  lookup_timeout_ms: 1500\n")
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # the file's old key is replaced, never read
-        loaded = load_config(p, env={"LMCACHE_CORE_LOOKUP_TIMEOUT_S": "0.5"})
-    assert loaded.config.lookup_timeout_s == 0.5
-    assert loaded.source_of("lookup_timeout_s") == "env var LMCACHE_CORE_LOOKUP_TIMEOUT_S"
-    p = write(tmp_path, "lookup_timeout_s: 3\n")
+        loaded = load_config(p, env={"LMCACHE_CORE_CONNECTOR_LOOKUP_TIMEOUT_S": "0.5"})
+    assert loaded.config.connector.lookup_timeout_s == 0.5
+    assert loaded.source_of("connector.lookup_timeout_s") == "env var LMCACHE_CORE_CONNECTOR_LOOKUP_TIMEOUT_S"
+    p = write(tmp_path, "connector:\n  lookup_timeout_s: 3\n")
     with pytest.warns(DeprecationWarning):
-        loaded = load_config(p, env={}, overrides={"lookup_timeout_ms": 250})
-    assert loaded.config.lookup_timeout_s == 0.25
+        loaded = load_config(p, env={}, overrides={"connector": {"lookup_timeout_ms": 250}})
+    assert loaded.config.connector.lookup_timeout_s == 0.25
 
 
 @pytest.mark.parametrize("value", ["'2000'", "fast", "true", "null", "[1]"])
 def test_old_value_that_is_not_a_number_is_an_error(tmp_path: Path, value: str) -> None:
-    p = write(tmp_path, f"lookup_timeout_ms: {value}\n")
+    p = write(tmp_path, f"connector:\n  lookup_timeout_ms: {value}\n")
     with pytest.raises(
         ConfigError,
-        match=rf"lookup_timeout_ms: expected a number of milliseconds, got .* \(from {re.escape(str(p))}\); .*give lookup_timeout_s in seconds",
+        match=rf"connector\.lookup_timeout_ms: expected a number of milliseconds, got .* \(from {re.escape(str(p))}\); "
+        r".*give lookup_timeout_s in seconds",
     ):
         load_config(p, env={})
 
 
 def test_old_value_is_checked_against_the_new_bounds(tmp_path: Path) -> None:
-    p = write(tmp_path, "lookup_timeout_ms: 0\n")
+    p = write(tmp_path, "connector:\n  lookup_timeout_ms: 0\n")
     with (
         pytest.warns(DeprecationWarning),
-        pytest.raises(ConfigError, match=rf"lookup_timeout_s: .*greater than 0 \(from {re.escape(str(p))}\)"),
+        pytest.raises(ConfigError, match=rf"connector\.lookup_timeout_s: .*greater than 0 \(from {re.escape(str(p))}\)"),
     ):
         load_config(p, env={})
     with pytest.raises(ConfigError, match="too large"):
-        load_config(write(tmp_path, f"lookup_timeout_ms: {10**400}\n"), env={})
+        load_config(write(tmp_path, f"connector:\n  lookup_timeout_ms: {10**400}\n"), env={})
     with pytest.raises(ConfigError, match="lookup_timeout_s"):
-        load_config(write(tmp_path, "lookup_timeout_s: .inf\n"), env={})
+        load_config(write(tmp_path, "connector:\n  lookup_timeout_s: .inf\n"), env={})
 
 
 def test_keys_never_renamed_do_not_warn(tmp_path: Path) -> None:
@@ -131,3 +143,14 @@ def test_helper_names_the_section_path() -> None:
     assert out == {"timeout_s": 0.75, "other": 1}
     with pytest.raises(ConfigError, match=r"^backends\[2\]\.timeout_ms: both .* \(from x\.yaml\)$"):
         renamed_keys({"timeout_ms": 1, "timeout_s": 1}, renames, "backends[2]", lambda _p: "x.yaml")
+
+
+def test_one_rule_for_config_keys_and_flags() -> None:
+    """``ms_to_seconds`` is the rule both the config (``renamed_keys``) and the peer
+    node's ``--*-ms`` flags use: the same checks, the same wording."""
+    with pytest.warns(DeprecationWarning, match=r"^--t-ms is deprecated: use --t-s 0\.25 \(seconds\)$"):
+        assert ms_to_seconds(250, "--t-ms", "--t-s", sep=" ", say=lambda _msg: None) == 0.25
+    with pytest.raises(ConfigError, match=r"^--t-ms: both --t-ms \(deprecated, milliseconds\) and --t-s \(seconds\) are set"):
+        ms_to_seconds(250, "--t-ms", "--t-s", both=True)
+    with pytest.raises(ConfigError, match="expected a number of milliseconds"):
+        ms_to_seconds(True, "t_ms", "t_s")

@@ -18,11 +18,10 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lmcache_core.config import ConfigError, CoreConfig, parse_size, read_frame_secret
+from lmcache_core.config import ConfigError, CoreConfig, ms_to_seconds, parse_size, read_frame_secret
 from lmcache_core.serde import FrameSeal
 
 from .client import format_address
@@ -177,17 +176,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def seconds_flag(args: argparse.Namespace, parser: argparse.ArgumentParser, name: str, default: float) -> float:
     """The value of ``--<name>-s``, or of the deprecated ``--<name>-ms`` (accepted for
-    one release, converted to seconds with a warning), or ``default``. It must be a
+    one release, converted to seconds with a warning by the config's own rule,
+    :func:`lmcache_core.config.ms_to_seconds`), or ``default``. It must be a
     positive, finite number of seconds; both flags at once are an error."""
     attr = name.replace("-", "_")
     seconds, millis = getattr(args, f"{attr}_s"), getattr(args, f"{attr}_ms")
     if millis is not None:
-        if seconds is not None:
-            parser.error(f"give --{name}-s, or the deprecated --{name}-ms, not both")
-        seconds = millis / 1000
-        msg = f"--{name}-ms is deprecated: use --{name}-s {seconds:g} (seconds)"
-        warnings.warn(msg, DeprecationWarning, stacklevel=2)
-        print(f"{parser.prog}: {msg}", file=sys.stderr)
+        try:
+            seconds = ms_to_seconds(
+                millis,
+                f"--{name}-ms",
+                f"--{name}-s",
+                both=seconds is not None,
+                sep=" ",
+                say=lambda msg: print(f"{parser.prog}: {msg}", file=sys.stderr),
+            )
+        except ConfigError as err:
+            parser.error(str(err))
     if seconds is None:
         seconds = default
     if not (math.isfinite(seconds) and seconds > 0):

@@ -1,4 +1,4 @@
-"""Warm TTFT vs prompt length on a slow tier: ``load_policy: always`` vs
+"""Warm TTFT vs prompt length on a slow tier: ``connector.load_policy: always`` vs
 ``faster_than_recompute`` vs recomputing (issue #16), on real vLLM (CPU).
 
     python bench/bench_load_policy.py [--delay-ms 40] [--lengths 256,512,...] [--reps 2]

@@ -1,4 +1,4 @@
-"""``async_loads: true`` on real vLLM (CPU): hits answered with ``load_kv_async=True``,
+"""``connector.async_loads: true`` on real vLLM (CPU): hits answered with ``load_kv_async=True``,
 loaded on the worker's load thread while the request waits in vLLM's
 ``WAITING_FOR_REMOTE_KVS``, reported through ``finished_recving``. Outputs stay
 token-identical to vLLM without a connector; a failed load is recomputed (the part

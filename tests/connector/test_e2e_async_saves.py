@@ -1,4 +1,4 @@
-"""``async_saves: true`` on real vLLM (CPU): saves run in the background, vLLM holds
+"""``connector.async_saves: true`` on real vLLM (CPU): saves run in the background, vLLM holds
 a finished request's blocks until its saves are reported done, and a preemption
 makes the worker finish saves before the freed blocks are written again. Outputs
 stay token-identical, hits are served, and every block goes back to vLLM."""

@@ -1,4 +1,4 @@
-"""``layerwise: true`` on real vLLM (CPU): loads go through the layer pipeline before
+"""``connector.layerwise: true`` on real vLLM (CPU): loads go through the layer pipeline before
 the forward pass, saves are gathered layer by layer as vLLM hands each attention layer
 to ``save_kv_layer``, and vLLM's ``wait_for_layer_load`` calls are checked for every
 layer (what the GPU path relies on to order the compute after each layer's copies).

@@ -1,4 +1,4 @@
-"""On real vLLM (CPU): ``load_policy: faster_than_recompute`` loads a cached prefix only
+"""On real vLLM (CPU): ``connector.load_policy: faster_than_recompute`` loads a cached prefix only
 when reading it is predicted to beat recomputing it.
 
 A plugin tier that takes 300 ms per get: once measured, short prompts bypass it

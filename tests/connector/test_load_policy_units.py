@@ -1,4 +1,4 @@
-"""The load-or-recompute decision behind ``load_policy: faster_than_recompute``, without
+"""The load-or-recompute decision behind ``connector.load_policy: faster_than_recompute``, without
 a vLLM engine: the attention work of a step is counted in token pairs; with nothing
 measured yet every hit is loaded; a slow tier is bypassed while a fast one is loaded;
 and a recompute cost that grows faster than the prompt gives a crossover length."""

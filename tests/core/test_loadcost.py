@@ -1,4 +1,4 @@
-"""The online cost models behind ``load_policy: faster_than_recompute``: a fit of a
+"""The online cost models behind ``connector.load_policy: faster_than_recompute``: a fit of a
 tier's read latency and throughput (one measured size predicts the mean, never below
 zero; bad samples are ignored), and an engine that measures each tier it reads and
 reports which tier holds each run of a hit."""

@@ -6,11 +6,11 @@ Built once the engine exists (``register_kv_caches``); the scheduler side reache
 over the lookup socket (or inline, see lookup_ipc.py). Decided here, in one call:
 
 * the hit in every tier, pinned under the request's id;
-* ``load_policy: faster_than_recompute``: the prefix whose predicted load beats
+* ``connector.load_policy: faster_than_recompute``: the prefix whose predicted load beats
   recomputing it (load_policy.py); the chunks past it are unpinned, counted bypassed;
 * models with a boundary object (sliding-window pages, recurrent states): the longest
   prefix whose boundary is also held, that boundary pinned next to the chunks;
-* ``async_loads: auto``: whether a tier slower than memory serves the hit, and then
+* ``connector.async_loads: auto``: whether a tier slower than memory serves the hit, and then
   its read into the CPU tier starts now (prefetch), before vLLM schedules the load;
 * sub-chunk hits (subchunks.py): when the scheduler offers a stored chunk for the
   chunk right after the hit, whether it is present (pinned with the hit: ``tail``).
@@ -55,7 +55,7 @@ class HitPlanner:
         background: bool,
     ) -> None:
         """``boundary``: chunks restore only with their boundary object;
-        ``background``: ``async_loads: auto`` with a load thread to send slow hits to."""
+        ``background``: ``connector.async_loads: auto`` with a load thread to send slow hits to."""
         self.engine = engine
         self.chunk_size = chunk_size
         self.chunk_shape = chunk_shape
@@ -103,7 +103,7 @@ class HitPlanner:
         """Whether loading the first ``k`` chunks needs a tier slower than memory: one
         that is not the zero-copy CPU tier and whose measured reads of that many bytes
         take longer than ``ASYNC_LOAD_S`` (or have not been measured yet). Such a load
-        goes to the load thread (``async_loads: auto``), off vLLM's forward path."""
+        goes to the load thread (``connector.async_loads: auto``), off vLLM's forward path."""
         left = k
         for level, count in runs:
             if left <= 0:

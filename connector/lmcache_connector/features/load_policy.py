@@ -1,4 +1,4 @@
-"""``load_policy: faster_than_recompute``: load a cached prefix only when reading it
+"""``connector.load_policy: faster_than_recompute``: load a cached prefix only when reading it
 beats recomputing it.
 
 Both sides are measured online in the worker, where the cache lives:

@@ -6,7 +6,7 @@ takes the smallest hit count. A reply that does not arrive within the timeout is
 miss (0): the scheduler never blocks on a stuck worker. Messages are raw bytes (no
 pickle): ``[b"L1", seq, request_id, pin_flag, hashes...]`` and ``[b"L1", seq, count]``,
 the count followed by ``,`` and flags: ``s`` when loading the hit needs a tier slower
-than memory (the scheduler then loads it off the forward path: ``async_loads: auto``),
+than memory (the scheduler then loads it off the forward path: ``connector.async_loads: auto``),
 ``t`` when the stored chunk offered for the chunk after the hit is present and pinned.
 Those offers (sub-chunk hits, subchunks.py) travel in an optional sixth frame:
 ``(chunk index: 4 bytes little-endian, stored chunk's hash)`` pairs.
@@ -45,7 +45,7 @@ def socket_path(engine_id: str, rank: int) -> str:
 
 class Hit(int):
     """A lookup's answer: the chunks hit (it is that int); ``slow``: loading them
-    needs a tier slower than memory (see the worker's ``async_loads: auto``); ``tail``:
+    needs a tier slower than memory (see the worker's ``connector.async_loads: auto``); ``tail``:
     the stored chunk offered for the chunk right after the hit is present and pinned
     (a sub-chunk hit, subchunks.py)."""
 

@@ -1,4 +1,4 @@
-"""Loads off the forward path (``async_loads: true``, dense models), on vLLM's
+"""Loads off the forward path (``connector.async_loads: true``, dense models), on vLLM's
 asynchronous load contract.
 
 The scheduler side answers a hit with ``load_kv_async=True``: vLLM allocates the

@@ -1,4 +1,4 @@
-"""Saves off the forward path (``async_saves: true``), on vLLM's asynchronous save
+"""Saves off the forward path (``connector.async_saves: true``), on vLLM's asynchronous save
 contract.
 
 ``wait_for_save`` hands the step's saves (dense models) to one background thread and

@@ -1,4 +1,4 @@
-"""Layer-by-layer KV transfers (``layerwise: true`` in ``kv_connector_extra_config``).
+"""Layer-by-layer KV transfers (``connector.layerwise: true`` in ``kv_connector_extra_config``).
 
 Without it a step's synchronous loads finish in ``start_load_kv`` before the forward
 pass starts, and its saves gather every layer in ``wait_for_save`` after the forward.

@@ -172,24 +172,32 @@ def renamed_keys(
     Config models use it through :attr:`StrictModel.renamed_ms_keys`; with
     :func:`moved_keys` it is the one place old spellings are converted (the rule
     itself: :func:`ms_to_seconds`)."""
-    if not isinstance(data, Mapping) or not any(old in data for old in renames):
+    found = _old_keys(data, renames, where, source_of)
+    if found is None:
         return data
-    out = dict(data)
-    for old, new in renames.items():
-        if old not in out:
-            continue
-        path = f"{where}.{old}" if where else old
-        src = f" (from {source_of(path)})" if source_of is not None else ""
-        out[new] = ms_to_seconds(out.pop(old), old, new, src, path=path, both=new in out)
+    out, olds = found
+    for old, path, src in olds:
+        out[renames[old]] = ms_to_seconds(out.pop(old), old, renames[old], src, path=path, both=renames[old] in out)
     return out
 
 
-def moved_keys(
-    data: Any,
-    moves: Mapping[str, str],
-    where: str = "",
-    source_of: Callable[[str], str] | None = None,
-) -> Any:
+def _old_keys(
+    data: Any, old_keys: Mapping[str, str], where: str, source_of: Callable[[str], str] | None
+) -> tuple[dict[str, Any], list[tuple[str, str, str]]] | None:
+    """``None`` when ``data`` is not a mapping or holds none of ``old_keys``; else a copy
+    of it to rewrite and, for each old key in it, the key, its path under ``where`` and
+    `` (from <source>)``."""
+    if not isinstance(data, Mapping) or not any(old in data for old in old_keys):
+        return None
+    found = []
+    for old in old_keys:
+        if old in data:
+            path = f"{where}.{old}" if where else old
+            found.append((old, path, f" (from {source_of(path)})" if source_of is not None else ""))
+    return dict(data), found
+
+
+def moved_keys(data: Any, moves: Mapping[str, str], where: str = "", source_of: Callable[[str], str] | None = None) -> Any:
     """Accept, for one release, keys that moved into a section.
 
     ``moves`` maps each old key (``save_unfull_chunk``) to its new path in a section of
@@ -204,16 +212,14 @@ def moved_keys(
     overrides) before the sources merge, and :attr:`StrictModel.moved_keys` on a model
     built directly. It runs before :func:`renamed_keys` (an old ``lookup_timeout_ms``
     moves, then converts to seconds)."""
-    if not isinstance(data, Mapping) or not any(old in data for old in moves):
+    found = _old_keys(data, moves, where, source_of)
+    if found is None:
         return data
-    out = dict(data)
-    for old, new in moves.items():
-        if old not in out:
-            continue
+    out, olds = found
+    for old, path, src in olds:
+        new = moves[old]
         section, key = new.split(".", 1)
-        path = f"{where}.{old}" if where else old
         new_path = f"{where}.{new}" if where else new
-        src = f" (from {source_of(path)})" if source_of is not None else ""
         current = out.get(section)
         if current is None:
             current = {}

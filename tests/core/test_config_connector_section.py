@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from lmcache_core import cli
-from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, load_config, moved_keys
+from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, load_config, moved_keys, renamed_keys
 
 EXTRA = "kv_connector_extra_config"
 
@@ -262,10 +262,17 @@ def test_unknown_env_vars_are_helpful() -> None:
         load_config(None, env={"LMCACHE_CORE_CONNECTOR": "true"})
 
 
+@pytest.mark.parametrize("helper", [moved_keys, renamed_keys])
+def test_helpers_leave_data_without_old_keys_alone(helper: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert helper("not a mapping", {"a": "sec.a"}) == "not a mapping"
+        data = {"b": 1, "sec": {"a": 2}}
+        assert helper(data, {"a": "sec.a"}) is data
+
+
 def test_moved_keys_helper() -> None:
     moves = {"a": "sec.a"}
-    assert moved_keys("not a mapping", moves) == "not a mapping"
-    assert moved_keys({"b": 1}, moves) == {"b": 1}
     with pytest.warns(DeprecationWarning, match=r"^x\.a \(from f\.yaml\) is deprecated: use x\.sec\.a$"):
         out = moved_keys({"a": 1, "sec": {"c": 2}}, moves, "x", lambda _p: "f.yaml")
     assert out == {"sec": {"c": 2, "a": 1}}

@@ -747,6 +747,8 @@ ARMS = {
     "lmc-redis": lambda a: Arm("lmc-redis", connector=True, kv_bytes=a.small_kv, tiers="redis", chunk_size=a.chunk_size),
     "lmc-cpu-128": lambda a: Arm("lmc-cpu-128", connector=True, kv_bytes=a.small_kv, tiers="cpu", chunk_size=128),
     "limit": lambda a: Arm("limit", kv_bytes=a.large_kv),
+    # the connector on the limit's cache: what the connector's presence costs when vLLM holds everything
+    "lmc-limit": lambda a: Arm("lmc-limit", connector=True, kv_bytes=a.large_kv, tiers="cpu", chunk_size=a.chunk_size),
     "floor": lambda a: Arm("floor", kv_bytes=a.large_kv, max_num_seqs=a.floor_seqs),
 }
 

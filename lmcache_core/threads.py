@@ -10,9 +10,9 @@ itself then takes longer whenever the cores are busy.
 
 Where the model's threads are bound to some of the host's cores (vLLM-CPU binds each
 worker's OpenMP threads and leaves the rest to the API server and the engine core),
-``background_cores`` moves the background threads to cores the model does not run on:
-a thread started by the model's main thread otherwise inherits its binding and takes
-turns with the forward pass on the model's own core.
+``background_cores: auto`` moves the background threads to cores the model does not run
+on: a thread started by the model's main thread otherwise inherits its binding and
+takes turns with the forward pass on the model's own core.
 """
 
 from __future__ import annotations

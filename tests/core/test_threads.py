@@ -128,7 +128,8 @@ def test_engine_background_threads_run_on_background_cores(cores: str, no_backgr
 
 
 def test_background_cores_config_is_checked() -> None:
-    assert CoreConfig().background_cores == "auto"
+    assert CoreConfig().background_cores == "none"
+    assert CoreConfig(background_cores="auto").background_cores == "auto"
     assert CoreConfig(background_cores=[0, 1]).background_cores == [0, 1]
     for bad in ([], [-1], "some", 3):
         with pytest.raises((ConfigError, ValueError)):

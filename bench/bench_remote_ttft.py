@@ -176,9 +176,27 @@ def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     ]
 
 
-def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1) -> list[str]:
+def thread_cores(root_pid: int) -> str:
+    """Where the server's worker threads may run: the model's main thread and
+    lmcache-core's background threads (``background_cores``), as ``name: cores``."""
+    import psutil
+
+    out = []
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        for t in proc.threads():
+            try:
+                name = Path(f"/proc/{proc.pid}/task/{t.id}/comm").read_text().strip()
+                if name.startswith(("lmcache", "VLLM::Worker")):
+                    out.append(f"{name}: {sorted(os.sched_getaffinity(t.id))}")
+            except (OSError, FileNotFoundError):
+                continue
+    return ", ".join(sorted(set(out))) or "no worker threads found"
+
+
+def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1, cores: Any = "auto") -> list[str]:
     """vLLM's OpenAI server (prefix caching off: every reuse is the connector's), CPU
-    tier (1.5 documents) in front of Redis at 20 ms RTT, ``background_nice`` = ``nice``.
+    tier (1.5 documents) in front of Redis at 20 ms RTT, ``background_nice`` = ``nice``,
+    ``background_cores`` = ``cores``.
     Documents of ``n_chunks`` chunks: the ``far`` ones (one per round) are stored first
     and pushed out of the CPU tier by the ``near`` one each round stores right before
     its windows, so ``far`` loads from Redis and ``near`` from memory. Each prompt is
@@ -208,9 +226,15 @@ def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1) -> list[str
         tmp = Path(d)
         with LatencyProxy(("127.0.0.1", port), 20) as px:
             cpu = {"name": "local_cpu", "max_size": int(kv_doc * 1.5), "eviction": "lru"}
-            cfg = {"chunk_size": CS, "backends": [cpu, redis_tier(px.url_host_port)], "background_nice": nice}
+            cfg = {
+                "chunk_size": CS,
+                "backends": [cpu, redis_tier(px.url_host_port)],
+                "background_nice": nice,
+                "background_cores": cores,
+            }
             arm = bs.Arm("lmc-redis-20ms", connector=True, kv_bytes=256 << 20, prefix_caching=False)
-            with bs.server(arm, model, a, tmp, config=cfg) as (base, _):
+            placement = ""
+            with bs.server(arm, model, a, tmp, config=cfg) as (base, proc):
                 name = str(model)
 
                 async def window(fifth: str | None) -> tuple[list[float], float]:
@@ -243,6 +267,7 @@ def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1) -> list[str
                         p99[kind].append(bs.pct(itl, 99))
                         ttfts[kind].append(ttft)
                 loaded = bs.metric(bs.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total") - before
+                placement = thread_cores(proc.pid)
     med = {k: statistics.median(v) for k, v in p99.items()}
     t_med = {k: statistics.median(v) for k, v in ttfts.items()}
     growth = med["redis"] / med["memory"] - 1
@@ -251,12 +276,12 @@ def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1) -> list[str
         f"{p99['alone'][i] * 1e3:.1f}/{p99['memory'][i] * 1e3:.1f}/{p99['redis'][i] * 1e3:.1f}" for i in range(rounds)
     )
     return [
-        f"background_nice {nice}: 4 decoding requests, ITL p99 (median of {rounds} rounds): {med['alone'] * 1e3:.1f} ms "
+        f"background_nice {nice}, background_cores {cores}: 4 decoding requests, ITL p99 (median of {rounds} rounds): {med['alone'] * 1e3:.1f} ms "
         f"alone, {med['memory'] * 1e3:.1f} ms while a fifth request hits {n_chunks} chunks in memory (TTFT "
         f"{t_med['memory'] * 1e3:.0f} ms), {med['redis'] * 1e3:.1f} ms while it loads them from Redis at 20 ms RTT "
         f"(TTFT {t_med['redis'] * 1e3:.0f} ms; {loaded:.0f} tokens loaded in all): the load in flight {growth:+.1%} vs "
         f"the memory hit -> {'PASS' if growth <= 0.10 else 'MISS'} (<= +10%), {vs_alone:+.1%} vs the 4 alone; per round "
-        f"alone/memory/redis ms: {per_round}"
+        f"alone/memory/redis ms: {per_round}; threads' cores: {placement}"
     ]
 
 
@@ -270,6 +295,12 @@ def main() -> int:
         "--itl-nice", type=int, nargs="+", default=[0], help="the itl part once per background_nice value, side by side"
     )
     ap.add_argument("--itl-rounds", type=int, default=1, help="rounds of the itl part's windows (medians)")
+    ap.add_argument(
+        "--itl-cores",
+        nargs="+",
+        default=["auto"],
+        help="the itl part once per background_cores value (auto, none, or core ids as 0,1), side by side",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the ttft part's figures here")
     ap.add_argument("--serde", default=None, help="the Redis tier's codec for the rtt and ttft parts (e.g. fp8)")
     args = ap.parse_args()
@@ -290,9 +321,11 @@ def main() -> int:
                 lines += part_ttft(model, port, spec.vocab_size, args.quick)
                 print(lines[-1], flush=True)
             if "itl" in args.parts:
-                for nice in args.itl_nice:
-                    lines += part_itl(port, args.quick, nice, args.itl_rounds)
-                print(lines[-1], flush=True)
+                for cores in args.itl_cores:
+                    value = cores if cores in ("auto", "none") else [int(c) for c in cores.split(",")]
+                    for nice in args.itl_nice:
+                        lines += part_itl(port, args.quick, nice, args.itl_rounds, value)
+                        print(lines[-1], flush=True)
         finally:
             redis_proc.terminate()
     print("\n".join(lines))

@@ -378,6 +378,13 @@ class CoreConfig(StrictModel):
         "path, read-ahead, write-behind, asynchronous saves; Linux, per thread): the model's threads get the cores "
         "first, a background transfer the rest",
     )
+    background_cores: Literal["auto", "none"] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] = Field(
+        "none",
+        description="cores lmcache-core's background threads run on (Linux, per thread). none: where they start (a "
+        "thread started by the model's thread shares its binding). auto: where an inference engine binds the model's "
+        "threads to some of the cores (vLLM-CPU), the other cores, so a background transfer does not take turns with "
+        "the forward pass on the model's core; elsewhere they stay where they start. A list of core ids: those cores",
+    )
     verify_fraction: float = Field(
         0.01,
         ge=0.0,

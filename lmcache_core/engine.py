@@ -35,7 +35,7 @@ from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
 from .quarantine import Quarantine
 from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs, is_lossy, tier_codecs
-from .threads import lower_priority
+from .threads import enter_background, use_background_cores
 from .writeback import TierWriter
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,9 @@ class CacheEngine:
         self.quarantine = Quarantine(
             cfg.verify_mismatch_limit, cfg.verify_window_s, cfg.quarantine_dir, on_change=_quarantine_gauge
         )
-        nice = functools.partial(lower_priority, cfg.background_nice)
+        if cfg.background_cores != "auto":  # auto: the embedding decides (the vLLM connector, from the model's binding)
+            use_background_cores(None if cfg.background_cores == "none" else cfg.background_cores)
+        nice = functools.partial(enter_background, cfg.background_nice)
         self._writers = [
             TierWriter(t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t), nice)
             for t in self.tiers[1:]

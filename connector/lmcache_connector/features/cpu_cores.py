@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lmcache_core.threads import spare_cores
+
 ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
@@ -49,3 +51,30 @@ def reservation_advice(vllm_config: Any, env: dict[str, str] | None = None, core
         f"per rank than without one, meant for NIXL), leaving the model {cores - reserved}. lmcache-core needs no "
         f"core of its own: set {ENV}={world} to give the model that core back"
     )
+
+
+def background_cores(world_size: int, cpu_platform: bool | None = None) -> frozenset[int] | None:
+    """Where lmcache-core's background threads go on vLLM-CPU (``background_cores:
+    auto``): the cores this worker's model threads are not bound to. Called on the
+    worker's main thread once vLLM-CPU has bound it (OpenMP binds the thread that runs
+    the model to the worker's first core, and every thread that thread starts inherits
+    that binding). None on a GPU platform, with several ranks (each binds its own cores
+    and the others' are not known here), or when the model is not bound to a part of
+    the cores."""
+    if world_size != 1 or not hasattr(os, "sched_getaffinity"):
+        return None
+    if cpu_platform is None:
+        try:
+            from vllm.platforms import current_platform
+
+            cpu_platform = current_platform.is_cpu()
+        except Exception:  # no platform to ask: leave the threads where they start
+            return None
+    if not cpu_platform:
+        return None
+    model = os.sched_getaffinity(0)
+    try:
+        machine = os.sched_getaffinity(os.getppid())  # the engine core: never bound by vLLM
+    except OSError:
+        machine = set(range(os.cpu_count() or 1))
+    return spare_cores(machine, model)

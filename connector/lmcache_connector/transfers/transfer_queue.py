@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from lmcache_core.threads import lower_priority
+from lmcache_core.threads import enter_background
 
 from ..protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 
@@ -43,7 +43,7 @@ class TransferQueue:
             self._q.put((t, meta))
 
     def _run(self) -> None:
-        lower_priority(self._nice)
+        enter_background(self._nice)
         while True:
             item = self._q.get()
             try:

@@ -34,10 +34,6 @@ def use_background_cores(cores: "set[int] | frozenset[int] | list[int] | None") 
     _cores = frozenset(cores) if cores else None
 
 
-def background_cores() -> frozenset[int] | None:
-    return _cores
-
-
 def spare_cores(machine: "set[int]", model: "set[int]") -> frozenset[int] | None:
     """The cores of ``machine`` the model's threads are not bound to, when the model is
     bound to a part of them (vLLM-CPU's OpenMP binding); None when it is not bound, or

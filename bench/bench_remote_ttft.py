@@ -177,20 +177,24 @@ def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
 
 
 def thread_cores(root_pid: int) -> str:
-    """Where the server's worker threads may run: the model's main thread and
-    lmcache-core's background threads (``background_cores``), as ``name: cores``."""
+    """Where the server's worker threads may run: each distinct set of cores and how
+    many of the worker's threads have it (the model's threads and lmcache-core's
+    background threads, ``background_cores``). Python threads carry their process's
+    name, so the cores are what tells them apart."""
+    import collections
+
     import psutil
 
-    out = []
+    counts: collections.Counter[str] = collections.Counter()
     for proc in psutil.Process(root_pid).children(recursive=True):
-        for t in proc.threads():
-            try:
-                name = Path(f"/proc/{proc.pid}/task/{t.id}/comm").read_text().strip()
-                if name.startswith(("lmcache", "VLLM::Worker")):
-                    out.append(f"{name}: {sorted(os.sched_getaffinity(t.id))}")
-            except (OSError, FileNotFoundError):
+        try:
+            if Path(f"/proc/{proc.pid}/comm").read_text().strip() != "VLLM::Worker":
                 continue
-    return ", ".join(sorted(set(out))) or "no worker threads found"
+            for t in proc.threads():
+                counts[str(sorted(os.sched_getaffinity(t.id)))] += 1
+        except (OSError, psutil.Error):
+            continue
+    return ", ".join(f"{cores} x{n}" for cores, n in sorted(counts.items())) or "no worker threads found"
 
 
 def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1, cores: Any = "auto") -> list[str]:

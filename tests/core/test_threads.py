@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from lmcache_core import threads as threads_mod
+from lmcache_core.config import ConfigError, CoreConfig
 from lmcache_core.threads import lower_priority
 
 from .test_engine import engine
@@ -74,8 +76,6 @@ def test_connector_transfer_queues_run_at_background_nice(nice: int) -> None:
 
 
 # -- background_cores ------------------------------------------------------------------
-from lmcache_core import threads as threads_mod  # noqa: E402
-from lmcache_core.config import ConfigError, CoreConfig  # noqa: E402
 
 HOST_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 needs_two_cores = pytest.mark.skipif(len(HOST_CORES) < 2, reason="needs 2 cores to move a thread to one of them")

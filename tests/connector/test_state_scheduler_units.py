@@ -1,0 +1,47 @@
+"""Units of the state scheduler (lmcache_connector.state_scheduler): where a prefill
+step of a state-space hybrid is cut, and when the scheduler has anything to align.
+The scheduler inside real vLLM: tests/connector/test_e2e_hybrid.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from lmcache_connector.state_scheduler import clip_to_boundary, state_chunk_size  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "start, n, prefill_end, expect",
+    [
+        (0, 1500, 1500, 256),  # a one-step prefill stops at the first boundary
+        (256, 1244, 1500, 256),  # and at each next one
+        (1280, 220, 1500, 220),  # the last step ends at the prompt's end
+        (100, 1000, 1500, 156),  # a start inside a chunk (after vLLM's own hit) realigns
+        (0, 200, 1500, 200),  # a step that reaches no boundary is left alone
+        (0, 256, 1500, 256),  # one that ends on it too
+        (1500, 1, 1500, 1),  # decode steps are left alone
+        (1600, 3, 1500, 3),
+        (0, 0, 1500, 0),
+    ],
+)
+def test_clip_to_boundary(start, n, prefill_end, expect):
+    assert clip_to_boundary(start, n, prefill_end, 256) == expect
+
+
+def test_clip_to_boundary_without_a_chunk_changes_nothing():
+    assert clip_to_boundary(0, 1500, 1500, 0) == 1500
+
+
+def test_state_chunk_size_only_for_our_connector_on_a_state_model():
+    def connector(has_state: bool) -> SimpleNamespace:
+        return SimpleNamespace(_sched=SimpleNamespace(cs=384, plan=SimpleNamespace(has_state=has_state)))
+
+    assert state_chunk_size(connector(True)) == 384
+    # negative controls: no state layers, a dense plan (None), another connector, no connector
+    assert state_chunk_size(connector(False)) == 0
+    assert state_chunk_size(SimpleNamespace(_sched=SimpleNamespace(cs=256, plan=None))) == 0
+    assert state_chunk_size(SimpleNamespace()) == 0
+    assert state_chunk_size(None) == 0

@@ -636,14 +636,16 @@ class GroupedScheduler(SchedulerSide):
 
     def _plan_save(self, st: _Req, computed: int, tables: Sequence[Sequence[int]], meta: LMCacheConnectorMetadata) -> None:
         assert self.plan is not None
-        _, n_full = self._savable(st, computed)
+        limit, n_full = self._savable(st, computed)
         chunks = list(range(st.saved_full, n_full))
         boundaries: list[tuple[bytes, int]] = []
         if self.plan.has_state:
-            # vLLM materialises a recurrent state only where a step ends, and only the
-            # prompt's states are kept at their boundary.
+            # vLLM materialises a recurrent state only where a step ends: a prefill step
+            # (the state scheduler ends each on a chunk boundary) or, with
+            # connector.save_decode_cache, the decode step that completes a chunk, so
+            # the next turn of a chat resumes after the previous turn's answer.
             c = computed // self.cs - 1
-            if computed % self.cs == 0 and computed <= st.prompt_len and 0 <= c < len(st.hashes):
+            if computed % self.cs == 0 and computed <= limit and 0 <= c < len(st.hashes):
                 boundaries.append((boundary_hash(st.hashes[c]), computed))
         elif self.plan.has_boundary:
             boundaries = [(boundary_hash(st.hashes[c]), (c + 1) * self.cs) for c in chunks]

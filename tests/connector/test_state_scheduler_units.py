@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmcache_connector.state_scheduler import clip_to_boundary, state_chunk_size  # noqa: E402
+from lmcache_connector.state_scheduler import QUALNAME, check_split_hook, clip_to_boundary, state_chunk_size  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -45,3 +45,11 @@ def test_state_chunk_size_only_for_our_connector_on_a_state_model():
     assert state_chunk_size(SimpleNamespace(_sched=SimpleNamespace(cs=256, plan=None))) == 0
     assert state_chunk_size(SimpleNamespace()) == 0
     assert state_chunk_size(None) == 0
+
+
+def test_a_vllm_without_the_split_hook_is_a_clear_error():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    check_split_hook(Scheduler)  # the installed vLLM has it
+    with pytest.raises(RuntimeError, match="remove --scheduler-cls " + QUALNAME.replace(".", r"\.")):
+        check_split_hook(type("OtherScheduler", (), {}))

@@ -41,6 +41,7 @@ CHUNK = 512
 # State-space models keep a state where a step ends: a batch size that is a multiple of
 # the chunk size puts step ends on chunk boundaries (requests go one at a time).
 BATCH = {"granite_hybrid": 1024, "qwen3_next": 1536}
+MODELS = Path.home() / ".cache" / "lmcache-core" / "bench-hybrid"  # models built here, reused across runs
 
 
 def engine(model: Path, family: str, dtype: str, connector: bool = True, **kw: Any) -> Any:
@@ -95,14 +96,13 @@ def state_cost_run(family: str, model: Path, dtype: str, arm: str, batches: list
 
 def state_cost(names: list[str], quick: bool) -> int:
     n_batches, per_batch, tokens, passes = (1, 4, 2100, 2) if quick else (6, 4, 2100, 4)
-    root = Path.home() / ".cache" / "lmcache-core" / "bench-hybrid"
     worst = 0.0
     print(
         f"no reuse: {n_batches} batches x {per_batch} unique prompts x {tokens} tokens, 16 output tokens; "
         f"max_num_batched_tokens 2048; {passes} passes, the arms' order {STATE_ARMS} reversed every other pass"
     )
     for name in names:
-        model, dtype = build_hybrid_model(root / name, name), FAMILIES[name].dtype
+        model, dtype = build_hybrid_model(MODELS / name, name), FAMILIES[name].dtype
         times: dict[str, list[float]] = {a: [] for a in STATE_ARMS}
         for p in range(passes):
             order = STATE_ARMS if p % 2 == 0 else STATE_ARMS[::-1]
@@ -175,16 +175,15 @@ def main() -> int:
     if args.state_cost:
         return state_cost(args.only or [n for n in FAMILIES if n in BATCH], args.quick)
     n_docs, doc_tokens, repeats = (2, 2100, 1) if args.quick else (3, 2100, 3)
-    root = Path.home() / ".cache" / "lmcache-core" / "bench-hybrid"
     docs = [random_prompt(doc_tokens, 300 + i) for i in range(n_docs)]
     results: dict[str, dict[str, Any]] = {}
     names = args.only or ["dense", *FAMILIES]
     for name in names:
         print(f"  {name} ...", flush=True)
         if name == "dense":
-            model, dtype = build_tiny_model(root / DENSE.tag(), DENSE), "float32"
+            model, dtype = build_tiny_model(MODELS / DENSE.tag(), DENSE), "float32"
         else:
-            model, dtype = build_hybrid_model(root / name, name), FAMILIES[name].dtype
+            model, dtype = build_hybrid_model(MODELS / name, name), FAMILIES[name].dtype
         results[name] = measure(name, model, dtype, docs, repeats)
     dense = results.get("dense")
     print(

@@ -112,9 +112,12 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # vLLM's scheduler module is loaded in this process already; not in a worker's
+            from .state_scheduler import is_state_scheduler  # noqa: PLC0415
+
             for advice in (
                 reservation_advice(vllm_config),
-                state_advice(plan, cfg.chunk_size, vllm_config.scheduler_config.scheduler_cls),
+                state_advice(plan, cfg.chunk_size, is_state_scheduler(vllm_config.scheduler_config.scheduler_cls)),
             ):
                 if advice:
                     log.warning("lmcache-core: %s", advice)

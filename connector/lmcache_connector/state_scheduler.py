@@ -31,10 +31,9 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-log = logging.getLogger("vllm.lmcache.state_scheduler")
+from .layouts.groups import STATE_SCHEDULER as QUALNAME  # the dotted path users give vLLM (--scheduler-cls)
 
-#: the dotted path users give vLLM (``--scheduler-cls``)
-QUALNAME = "lmcache_connector.state_scheduler.StateBoundaryScheduler"
+log = logging.getLogger("vllm.lmcache.state_scheduler")
 
 
 def state_chunk_size(connector: Any) -> int:
@@ -65,6 +64,14 @@ def check_split_hook(scheduler_cls: type) -> None:
             f"{QUALNAME} extends vLLM's Scheduler._mamba_block_aligned_split, which this vLLM does not have "
             f"(tested with vLLM 0.32): remove --scheduler-cls {QUALNAME}"
         )
+
+
+def is_state_scheduler(scheduler_cls: Any) -> bool:
+    """Whether vLLM's configured scheduler class (``scheduler_config.scheduler_cls``,
+    a dotted path or a class) is this module's scheduler or a subclass of it."""
+    if isinstance(scheduler_cls, str):
+        return scheduler_cls == QUALNAME
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, StateBoundaryScheduler)
 
 
 class StateBoundaryScheduler(Scheduler):

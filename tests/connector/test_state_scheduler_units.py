@@ -10,7 +10,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmcache_connector.state_scheduler import QUALNAME, check_split_hook, clip_to_boundary, state_chunk_size  # noqa: E402
+from lmcache_connector.state_scheduler import (  # noqa: E402
+    QUALNAME,
+    StateBoundaryScheduler,
+    check_split_hook,
+    clip_to_boundary,
+    is_state_scheduler,
+    state_chunk_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -53,3 +60,14 @@ def test_a_vllm_without_the_split_hook_is_a_clear_error():
     check_split_hook(Scheduler)  # the installed vLLM has it
     with pytest.raises(RuntimeError, match="remove --scheduler-cls " + QUALNAME.replace(".", r"\.")):
         check_split_hook(type("OtherScheduler", (), {}))
+
+
+def test_is_state_scheduler_by_path_class_or_subclass():
+    assert QUALNAME == "lmcache_connector.state_scheduler.StateBoundaryScheduler"
+    assert is_state_scheduler(QUALNAME)
+    assert is_state_scheduler(StateBoundaryScheduler)
+    assert is_state_scheduler(type("Mine", (StateBoundaryScheduler,), {}))
+    # negative controls: vLLM's own scheduler (path or default None), an unrelated class
+    assert not is_state_scheduler("vllm.v1.core.sched.scheduler.Scheduler")
+    assert not is_state_scheduler(None)
+    assert not is_state_scheduler(int)

@@ -166,16 +166,20 @@ def effective_chunk_size(configured: int, plan: GroupPlan) -> int:
     return -(-configured // bs) * bs
 
 
-def state_advice(plan: GroupPlan, chunk_size: int, scheduler_cls: Any = None) -> str | None:
+#: the dotted path of lmcache-core's state scheduler, given to vLLM as ``--scheduler-cls``
+#: (:mod:`lmcache_connector.state_scheduler`)
+STATE_SCHEDULER = "lmcache_connector.state_scheduler.StateBoundaryScheduler"
+
+
+def state_advice(plan: GroupPlan, chunk_size: int, state_scheduler: bool = False) -> str | None:
     """A start-up warning for a model with state-space layers when the states after
     some whole chunks of a prompt will not exist: vLLM keeps a recurrent state only
-    where a step ends, and neither lmcache-core's state scheduler (``scheduler_cls``,
-    vLLM's ``--scheduler-cls``) nor vLLM's "align" mamba cache mode makes every
-    prefill step end on a chunk boundary. None when nothing is to be said."""
-    from ..state_scheduler import QUALNAME  # noqa: PLC0415 (imports vLLM's scheduler)
-
+    where a step ends, and unless lmcache-core's state scheduler runs
+    (``state_scheduler``), neither vLLM's default scheduling nor its "align" mamba
+    cache mode makes every prefill step end on a chunk boundary. None when nothing is
+    to be said."""
     states = plan.of_kind(STATE)
-    if not states or _names_state_scheduler(scheduler_cls, QUALNAME):
+    if not states or state_scheduler:
         return None
     layers = sum(len(g.layer_names) for g in states)
     aligned = all(g.state_mode == "align" for g in states)
@@ -188,22 +192,10 @@ def state_advice(plan: GroupPlan, chunk_size: int, scheduler_cls: Any = None) ->
     return (
         f"this model has {layers} state-space layer(s) (Mamba / gated delta-net) and {where}: a prompt prefilled in "
         f"one step leaves no state at its earlier chunk boundaries (every {chunk_size} tokens), so a later request "
-        f"sharing only part of it cannot resume. Start vLLM with --scheduler-cls {QUALNAME} (prefill steps then end on "
-        f"chunk boundaries and every whole chunk's state is stored; cost in docs/benchmarks.md). See "
+        f"sharing only part of it cannot resume. Start vLLM with --scheduler-cls {STATE_SCHEDULER} (prefill steps then "
+        f"end on chunk boundaries and every whole chunk's state is stored; cost in docs/benchmarks.md). See "
         f"docs/connector.md, 'Models'"
     )
-
-
-def _names_state_scheduler(scheduler_cls: Any, qualname: str) -> bool:
-    """Whether vLLM's configured scheduler class is lmcache-core's state scheduler (or
-    a subclass of it), given as a dotted path or as the class."""
-    if scheduler_cls is None:
-        return False
-    if isinstance(scheduler_cls, str):
-        return scheduler_cls == qualname
-    from ..state_scheduler import StateBoundaryScheduler  # noqa: PLC0415
-
-    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, StateBoundaryScheduler)
 
 
 def boundary_hash(chunk_hash: bytes) -> bytes:

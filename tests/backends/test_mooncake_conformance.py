@@ -113,3 +113,36 @@ def test_pool_chunks_are_put_in_place_and_staging_drains(mooncake_store: Mooncak
             buf.release()
         finally:
             b.close()
+
+
+def test_the_tier_keeps_the_pool_it_registered_alive(mooncake_store: MooncakeMaster) -> None:
+    """The pool's memory is registered with the client, so the tier holds the pool for
+    as long as it lives, even when nothing else does (a context built for the call).
+    It did not: a later client's own buffer, allocated where the freed pool had been,
+    failed setup with "does not support overlapped memory region" (CI, 2026-11-27)."""
+    import gc
+    import weakref
+
+    from lmcache_backend_mooncake.factory import pool_region
+    from lmcache_core.testing import make_context
+
+    def mapped(base: int) -> bool:
+        with open("/proc/self/maps") as maps:
+            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in maps]
+        return any(lo <= base < hi for lo, hi in spans)
+
+    ctx = make_context()
+    pool = weakref.ref(ctx.pool)
+    region = pool_region(ctx.pool)
+    assert region is not None
+    b = create_mooncake_backend(mooncake_store.options(key_prefix="keep/", staging_size="8MiB"), ctx)
+    del ctx
+    gc.collect()
+    try:
+        assert pool() is not None and mapped(region[0])
+        assert b._regions[-1] == region
+    finally:
+        b.close()
+    del b
+    gc.collect()
+    assert pool() is None  # control: the tier was what held it

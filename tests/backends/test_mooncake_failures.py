@@ -126,10 +126,10 @@ def test_segment_owner_down_is_a_bounded_miss(fresh_store: tuple[MooncakeMaster,
 ISOLATED = "LMCACHE_TEST_MOONCAKE_ISOLATED"
 
 
-# What the native client prints when a new client's own transfer buffer lands on an
-# address its process still has registered, and when its setup waited on a master
-# that had not answered yet (see test_master_absent_at_startup).
-NATIVE_FAULTS = ("does not support overlapped memory region", "RPC call timed out", "Failed to create client on port")
+# What the native client prints when its setup waited on a master that had not
+# answered yet (see test_master_absent_at_startup). "does not support overlapped memory
+# region" is not among them: its cause was ours (the pool region, see below).
+NATIVE_FAULTS = ("RPC call timed out", "Failed to create client on port")
 
 
 def _run_isolated(case: str) -> subprocess.CompletedProcess[str]:
@@ -156,19 +156,18 @@ def _run_isolated(case: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_master_absent_at_startup() -> None:
-    """Runs the case below in a fresh interpreter. The native client keeps per-process
-    state: a client whose teardown fails to unregister its local buffer (seen after a
-    segment owner died, "Failed to unregister client local buffer on tear down") leaves
-    that address registered, and a later client that gets the same address from malloc
-    fails with "Transfer Engine does not support overlapped memory region". In one
-    long pytest process that made this reconnect case fail at random, and once (CI,
-    2026-11-26, a loaded host) it happened inside the fresh interpreter too: every
-    reconnect for 30 s failed that way. That is the native client refusing its own
-    buffer, not the tier. Another CI run failed the same way with the message hidden;
-    a setup that waited on a master still starting would look alike (the native setup
-    then holds the GIL for 30 s per try; the tier now asks the master for an answer
-    first). So a run whose native log shows one of NATIVE_FAULTS is run once more in
-    another fresh interpreter; any other failure fails the test at once."""
+    """Runs the case below in a fresh interpreter (the native client keeps
+    per-process state). This case failed in CI with every reconnect refused by
+    "Transfer Engine does not support overlapped memory region". The cause was the
+    tier: it registered the pool of the context it was built with but did not hold
+    that pool, so here (a context made for the call) the pool was freed, and the new
+    client's own 64 MiB buffer could be allocated where the 64 MiB pool had been,
+    overlapping the region the tier registered next. The tier now holds the pool
+    (test_the_tier_keeps_the_pool_it_registered_alive), so that message fails this
+    test at once. A setup that waited on a master still starting shows one of
+    NATIVE_FAULTS (the native setup then holds the GIL for 30 s per try; the tier asks
+    the master for an answer first): such a run is run once more in another fresh
+    interpreter; any other failure fails the test at once."""
     proc = _run_isolated("test_master_absent_at_startup_case")
     seen = [m for m in NATIVE_FAULTS if m in proc.stderr]
     if proc.returncode != 0 and seen:

@@ -73,6 +73,7 @@ class MooncakeBackend(StorageBackend):
         codec: Codec,
         codecs: Mapping[str, Codec],
         pool_region: Region | None = None,
+        region_owner: object | None = None,
         client_factory: Callable[[MooncakeConfig], StoreClient] = StoreClient,
     ) -> None:
         self.cfg = cfg
@@ -88,6 +89,11 @@ class MooncakeBackend(StorageBackend):
         self._regions: list[Region] = [(self._staging.base, self._staging.size)]
         if pool_region is not None:
             self._regions.append(pool_region)
+        # What owns the pool's memory (the engine's MemoryPool): held for as long as a
+        # client may have that memory registered. Without it a tier outliving its
+        # context registered freed memory, and a client's own buffer allocated at that
+        # address failed setup with "does not support overlapped memory region".
+        self._region_owner = region_owner
         self._client: StoreClient | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()

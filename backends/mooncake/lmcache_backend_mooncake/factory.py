@@ -37,7 +37,7 @@ def create_mooncake_backend(section: Mapping[str, Any], ctx: BackendContext) -> 
     """Factory for ``{name: mooncake, master: ..., metadata: ..., ...}`` (see :class:`MooncakeConfig`)."""
     cfg = validate_section(MooncakeConfig, section, ctx.key_path, ctx.source)
     import_store()  # a missing wheel or system library fails here, with what to install
-    backend = MooncakeBackend(cfg, codec=ctx.codec, codecs=ctx.codecs, pool_region=pool_region(ctx.pool))
+    backend = MooncakeBackend(cfg, codec=ctx.codec, codecs=ctx.codecs, pool_region=pool_region(ctx.pool), region_owner=ctx.pool)
     if not cfg.verify_on_start:
         try:
             backend.connect()

@@ -1,7 +1,8 @@
 """Build a wheel of every distribution in the repository (``pip wheel --no-deps``
 with the environment's own setuptools, so nothing is downloaded per build) into a
 fresh directory and check what each one ships: its packages with their ``py.typed``,
-its entry points. ``package = skip`` in tox never builds them, so a broken build
+the native sources they build at run time (``*.c``, ``*.cpp``, ``*.cu``, ``*.cuh``), its
+entry points. ``package = skip`` in tox never builds them, so a broken build
 configuration would otherwise only show at release time.
 
     python .ci/build_wheels.py OUT_DIR
@@ -17,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NATIVE_SOURCES = ("*.c", "*.cpp", "*.cu", "*.cuh")
 
 
 def distributions() -> list[Path]:
@@ -46,7 +48,15 @@ def main(out: Path) -> int:
             failures.append(f"{name}: {built[0].name} ships no py.typed")
         if meta["project"].get("entry-points") and not any(f.endswith("entry_points.txt") for f in files):
             failures.append(f"{name}: {built[0].name} lost its entry points")
-        print(f"{built[0].name}: {len(files)} files, {', '.join(typed)}")
+        sources = {
+            str(f.relative_to(dist))
+            for pattern in NATIVE_SOURCES
+            for f in dist.glob(f"*/**/{pattern}")
+            if (f.relative_to(dist).parts[0] + "/__init__.py") in files
+        }
+        if sources - set(files):
+            failures.append(f"{name}: {built[0].name} lacks {sorted(sources - set(files))} (package-data)")
+        print(f"{built[0].name}: {len(files)} files, {', '.join(typed + sorted(sources))}")
     for msg in failures:
         print(f"error: {msg}", file=sys.stderr)
     return 1 if failures else 0

@@ -4,6 +4,11 @@ bytes, with one thread (``torch.set_num_threads(1)``, the per-core figure) and w
 torch's default thread count, in one run; and the frame's bytes against the chunk's.
 
     python bench/bench_fp8_codec.py [--layers 8] [--heads 8] [--head-size 64] [--rounds 5] [--dtype bfloat16]
+                                    [--paths native torch]
+
+Both implementations of the codec run in one process, one after the other: the fused
+kernel (``lmcache_core/fp8_kernel.c``, what the codec uses wherever a C compiler is
+found) and the torch ops it falls back to (``LMCACHE_FP8_KERNEL=torch``).
 
 The chunk is ``[layers, k/v, 256 tokens, heads, head_size]`` of random normal KV.
 Encode is :func:`lmcache_core.serde.encode_parts` (codec and frame header, checksum
@@ -17,12 +22,14 @@ of the test pass.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from lmcache_core import fp8_native
 from lmcache_core.fp8 import Fp8Codec
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import RawCodec, decode, encode, encode_parts
@@ -68,6 +75,7 @@ def main() -> None:
     ap.add_argument("--head-size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--paths", nargs="+", default=["native", "torch"], choices=["native", "torch"])
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
@@ -78,19 +86,33 @@ def main() -> None:
     print(f"fp8 frame (header included): {len(frame)} bytes = {len(frame) / nbytes:.4f}x of the raw chunk")
     default_threads = torch.get_num_threads()
     rows = []
-    for threads in sorted({1, default_threads}):
-        torch.set_num_threads(threads)
-        rows.append((threads, measure(x, args.rounds)))
-    torch.set_num_threads(default_threads)
+    for path in args.paths:
+        os.environ[fp8_native.ENV] = path
+        fp8_native.reset()
+        if path == "native" and fp8_native.kernel() is None:
+            raise SystemExit("the fp8 kernel is unavailable here")
+        for threads in sorted({1, default_threads}):
+            torch.set_num_threads(threads)
+            rows.append((path, threads, measure(x, args.rounds)))
+        torch.set_num_threads(default_threads)
     print()
-    print(f"{'threads':>7}  {'copy GB/s':>9}  {'encode':>14}  {'decode':>14}  {'enc+dec':>14}  {'raw frame':>9}  target")
-    for threads, r in rows:
+    print(
+        f"{'path':>6}  {'threads':>7}  {'copy GB/s':>9}  {'encode':>14}  {'decode':>14}  {'enc+dec':>14}  {'raw frame':>9}  target"
+    )
+    for path, threads, r in rows:
         cells = [f"{r[k]:6.2f} ({r[k] / r['copy']:.2f}x)" for k in ("encode", "decode", "round_trip")]
         verdict = ("PASS" if r["round_trip"] >= TARGET_GBPS else "MISS") if threads == 1 else "-"
         print(
-            f"{threads:>7}  {r['copy']:9.2f}  {cells[0]:>14}  {cells[1]:>14}  {cells[2]:>14}  {r['raw_frame_round_trip']:9.2f}  {verdict}"
+            f"{path:>6}  {threads:>7}  {r['copy']:9.2f}  {cells[0]:>14}  {cells[1]:>14}  {cells[2]:>14}  "
+            f"{r['raw_frame_round_trip']:9.2f}  {verdict}"
         )
-    print("\nGB/s of the raw chunk's bytes; (x) = ratio to the copy; enc+dec = bytes / (t_encode + t_decode);")
+    by = {(p, t): r for p, t, r in rows}
+    for threads in sorted({1, default_threads}):
+        if ("native", threads) in by and ("torch", threads) in by:
+            gain = by[("native", threads)]["round_trip"] / by[("torch", threads)]["round_trip"]
+            print(f"native / torch, enc+dec, {threads} thread(s): {gain:.2f}x")
+    print("\npath: native = the fused kernel (lmcache_core/fp8_kernel.c), torch = the torch ops (LMCACHE_FP8_KERNEL=torch);")
+    print("GB/s of the raw chunk's bytes; (x) = ratio to the copy; enc+dec = bytes / (t_encode + t_decode);")
     print(f"raw frame = the raw codec's frame encode + decode, for reference; target: enc+dec >= {TARGET_GBPS} GB/s on 1 thread")
 
 

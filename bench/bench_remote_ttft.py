@@ -2,6 +2,7 @@
 against the CPU tier, and what an in-flight load does to other requests' decoding.
 
     python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH] [--serde fp8] [--itl-nice N ...]
+    python bench/bench_remote_ttft.py --tier s3 --parts ttft [--serde fp8]
 
 Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``.
 Each vLLM engine is a fresh process (a writer stores, a reader with an empty CPU tier
@@ -12,6 +13,9 @@ loads); figures come from the reader.
   Target: at most 4 round trips.
 - ``ttft``: a 16k-token prompt at 1 ms RTT: warm TTFT read from Redis (CPU tier
   empty) against the same prompt served from the CPU tier right after. Target: <= 1.3x.
+  With ``--tier s3`` the remote tier is the s3 tier against moto's S3 server on
+  loopback (a Python emulator: slower than a real store, so compare codecs, not
+  stores).
 - ``itl``: vLLM's OpenAI server; 4 requests decoding while a fifth loads 48 chunks
   from Redis at 20 ms RTT (its prompt one token past the chunks, so it computes almost
   nothing), against the same fifth served from memory and against the 4 alone:
@@ -115,7 +119,10 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen, int]:
 
 
 SERDE: str | None = None
-"""--serde: the Redis tier's codec (e.g. fp8), None for the default."""
+"""--serde: the remote tier's codec (e.g. fp8), None for the default."""
+TIER = "redis"
+"""--tier: the remote tier of the ttft part (redis or s3)."""
+S3_BUCKET = "bench-remote-ttft"
 
 
 def redis_tier(host_port: str) -> dict[str, Any]:
@@ -123,6 +130,42 @@ def redis_tier(host_port: str) -> dict[str, Any]:
     if SERDE is not None:
         tier["serde"] = SERDE
     return tier
+
+
+def remote_tier(host_port: str) -> dict[str, Any]:
+    if TIER == "redis":
+        return redis_tier(host_port)
+    tier: dict[str, Any] = {
+        "name": "s3",
+        "bucket": S3_BUCKET,
+        "endpoint_url": f"http://{host_port}",
+        "addressing_style": "path",
+        "read_timeout_s": 60,
+        "op_deadline_s": 120,
+    }
+    if SERDE is not None:
+        tier["serde"] = SERDE
+    return tier
+
+
+def start_moto() -> tuple[Any, int]:
+    """moto's S3 server on loopback in this process (the engines are child processes)
+    with the bucket made; returns the server and its port."""
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true"
+    )
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    port = server._server.server_port
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
+    return server, port
 
 
 def run(model: Path, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int = 1, flush: bool = False) -> Any:
@@ -157,10 +200,11 @@ def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     tokens = 8 * 1024 if quick else 63 * CS  # 16,128: the model allows 16,384 positions
     prompt = random_prompt(tokens + 1, 902, vocab)
     cpu = {"name": "local_cpu", "max_size": "2GiB"}
-    run(model, [cpu, redis_tier(f"127.0.0.1:{port}")], [prompt], flush=True)
+    run(model, [cpu, remote_tier(f"127.0.0.1:{port}")], [prompt], flush=True)
     with LatencyProxy(("127.0.0.1", port), 1) as px:
-        results = run(model, [cpu, redis_tier(px.url_host_port)], [prompt], passes=4)
+        results = run(model, [cpu, remote_tier(px.url_host_port)], [prompt], passes=4)
     from_redis, from_cpu = results[0], results[1:]
+    label = "Redis" if TIER == "redis" else "S3 (moto)"
     cpu_ttft = statistics.median(r["ttft"] for r in from_cpu)
     ratio = from_redis["ttft"] / cpu_ttft
     FIGURES["seconds"] |= {
@@ -170,8 +214,10 @@ def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     }
     FIGURES["ratios"]["TTFT Redis / CPU tier"] = ratio
     return [
-        f"{tokens}-token prompt at 1 ms RTT: warm TTFT from Redis (CPU tier empty) {from_redis['ttft'] * 1e3:.0f} ms "
-        f"(load {from_redis['load_s'] * 1e3:.0f} ms, {from_redis['pipelines']} round trips) vs from the CPU tier "
+        f"{tokens}-token prompt at 1 ms RTT: warm TTFT from {label} (CPU tier empty) {from_redis['ttft'] * 1e3:.0f} ms "
+        f"(load {from_redis['load_s'] * 1e3:.0f} ms"
+        + (f", {from_redis['pipelines']} round trips" if TIER == "redis" else "")
+        + ") vs from the CPU tier "
         f"{cpu_ttft * 1e3:.0f} ms (median of 3) = {ratio:.2f}x -> {'PASS' if ratio <= 1.3 else 'MISS'} (<= 1.3x)"
     ]
 
@@ -306,15 +352,26 @@ def main() -> int:
         help="the itl part once per background_cores value (auto, none, or core ids as 0,1), side by side",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the ttft part's figures here")
-    ap.add_argument("--serde", default=None, help="the Redis tier's codec for the rtt and ttft parts (e.g. fp8)")
+    ap.add_argument("--serde", default=None, help="the remote tier's codec for the rtt and ttft parts (e.g. fp8)")
+    ap.add_argument("--tier", default="redis", choices=["redis", "s3"], help="the remote tier (s3: the ttft part only)")
     args = ap.parse_args()
-    global SERDE
-    SERDE = args.serde
+    global SERDE, TIER
+    SERDE, TIER = args.serde, args.tier
     spec, model = tiny_model()
     lines = [
         f"bench_remote_ttft: model {spec.tag()} (float32, 8 KiB of KV per token), chunks of {CS} tokens, "
-        f"Redis tier serde {SERDE or 'default (raw)'}"
+        f"{TIER} tier serde {SERDE or 'default (raw)'}"
     ]
+    if TIER == "s3":
+        if args.parts != ["ttft"]:
+            ap.error("--tier s3 runs the ttft part only: add --parts ttft")
+        server, port = start_moto()
+        try:
+            lines += part_ttft(model, port, spec.vocab_size, args.quick)
+        finally:
+            server.stop()
+        print("\n".join(lines))
+        return 0
     with tempfile.TemporaryDirectory(prefix="remote-redis-") as d:
         redis_proc, port = start_redis(Path(d))
         try:

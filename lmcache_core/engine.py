@@ -196,6 +196,9 @@ class CacheEngine:
                 tier = self.plugins.create_backend(section, ctx)
                 self.tiers.append(tier)
                 self.tier_codecs.append(tier_codec)
+                prepare = getattr(tier_codec, "prepare", None)
+                if callable(prepare):
+                    prepare()  # e.g. fp8's kernel, built here rather than by the first request
                 if is_lossy(tier_codec):
                     log.warning(
                         "%s (%s) stores KV with the LOSSY codec %r: its frames are approximations, served "

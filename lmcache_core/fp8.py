@@ -94,6 +94,12 @@ class Fp8Codec:
     #: a float32 chunk of n values takes 4n bytes raw, more than n payload bytes
     max_ratio = 4
 
+    def prepare(self) -> None:
+        """Build or load the fused kernel now (at engine start, for a tier configured
+        with this codec) rather than in the first request; falls back as
+        :func:`~lmcache_core.fp8_native.kernel` does."""
+        fp8_native.kernel()
+
     def accepts(self, dtype: torch.dtype) -> bool:
         """Float KV only: byte pages (grouped layouts) and integers are framed raw."""
         return dtype in SUPPORTED

@@ -11,7 +11,10 @@ The library is built on first use with ``cc -O3 -march=native`` (about a second)
 ``$LMCACHE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/lmcache-core`` or
 ``~/.cache/lmcache-core``), under a name hashed from the source, the flags, the
 compiler's version and this CPU's feature flags: a cache directory shared by
-different machines never hands one a library built for another CPU. The build writes
+different machines never hands one a library built for another CPU. A library is
+code this process runs, so the directory and the file must belong to this user and
+be writable by no one else, or the kernel is not loaded (the torch path runs, with
+the reason logged). The build writes
 a private file and renames it into place, so processes building at once do not
 collide. Where there is no compiler, or the build or the load fails, the codec uses
 the torch path and logs why once. ``LMCACHE_FP8_KERNEL=torch`` chooses the torch path
@@ -59,7 +62,24 @@ def cache_dir() -> Path:
     if base:
         return Path(base)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "lmcache-core"
+    if xdg:
+        return Path(xdg) / "lmcache-core"
+    try:
+        return Path.home() / ".cache" / "lmcache-core"
+    except RuntimeError:  # no home directory: a private one under the temporary directory
+        return Path(tempfile.gettempdir()) / f"lmcache-core-{os.getuid()}"
+
+
+def _private(path: Path) -> str | None:
+    """Why ``path`` (the cache directory or a library in it) must not be trusted: a
+    library is code this process runs, so it and its directory must belong to this
+    user and be writable by no one else. None when it is fine."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to uid {st.st_uid}, not this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by other users (mode {st.st_mode & 0o777:o})"
+    return None
 
 
 def _cpu_flags() -> str:
@@ -96,10 +116,16 @@ def build(directory: Path | None = None, extra: tuple[str, ...] = ()) -> Path:
     ).hexdigest()[:16]
     directory = directory or cache_dir()
     lib = directory / f"fp8_kernel-{digest}.so"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        why = _private(directory) or (_private(lib) if lib.exists() else None)
+    except OSError as err:
+        raise KernelUnavailable(f"cannot use {directory}: {err}; set LMCACHE_CACHE_DIR") from None
+    if why is not None:
+        raise KernelUnavailable(f"not loading the kernel from there: {why}; set LMCACHE_CACHE_DIR to a private directory")
     if lib.exists():
         return lib
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".fp8_kernel-", suffix=".so", dir=directory)
         os.close(fd)
     except OSError as err:
@@ -108,6 +134,7 @@ def build(directory: Path | None = None, extra: tuple[str, ...] = ()) -> Path:
         proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise KernelUnavailable(f"{cc} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # the linker's mode follows the umask, which may let others write
         os.replace(tmp, lib)
     except subprocess.TimeoutExpired:
         raise KernelUnavailable(f"{cc} took over {BUILD_TIMEOUT_S} s") from None

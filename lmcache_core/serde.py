@@ -193,7 +193,12 @@ class Codec(Protocol):
 
     A codec may also declare ``max_ratio`` (an int): no payload of ``n`` bytes ever
     decodes to more than ``max_ratio * n + 64`` bytes. :func:`decode` then refuses a
-    header that claims more before it allocates anything (see :func:`check_frame`)."""
+    header that claims more before it allocates anything (see :func:`check_frame`).
+
+    A codec may have ``prepare()``: the engine calls it once at start for each tier
+    configured with the codec, so what the codec builds or loads (the ``fp8``
+    kernel) is ready before the first request; it must not raise for what the codec
+    can do without."""
 
     name: str
 
@@ -306,7 +311,7 @@ class SealedCodec:
             self.max_ratio = ratio
         # the optional tensor-codec extension (:class:`TensorCodec`), forwarded only
         # when the codec has it, so serde treats the wrapper exactly as the codec
-        for attr in ("lossy", "error_bound", "accepts", "encode_tensor", "decode_tensor"):
+        for attr in ("lossy", "error_bound", "accepts", "encode_tensor", "decode_tensor", "prepare"):
             if hasattr(codec, attr):
                 setattr(self, attr, getattr(codec, attr))
 

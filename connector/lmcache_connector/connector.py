@@ -161,6 +161,14 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         ``get_kv_transfer_group().worker``; read-only: vLLM drives its life."""
         return self._worker
 
+    def lmcache_state_chunk_size(self) -> int:
+        """The chunk size to align prefill steps to when this (scheduler-side)
+        connector serves a model with state-space layers, else 0: what the state
+        scheduler (``state_scheduler.StateBoundaryScheduler``) asks."""
+        side = self._sched
+        plan = side.plan if side is not None else None
+        return int(side.cs) if side is not None and plan is not None and plan.has_state else 0
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss

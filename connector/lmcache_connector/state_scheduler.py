@@ -39,11 +39,8 @@ log = logging.getLogger("vllm.lmcache.state_scheduler")
 def state_chunk_size(connector: Any) -> int:
     """lmcache-core's chunk size when ``connector`` is its connector serving a model
     with state-space layers, else 0 (nothing to align)."""
-    side = getattr(connector, "_sched", None)
-    plan = getattr(side, "plan", None)
-    if side is None or plan is None or not plan.has_state:
-        return 0
-    return int(side.cs)
+    ask = getattr(connector, "lmcache_state_chunk_size", None)
+    return int(ask()) if callable(ask) else 0
 
 
 def clip_to_boundary(start: int, num_new_tokens: int, prefill_end: int, chunk: int) -> int:

@@ -43,14 +43,24 @@ def test_clip_to_boundary_without_a_chunk_changes_nothing():
 
 
 def test_state_chunk_size_only_for_our_connector_on_a_state_model():
-    def connector(has_state: bool) -> SimpleNamespace:
-        return SimpleNamespace(_sched=SimpleNamespace(cs=384, plan=SimpleNamespace(has_state=has_state)))
+    from lmcache_connector.connector import LMCacheCoreConnector
 
-    assert state_chunk_size(connector(True)) == 384
-    # negative controls: no state layers, a dense plan (None), another connector, no connector
-    assert state_chunk_size(connector(False)) == 0
-    assert state_chunk_size(SimpleNamespace(_sched=SimpleNamespace(cs=256, plan=None))) == 0
-    assert state_chunk_size(SimpleNamespace()) == 0
+    def connector(sched: object) -> SimpleNamespace:
+        """The connector's own answer, on a stand-in for its scheduler side."""
+        fake = SimpleNamespace(_sched=sched)
+        fake.lmcache_state_chunk_size = lambda: LMCacheCoreConnector.lmcache_state_chunk_size(fake)  # type: ignore[arg-type]
+        return fake
+
+    def side(has_state: bool | None, cs: int = 384) -> SimpleNamespace:
+        return SimpleNamespace(cs=cs, plan=None if has_state is None else SimpleNamespace(has_state=has_state))
+
+    assert state_chunk_size(connector(side(True))) == 384
+    # negative controls: no state layers, a dense plan (None), the worker role (no
+    # scheduler side), another connector, no connector
+    assert state_chunk_size(connector(side(False))) == 0
+    assert state_chunk_size(connector(side(None, 256))) == 0
+    assert state_chunk_size(connector(None)) == 0
+    assert state_chunk_size(SimpleNamespace(_sched=side(True))) == 0
     assert state_chunk_size(None) == 0
 
 

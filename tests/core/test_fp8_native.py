@@ -7,6 +7,7 @@ where the kernel cannot be built."""
 from __future__ import annotations
 
 import ctypes
+import os
 import logging
 import platform
 from pathlib import Path
@@ -180,3 +181,48 @@ def test_the_library_is_built_once_per_machine_and_source(tmp_path: Path) -> Non
     stamp = first.stat().st_mtime_ns
     assert fp8_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+
+
+def test_an_engine_with_an_fp8_tier_builds_the_kernel_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The kernel is ready before the first request, built where the engine starts;
+    control: an engine without an fp8 tier builds nothing."""
+    from lmcache_core.config import load_config
+    from lmcache_core.engine import CacheEngine
+    from lmcache_core.keys import KeyNamespace
+    from lmcache_core.plugins import PluginManager
+
+    def engine(serde: str) -> CacheEngine:
+        backends = [{"name": "local_cpu", "max_size": "16MiB"}, {"name": "example_dict", "max_entries": 10, "serde": serde}]
+        cfg = load_config(env={}, overrides={"chunk_size": 16, "backends": backends})
+        return CacheEngine(cfg, namespace=KeyNamespace(model="fp8-prepare"), plugins=PluginManager())
+
+    for serde, built in (("raw", False), ("fp8", True)):
+        cache = tmp_path / serde
+        monkeypatch.setenv("LMCACHE_CACHE_DIR", str(cache))
+        fp8_native.reset()
+        with engine(serde):
+            assert ("dll" in fp8_native._state) is built
+            assert (cache.is_dir() and any(cache.glob("fp8_kernel-*.so"))) is built
+
+
+def test_a_cache_directory_others_can_write_is_not_trusted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A library is code the process runs: one in a directory other users can write,
+    or owned by another user, is not loaded (the torch path runs, saying why)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(fp8_native.KernelUnavailable, match="writable by other users"):
+        fp8_native.build(shared)
+    assert list(shared.iterdir()) == []  # nothing built there either
+    private = tmp_path / "private"
+    lib = fp8_native.build(private)  # control: a private directory is used
+    assert private.stat().st_mode & 0o777 == 0o700 and lib.stat().st_mode & 0o022 == 0
+    lib.chmod(0o666)
+    with pytest.raises(fp8_native.KernelUnavailable, match="writable by other users"):
+        fp8_native.build(private)
+    lib.chmod(0o755)
+    assert fp8_native.build(private) == lib
+    if os.getuid() == 0:  # only root can give a file away
+        os.chown(lib, 1, 1)
+        with pytest.raises(fp8_native.KernelUnavailable, match="belongs to uid 1"):
+            fp8_native.build(private)

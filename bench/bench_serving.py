@@ -12,6 +12,8 @@ docs/deployment.md). Arms, run in turn and, with ``--repeat``, in a rotating ord
 
 - ``vllm``: vLLM alone, its prefix cache on, a small KV cache (``--small-kv``);
 - ``lmc-cpu``: the same plus lmcache-core, CPU tier;
+- ``lmc-cpu2``: ``lmc-cpu`` with the ``--variant KEY=VALUE`` settings (dotted keys, e.g.
+  ``connector.async_saves=true background_cores=auto``), to compare settings in one run;
 - ``lmc-disk``: a small CPU tier in front of a disk tier;
 - ``lmc-node``: a node-local ``lmcache-core serve`` node loaded through shared memory;
 - ``lmc-redis``: a small CPU tier in front of a ``redis-server`` on loopback;
@@ -36,7 +38,8 @@ Printed per workload and concurrency: req/s, output tok/s, TTFT p50/p90/p99, ITL
 p50/p99, tokens vLLM's prefix cache hit, tokens lmcache-core loaded, RSS of the
 server's processes, ratios to ``limit`` and ``floor`` (and to ``vllm`` for ``unique``),
 and whether every arm's greedy outputs are identical. Outputs in ``--out``:
-``results.json``, ``results.md``, ``ttft.png``. Never part of the test pass.
+``results.json``, ``results.md``, ``ttft.png``, and each server's log
+(``server-logs/round<N>-<arm>.log``). Never part of the test pass.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Arm:
     chunk_size: int = 256
     prefix_caching: bool = True
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the server
+    overrides: dict[str, Any] = field(default_factory=dict)  # lmcache-core settings, dotted keys (--variant)
 
 
 def free_port() -> int:
@@ -214,6 +218,12 @@ def helper_services(arm: Arm, tmp: Path, config: dict[str, Any] | None = None) -
                 except OSError:
                     time.sleep(0.05)
             cfg["backends"] = [small_cpu, {"name": "redis", "url": f"redis://127.0.0.1:{port}/0"}]
+        for dotted, value in arm.overrides.items():
+            *parents, last = dotted.split(".")
+            node = cfg
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = value
         yield cfg
     finally:
         for p in procs:
@@ -746,6 +756,10 @@ ARMS = {
     "lmc-node": lambda a: Arm("lmc-node", connector=True, kv_bytes=a.small_kv, tiers="node", chunk_size=a.chunk_size),
     "lmc-redis": lambda a: Arm("lmc-redis", connector=True, kv_bytes=a.small_kv, tiers="redis", chunk_size=a.chunk_size),
     "lmc-cpu-128": lambda a: Arm("lmc-cpu-128", connector=True, kv_bytes=a.small_kv, tiers="cpu", chunk_size=128),
+    # lmc-cpu with the --variant settings, to compare them side by side in one run
+    "lmc-cpu2": lambda a: Arm(
+        "lmc-cpu2", connector=True, kv_bytes=a.small_kv, tiers="cpu", chunk_size=a.chunk_size, overrides=a.variant
+    ),
     "limit": lambda a: Arm("limit", kv_bytes=a.large_kv),
     # the connector on the limit's cache: what the connector's presence costs when vLLM holds everything
     "lmc-limit": lambda a: Arm("lmc-limit", connector=True, kv_bytes=a.large_kv, tiers="cpu", chunk_size=a.chunk_size),
@@ -783,6 +797,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="K=V",
         help="extra environment for every arm's server (e.g. LD_PRELOAD=... ONEDNN_PRIMITIVE_CACHE_CAPACITY=256)",
     )
+    p.add_argument(
+        "--variant",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="lmcache-core settings of the lmc-cpu2 arm (dotted keys, YAML values), e.g. connector.async_saves=true",
+    )
     p.add_argument("--quick", action="store_true", help="fewer, shorter requests; concurrency 1 and 4")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"))
     a = p.parse_args(argv)
@@ -790,6 +811,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--server-env takes K=V pairs, got {bad}")
     server_env = dict(kv.split("=", 1) for kv in a.server_env)
+    bad = [kv for kv in a.variant if "=" not in kv]
+    if bad:
+        p.error(f"--variant takes KEY=VALUE pairs, got {bad}")
+    import yaml
+
+    a.variant = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.variant)}
+    if "lmc-cpu2" in a.arms and not a.variant:
+        p.error("the lmc-cpu2 arm is lmc-cpu with --variant settings: give some")
     if a.quick:
         a.docs, a.doc_tokens, a.unique, a.chat_users, a.chat_turns, a.bench_prompts = 6, 1000, 8, 4, 3, 0
         a.concurrency = [c for c in a.concurrency if c <= 4] or [4]
@@ -823,6 +852,10 @@ def main(argv: list[str] | None = None) -> int:
                     logs = sorted(tmp.glob(f"{name}.server.log"))
                     if logs:
                         log("\n".join(logs[0].read_text(errors="replace").splitlines()[-15:]))
+                server_log = tmp / f"{name}.server.log"
+                if server_log.exists():  # kept: what each server said (its settings, warnings)
+                    (out / "server-logs").mkdir(exist_ok=True)
+                    shutil.copy(server_log, out / "server-logs" / f"round{r + 1}-{name}.log")
         if (tmp / "vllm-bench.err").exists():
             shutil.copy(tmp / "vllm-bench.err", out / "vllm-bench.err")
     merged = merge(rounds)

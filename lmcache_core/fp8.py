@@ -32,6 +32,7 @@ the header's dtype and shape, or a :class:`~lmcache_core.serde.FrameError` (a mi
 
 from __future__ import annotations
 
+import functools
 import threading
 from math import prod
 
@@ -63,8 +64,13 @@ CANARY_BOUND = 0.08
 _UNBIAS = 2.0**120  # float8 bits moved into a bfloat16 read 2**-120 of their value
 #: the fused kernel's dtype codes (lmcache_core/fp8_kernel.c)
 _KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+# what both paths (kernel and torch ops) say when they refuse input
+_NOT_FINITE = "the fp8 codec cannot store NaN or infinite KV"
+_BAD_SCALE = "a scale is negative, not finite or too large for the dtype"
+_NAN_CODE = "a float8 NaN code: not written by this codec"
 
 
+@functools.cache  # a pure function of the dtype, asked by every encode and decode
 def scale_limit(dtype: torch.dtype) -> float:
     """The largest scale a frame of ``dtype`` may hold: ``max / 480`` rounded down to
     a bfloat16, so that even ``480 * scale`` (beyond any float8 value) stays below
@@ -124,14 +130,14 @@ class Fp8Codec:
             limit = scale_limit(tensor.dtype)
             code = _KERNEL_DTYPES[tensor.dtype]
             if dll.lmc_fp8_encode(src.data_ptr(), code, n, _ROUND_UP / FP8_MAX, MIN_SCALE, limit, out.data_ptr()) != 0:
-                raise ValueError("the fp8 codec cannot store NaN or infinite KV")
+                raise ValueError(_NOT_FINITE)
             return out.numpy().data.cast("B")
         flat = tensor.detach().reshape(-1)
         if groups * GROUP != n:
             flat = torch.cat([flat, flat.new_zeros(groups * GROUP - n)])
         amax = _group_absmax(flat.view(groups, GROUP))
         if not bool(torch.isfinite(amax).all()):
-            raise ValueError("the fp8 codec cannot store NaN or infinite KV")
+            raise ValueError(_NOT_FINITE)
         limit = scale_limit(tensor.dtype)
         scale = (amax.float() * (_ROUND_UP / FP8_MAX)).clamp_(min=MIN_SCALE, max=limit).to(torch.bfloat16)
         # a float32 working copy (the quotient must round once, to float8)
@@ -161,21 +167,20 @@ class Fp8Codec:
             src = np.frombuffer(payload, dtype=np.uint8)
             rc = dll.lmc_fp8_decode(src.ctypes.data, n, _KERNEL_DTYPES[dtype], scale_limit(dtype), dst.data_ptr()) if n else 0
             if rc == -1:
-                raise ValueError("a scale is negative, not finite or too large for the dtype")
+                raise ValueError(_BAD_SCALE)
             if rc == -2:
-                raise ValueError("a float8 NaN code: not written by this codec")
-            if out is None or direct:
-                return dst.view(shape) if out is None else out
-            return copy_into(out, dst)
+                raise ValueError(_NAN_CODE)
+            # written in place, or a fresh tensor (no out), or out of another layout
+            return dst if out is None or direct else copy_into(out, dst)
         bits = np.frombuffer(payload, dtype="<i2", count=groups).astype(np.int16)
         scale = torch.from_numpy(bits).view(torch.bfloat16).float().view(groups, 1)
         if not bool((torch.isfinite(scale) & (scale >= 0) & (scale <= scale_limit(dtype))).all()):
-            raise ValueError("a scale is negative, not finite or too large for the dtype")
+            raise ValueError(_BAD_SCALE)
         code = _scratch("code", n, torch.int16)
         np.copyto(code.numpy(), np.frombuffer(payload, dtype=np.uint8, count=n, offset=2 * groups), casting="safe")
         mag = torch.bitwise_and(code, 0x7F, out=_scratch("mag", n, torch.int16))
         if n and int(mag.max()) == 0x7F:  # the largest 7-bit magnitude is the NaN code
-            raise ValueError("a float8 NaN code: not written by this codec")
+            raise ValueError(_NAN_CODE)
         # e4m3 bits s.eeee.mmm become bfloat16 bits s.0000eeee.mmm0000: the same
         # number times 2**-120 (subnormals included); exact, never NaN or infinite
         mag.bitwise_left_shift_(4).bitwise_or_(code.bitwise_and_(0x80).bitwise_left_shift_(8))

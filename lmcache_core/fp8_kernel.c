@@ -166,6 +166,11 @@ int lmc_fp8_encode(const void *src, int dtype, int64_t n, float inv_max_up, floa
     return 0;
 }
 
+/* group g's scale: little-endian bfloat16 bits at the payload's start */
+static inline float scale_at(const uint8_t *payload, int64_t g) {
+    return from_bits(((uint32_t)payload[2 * g] | ((uint32_t)payload[2 * g + 1] << 8)) << 16);
+}
+
 /* Decodes n values into dst (dtype, contiguous). Returns 0; -1 for a scale that is
  * negative, not finite or over limit; -2 for a float8 NaN code (never written by
  * the encoder). The payload is checked whole before dst is written. */
@@ -173,7 +178,7 @@ int lmc_fp8_decode(const uint8_t *payload, int64_t n, int dtype, float limit, vo
     int64_t groups = (n + GROUP - 1) / GROUP;
     const uint8_t *codes = payload + 2 * groups;
     for (int64_t g = 0; g < groups; g++) {
-        float s = from_bits(((uint32_t)payload[2 * g] | ((uint32_t)payload[2 * g + 1] << 8)) << 16);
+        float s = scale_at(payload, g);
         if (!(s >= 0.0f && s <= limit)) return -1;
     }
     int nan = 0;
@@ -181,7 +186,7 @@ int lmc_fp8_decode(const uint8_t *payload, int64_t n, int dtype, float limit, vo
     if (nan) return -2;
     float buf[GROUP];
     for (int64_t g = 0; g < groups; g++) {
-        float s = from_bits(((uint32_t)payload[2 * g] | ((uint32_t)payload[2 * g + 1] << 8)) << 16);
+        float s = scale_at(payload, g);
         int64_t at = g * GROUP;
         int64_t len = n - at < GROUP ? n - at : GROUP;
         const uint8_t *c = codes + at;

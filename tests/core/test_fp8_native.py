@@ -11,7 +11,7 @@ import os
 import logging
 import platform
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(fp8_native.kernel() is None, reason="no C compil
 
 
 @pytest.fixture(autouse=True)
-def _fresh_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     fp8_native.reset()
     yield
     monkeypatch.delenv(fp8_native.ENV, raising=False)

@@ -403,6 +403,15 @@ def layerwise(quick: bool) -> None:
     t_mm = _wall(one, 20, True)
     out: dict[str, Any] = {"tokens": tokens, "matmul_2048_us": round(t_mm * 1e6, 1)}
     cases = [("token", 4.0), ("token", 2.0), ("token", 1.0), ("token", 0.5), ("block", 2.0), ("block", 1.0)]
+    # The pipeline as the connector runs it (a high-priority side stream; save_kv_layer
+    # enqueues the next layers' loads after each layer's compute), then two variants
+    # for comparison: loads enqueued from wait_for_layer_load only, a normal-priority
+    # stream.
+    variants = {
+        "default": {"priority": -1, "after": True},
+        "wait-only": {"priority": -1, "after": False},
+        "priority-0": {"priority": 0, "after": True},
+    }
     for kind, ratio in cases:
         lay = TokenLayout(kv, 16) if kind == "token" else BlockLayout(kv, 16)
         src_lay = TokenLayout(src, 16) if kind == "token" else BlockLayout(src, 16)
@@ -426,9 +435,10 @@ def layerwise(quick: bool) -> None:
                 layer()
 
         t_c = _wall(compute, iters, True)
-        pipe = LayerPipeline(lay, names)
         wrong = [0]
         host = [0.0]
+        pipe = LayerPipeline(lay, names)
+        after = True
 
         def pipelined(check: bool = False) -> None:
             h0 = time.perf_counter()
@@ -441,10 +451,24 @@ def layerwise(quick: bool) -> None:
                 if check:
                     wrong[0] += int(not torch.equal(int_view(kv[n][table]), want[n]))
                 layer()
+                if after:  # the connector's save_kv_layer
+                    h0 = time.perf_counter()
+                    pipe.after_layer(n)
+                    spent += time.perf_counter() - h0
             pipe.end_loads()
             host[0] = spent
 
+        others = {}
+        for vname, v in variants.items():
+            if vname == "default":
+                continue
+            pipe, after = LayerPipeline(lay, names, priority=v["priority"]), v["after"]
+            t_v = _wall(pipelined, iters, True)
+            others[vname] = round((t_c + t_load - t_v) / t_load, 3)
+        pipe, after = LayerPipeline(lay, names), True
         t_p = _wall(pipelined, iters, True)
+        if TRACE_DIR is not None and kind == "token" and ratio == 1.0:
+            _trace(pipelined, TRACE_DIR / "layerwise_trace.json")
         for t in kv.values():
             int_view(t).zero_()
         pipelined(check=True)
@@ -460,6 +484,7 @@ def layerwise(quick: bool) -> None:
             "layers_wrong": wrong[0],
             "host_enqueue_ms": round(host[0] * 1e3, 2),
             "active": pipe.active,
+            "hidden_share_variants": others,
         }
         out[f"load/{kind}/c{ratio}"] = row
         log(f"  {kind} loads, compute/load {t_c / t_load:.2f}: {row}")
@@ -468,7 +493,8 @@ def layerwise(quick: bool) -> None:
         TABLE.append(
             (
                 f"layerwise {kind} load, compute/load {t_c / t_load:.2f}",
-                f"{hidden:.0%} hidden, {t_p * 1e3:.1f} vs {(t_c + t_load) * 1e3:.1f} ms serial, host {host[0] * 1e3:.1f} ms",
+                f"{hidden:.0%} hidden, {t_p * 1e3:.1f} vs {(t_c + t_load) * 1e3:.1f} ms serial, host {host[0] * 1e3:.1f} ms"
+                f" (wait-only {others['wait-only']:.0%}, priority 0 {others['priority-0']:.0%})",
                 verdict,
             )
         )
@@ -527,6 +553,22 @@ def layerwise(quick: bool) -> None:
     if not wrong_saves:
         TABLE.append(("layerwise saves bit-exact", f"0 wrong chunks in {len(cases)} cases", "PASS"))
     RESULTS["layerwise"] = out
+
+
+TRACE_DIR: Path | None = None
+
+
+def _trace(fn: Callable[[], None], path: Path) -> None:
+    """A torch.profiler trace of one call (chrome format) and its op table."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=40))
+    log(f"  trace: {path} ({path.stat().st_size >> 10} KiB)")
 
 
 @section("profile")
@@ -608,7 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only", nargs="+", choices=["pytest", "engine", "speed", "layerwise", "profile"], help="run these sections only"
     )
+    p.add_argument("--trace", action="store_true", help="write a torch.profiler trace of one pipelined step to --out")
     a = p.parse_args(argv)
+    global TRACE_DIR
+    if a.trace:
+        TRACE_DIR = Path(a.out)
+        TRACE_DIR.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not torch.cuda.is_available():
         log("gpu_check: no CUDA GPU visible: a dry run of the CPU parts")
@@ -617,12 +664,12 @@ def main(argv: list[str] | None = None) -> int:
     want = set(a.only or ["pytest", "engine", "speed", "layerwise"])
     if "pytest" in want and not a.skip_pytest:
         pytest_cuda(a.pytest_timeout)
-    if "engine" in want:
-        engine_round_trip(a.quick)
-    if "speed" in want:
-        speed(a.quick)
     if "layerwise" in want:
         layerwise(a.quick)
+    if "speed" in want:
+        speed(a.quick)
+    if "engine" in want:
+        engine_round_trip(a.quick)
     if "profile" in want:
         profile()
     RESULTS["table"] = TABLE

@@ -207,3 +207,89 @@ def copy_segments(
     err = load_kernels().copy_segments(list(dsts), list(dst_off), list(srcs), list(src_off), list(nbytes))
     if err:
         raise ValueError(err)
+
+
+def _layer_rows(kv_caches: Sequence[torch.Tensor], table: LayerTable) -> list[torch.Tensor]:
+    """One-layer views of ``table`` (kept on prepared layers: built once, not per step)."""
+    cached = getattr(kv_caches, "layer_rows", None)
+    if cached is not None and cached[0] is table:
+        return cached[1]
+    rows = [table.ptrs[i : i + 1] for i in range(table.ptrs.numel())]
+    if isinstance(kv_caches, PreparedLayers):
+        kv_caches.layer_rows = (table, rows)
+    return rows
+
+
+class LayerCopies:
+    """One index (slots or block ids) against each layer of ``kv_caches``, checked once:
+    :meth:`run` is then one kernel launch for one layer, between that layer and a
+    device buffer (``[1, 2, tokens, heads, head_size]`` or ``[1, n_blocks, ...]``).
+    For callers that copy a step layer by layer (the connector's layer pipeline),
+    where the checks and the dispatch of a full call cost more host time than the
+    copy takes on the GPU. The caller keeps ``index`` and the buffers alive until the
+    copies have run."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], index: torch.Tensor, granularity: str) -> None:
+        tokens = granularity == "tokens"
+        if not tokens and granularity != "blocks":
+            raise ValueError(f"granularity={granularity!r}: use 'tokens' or 'blocks'")
+        layout, table, idx = _prepare(kv_caches, index, "slot_mapping" if tokens else "block_ids")
+        if not tokens and not layout.blocks_are_dense():
+            raise ValueError("block copies need each block to be one dense region: use the token copies instead")
+        self.num_layers = layout.num_layers
+        self._rows = _layer_rows(kv_caches, table)
+        self._align = table.align
+        self._idx = idx
+        self._dtype = layout.dtype
+        self._device = layout.device
+        k = load_kernels()
+        if tokens:
+            self._numel = 2 * idx.numel() * layout.num_kv_heads * layout.head_size
+            self._fns = (k.gather_tokens, k.scatter_tokens)
+            self._args: tuple = (
+                layout.element_size,
+                layout.num_blocks,
+                layout.num_kv_heads,
+                layout.block_size,
+                layout.head_size,
+                layout.stride_block,
+                layout.stride_head,
+                layout.stride_token,
+            )
+        else:
+            self._numel = idx.numel() * layout.block_numel
+            self._fns = (k.gather_blocks, k.scatter_blocks)
+            self._args = (layout.element_size, layout.num_blocks, layout.block_numel, layout.stride_block)
+
+    def run(self, layer: int, buf: torch.Tensor, gather: bool) -> None:
+        """Gather layer ``layer`` into ``buf`` (or scatter ``buf`` into it) on the current stream."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
+        # The native side checks these too, but by throwing, which was seen to crash
+        # the process: a wrong buffer is refused here instead.
+        if buf.device != self._device or buf.dtype != self._dtype or buf.numel() != self._numel or not buf.is_contiguous():
+            raise ValueError(
+                f"buffer {buf.dtype}{tuple(buf.shape)} on {buf.device}: expected {self._numel} contiguous "
+                f"{self._dtype} elements on {self._device}"
+            )
+        self._fns[0 if gather else 1](self._rows[layer], self._align, self._idx, buf, *self._args)
+
+
+def copy_rows(
+    dsts: Sequence[torch.Tensor],
+    dst_off: Sequence[int],
+    dst_pitch: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    src_off: Sequence[int],
+    src_pitch: Sequence[int],
+    width: Sequence[int],
+    rows: Sequence[int],
+) -> None:
+    """2-D byte-range copies (see reference.copy_rows), one native call: a
+    ``cudaMemcpy2DAsync`` per segment (``cudaMemcpyAsync`` for one row) on the current
+    stream; a bad segment is reported as ValueError."""
+    err = load_kernels().copy_rows(
+        list(dsts), list(dst_off), list(dst_pitch), list(srcs), list(src_off), list(src_pitch), list(width), list(rows)
+    )
+    if err:
+        raise ValueError(err)

@@ -44,6 +44,13 @@ def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, s
     implementation(kv_caches).scatter_blocks(kv_caches, block_ids, src)
 
 
+def layer_copies(kv_caches: Sequence[torch.Tensor], index: torch.Tensor, granularity: str):
+    """``index`` (slots for ``"tokens"``, block ids for ``"blocks"``) against each layer,
+    checked once; ``.run(layer, buf, gather)`` copies one layer between the KV and a
+    buffer ``[1, ...]`` (see kernels.LayerCopies)."""
+    return implementation(kv_caches).LayerCopies(kv_caches, index, granularity)
+
+
 def copy_segments(
     dsts: Sequence[torch.Tensor],
     dst_off: Sequence[int],
@@ -59,3 +66,24 @@ def copy_segments(
         kernels.copy_segments(dsts, dst_off, srcs, src_off, nbytes)
         return
     reference.copy_segments(dsts, dst_off, srcs, src_off, nbytes)
+
+
+def copy_rows(
+    dsts: Sequence[torch.Tensor],
+    dst_off: Sequence[int],
+    dst_pitch: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    src_off: Sequence[int],
+    src_pitch: Sequence[int],
+    width: Sequence[int],
+    rows: Sequence[int],
+) -> None:
+    """``rows[i]`` rows of ``width[i]`` bytes per segment, ``dst_pitch[i]`` /
+    ``src_pitch[i]`` bytes apart: one 2-D DMA each when the kernels are loaded and a
+    CUDA tensor is involved, else a loop."""
+    if available() and any(t.is_cuda for t in (*dsts[:1], *srcs[:1])):
+        from lmcache_cuda import kernels
+
+        kernels.copy_rows(dsts, dst_off, dst_pitch, srcs, src_off, src_pitch, width, rows)
+        return
+    reference.copy_rows(dsts, dst_off, dst_pitch, srcs, src_off, src_pitch, width, rows)

@@ -146,11 +146,13 @@ class PreparedLayers(tuple):
 
     layout: PagedLayout
     table: Any  # kernels.LayerTable once a kernel has run on these layers, else None
+    layer_rows: Any  # (table, its one-layer views) once a layer-by-layer copy has run, else None
 
     def __new__(cls, kv_caches: Sequence[torch.Tensor]) -> "PreparedLayers":
         self = super().__new__(cls, kv_caches)
         self.layout = PagedLayout.from_layers(self)
         self.table = None  # kernels.LayerTable, set on first use
+        self.layer_rows = None
         return self
 
 

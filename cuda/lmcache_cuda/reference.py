@@ -140,3 +140,47 @@ def copy_segments(
         if k:
             pinned = (s.device.type == "cpu" and s.is_pinned()) or (d.device.type == "cpu" and d.is_pinned())
             db[a : a + k].copy_(sb[b : b + k], non_blocking=pinned)
+
+
+class LayerCopies:
+    """The reference for :class:`lmcache_cuda.kernels.LayerCopies`: one layer per call."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], index: torch.Tensor, granularity: str) -> None:
+        if granularity not in ("tokens", "blocks"):
+            raise ValueError(f"granularity={granularity!r}: use 'tokens' or 'blocks'")
+        layout = layout_of(kv_caches)
+        check_index(index, "slot_mapping" if granularity == "tokens" else "block_ids")
+        self.num_layers = layout.num_layers
+        self._layers = list(kv_caches)
+        self._index = index
+        self._fns = (gather_tokens, scatter_tokens) if granularity == "tokens" else (gather_blocks, scatter_blocks)
+
+    def run(self, layer: int, buf: torch.Tensor, gather: bool) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
+        self._fns[0 if gather else 1]([self._layers[layer]], self._index, buf)
+
+
+def copy_rows(
+    dsts: Sequence[torch.Tensor],
+    dst_off: Sequence[int],
+    dst_pitch: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    src_off: Sequence[int],
+    src_pitch: Sequence[int],
+    width: Sequence[int],
+    rows: Sequence[int],
+) -> None:
+    """:func:`copy_segments` with ``rows[i]`` rows of ``width[i]`` bytes per segment,
+    row ``r`` at ``dst_off[i] + r * dst_pitch[i]`` (and likewise in the source)."""
+    n = len(width)
+    if not len(dsts) == len(dst_off) == len(dst_pitch) == len(srcs) == len(src_off) == len(src_pitch) == len(rows) == n:
+        raise ValueError("copy_rows: lists of different lengths")
+    seg: tuple[list, list, list, list, list] = ([], [], [], [], [])
+    for i in range(n):
+        if rows[i] < 0 or width[i] < 0 or (rows[i] > 1 and (dst_pitch[i] < width[i] or src_pitch[i] < width[i])):
+            raise ValueError(f"copy_rows: segment {i} has rows wider than their pitch")
+        for r in range(rows[i]):
+            for lst, v in zip(seg, (dsts[i], dst_off[i] + r * dst_pitch[i], srcs[i], src_off[i] + r * src_pitch[i], width[i])):
+                lst.append(v)
+    copy_segments(*seg)

@@ -237,10 +237,13 @@ class _Buf:
 
 @pytest.mark.parametrize("device,ops", ROUTES, ids=ROUTE_IDS)
 @pytest.mark.parametrize("kind", ["block", "token"])
-def test_layer_pipeline_loads_and_saves_layer_by_layer(device, ops, kind):
+@pytest.mark.parametrize("ahead", [True, False], ids=["after-layer", "wait-only"])
+def test_layer_pipeline_loads_and_saves_layer_by_layer(device, ops, kind, ahead):
     """A simulated forward: wait for layer i, read it (the first thing layer i's
-    attention does), write it, hand it to save_layer. Each layer's reads see the loaded
-    KV; saved chunks equal the KV after the forward; buffers come back."""
+    attention does), write it, hand it to save_layer (and, as the connector's
+    save_kv_layer does, to after_layer, which enqueues later layers' loads). Each
+    layer's reads see the loaded KV; saved chunks equal the KV after the forward;
+    buffers come back."""
     src = vllm_kv_caches("LBNHC", 4, NB, H, BS, 2 * D, torch.bfloat16, device, seed=51)
     kv = poison_like(src, 52)
     a, lay = _layout(kind, src, BS), _layout(kind, kv, BS, ops)
@@ -263,6 +266,8 @@ def test_layer_pipeline_loads_and_saves_layer_by_layer(device, ops, kind):
         seen = int_view(kv[n][dst_table]).clone()  # on the compute stream
         kv[n][dst_table[0], :, 0].add_(1)  # the layer writes its KV...
         pipe.save_layer(n, lambda: save)  # ...then hands it over
+        if ahead:
+            pipe.after_layer(n)
         assert torch.equal(seen.cpu(), want[n]), f"layer {i} computed on KV that had not landed"
     pipe.end_loads()
     stored = pipe.end_saves()
@@ -307,3 +312,21 @@ def test_layer_pipeline_turns_off_when_layers_are_not_waited_for(device):
     pipe.wait_layer(names[0])  # layer 0 only
     pipe.end_loads()
     assert not pipe.active
+
+
+def test_token_slot_mapping_matches_the_block_table():
+    """Slots of token ranges (also several ranges at once, the layer pipeline's plan)
+    against slot = block_ids[pos // bs] * bs + pos % bs; too few blocks is an error."""
+    kv = vllm_kv_caches("LBNHC", 1, NB, H, BS, 2 * D, torch.float16, "cpu", seed=95)
+    lay = TokenLayout(kv, BS, allow_cpu=True)
+    table = [7, 2, 9, 4]
+
+    def formula(start, end):
+        return [table[p // BS] * BS + p % BS for p in range(start, end)]
+
+    for start, end in ((0, 4 * BS), (5, 2 * BS + 3), (BS, BS + 1), (3 * BS - 1, 4 * BS)):
+        assert lay.slot_mapping(table, start, end).tolist() == formula(start, end)
+    both = lay._slots_many([(table, 0, BS), (table, 2 * BS + 1, 3 * BS)])
+    assert both.tolist() == formula(0, BS) + formula(2 * BS + 1, 3 * BS)
+    with pytest.raises(IndexError, match="blocks"):
+        lay.slot_mapping(table, 0, 4 * BS + 1)

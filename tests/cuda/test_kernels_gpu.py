@@ -200,3 +200,86 @@ def test_copy_segments_native_matches_reference(where):
     assert torch.equal(dst_k.cpu(), dst_r.cpu()) and dst_k.count_nonzero() > 0
     with pytest.raises(ValueError, match="outside"):
         kernels.copy_segments([dst_k], [(1 << 20) - 4], [src], [0], [8])
+
+
+@pytest.mark.parametrize("where", ["device", "pinned"])
+@pytest.mark.parametrize("to_host", [False, True], ids=["to-device", "to-host"])
+def test_copy_rows_native_matches_reference(where, to_host):
+    """2-D DMAs (the K and V rows of a chunk's layer) against the reference loop."""
+    g = torch.Generator().manual_seed(13)
+    src_host = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+    src = src_host.pin_memory() if where == "pinned" else src_host.to(DEV)
+    if to_host:  # device -> pinned host, the saves' direction
+        src = src_host.to(DEV)
+        dst_k = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    else:
+        dst_k = torch.zeros(1 << 20, dtype=torch.uint8, device=DEV)
+    dst_r = torch.zeros(1 << 20, dtype=torch.uint8, device=DEV)
+    args = ([0, 300_000, 700_000], [200_000, 0, 1], [5, 123_456, 9], [150_000, 0, 3], [70_000, 4096, 0], [2, 1, 4])
+    dst_off, dst_pitch, src_off, src_pitch, width, rows = args
+    kernels.copy_rows([dst_k] * 3, dst_off, dst_pitch, [src] * 3, src_off, src_pitch, width, rows)
+    reference.copy_rows([dst_r] * 3, dst_off, dst_pitch, [src] * 3, src_off, src_pitch, width, rows)
+    torch.cuda.synchronize()
+    assert torch.equal(dst_k.cpu(), dst_r.cpu()) and dst_k.count_nonzero() > 0
+    with pytest.raises(ValueError, match="outside"):
+        kernels.copy_rows([dst_k], [(1 << 20) - 100], [60], [src], [0], [60], [50], [2])
+    with pytest.raises(ValueError, match="pitch"):
+        kernels.copy_rows([dst_k], [0], [10], [src], [0], [60], [50], [2])
+
+
+@pytest.mark.parametrize("granularity", ["tokens", "blocks"])
+@pytest.mark.parametrize("permuted", [False, True], ids=["contig", "permuted"])
+def test_layer_copies_match_reference_layer_by_layer(granularity, permuted):
+    """kernels.LayerCopies (one launch per layer, checked once) against the reference
+    on each layer, both directions; a scatter writes its layer only."""
+    kv = _kv(16, 128, "bf16", permuted=permuted, seed=11)
+    layout = PagedLayout.from_layers(kv)
+    if granularity == "tokens":
+        index = ragged_slots(BLOCKS, 16, 2 * 16 + 3, pad=2, seed=12).to(DEV)
+        shape = (1, 2, index.numel(), HEADS, 128)
+    else:
+        if not layout.blocks_are_dense():
+            with pytest.raises(ValueError, match="dense"):
+                kernels.LayerCopies(kv, torch.tensor([1, 2], device=DEV), granularity)
+            return
+        index = torch.tensor([5, 0, 3], device=DEV)
+        shape = (1, index.numel(), layout.block_numel)
+    fast = kernels.LayerCopies(kv, index, granularity)
+    ref = reference.LayerCopies(kv, index, granularity)
+    for layer in range(LAYERS):
+        got = torch.full(shape, 7, dtype=torch.bfloat16, device=DEV)
+        want = torch.full(shape, 3, dtype=torch.bfloat16, device=DEV)
+        fast.run(layer, got, True)
+        ref.run(layer, want, True)
+        torch.cuda.synchronize()
+        assert bits_equal(got, want)
+        dst_k = [torch.zeros_like(t) for t in kv]
+        dst_r = [torch.zeros_like(t) for t in kv]
+        kernels.LayerCopies(dst_k, index, granularity).run(layer, got, False)
+        reference.LayerCopies(dst_r, index, granularity).run(layer, want, False)
+        torch.cuda.synchronize()
+        for i, (a, b) in enumerate(zip(dst_k, dst_r)):
+            assert bits_equal(a, b)
+            if i != layer:  # other layers untouched
+                assert not a.view(torch.int16).any()
+
+
+def test_layer_copies_refuse_wrong_buffers_and_layers():
+    """Checked in Python before the native call (a native check would throw)."""
+    kv = _kv(16, 64, "fp16")
+    slots = torch.arange(10, device=DEV)
+    fast = kernels.LayerCopies(kv, slots, "tokens")
+    good = torch.empty((1, 2, 10, HEADS, 64), dtype=torch.float16, device=DEV)
+    fast.run(0, good, True)  # the control
+    for bad in (
+        torch.empty((1, 2, 9, HEADS, 64), dtype=torch.float16, device=DEV),
+        torch.empty((1, 2, 10, HEADS, 64), dtype=torch.float32, device=DEV),
+        torch.empty((1, 2, 10, HEADS, 64), dtype=torch.float16),
+        torch.empty((1, 2, 10, HEADS, 128), dtype=torch.float16, device=DEV)[..., :64],
+    ):
+        with pytest.raises(ValueError, match="expected"):
+            fast.run(0, bad, True)
+    with pytest.raises(IndexError):
+        fast.run(LAYERS, good, True)
+    with pytest.raises(ValueError, match="granularity"):
+        kernels.LayerCopies(kv, slots, "pages")

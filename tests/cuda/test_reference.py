@@ -197,3 +197,50 @@ def test_copy_segments_moves_byte_ranges_and_refuses_out_of_range():
         ops.copy_segments([dst], [120], [src], [0], [16])
     with pytest.raises(ValueError, match="non-contiguous"):
         ops.copy_segments([dst], [0], [src.view(8, 8).t()], [0], [4])
+
+
+def test_copy_rows_moves_pitched_rows_and_refuses_bad_ones():
+    from lmcache_cuda import ops
+
+    src = torch.arange(256, dtype=torch.uint8)
+    dst = torch.zeros(256, dtype=torch.uint8)
+    # 3 rows of 10 bytes, 40 apart in the source and 16 apart in the destination; one plain row
+    ops.copy_rows([dst, dst], [0, 200], [16, 0], [src, src], [5, 0], [40, 0], [10, 8], [3, 1])
+    for r in range(3):
+        assert torch.equal(dst[16 * r : 16 * r + 10], src[5 + 40 * r : 15 + 40 * r])
+        assert not dst[16 * r + 10 : 16 * r + 16].any()
+    assert torch.equal(dst[200:208], src[:8]) and not dst[48:200].any()
+    with pytest.raises(ValueError, match="outside"):  # the last row runs past the end
+        ops.copy_rows([dst], [0], [16], [src], [0], [125], [10], [3])
+    with pytest.raises(ValueError, match="pitch"):
+        ops.copy_rows([dst], [0], [4], [src], [0], [40], [10], [2])
+    with pytest.raises(ValueError, match="lengths"):
+        ops.copy_rows([dst], [0], [4], [src], [0], [40], [10], [2, 1])
+
+
+@pytest.mark.parametrize("granularity", ["tokens", "blocks"])
+def test_layer_copies_move_one_layer(granularity):
+    """reference.LayerCopies (the CPU route of the layer pipeline): a gather equals
+    that layer of a full gather; a scatter writes that layer only."""
+    kv = _kv(16, 64, "fp16", seed=21)
+    layout = PagedLayout.from_layers(kv)
+    if granularity == "tokens":
+        index = ragged_slots(layout.num_blocks, 16, 40, pad=3, seed=22)
+        full = reference.gather_tokens(kv, index, _token_buf(kv, index.numel()))
+    else:
+        index = torch.tensor([4, 1, 2])
+        full = torch.empty((layout.num_layers, 3, layout.block_numel), dtype=layout.dtype)
+        reference.gather_blocks(kv, index, full)
+    copies = reference.LayerCopies(kv, index, granularity)
+    for layer in range(layout.num_layers):
+        one = torch.empty((1, *full.shape[1:]), dtype=full.dtype)
+        copies.run(layer, one, True)
+        assert bits_equal(one[0], full[layer])
+        dst = [torch.zeros_like(t) for t in kv]
+        reference.LayerCopies(dst, index, granularity).run(layer, one, False)
+        for i, t in enumerate(dst):
+            assert bool(int_view(t).any()) == (i == layer)
+    with pytest.raises(IndexError):
+        copies.run(layout.num_layers, one, True)
+    with pytest.raises(ValueError, match="granularity"):
+        reference.LayerCopies(kv, index, "pages")

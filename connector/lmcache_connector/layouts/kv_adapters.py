@@ -34,8 +34,10 @@ forward pass instead.
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 
@@ -134,6 +136,29 @@ def block_memory_order(t: torch.Tensor) -> str | None:
     return "".join(_DIMS[d - 1] for d in dims)
 
 
+@dataclass
+class _StepPlan:
+    """One layer of a step's chunks, worked out once (see ``plan_layers``): the byte
+    ranges between the chunk buffers and a device staging buffer (each chunk's slice
+    of a layer sits at ``bases[i] + layer * per_layer[i]``: ``rows[i]`` rows of
+    ``width[i]`` bytes, ``chunk_pitch[i]`` apart there and ``stage_pitch[i]`` apart in
+    the staging buffer, moved by one DMA), and the kernel copies between the staging
+    buffer and the KV, checked once."""
+
+    load: bool
+    tensors: list[torch.Tensor]
+    bases: list[int]
+    per_layer: list[int]
+    chunk_pitch: list[int]
+    stage_off: list[int]
+    stage_pitch: list[int]
+    width: list[int]
+    rows: list[int]
+    copies: Any  # lmcache_cuda LayerCopies
+    staging_shape: tuple[int, ...]
+    staging: torch.Tensor | None = None  # allocated by the first run, on the copies' stream
+
+
 class _PagedLayers:
     """What both adapters know of vLLM's per-layer KV tensors."""
 
@@ -164,12 +189,19 @@ class _PagedLayers:
         key = tuple(ids)
         if self._idx is not None and key in self._idx:
             return self._idx[key]
-        idx = torch.tensor(key, dtype=torch.long)
-        if self.device.type == "cuda":
-            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        idx = self._to_device(np.asarray(key, dtype=np.int64))
         if self._idx is not None:
             self._idx[key] = idx
         return idx
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """An int64 host array as a tensor on the KV device: through pinned memory,
+        without blocking the host (torch's pinned allocator keeps the host copy until
+        the transfer has run)."""
+        t = torch.from_numpy(arr)
+        if self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     def cache_indices(self, on: bool) -> None:
         """Keep index tables between calls (on) or drop them (off); see ``_index``."""
@@ -270,26 +302,47 @@ class _PagedLayers:
     ) -> None:
         raise NotImplementedError
 
-    def _plan(self, items: Sequence[Any], load: bool) -> Any:
+    def _plan(self, items: Sequence[Any], load: bool) -> _StepPlan | None:
         raise NotImplementedError
 
-    def _run(self, plan: Any, layer: int) -> None:
-        raise NotImplementedError
+    def _step_plan(self, load: bool, pieces: list[tuple], index: torch.Tensor, granularity: str, shape: tuple) -> _StepPlan:
+        """``pieces``: (chunk tensor, its byte offset at layer 0, its bytes per layer,
+        its row pitch, the staging byte offset, the staging row pitch, the row width,
+        the rows)."""
+        tensors, bases, per_layer, chunk_pitch, stage_off, stage_pitch, width, rows = (list(c) for c in zip(*pieces))
+        return _StepPlan(
+            load=load,
+            tensors=tensors,
+            bases=bases,
+            per_layer=per_layer,
+            chunk_pitch=chunk_pitch,
+            stage_off=stage_off,
+            stage_pitch=stage_pitch,
+            width=width,
+            rows=rows,
+            copies=self._ops.layer_copies(self._set(range(self.num_layers)), index, granularity),
+            staging_shape=shape,
+        )
 
-    def _move(self, pieces: list[tuple[torch.Tensor, int, int, int, int]], staging: torch.Tensor, layer: int, load: bool) -> None:
-        """Copy byte ranges between the chunk buffers and ``staging`` for ``layer``:
-        ``pieces`` are (chunk tensor, its byte offset at layer 0, its bytes per layer,
-        the staging byte offset, the length); loads copy chunk -> staging."""
-        chunk_off = [base + layer * per_layer for _, base, per_layer, _, _ in pieces]
-        tensors = [t for t, _, _, _, _ in pieces]
-        stage = [staging] * len(pieces)
-        stage_off = [o for _, _, _, o, _ in pieces]
-        nbytes = [n for _, _, _, _, n in pieces]
-        copy = self._ops.copy_segments
-        if load:
-            copy(stage, stage_off, tensors, chunk_off, nbytes)
+    def _run(self, plan: _StepPlan | None, layer: int) -> None:
+        """One layer of a planned step: loads move the chunks' slices to the staging
+        buffer (one native call, a DMA each) and scatter it into the KV with one
+        kernel; saves gather, then move. Everything is enqueued on the current stream,
+        which also orders the staging buffer's reuse from layer to layer."""
+        if plan is None:
+            return
+        if plan.staging is None:
+            plan.staging = torch.empty(plan.staging_shape, dtype=self.dtype, device=self.device)
+        staging = plan.staging
+        chunk_off = [b + layer * p for b, p in zip(plan.bases, plan.per_layer)]
+        stage = [staging] * len(chunk_off)
+        copy = self._ops.copy_rows
+        if plan.load:
+            copy(stage, plan.stage_off, plan.stage_pitch, plan.tensors, chunk_off, plan.chunk_pitch, plan.width, plan.rows)
+            plan.copies.run(layer, staging, False)
         else:
-            copy(tensors, chunk_off, stage, stage_off, nbytes)
+            plan.copies.run(layer, staging, True)
+            copy(plan.tensors, chunk_off, plan.chunk_pitch, stage, plan.stage_off, plan.stage_pitch, plan.width, plan.rows)
 
 
 class BlockLayout(_PagedLayers):
@@ -397,29 +450,19 @@ class BlockLayout(_PagedLayers):
                 segs.append((it.buf.tensor, (first_block - lo // bs) * self.ratio, ids))
         return segs
 
-    def _plan(self, items: Sequence[Any], load: bool) -> Any:
+    def _plan(self, items: Sequence[Any], load: bool) -> _StepPlan | None:
         segs = self._segments(items, load)
-        idx = self._index([b for _, _, ids in segs for b in ids]) if segs else None
+        if not segs:
+            return None
+        idx = self._index([b for _, _, ids in segs for b in ids])
         es = torch.empty((), dtype=self.dtype).element_size()
         row = self.block_numel * es
         pieces, off = [], 0
         for t, first, ids in segs:
             n = len(ids)
-            pieces.append((t, first * t.stride(1) * es, t.stride(0) * es, off * row, n * row))
+            pieces.append((t, first * t.stride(1) * es, t.stride(0) * es, 0, off * row, 0, n * row, 1))
             off += n
-        return (load, pieces, idx, off)
-
-    def _run(self, plan: Any, layer: int) -> None:
-        load, pieces, idx, total = plan
-        if not total:
-            return
-        staging = torch.empty((1, total, *self.block_shape), dtype=self.dtype, device=self.device)
-        kv = self._set(range(layer, layer + 1))
-        if not load:
-            self._ops.gather_blocks(kv, idx, staging)
-        self._move(pieces, staging, layer, load)
-        if load:
-            self._ops.scatter_blocks(kv, idx, staging)
+        return self._step_plan(load, pieces, idx, "blocks", (1, off, *self.block_shape))
 
 
 class TokenLayout(_PagedLayers):
@@ -442,6 +485,7 @@ class TokenLayout(_PagedLayers):
             )
         self.num_heads = heads
         self.head_size = two_d // 2
+        self._offs = np.arange(block_size, dtype=np.int64)  # token offsets in a block
 
     def fingerprint(self) -> str:
         # Block size is deliberately absent: token chunks are portable across it.
@@ -462,11 +506,13 @@ class TokenLayout(_PagedLayers):
         bs = self.block_size
         parts = []
         for ids, start, end in ranges:
-            pos = torch.arange(start, end)
-            parts.append(torch.tensor(list(ids), dtype=torch.long)[pos // bs] * bs + pos % bs)
-        slots = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if self.device.type == "cuda":
-            slots = slots.pin_memory().to(self.device, non_blocking=True)
+            b0, b1 = start // bs, -(-end // bs)
+            if b1 > len(ids):
+                raise IndexError(f"tokens {start}..{end} need {b1} blocks, the request has {len(ids)}")
+            # numpy: a few microseconds, where the same in torch ops costs tens (per chunk copied)
+            rows = np.asarray(ids[b0:b1], dtype=np.int64)[:, None] * bs + self._offs
+            parts.append(rows.reshape(-1)[start - b0 * bs : end - b0 * bs])
+        slots = self._to_device(parts[0] if len(parts) == 1 else np.concatenate(parts))
         if self._idx is not None:
             self._idx[key] = slots
         return slots
@@ -518,36 +564,26 @@ class TokenLayout(_PagedLayers):
             v = b[i, 1, first : first + n].to(kv.device, non_blocking=True)
             kv.transpose(1, 2)[blk, off] = torch.cat([k, v], dim=-1)
 
-    def _plan(self, items: Sequence[Any], load: bool) -> Any:
+    def _plan(self, items: Sequence[Any], load: bool) -> _StepPlan | None:
         segs, ids_all = [], []
         for it in items:
             start = max(it.lo, it.write_from) if load else it.lo
             if it.hi > start:
                 segs.append((it.buf.tensor, start - it.lo, it.hi - start))
                 ids_all.append((it.block_ids, start, it.hi))
+        if not segs:
+            return None
         total = sum(n for _, _, n in segs)
-        slots = self._slots_many(ids_all) if segs else None
+        slots = self._slots_many(ids_all)
         es = torch.empty((), dtype=self.dtype).element_size()
         row = self.num_heads * self.head_size * es  # one token's K (or V) of one layer
         pieces, off = [], 0
         for t, first, n in segs:
-            for part in (0, 1):  # K, then V: [layers, 2, tokens, heads, head_size]
-                chunk = (part * t.stride(1) + first * t.stride(2)) * es
-                pieces.append((t, chunk, t.stride(0) * es, (part * total + off) * row, n * row))
+            # K and V of the chunk's layer ([layers, 2, tokens, heads, head_size]) as two
+            # rows of one DMA: to offset ``off`` of the staging's K and V halves
+            pieces.append((t, first * t.stride(2) * es, t.stride(0) * es, t.stride(1) * es, off * row, total * row, n * row, 2))
             off += n
-        return (load, pieces, slots, total)
-
-    def _run(self, plan: Any, layer: int) -> None:
-        load, pieces, slots, total = plan
-        if not total:
-            return
-        staging = torch.empty((1, 2, total, self.num_heads, self.head_size), dtype=self.dtype, device=self.device)
-        kv = self._set(range(layer, layer + 1))
-        if not load:
-            self._ops.gather_tokens(kv, slots, staging)
-        self._move(pieces, staging, layer, load)
-        if load:
-            self._ops.scatter_tokens(kv, slots, staging)
+        return self._step_plan(load, pieces, slots, "tokens", (1, 2, total, self.num_heads, self.head_size))
 
 
 def make_layout(kind: str, kv_caches: dict[str, torch.Tensor], block_size: int) -> BlockLayout | TokenLayout:

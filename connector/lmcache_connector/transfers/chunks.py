@@ -431,12 +431,15 @@ class DenseTransfers(Transfers):
         if self.pipeline is not None:
             self.pipeline.wait_layer(layer_name)
 
-    def save_layer(self, layer_name: str, meta: LMCacheConnectorMetadata) -> None:
+    def save_layer(self, layer_name: str, meta: LMCacheConnectorMetadata | None) -> None:
         pipe = self._pipelined()
-        if pipe is None or (not pipe.pending_saves() and not meta.saves):
+        if pipe is None:
+            return
+        pipe.after_layer(layer_name)  # the next layers' loads, behind this layer's compute
+        if not pipe.pending_saves() and (meta is None or not meta.saves):
             return
         try:
-            pipe.save_layer(layer_name, lambda: self._plan_saves(meta))
+            pipe.save_layer(layer_name, lambda: self._plan_saves(meta) if meta is not None else [])
         except Exception as err:  # the step's saves are gathered in wait_for_save instead
             log.warning("layerwise save failed, gathering at the end of the step: %s: %s", type(err).__name__, err)
             for s in pipe.end_saves():

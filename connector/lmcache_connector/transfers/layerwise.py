@@ -5,13 +5,15 @@ pass starts, and its saves gather every layer in ``wait_for_save`` after the for
 With it, on a CUDA device (dense layouts: block and token adapters):
 
 * loads: the chunks are read from the cache on the host first (a miss fails the
-  same chunks as before, before anything is enqueued); the copies of the first
-  ``LOOKAHEAD`` layers are enqueued on a side CUDA stream at once, one event per
-  layer; vLLM calls ``wait_for_layer_load(layer)`` before each attention layer, which
-  enqueues the copies up to ``LOOKAHEAD`` layers further (so the host's enqueueing is
-  spread over the forward pass instead of delaying its start) and makes the compute
-  stream wait for that layer's event on the GPU (the host never blocks): layer ``i``
-  loads while layers ``< i`` compute;
+  same chunks as before, before anything is enqueued); the first layer's copies are
+  enqueued on a side CUDA stream (high priority, so its short kernels are not queued
+  behind the forward pass's), one event per layer. vLLM calls
+  ``wait_for_layer_load(layer)`` before each attention layer: it makes the compute
+  stream wait for that layer's event on the GPU (the host never blocks) and enqueues
+  the next layer if needed. ``save_kv_layer(layer)``, called after each attention
+  layer, enqueues the copies up to ``LOOKAHEAD`` layers further: the host's
+  enqueueing then runs while the GPU computes the layer just launched, instead of
+  delaying a launch. Layer ``i`` loads while layers ``< i`` compute;
 * saves: ``save_kv_layer(layer)``, called after each attention layer, enqueues that
   layer's gather into the chunk buffers on the side stream, ordered after the
   compute already queued; ``wait_for_save`` waits for the side stream and stores.
@@ -67,15 +69,18 @@ class SaveItem:
 
 
 class LayerPipeline:
-    def __init__(self, layout: Any, layer_names: Sequence[str]) -> None:
+    def __init__(self, layout: Any, layer_names: Sequence[str], *, priority: int = -1) -> None:
         """``layout``: a BlockLayout or TokenLayout over the same layers, in the same
-        order as ``layer_names`` (vLLM's ``register_kv_caches`` order)."""
+        order as ``layer_names`` (vLLM's ``register_kv_caches`` order). ``priority``:
+        the side stream's CUDA priority (lower is higher; torch clamps it to the
+        device's range)."""
         self.layout = layout
         self.index = {name: i for i, name in enumerate(layer_names)}
         self.num_layers = len(layer_names)
         self.device = layout.device
         self.cuda = self.device.type == "cuda"
-        self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=self.device, priority=priority) if self.cuda else None
+        self._after_layer_seen = False  # save_kv_layer calls enqueue ahead (else wait_layer does)
         self.disabled = False
         self._load_events: list[torch.cuda.Event] = []
         self._load_bufs: list[Any] = []
@@ -117,7 +122,7 @@ class LayerPipeline:
         # waits for them, and for the work queued before the step (block zeroing).
         self._load_plan = self.layout.plan_layers(items, True)
         self._ready = torch.cuda.current_stream(self.device).record_event()
-        self._enqueue_until(LOOKAHEAD - 1)
+        self._enqueue_until(0)
 
     def _enqueue_until(self, last: int) -> None:
         """Enqueue the loads of layers up to ``last`` on the side stream."""
@@ -145,10 +150,19 @@ class LayerPipeline:
             self._disable(f"wait_for_layer_load({name!r}) names no registered KV layer")
             i = self.num_layers - 1
         if self._items:
-            self._enqueue_until(i + LOOKAHEAD)
+            self._enqueue_until(i + (1 if self._after_layer_seen else LOOKAHEAD))
             if i > self._waited:
                 torch.cuda.current_stream(self.device).wait_event(self._load_events[i])
         self._waited = max(self._waited, i)
+
+    def after_layer(self, name: str) -> None:
+        """``save_kv_layer``: this layer's compute is enqueued; enqueue the loads up to
+        ``LOOKAHEAD`` layers further while the GPU runs it."""
+        i = self.index.get(name)
+        if i is None or not self._items:
+            return
+        self._after_layer_seen = True
+        self._enqueue_until(i + LOOKAHEAD)
 
     def end_loads(self) -> None:
         """After the forward (``wait_for_save``) or before the next step: wait for the
@@ -200,11 +214,11 @@ class LayerPipeline:
         """``wait_for_save``: the chunks gathered this step, every layer in place (a
         layer not handed over is gathered now). The caller stores and releases them."""
         saves, self._saves = self._saves or [], None
-        self._save_plan = None
         if self.stream is not None:
             self.stream.synchronize()
             if saves:
                 self.layout.cache_indices(False)
+        self._save_plan = None  # after the side stream is done with its buffers
         late = 0
         for s in saves:
             for i in range(self.num_layers):

@@ -98,6 +98,43 @@ void scatter_blocks(torch::Tensor layer_ptrs, int64_t ptr_align, torch::Tensor b
              stride_block);
 }
 
+// Checks shared by the byte-range copies: every tensor contiguous, on the CPU or on
+// one CUDA device (returned in `device`), each segment inside its tensors (a segment
+// spans `extent[i]` bytes from its offset). Returns "" or what is wrong.
+std::string check_segments(const char* fn, const std::vector<torch::Tensor>& dsts,
+                           const std::vector<int64_t>& dst_off,
+                           const std::vector<int64_t>& dst_extent,
+                           const std::vector<torch::Tensor>& srcs,
+                           const std::vector<int64_t>& src_off,
+                           const std::vector<int64_t>& src_extent, int& device) {
+  const std::string name(fn);
+  const size_t n = dst_extent.size();
+  if (dsts.size() != n || dst_off.size() != n || srcs.size() != n || src_off.size() != n ||
+      src_extent.size() != n) {
+    return name + ": lists of different lengths";
+  }
+  device = -1;
+  for (size_t i = 0; i < n; ++i) {
+    for (const torch::Tensor* t : {&dsts[i], &srcs[i]}) {
+      if (!t->is_contiguous()) return name + ": segment " + std::to_string(i) + " has a non-contiguous tensor";
+      if (t->is_cuda()) {
+        if (device >= 0 && device != t->get_device()) return name + ": tensors on several CUDA devices";
+        device = t->get_device();
+      } else if (!t->is_cpu()) {
+        return name + ": segment " + std::to_string(i) + " is neither CPU nor CUDA";
+      }
+    }
+    const int64_t dn = static_cast<int64_t>(dsts[i].nbytes());
+    const int64_t sn = static_cast<int64_t>(srcs[i].nbytes());
+    if (dst_extent[i] < 0 || src_extent[i] < 0 || dst_off[i] < 0 || src_off[i] < 0 ||
+        dst_off[i] + dst_extent[i] > dn || src_off[i] + src_extent[i] > sn) {
+      return name + ": segment " + std::to_string(i) + " is outside its tensors";
+    }
+  }
+  if (n > 0 && device < 0) return name + ": no CUDA tensor among the segments";
+  return "";
+}
+
 // Byte-range copies between contiguous tensors (host and/or device), all enqueued on
 // the current stream in one call: segment i copies nbytes[i] bytes from
 // srcs[i] + src_off[i] to dsts[i] + dst_off[i]. For callers that move many small
@@ -110,40 +147,61 @@ std::string copy_segments(const std::vector<torch::Tensor>& dsts,
                           const std::vector<int64_t>& nbytes) {
   // Returns "" or what is wrong (the Python wrapper raises it): an exception thrown
   // out of this extension was seen to crash the process (torch 2.11, JIT build).
-  const size_t n = nbytes.size();
-  if (dsts.size() != n || dst_off.size() != n || srcs.size() != n || src_off.size() != n) {
-    return "copy_segments: lists of different lengths";
-  }
-  if (n == 0) return "";
   int device = -1;
-  for (size_t i = 0; i < n; ++i) {
-    for (const torch::Tensor* t : {&dsts[i], &srcs[i]}) {
-      if (!t->is_contiguous()) return "copy_segments: segment " + std::to_string(i) + " has a non-contiguous tensor";
-      if (t->is_cuda()) {
-        if (device >= 0 && device != t->get_device()) return "copy_segments: tensors on several CUDA devices";
-        device = t->get_device();
-      } else if (!t->is_cpu()) {
-        return "copy_segments: segment " + std::to_string(i) + " is neither CPU nor CUDA";
-      }
-    }
-    const int64_t dn = static_cast<int64_t>(dsts[i].nbytes());
-    const int64_t sn = static_cast<int64_t>(srcs[i].nbytes());
-    if (nbytes[i] < 0 || dst_off[i] < 0 || src_off[i] < 0 || dst_off[i] + nbytes[i] > dn ||
-        src_off[i] + nbytes[i] > sn) {
-      return "copy_segments: segment " + std::to_string(i) + " is outside its tensors";
-    }
-  }
-  if (device < 0) return "copy_segments: no CUDA tensor among the segments";
+  std::string err = check_segments("copy_segments", dsts, dst_off, nbytes, srcs, src_off, nbytes, device);
+  if (!err.empty() || nbytes.empty()) return err;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < nbytes.size(); ++i) {
     if (nbytes[i] == 0) continue;
     char* dst = static_cast<char*>(dsts[i].data_ptr()) + dst_off[i];
     const char* src = static_cast<const char*>(srcs[i].data_ptr()) + src_off[i];
-    const cudaError_t err =
+    const cudaError_t e =
         cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes[i]), cudaMemcpyDefault, stream);
-    if (err != cudaSuccess) {
-      return "copy_segments: segment " + std::to_string(i) + ": " + cudaGetErrorString(err);
+    if (e != cudaSuccess) {
+      return "copy_segments: segment " + std::to_string(i) + ": " + cudaGetErrorString(e);
+    }
+  }
+  return "";
+}
+
+// The same with `rows` rows of `width` bytes per segment, `dst_pitch` / `src_pitch`
+// bytes apart (one cudaMemcpy2DAsync each): e.g. the K and V halves of a chunk's layer
+// in one DMA. rows == 1 is a plain copy.
+std::string copy_rows(const std::vector<torch::Tensor>& dsts, const std::vector<int64_t>& dst_off,
+                      const std::vector<int64_t>& dst_pitch,
+                      const std::vector<torch::Tensor>& srcs, const std::vector<int64_t>& src_off,
+                      const std::vector<int64_t>& src_pitch, const std::vector<int64_t>& width,
+                      const std::vector<int64_t>& rows) {
+  const size_t n = width.size();
+  if (dst_pitch.size() != n || src_pitch.size() != n || rows.size() != n) {
+    return "copy_rows: lists of different lengths";
+  }
+  std::vector<int64_t> dst_extent(n), src_extent(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (rows[i] < 0 || width[i] < 0 || (rows[i] > 1 && (dst_pitch[i] < width[i] || src_pitch[i] < width[i]))) {
+      return "copy_rows: segment " + std::to_string(i) + " has rows wider than their pitch";
+    }
+    dst_extent[i] = rows[i] == 0 ? 0 : (rows[i] - 1) * dst_pitch[i] + width[i];
+    src_extent[i] = rows[i] == 0 ? 0 : (rows[i] - 1) * src_pitch[i] + width[i];
+  }
+  int device = -1;
+  std::string err = check_segments("copy_rows", dsts, dst_off, dst_extent, srcs, src_off, src_extent, device);
+  if (!err.empty() || n == 0) return err;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  for (size_t i = 0; i < n; ++i) {
+    if (rows[i] == 0 || width[i] == 0) continue;
+    char* dst = static_cast<char*>(dsts[i].data_ptr()) + dst_off[i];
+    const char* src = static_cast<const char*>(srcs[i].data_ptr()) + src_off[i];
+    const cudaError_t e =
+        rows[i] == 1
+            ? cudaMemcpyAsync(dst, src, static_cast<size_t>(width[i]), cudaMemcpyDefault, stream)
+            : cudaMemcpy2DAsync(dst, static_cast<size_t>(dst_pitch[i]), src, static_cast<size_t>(src_pitch[i]),
+                                static_cast<size_t>(width[i]), static_cast<size_t>(rows[i]),
+                                cudaMemcpyDefault, stream);
+    if (e != cudaSuccess) {
+      return "copy_rows: segment " + std::to_string(i) + ": " + cudaGetErrorString(e);
     }
   }
   return "";
@@ -158,4 +216,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_blocks", &gather_blocks, "paged KV blocks -> [L, N, block_numel] buffer");
   m.def("scatter_blocks", &scatter_blocks, "[L, N, block_numel] buffer -> paged KV blocks");
   m.def("copy_segments", &copy_segments, "byte-range copies between tensors, one call, current stream");
+  m.def("copy_rows", &copy_rows, "copy_segments with rows of bytes at a pitch (2-D copies), one call");
 }

@@ -238,6 +238,7 @@ class LayerCopies:
             raise ValueError("block copies need each block to be one dense region: use the token copies instead")
         self.num_layers = layout.num_layers
         self._rows = _layer_rows(kv_caches, table)
+        self._all = table.ptrs
         self._align = table.align
         self._idx = idx
         self._dtype = layout.dtype
@@ -273,6 +274,20 @@ class LayerCopies:
                 f"{self._dtype} elements on {self._device}"
             )
         self._fns[0 if gather else 1](self._rows[layer], self._align, self._idx, buf, *self._args)
+
+    def run_all(self, buf: torch.Tensor, gather: bool) -> None:
+        """Every layer in one launch, ``buf`` ``[layers, ...]``."""
+        if (
+            buf.device != self._device
+            or buf.dtype != self._dtype
+            or buf.numel() != self._numel * self.num_layers
+            or not buf.is_contiguous()
+        ):
+            raise ValueError(
+                f"buffer {buf.dtype}{tuple(buf.shape)} on {buf.device}: expected {self._numel * self.num_layers} "
+                f"contiguous {self._dtype} elements on {self._device}"
+            )
+        self._fns[0 if gather else 1](self._all, self._align, self._idx, buf, *self._args)
 
 
 def copy_rows(

@@ -160,6 +160,9 @@ class LayerCopies:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         self._fns[0 if gather else 1]([self._layers[layer]], self._index, buf)
 
+    def run_all(self, buf: torch.Tensor, gather: bool) -> None:
+        self._fns[0 if gather else 1](self._layers, self._index, buf)
+
 
 def copy_rows(
     dsts: Sequence[torch.Tensor],

@@ -548,3 +548,46 @@ def test_worker_before_registration_moves_nothing_and_picks_one_transfers_object
         assert w.engine is not None and w.engine.lookup_hashes([b"b" * 16]) == 1
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["torch", "lmcache_cuda-ops"])
+def test_batched_transfers_copy_what_chunk_by_chunk_copies_do(tmp_path, ops):
+    """The worker's GPU path (a transfer's chunks gathered and scattered together
+    through layout.copy_many, waited for once) run on CPU, also through lmcache_cuda's
+    ops (the kernels' staging and 2-D DMA plan, on its reference): the KV loaded into
+    other blocks equals what the chunk-by-chunk path loads, buffers all come back."""
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    results = {}
+    for batched in (False, True):
+        w = _worker(tmp_path)
+        try:
+            tr = w.transfers
+            tr.batched = batched
+            if ops:
+                lmcache_cuda_ops = pytest.importorskip("lmcache_cuda.ops")
+                tr.layout._ops = lmcache_cuda_ops
+            hashes = [bytes([i]) * 16 for i in range(3)]
+            save = LMCacheConnectorMetadata(
+                chunk_size=16, saves=[ChunkTransfer("R", hashes, 0, [16, 32, 40], [3, 4, 5])], step_tokens=40
+            )
+            w.step_started(save)
+            w.start_load_kv(save)
+            w.wait_for_save(save)
+            assert w.engine.lookup_hashes(hashes) == 3
+            free = w.engine.pool.free_bytes
+            load = LMCacheConnectorMetadata(
+                chunk_size=16, loads=[ChunkTransfer("Q", hashes, 0, [16, 32, 40], [9, 10, 11], write_from=16)]
+            )
+            w.step_started(load)
+            w.start_load_kv(load)
+            w.wait_for_save(load)
+            assert w.engine.pool.free_bytes == free, "a load's pool buffer was not given back"
+            results[batched] = [t.clone() for t in tr.layout.layers]
+        finally:
+            w.close()
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+    # the control: the loads wrote the saved KV (blocks 4-5 into 10-11; block 9 is below write_from)
+    layer = results[True][0]
+    assert torch.equal(layer[10:12], layer[4:6]) and not torch.equal(layer[9], layer[3])

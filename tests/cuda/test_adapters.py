@@ -330,3 +330,38 @@ def test_token_slot_mapping_matches_the_block_table():
     assert both.tolist() == formula(0, BS) + formula(2 * BS + 1, 3 * BS)
     with pytest.raises(IndexError, match="blocks"):
         lay.slot_mapping(table, 0, 4 * BS + 1)
+
+
+@pytest.mark.parametrize("device,ops", ROUTES, ids=ROUTE_IDS)
+@pytest.mark.parametrize("vllm_layout", ["LBNHC", "LBHNC"])
+@pytest.mark.parametrize("kind", ["block", "token"])
+def test_copy_many_equals_chunk_by_chunk_copies(device, ops, vllm_layout, kind):
+    """copy_many (every layer of several chunks: one kernel call and a 2-D DMA per
+    chunk with the kernels; the worker's batched path on a GPU) writes the same chunk
+    bytes and the same KV as save_chunk / load_chunk one chunk at a time, partial
+    chunks and write_from included; other blocks stay untouched."""
+    src = vllm_kv_caches(vllm_layout, L, NB, H, BS, 2 * D, torch.bfloat16, device, seed=101)
+    a = _layout(kind, src, BS, ops)
+    src_table, dst_table = [3, 7, 1, 9, 0], [2, 5, 11, 4, 8]
+    spans = [(0, 2 * BS), (2 * BS, 4 * BS), (4 * BS, 4 * BS + 5)]  # the last chunk partial
+    many = [
+        SaveItem(_Buf(_buf(a.chunk_shape(hi - lo), a.dtype, device, 110 + c)), src_table, lo, hi)
+        for c, (lo, hi) in enumerate(spans)
+    ]
+    a.copy_many(many, False)
+    a.finish()
+    for s in many:
+        ref = _buf(a.chunk_shape(s.hi - s.lo), a.dtype, device, 120)
+        a.save_chunk(src_table, s.lo, s.hi, ref)
+        assert torch.equal(int_view(s.buf.tensor), int_view(ref)), f"chunk {s.lo}..{s.hi}"
+    for write_from in (0, BS + 3):
+        dst_many, dst_one = poison_like(src, 130), poison_like(src, 130)
+        b_many, b_one = _layout(kind, dst_many, BS, ops), _layout(kind, dst_one, BS, ops)
+        b_many.copy_many([LoadItem(s.buf, dst_table, s.lo, s.hi, write_from) for s in many], True)
+        b_many.finish()
+        for s in many:
+            b_one.load_chunk(s.buf.tensor, dst_table, s.lo, s.hi, write_from)
+        for n in src:
+            assert torch.equal(int_view(dst_many[n]).cpu(), int_view(dst_one[n]).cpu()), f"{n}, write_from {write_from}"
+        # the control: the loads wrote something
+        assert not torch.equal(int_view(dst_many[next(iter(src))]).cpu(), int_view(poison_like(src, 130)[next(iter(src))]).cpu())

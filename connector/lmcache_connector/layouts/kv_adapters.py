@@ -259,6 +259,44 @@ class _PagedLayers:
             return
         self._run(plan, layer)
 
+    def copy_many(self, items: Sequence[Any], load: bool) -> None:
+        """Every layer of several chunks (items as for ``plan_layers``), enqueued on
+        the current stream; call ``finish`` before the buffers are read or reused. With
+        the CUDA kernels: one kernel call for all of them and one 2-D DMA per chunk
+        (a chunk's layers are evenly spaced rows in its buffer and in the staging
+        buffer), so a step's host work does not grow with a full call per chunk."""
+        if self._ops is None:
+            for it in items:
+                if load:
+                    self.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, wait=False)
+                else:
+                    self.save_chunk(it.block_ids, it.lo, it.hi, it.buf.tensor, wait=False)
+            return
+        plan = self._plan(items, load)
+        if plan is None:
+            return
+        shape = (self.num_layers, *plan.staging_shape[1:])
+        staging = torch.empty(shape, dtype=self.dtype, device=self.device)
+        layer_bytes = staging[0].numel() * staging.element_size()
+        rows, chunk_pitch, stage_pitch = [], [], []
+        for r, cp, sp, per_layer in zip(plan.rows, plan.chunk_pitch, plan.stage_pitch, plan.per_layer):
+            if r == 1:  # one row per layer: the layers are the rows
+                cp, sp = per_layer, layer_bytes
+            elif per_layer != r * cp or layer_bytes != r * sp:  # not evenly spaced: layer by layer
+                for layer in range(self.num_layers):
+                    self._run(plan, layer)
+                return
+            rows.append(r * self.num_layers)
+            chunk_pitch.append(cp)
+            stage_pitch.append(sp)
+        stage = [staging] * len(rows)
+        if load:
+            self._ops.copy_rows(stage, plan.stage_off, stage_pitch, plan.tensors, plan.bases, chunk_pitch, plan.width, rows)
+            plan.copies.run_all(staging, False)
+        else:
+            plan.copies.run_all(staging, True)
+            self._ops.copy_rows(plan.tensors, plan.bases, chunk_pitch, stage, plan.stage_off, stage_pitch, plan.width, rows)
+
     def load_layer(self, items: Sequence[Any], layer: int) -> None:
         self.run_layer(self.plan_layers(items, True), layer)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -202,11 +203,13 @@ class Transfers:
         dtype: torch.dtype,
         copy: Callable[[torch.Tensor, int, int], Any],
         hold: bool = False,
+        flush: Callable[[], Any] | None = None,
     ) -> tuple[int, int]:
         """Read ``t``'s chunks in order (every tier in batches, lmcache_core.fetch) and
         ``copy(chunk, lo, hi)`` each into vLLM's blocks, until the first missing one:
         ``(tokens written, chunks copied)``. With ``hold`` the buffers are kept until
-        ``layout.finish()`` (asynchronous device copies still read them)."""
+        ``layout.finish()`` (asynchronous device copies still read them); ``flush``
+        runs after the last ``copy`` (a batched copy of what ``copy`` collected)."""
         loaded = got = 0
         held: list[Any] = []
         chunks = self.engine.iter_chunks(t.hashes, shapes, dtype)
@@ -222,6 +225,8 @@ class Transfers:
                         buf.release()
                 loaded += hi - max(lo, t.write_from)
                 got += 1
+            if flush is not None:
+                flush()
         finally:
             chunks.close()
             if held:
@@ -312,6 +317,9 @@ class DenseTransfers(Transfers):
         self.loads = LoadQueue(self._load_background, block_size, nice) if settings.async_loads else None
         self.saves = SaveQueue(self.save_logged, nice) if settings.async_saves else None
         self.pipeline = LayerPipeline(layout, layer_names) if settings.layerwise else None
+        # On a GPU a transfer's chunks are copied together (layout.copy_many) and waited
+        # for once; on CPU one at a time (one pool buffer in flight).
+        self.batched = layout.device.type == "cuda"
 
     def _pipelined(self) -> LayerPipeline | None:
         return self.pipeline if self.pipeline is not None and self.pipeline.active else None
@@ -379,15 +387,23 @@ class DenseTransfers(Transfers):
         """Copy the chunks into vLLM's blocks: the blocks that failed to load."""
         t0 = time.perf_counter()
         failed: set[int] = set()
-        # On a GPU the copies are enqueued one after another and waited for once.
-        batch = self.layout.device.type == "cuda"
+        batch = self.batched
+        items: list[LoadItem] = []
+
+        def copy(chunk: torch.Tensor, lo: int, hi: int) -> None:
+            if batch:
+                items.append(LoadItem(SimpleNamespace(tensor=chunk), t.block_ids, lo, hi, t.write_from))
+            else:
+                self.layout.load_chunk(chunk, t.block_ids, lo, hi, t.write_from)
+
         loaded, got = self._copy_chunks(
             t,
             meta,
             self._chunk_shapes(t, meta),
             self.layout.dtype,
-            lambda chunk, lo, hi: self.layout.load_chunk(chunk, t.block_ids, lo, hi, t.write_from, wait=not batch),
+            copy,
             hold=batch,
+            flush=(lambda: self.layout.copy_many(items, True)) if batch else None,
         )
         if got < len(t.hashes):
             failed = self.fail(t, meta, got)
@@ -500,8 +516,9 @@ class DenseTransfers(Transfers):
         GPU: the transfer's gathers enqueued together, waited for once, then stored)."""
         t0 = time.perf_counter()
         saved = 0
-        batch = self.layout.device.type == "cuda"
+        batch = self.batched
         gathered: list[tuple[bytes, Any, int, bool]] = []
+        pending: list[SaveItem] = []
         try:
             try:
                 for i, h in enumerate(t.hashes):
@@ -513,7 +530,7 @@ class DenseTransfers(Transfers):
                     verify = t.first_chunk + i < t.verify_below
                     if batch:
                         gathered.append((h, buf, hi - lo, verify))
-                        self.layout.save_chunk(t.block_ids, lo, hi, buf.tensor, wait=False)
+                        pending.append(SaveItem(buf, t.block_ids, lo, hi))
                         continue
                     try:
                         self.layout.save_chunk(t.block_ids, lo, hi, buf.tensor)
@@ -521,6 +538,8 @@ class DenseTransfers(Transfers):
                             saved += hi - lo
                     finally:
                         buf.release()
+                if pending:  # one kernel and a DMA per chunk (layout.copy_many)
+                    self.layout.copy_many(pending, False)
             finally:
                 if gathered:
                     self.layout.finish()  # before any buffer is read, stored or reused

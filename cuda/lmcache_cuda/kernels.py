@@ -15,10 +15,11 @@ current stream, so it is reused only after this stream's copy has run.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -264,6 +265,10 @@ class LayerCopies:
 
     def run(self, layer: int, buf: torch.Tensor, gather: bool) -> None:
         """Gather layer ``layer`` into ``buf`` (or scatter ``buf`` into it) on the current stream."""
+        self._check(layer, buf)
+        self._fns[0 if gather else 1](self._rows[layer], self._align, self._idx, buf, *self._args)
+
+    def _check(self, layer: int, buf: torch.Tensor) -> None:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         # The native side checks these too, but by throwing, which was seen to crash
@@ -273,7 +278,11 @@ class LayerCopies:
                 f"buffer {buf.dtype}{tuple(buf.shape)} on {buf.device}: expected {self._numel} contiguous "
                 f"{self._dtype} elements on {self._device}"
             )
-        self._fns[0 if gather else 1](self._rows[layer], self._align, self._idx, buf, *self._args)
+
+    def bind(self, layer: int, buf: torch.Tensor, gather: bool) -> Callable[[], None]:
+        """``run(layer, buf, gather)`` checked now: a call of the result is the launch alone."""
+        self._check(layer, buf)
+        return functools.partial(self._fns[0 if gather else 1], self._rows[layer], self._align, self._idx, buf, *self._args)
 
     def run_all(self, buf: torch.Tensor, gather: bool) -> None:
         """Every layer in one launch, ``buf`` ``[layers, ...]``."""

@@ -87,3 +87,9 @@ def copy_rows(
         kernels.copy_rows(dsts, dst_off, dst_pitch, srcs, src_off, src_pitch, width, rows)
         return
     reference.copy_rows(dsts, dst_off, dst_pitch, srcs, src_off, src_pitch, width, rows)
+
+
+def copy_rows_for(kv_caches: Sequence[torch.Tensor]):
+    """:func:`copy_rows` of the implementation that handles these KV tensors, resolved
+    once (for callers that copy the same tensors many times)."""
+    return implementation(kv_caches).copy_rows

@@ -160,6 +160,11 @@ class LayerCopies:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         self._fns[0 if gather else 1]([self._layers[layer]], self._index, buf)
 
+    def bind(self, layer: int, buf: torch.Tensor, gather: bool):
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
+        return lambda: self.run(layer, buf, gather)
+
     def run_all(self, buf: torch.Tensor, gather: bool) -> None:
         self._fns[0 if gather else 1](self._layers, self._index, buf)
 

@@ -365,3 +365,17 @@ def test_copy_many_equals_chunk_by_chunk_copies(device, ops, vllm_layout, kind):
             assert torch.equal(int_view(dst_many[n]).cpu(), int_view(dst_one[n]).cpu()), f"{n}, write_from {write_from}"
         # the control: the loads wrote something
         assert not torch.equal(int_view(dst_many[next(iter(src))]).cpu(), int_view(poison_like(src, 130)[next(iter(src))]).cpu())
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_index_uploads_reuse_their_pinned_buffers_only_once_read():
+    """More uploads than pinned buffers while the GPU is busy: each upload must still
+    land with its own values (a buffer is rewritten only after its copy has run)."""
+    import numpy as np
+
+    kv = vllm_kv_caches("LBNHC", 1, NB, H, BS, 2 * D, torch.float16, "cuda", seed=97)
+    lay = TokenLayout(kv, BS)
+    torch.cuda._sleep(50_000_000)  # the copies queue behind this
+    outs = [lay._to_device(np.full(300 + i, i, dtype=np.int64)) for i in range(20)]
+    for i, o in enumerate(outs):
+        assert o.numel() == 300 + i and bool(o.eq(i).all()), f"upload {i}"

@@ -33,6 +33,7 @@ forward pass instead.
 
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -136,6 +137,39 @@ def block_memory_order(t: torch.Tensor) -> str | None:
     return "".join(_DIMS[d - 1] for d in dims)
 
 
+class _PinnedRing:
+    """Pinned host buffers for the small index uploads (slot mappings, block ids), reused
+    in turn: each is reused once the copy that read it has run (an event per buffer,
+    normally long complete). ``Tensor.pin_memory()`` per upload was seen to cost 0.1-2.5
+    ms on a GPU host (a pointer query of the pageable source and the pinned allocator)
+    against a few microseconds here."""
+
+    SLOTS = 8
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._events: list[Any] = [None] * self.SLOTS
+        self._next = 0
+
+    def upload(self, arr: np.ndarray, device: torch.device) -> torch.Tensor:
+        i = self._next
+        self._next = (i + 1) % self.SLOTS
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        buf = self._bufs[i]
+        n = int(arr.size)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[i] = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
+        host = buf[:n]
+        host.numpy()[:] = arr
+        out = host.to(device, non_blocking=True)
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        return out
+
+
 @dataclass
 class _StepPlan:
     """One layer of a step's chunks, worked out once (see ``plan_layers``): the byte
@@ -156,7 +190,9 @@ class _StepPlan:
     rows: list[int]
     copies: Any  # lmcache_cuda LayerCopies
     staging_shape: tuple[int, ...]
+    copy_rows: Any = None  # lmcache_cuda's copy_rows for these tensors
     staging: torch.Tensor | None = None  # allocated by the first run, on the copies' stream
+    steps: list[tuple[Any, Any]] | None = None  # per layer: (the DMAs, the kernel), bound once
 
 
 class _PagedLayers:
@@ -180,6 +216,7 @@ class _PagedLayers:
         self._idx: dict[tuple[Any, ...], torch.Tensor] | None = None
         self._idx_users = 0
         self._sets: dict[tuple[int, int], Sequence[torch.Tensor]] = {}
+        self._uploads = _PinnedRing() if self.device.type == "cuda" else None
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         """``ids`` as a long tensor on the KV device, copied from pinned memory without
@@ -195,13 +232,12 @@ class _PagedLayers:
         return idx
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        """An int64 host array as a tensor on the KV device: through pinned memory,
-        without blocking the host (torch's pinned allocator keeps the host copy until
-        the transfer has run)."""
-        t = torch.from_numpy(arr)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        """An int64 host array as a tensor on the KV device, on the current stream,
+        without blocking the host: through a pinned buffer of our own (see
+        _PinnedRing)."""
+        if self._uploads is None:
+            return torch.from_numpy(arr)
+        return self._uploads.upload(arr, self.device)
 
     def cache_indices(self, on: bool) -> None:
         """Keep index tables between calls (on) or drop them (off); see ``_index``."""
@@ -360,6 +396,7 @@ class _PagedLayers:
             rows=rows,
             copies=self._ops.layer_copies(self._set(range(self.num_layers)), index, granularity),
             staging_shape=shape,
+            copy_rows=self._ops.copy_rows_for(self.layers),
         )
 
     def _run(self, plan: _StepPlan | None, layer: int) -> None:
@@ -369,18 +406,32 @@ class _PagedLayers:
         which also orders the staging buffer's reuse from layer to layer."""
         if plan is None:
             return
-        if plan.staging is None:
-            plan.staging = torch.empty(plan.staging_shape, dtype=self.dtype, device=self.device)
-        staging = plan.staging
-        chunk_off = [b + layer * p for b, p in zip(plan.bases, plan.per_layer)]
-        stage = [staging] * len(chunk_off)
-        copy = self._ops.copy_rows
+        if plan.steps is None:
+            self._bind(plan)
+        assert plan.steps is not None
+        dmas, kernel = plan.steps[layer]
         if plan.load:
-            copy(stage, plan.stage_off, plan.stage_pitch, plan.tensors, chunk_off, plan.chunk_pitch, plan.width, plan.rows)
-            plan.copies.run(layer, staging, False)
+            dmas()
+            kernel()
         else:
-            plan.copies.run(layer, staging, True)
-            copy(plan.tensors, chunk_off, plan.chunk_pitch, stage, plan.stage_off, plan.stage_pitch, plan.width, plan.rows)
+            kernel()
+            dmas()
+
+    def _bind(self, plan: _StepPlan) -> None:
+        """Allocate the staging buffer (on the current stream: its reuse is then ordered
+        by that stream) and bind each layer's calls, so a layer costs the host two
+        calls and no argument handling."""
+        staging = plan.staging = torch.empty(plan.staging_shape, dtype=self.dtype, device=self.device)
+        stage = [staging] * len(plan.tensors)
+        steps = []
+        for layer in range(self.num_layers):
+            chunk_off = [b + layer * p for b, p in zip(plan.bases, plan.per_layer)]
+            if plan.load:
+                args = (stage, plan.stage_off, plan.stage_pitch, plan.tensors, chunk_off, plan.chunk_pitch, plan.width, plan.rows)
+            else:
+                args = (plan.tensors, chunk_off, plan.chunk_pitch, stage, plan.stage_off, plan.stage_pitch, plan.width, plan.rows)
+            steps.append((functools.partial(plan.copy_rows, *args), plan.copies.bind(layer, staging, not plan.load)))
+        plan.steps = steps
 
 
 class BlockLayout(_PagedLayers):

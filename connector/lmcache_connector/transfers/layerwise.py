@@ -81,6 +81,9 @@ class LayerPipeline:
         self.cuda = self.device.type == "cuda"
         self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=self.device, priority=priority) if self.cuda else None
         self._after_layer_seen = False  # save_kv_layer calls enqueue ahead (else wait_layer does)
+        # One event per layer, made once and recorded again each step (a step's waits
+        # are all enqueued, and its last event waited for, before the next step records).
+        self._layer_events = [torch.cuda.Event() for _ in layer_names] if self.cuda else []
         self.disabled = False
         self._load_events: list[torch.cuda.Event] = []
         self._load_bufs: list[Any] = []
@@ -129,13 +132,17 @@ class LayerPipeline:
         last = min(last, self.num_layers - 1)
         if not self._items or self._next > last:
             return
-        assert self.stream is not None
-        with torch.cuda.stream(self.stream):
+        stream = self.stream
+        assert stream is not None
+        with torch.cuda.stream(stream):
             if self._next == 0 and self._ready is not None:
-                self.stream.wait_event(self._ready)
+                stream.wait_event(self._ready)
+            run, plan, events = self.layout.run_layer, self._load_plan, self._layer_events
             while self._next <= last:
-                self.layout.run_layer(self._load_plan, self._next)
-                self._load_events.append(self.stream.record_event())
+                run(plan, self._next)
+                ev = events[self._next]
+                ev.record(stream)
+                self._load_events.append(ev)
                 self._next += 1
 
     def wait_layer(self, name: str) -> None:

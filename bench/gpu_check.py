@@ -329,11 +329,10 @@ def speed(quick: bool) -> None:
                 mib, kind, "scatter<-pinned", _wall(lambda: lay.load_chunk(host, table, 0, tokens, 0), iters, False), wh2d, "wall"
             )
 
-            # host time per call (the GPU kept busy meanwhile, so no call waits for it)
+            # host time per call (calls back to back, waited for at the end)
             def host_us(fn: Callable[[], object], n: int = 30) -> float:
                 fn()
                 torch.cuda.synchronize()
-                torch.cuda._sleep(40_000_000)
                 t0 = time.perf_counter()
                 for _ in range(n):
                     fn()
@@ -490,10 +489,13 @@ def layerwise(quick: bool) -> None:
         pipe = LayerPipeline(lay, names)
         after = True
 
+        load_host: list[float] = []
+
         def pipelined(check: bool = False) -> None:
             h0 = time.perf_counter()
             pipe.load([LoadItem(_Held(t), table, lo, hi, 0) for t, (lo, hi) in zip(bufs, chunks)])
             spent = time.perf_counter() - h0
+            load_host.append(spent)
             for n in names:
                 h0 = time.perf_counter()
                 pipe.wait_layer(n)
@@ -516,6 +518,7 @@ def layerwise(quick: bool) -> None:
             t_v = _wall(pipelined, iters, True)
             others[vname] = round((t_c + t_load - t_v) / t_load, 3)
         pipe, after = LayerPipeline(lay, names), True
+        load_host.clear()
         t_p = _wall(pipelined, iters, True)
         if TRACE_DIR is not None and kind == "token" and ratio == 1.0 and bound == "gpu":
             _trace(pipelined, TRACE_DIR / "layerwise_trace.json")
@@ -534,6 +537,7 @@ def layerwise(quick: bool) -> None:
             "hidden_share": round(hidden, 3),
             "layers_wrong": wrong[0],
             "host_enqueue_ms": round(host[0] * 1e3, 2),
+            "host_load_call_ms": round(statistics.median(load_host) * 1e3, 3),
             "active": pipe.active,
             "hidden_share_variants": others,
         }
@@ -614,7 +618,7 @@ def _trace(fn: Callable[[], None], path: Path) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         fn()
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))

@@ -368,11 +368,16 @@ def test_copy_many_equals_chunk_by_chunk_copies(device, ops, vllm_layout, kind):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_index_uploads_reuse_their_pinned_buffers_only_once_read():
+@pytest.mark.parametrize("max_buffers", [64, 4])
+def test_index_uploads_reuse_their_pinned_buffers_only_once_read(monkeypatch, max_buffers):
     """More uploads than pinned buffers while the GPU is busy: each upload must still
-    land with its own values (a buffer is rewritten only after its copy has run)."""
+    land with its own values (a buffer is rewritten only after its copy has run; with
+    4 buffers the fifth upload waits for the first copy)."""
     import numpy as np
 
+    from lmcache_connector.layouts import kv_adapters
+
+    monkeypatch.setattr(kv_adapters._PinnedRing, "MAX", max_buffers)
     kv = vllm_kv_caches("LBNHC", 1, NB, H, BS, 2 * D, torch.float16, "cuda", seed=97)
     lay = TokenLayout(kv, BS)
     torch.cuda._sleep(50_000_000)  # the copies queue behind this

@@ -139,34 +139,44 @@ def block_memory_order(t: torch.Tensor) -> str | None:
 
 class _PinnedRing:
     """Pinned host buffers for the small index uploads (slot mappings, block ids), reused
-    in turn: each is reused once the copy that read it has run (an event per buffer,
-    normally long complete). ``Tensor.pin_memory()`` per upload was seen to cost 0.1-2.5
-    ms on a GPU host (a pointer query of the pageable source and the pinned allocator)
-    against a few microseconds here."""
+    in turn once the copy that read one has run (an event per buffer). A buffer whose
+    copy is still queued is skipped and, up to ``MAX`` buffers, a new one is made, so an
+    upload never waits for the GPU's queue; past ``MAX`` the oldest is waited for.
+    ``Tensor.pin_memory()`` per upload was seen to cost 0.1-2.5 ms on a GPU host (a
+    pointer query of the pageable source and the pinned allocator)."""
 
-    SLOTS = 8
+    MAX = 64
 
     def __init__(self) -> None:
-        self._bufs: list[torch.Tensor | None] = [None] * self.SLOTS
-        self._events: list[Any] = [None] * self.SLOTS
+        self._bufs: list[torch.Tensor] = []
+        self._events: list[Any] = []
         self._next = 0
 
+    def _slot(self, n: int) -> int:
+        for k in range(len(self._bufs)):
+            i = (self._next + k) % len(self._bufs)
+            if self._events[i].query():
+                break
+        else:
+            if len(self._bufs) < self.MAX:
+                self._bufs.append(torch.empty(0, dtype=torch.int64))
+                self._events.append(torch.cuda.Event())
+                i = len(self._bufs) - 1
+            else:
+                i = self._next % len(self._bufs)
+                self._events[i].synchronize()
+        self._next = i + 1
+        if self._bufs[i].numel() < n:
+            self._bufs[i] = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
+        return i
+
     def upload(self, arr: np.ndarray, device: torch.device) -> torch.Tensor:
-        i = self._next
-        self._next = (i + 1) % self.SLOTS
-        if self._events[i] is not None:
-            self._events[i].synchronize()
-        buf = self._bufs[i]
         n = int(arr.size)
-        if buf is None or buf.numel() < n:
-            buf = self._bufs[i] = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
-        host = buf[:n]
+        i = self._slot(n)
+        host = self._bufs[i][:n]
         host.numpy()[:] = arr
         out = host.to(device, non_blocking=True)
-        ev = self._events[i]
-        if ev is None:
-            ev = self._events[i] = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(device))
+        self._events[i].record(torch.cuda.current_stream(device))
         return out
 
 
@@ -192,7 +202,7 @@ class _StepPlan:
     staging_shape: tuple[int, ...]
     copy_rows: Any = None  # lmcache_cuda's copy_rows for these tensors
     staging: torch.Tensor | None = None  # allocated by the first run, on the copies' stream
-    steps: list[tuple[Any, Any]] | None = None  # per layer: (the DMAs, the kernel), bound once
+    steps: list[tuple[Any, Any] | None] | None = None  # per layer: (the DMAs, the kernel), bound at first use
 
 
 class _PagedLayers:
@@ -409,7 +419,10 @@ class _PagedLayers:
         if plan.steps is None:
             self._bind(plan)
         assert plan.steps is not None
-        dmas, kernel = plan.steps[layer]
+        step = plan.steps[layer]
+        if step is None:
+            step = plan.steps[layer] = self._bind_layer(plan, layer)
+        dmas, kernel = step
         if plan.load:
             dmas()
             kernel()
@@ -419,19 +432,21 @@ class _PagedLayers:
 
     def _bind(self, plan: _StepPlan) -> None:
         """Allocate the staging buffer (on the current stream: its reuse is then ordered
-        by that stream) and bind each layer's calls, so a layer costs the host two
-        calls and no argument handling."""
-        staging = plan.staging = torch.empty(plan.staging_shape, dtype=self.dtype, device=self.device)
+        by that stream); each layer's calls are bound at its first run, so a layer
+        costs the host two calls and no argument handling."""
+        plan.staging = torch.empty(plan.staging_shape, dtype=self.dtype, device=self.device)
+        plan.steps = [None] * self.num_layers
+
+    def _bind_layer(self, plan: _StepPlan, layer: int) -> tuple[Any, Any]:
+        staging = plan.staging
+        assert staging is not None
         stage = [staging] * len(plan.tensors)
-        steps = []
-        for layer in range(self.num_layers):
-            chunk_off = [b + layer * p for b, p in zip(plan.bases, plan.per_layer)]
-            if plan.load:
-                args = (stage, plan.stage_off, plan.stage_pitch, plan.tensors, chunk_off, plan.chunk_pitch, plan.width, plan.rows)
-            else:
-                args = (plan.tensors, chunk_off, plan.chunk_pitch, stage, plan.stage_off, plan.stage_pitch, plan.width, plan.rows)
-            steps.append((functools.partial(plan.copy_rows, *args), plan.copies.bind(layer, staging, not plan.load)))
-        plan.steps = steps
+        chunk_off = [b + layer * p for b, p in zip(plan.bases, plan.per_layer)]
+        if plan.load:
+            args = (stage, plan.stage_off, plan.stage_pitch, plan.tensors, chunk_off, plan.chunk_pitch, plan.width, plan.rows)
+        else:
+            args = (plan.tensors, chunk_off, plan.chunk_pitch, stage, plan.stage_off, plan.stage_pitch, plan.width, plan.rows)
+        return functools.partial(plan.copy_rows, *args), plan.copies.bind(layer, staging, not plan.load)
 
 
 class BlockLayout(_PagedLayers):

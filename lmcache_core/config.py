@@ -283,9 +283,10 @@ class BackendSection(BaseModel):
         return dict(self.model_extra or {})
 
 
-ASYNC_AUTO: Literal["auto"] = (
-    "auto"  # connector.async_loads: in the background only when a tier slower than memory serves the hit
-)
+# connector.async_loads: in the background only when a tier slower than memory serves the
+# hit; connector.async_saves: in the background where the engine connector says its host
+# has cores to spare for them (vLLM-CPU's server)
+ASYNC_AUTO: Literal["auto"] = "auto"
 
 
 def _true_false_or_auto(value: Any) -> Any:
@@ -302,8 +303,12 @@ class ConnectorSection(StrictModel):
     model_id: StrictStr | None = Field(
         None, description="the model identity in every key (default: the engine's model name or path)"
     )
-    async_saves: StrictBool = Field(
-        False, description="save in the background, on the engine's asynchronous save contract (vLLM: finished requests)"
+    async_saves: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or_auto)] = Field(
+        ASYNC_AUTO,
+        description="true: save in the background, on the engine's asynchronous save contract (vLLM: finished "
+        "requests); false: in the step; auto: in the background where the engine runs the model on CPU cores in its "
+        "own process with one rank per host (vLLM-CPU's server), on the cores the model is not bound to at the lowest "
+        "priority (nice 19), in the step elsewhere",
     )
     async_loads: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or_auto)] = Field(
         ASYNC_AUTO,

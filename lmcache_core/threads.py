@@ -44,16 +44,17 @@ def spare_cores(machine: "set[int]", model: "set[int]") -> frozenset[int] | None
     return spare
 
 
-def enter_background(nice: int = 0) -> None:
+def enter_background(nice: int = 0, cores: "frozenset[int] | None" = None) -> None:
     """What every background thread calls first: its nice value raised by ``nice``
-    (:func:`lower_priority`) and, when set, the background cores
-    (:func:`use_background_cores`). Refusals are logged at debug level, never raised."""
+    (:func:`lower_priority`) and its cores: ``cores`` when given, else the background
+    cores when set (:func:`use_background_cores`). Refusals are logged at debug level,
+    never raised."""
     lower_priority(nice)
-    _bind_to_background_cores()
+    _bind_to_background_cores(cores)
 
 
-def _bind_to_background_cores() -> None:
-    cores = _cores
+def _bind_to_background_cores(cores: "frozenset[int] | None" = None) -> None:
+    cores = cores or _cores
     if cores is None:
         return
     try:

@@ -26,7 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_core.config import ConfigError
 
-from .features.cpu_cores import reservation_advice
+from .features.cpu_cores import auto_async_saves, reservation_advice
 from .protocol.kv_events import EventTranslator, LMCacheCoreKVEvents, event_groups, events_enabled
 from .layouts.groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size, state_advice
 from .protocol.lookup_ipc import LookupClient, socket_path
@@ -85,7 +85,8 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         if ktc is None:  # vLLM builds connectors only from a kv_transfer_config
             raise ConfigError("LMCacheCoreConnector: vLLM gave no kv_transfer_config")
-        self.settings = settings = load_settings(ktc.kv_connector_extra_config)
+        settings = load_settings(ktc.kv_connector_extra_config)
+        self.settings = settings = settings.for_engine(auto_async_saves(vllm_config))
         try:
             self.plan = plan = describe_groups(kv_cache_config, vllm_config.cache_config.block_size)
         except UnsupportedGroupError as err:

@@ -42,6 +42,9 @@ class ConnectorSettings:
     (the properties below read the switches from there)."""
 
     loaded: LoadedConfig
+    # ``async_saves: auto`` as resolved for this engine (see ``for_engine``); both roles
+    # resolve it from the same vLLM config, so they agree
+    auto_saves: bool = False
 
     @property
     def core(self) -> CoreConfig:
@@ -53,7 +56,19 @@ class ConnectorSettings:
 
     @property
     def async_saves(self) -> bool:  # see transfers/async_saves.py
-        return self.core.connector.async_saves
+        value = self.core.connector.async_saves
+        return self.auto_saves if value == "auto" else bool(value)
+
+    @property
+    def saves_on_spare_cores(self) -> bool:
+        """``async_saves: auto`` chose background saves: their thread runs on the cores
+        the model is not bound to, at nice 19 (whatever ``background_cores`` and
+        ``background_nice`` say for the other background threads)."""
+        return self.core.connector.async_saves == "auto" and self.auto_saves
+
+    def for_engine(self, auto_saves: bool) -> "ConnectorSettings":
+        """These settings with ``async_saves: auto`` resolved (features.cpu_cores.auto_async_saves)."""
+        return replace(self, auto_saves=auto_saves)
 
     @property
     def async_loads(self) -> bool | str:  # True, False or "auto"; see transfers/async_loads.py

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -168,8 +168,23 @@ class WorkerSide:
                 log.info("lmcache-core: layerwise has no effect with several KV-cache groups (whole-step copies)")
             transfers = GroupedTransfers(engine, layout, self.totals, self.reports, saver, self.block_size)
         else:
+            save_cores = None
+            if self.settings.saves_on_spare_cores:  # async_saves: auto chose background saves
+                save_cores = background_cores(self.world_size)
+                log.info(
+                    "lmcache-core: saves run in the background (async_saves: auto) on cores %s at nice 19",
+                    sorted(save_cores) if save_cores else "of the model",
+                )
             transfers = DenseTransfers(
-                engine, layout, self.totals, self.reports, saver, self.block_size, self.settings, list(kv_caches)
+                engine,
+                layout,
+                self.totals,
+                self.reports,
+                saver,
+                self.block_size,
+                self.settings,
+                list(kv_caches),
+                save_cores=save_cores,
             )
         self.hits = HitPlanner(
             engine,
@@ -196,7 +211,15 @@ class WorkerSide:
         if self.lookup_address:
             # Memory-only tiers: a scheduler in this process may call the lookup directly.
             inline = all(ZERO_COPY in t.capabilities for t in engine.tiers)
-            self.server = LookupServer(self.lookup_address, self.hits.lookup, inline=inline)
+            self.server = LookupServer(self.lookup_address, self._lookup, inline=inline)
+
+    def _lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Mapping[int, bytes] | None = None) -> int:
+        """The scheduler's lookup: chunks still in a background save are waited for
+        (briefly, see async_saves.LOOKUP_WAIT_S) before the answer."""
+        assert self.hits is not None
+        if self.saves is not None:
+            self.saves.wait_for_chunks(hashes)
+        return self.hits.lookup(hashes, pin_id, alts)
 
     # -- a step ------------------------------------------------------------------------
     def step_started(self, meta: LMCacheConnectorMetadata | None = None) -> None:

@@ -133,12 +133,76 @@ def test_one_scheduler_object_per_mode():
 
 
 def test_async_saves_option():
-    assert load_settings({}).async_saves is False
-    assert load_settings({"connector": {"async_saves": True}}).async_saves is True
+    auto = load_settings({})
+    assert auto.core.connector.async_saves == "auto"
+    assert auto.async_saves is False and not auto.saves_on_spare_cores  # not resolved for an engine yet
+    assert auto.for_engine(True).async_saves is True and auto.for_engine(True).saves_on_spare_cores
+    assert auto.for_engine(False).async_saves is False and not auto.for_engine(False).saves_on_spare_cores
+    explicit = load_settings({"connector": {"async_saves": True}})
+    assert explicit.async_saves is True
+    # an explicit choice is kept whatever auto would say, and keeps the configured cores and nice
+    assert explicit.for_engine(False).async_saves is True and not explicit.for_engine(True).saves_on_spare_cores
+    assert load_settings({"connector": {"async_saves": False}}).for_engine(True).async_saves is False
     with pytest.raises(
-        ConfigError, match=r"connector\.async_saves: Input should be a valid boolean \(from kv_connector_extra_config\)"
+        ConfigError, match=r"connector\.async_saves: .*must be true, false or auto, got 'yes' \(from kv_connector_extra_config\)"
     ):
         load_settings({"connector": {"async_saves": "yes"}})
+
+
+def test_async_saves_auto_means_background_saves_on_the_vllm_cpu_server_only():
+    from types import SimpleNamespace
+
+    from lmcache_connector.features.cpu_cores import auto_async_saves
+
+    def cfg(world):
+        return SimpleNamespace(parallel_config=SimpleNamespace(world_size=world))
+
+    assert auto_async_saves(cfg(1), cpu_platform=True, multiprocess=True)
+    # negative controls: a GPU, the engine in process (offline batches, the tests), two ranks
+    assert not auto_async_saves(cfg(1), cpu_platform=False, multiprocess=True)
+    assert not auto_async_saves(cfg(1), cpu_platform=True, multiprocess=False)
+    assert not auto_async_saves(cfg(2), cpu_platform=True, multiprocess=True)
+
+
+def test_auto_background_saves_run_at_nice_19_on_the_given_cores(tmp_path):
+    """async_saves: auto resolved to background saves: the save thread runs on the
+    cores it is given, at nice 19, whatever background_nice says; explicit true keeps
+    background_nice (the control)."""
+    import os
+    import time
+
+    from lmcache_connector.options import load_settings as load
+    from lmcache_connector.transfers.chunks import DenseTransfers
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs Linux thread affinity")
+    cores = frozenset(sorted(os.sched_getaffinity(0))[-1:])
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    for settings, want_nice, want_cores in (
+        (load({}).for_engine(True), 19, cores),
+        (load({"connector": {"async_saves": True}, "background_nice": 3}).for_engine(True), min(19, own + 3), None),
+    ):
+        w = _worker(tmp_path)
+        tr = w.transfers
+        try:
+            t = DenseTransfers(
+                tr.engine, tr.layout, tr.counters, tr.reports, tr.saver, 16, settings, ["l0", "l1"], save_cores=cores
+            )
+            try:
+                assert t.saves is not None
+                tid = t.saves._thread.native_id
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and os.getpriority(os.PRIO_PROCESS, tid) != want_nice:
+                    time.sleep(0.01)
+                assert os.getpriority(os.PRIO_PROCESS, tid) == want_nice
+                if want_cores is not None:
+                    assert os.sched_getaffinity(tid) == want_cores
+                elif len(os.sched_getaffinity(0)) > 1:  # the control: left where it started
+                    assert os.sched_getaffinity(tid) != cores
+            finally:
+                t.close()
+        finally:
+            w.close()
 
 
 def test_async_loads_option():
@@ -591,3 +655,34 @@ def test_batched_transfers_copy_what_chunk_by_chunk_copies_do(tmp_path, ops):
     # the control: the loads wrote the saved KV (blocks 4-5 into 10-11; block 9 is below write_from)
     layer = results[True][0]
     assert torch.equal(layer[10:12], layer[4:6]) and not torch.equal(layer[9], layer[3])
+
+
+def test_a_lookup_waits_for_a_background_save_of_its_chunks(tmp_path):
+    """async_saves: a lookup of chunks still in a queued save waits for it (bounded) and
+    hits; without a pending save it answers at once; a stuck save bounds the wait."""
+    import threading
+    import time
+
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    w = _worker(tmp_path, connector={"async_saves": True})
+    gate = threading.Event()
+    real = w.saves._save
+    w.saves._save = lambda t, meta: (gate.wait(10), real(t, meta))
+    try:
+        hashes = [bytes([9, i]) * 8 for i in range(2)]
+        step = LMCacheConnectorMetadata(chunk_size=16, saves=[ChunkTransfer("R", hashes, 0, [16, 32], [3, 4])], step_tokens=32)
+        w.step_started(step)
+        w.start_load_kv(step)
+        w.wait_for_save(step)
+        t0 = time.monotonic()
+        assert w._lookup(hashes, None) == 0  # the save is stuck: a miss after the bounded wait
+        waited = time.monotonic() - t0
+        assert 0.08 <= waited < 2, waited
+        threading.Timer(0.03, gate.set).start()
+        assert w._lookup(hashes, None) == 2  # released while the lookup waits: a hit
+        t0 = time.monotonic()
+        assert w._lookup([b"\x07" * 16], None) == 0 and time.monotonic() - t0 < 0.05  # nothing pending: at once
+    finally:
+        gate.set()
+        w.close()

@@ -166,6 +166,9 @@ def test_readme_serving_command_serves_second_completion_from_cache(tiny_model: 
 
     loaded = _metric(after_second, "lmcache_core:loaded_tokens_total")
     assert loaded == expected, f"second completion loaded {loaded} tokens from the cache, expected {expected}"
+    # the server shape picks background saves (connector.async_saves: auto), and the
+    # second request still hit what the first one saved
+    assert "saves run in the background (async_saves: auto)" in (tmp_path / "server.log").read_text(errors="replace")
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert cpu_bytes > 0
     assert _metric(after_disk, "lmcache_core:tier_put_bytes_total", 'tier="disk"') == cpu_bytes

@@ -56,7 +56,7 @@ def test_the_section_holds_the_connector_keys_with_their_defaults() -> None:
     c = CoreConfig().connector
     assert (c.save_unfull_chunk, c.save_decode_cache, c.sub_chunk_hits, c.priority_limit) == (False, False, True, None)
     assert (c.layout, c.lookup_timeout_s, c.load_policy, c.load_margin) == ("auto", 2.0, "always", 0.2)
-    assert (c.model_id, c.async_saves, c.async_loads, c.layerwise) == (None, False, "auto", False)
+    assert (c.model_id, c.async_saves, c.async_loads, c.layerwise) == (None, "auto", "auto", False)
     for key in MOVED:  # none of them is a top-level key any more
         assert key not in CoreConfig.model_fields and key in ConnectorSection.model_fields
     for key in ("tenant_salt", "verify_fraction", "quarantine_dir", "background_nice", "staging_size"):
@@ -208,7 +208,7 @@ def test_layers_merge_key_by_key(tmp_path: Path) -> None:
     ("key", "yaml_value", "why"),
     [
         ("async_loads", "1", "must be true, false or auto, got 1"),
-        ("async_saves", "'yes'", "valid boolean"),
+        ("async_saves", "'yes'", "must be true, false or auto, got 'yes'"),
         ("layout", "tokens", "'auto', 'block' or 'token'"),
         ("load_margin", "1.5", "less than 1"),
         ("lookup_timeout_s", "0", "greater than 0"),

@@ -15,14 +15,20 @@ steps. The blocks a save reads are never reused before it has read them:
   waits for the queue before the step writes anything (loads or forward);
 * a running request: the blocks of computed chunks do not change any more.
 
+A lookup whose prefix is still being saved waits for that save, up to
+``LOOKUP_WAIT_S`` (:meth:`SaveQueue.wait_for_chunks`), so a request that follows
+another with the same prefix hits instead of missing by a few milliseconds.
+
 Both sides apply the same rule (a request is delayed iff a save was planned for it),
 so ``finished_sending`` names exactly the requests vLLM holds blocks for.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..log import get_logger
 from ..protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
@@ -32,6 +38,8 @@ log = get_logger(__name__)
 
 SaveFn = Callable[[ChunkTransfer, LMCacheConnectorMetadata], None]
 
+LOOKUP_WAIT_S = 0.1  # longest a lookup waits for a queued save of its chunks (the scheduler waits with it)
+
 
 class SaveQueue(TransferQueue):
     """One background thread running ``save(transfer, meta)`` in submission order.
@@ -40,12 +48,14 @@ class SaveQueue(TransferQueue):
 
     thread_name = "lmcache-async-saves"
 
-    def __init__(self, save: SaveFn, nice: int = 0) -> None:
-        super().__init__(nice)
+    def __init__(self, save: SaveFn, nice: int = 0, cores: frozenset[int] | None = None) -> None:
+        super().__init__(nice, cores)
         self._save = save
         self._pending: Counter[str] = Counter()  # saves queued or running, per request
         self._seen: set[str] = set()  # requests with a save submitted (delayed by the scheduler)
         self._finishing: set[str] = set()  # finished in vLLM, saves maybe still pending
+        self._chunks: Counter[bytes] = Counter()  # chunk hashes in queued or running saves
+        self._saved = threading.Condition(self._lock)
         self.reported = 0  # requests reported in finished_sending
         self.drains = 0  # drains asked for by a preemption
         self._start()
@@ -54,6 +64,7 @@ class SaveQueue(TransferQueue):
         for t in transfers:
             self._pending[t.req_id] += 1
             self._seen.add(t.req_id)
+            self._chunks.update(t.hashes)
 
     def _handle(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> None:
         try:
@@ -65,6 +76,23 @@ class SaveQueue(TransferQueue):
                 self._pending[t.req_id] -= 1
                 if self._pending[t.req_id] <= 0:
                     del self._pending[t.req_id]
+                self._chunks.subtract(t.hashes)
+                for h in t.hashes:
+                    if self._chunks[h] <= 0:
+                        del self._chunks[h]
+                self._saved.notify_all()
+
+    def wait_for_chunks(self, hashes: Sequence[bytes], timeout: float = LOOKUP_WAIT_S) -> bool:
+        """Wait until no queued or running save holds any of ``hashes`` (a lookup of a
+        prefix being saved), at most ``timeout`` seconds: True when none is left."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while any(h in self._chunks for h in hashes):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._saved.wait(left)
+        return True
 
     def drain(self) -> None:
         """Wait until every submitted save is done (before blocks may be reused)."""

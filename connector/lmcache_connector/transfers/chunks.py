@@ -309,13 +309,20 @@ class DenseTransfers(Transfers):
         block_size: int,
         settings: ConnectorSettings,
         layer_names: list[str],
+        save_cores: frozenset[int] | None = None,
     ) -> None:
+        """``save_cores``: where the save thread runs when ``async_saves: auto`` chose
+        background saves (then at nice 19; see ConnectorSettings.saves_on_spare_cores)."""
         super().__init__(engine, counters, reports, saver, block_size)
         self.layout = layout
         self.chunk_size = settings.core.chunk_size
         nice = settings.core.background_nice
         self.loads = LoadQueue(self._load_background, block_size, nice) if settings.async_loads else None
-        self.saves = SaveQueue(self.save_logged, nice) if settings.async_saves else None
+        self.saves: SaveQueue | None = None
+        if settings.saves_on_spare_cores:
+            self.saves = SaveQueue(self.save_logged, 19, cores=save_cores)
+        elif settings.async_saves:
+            self.saves = SaveQueue(self.save_logged, nice)
         self.pipeline = LayerPipeline(layout, layer_names) if settings.layerwise else None
         # On a GPU a transfer's chunks are copied together (layout.copy_many) and waited
         # for once; on CPU one at a time (one pool buffer in flight).

@@ -19,9 +19,11 @@ class TransferQueue:
 
     thread_name = "lmcache-transfers"
 
-    def __init__(self, nice: int = 0) -> None:
-        """``nice``: added to the thread's nice value (``background_nice``)."""
+    def __init__(self, nice: int = 0, cores: frozenset[int] | None = None) -> None:
+        """``nice``: added to the thread's nice value (``background_nice``); ``cores``:
+        where the thread runs (default: ``background_cores``)."""
         self._nice = nice
+        self._cores = cores
         self._q: queue.Queue[tuple[ChunkTransfer, LMCacheConnectorMetadata] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
@@ -43,7 +45,7 @@ class TransferQueue:
             self._q.put((t, meta))
 
     def _run(self) -> None:
-        enter_background(self._nice)
+        enter_background(self._nice, self._cores)
         while True:
             item = self._q.get()
             try:

@@ -30,9 +30,9 @@ from .features.cpu_cores import auto_async_saves, reservation_advice
 from .protocol.kv_events import EventTranslator, LMCacheCoreKVEvents, event_groups, events_enabled
 from .layouts.groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size, state_advice
 from .protocol.lookup_ipc import LookupClient, socket_path
-from .protocol.metadata import LMCacheConnectorMetadata
+from .protocol.metadata import LMCacheConnectorMetadata, SaveProgress
 from .options import load_settings
-from .scheduler import SchedulerSide, make_scheduler
+from .scheduler import DenseScheduler, SchedulerSide, make_scheduler
 from .protocol.stats import LMCacheConnectorStats, LMCachePromMetrics
 from .worker import WorkerSide
 
@@ -296,6 +296,17 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.async_loads_reported(connector_output.finished_recving, connector_output.invalid_block_ids)
         if self._sched.events is not None and connector_output.kv_cache_events is not None:
             self._sched.events.add(connector_output.kv_cache_events)
+        progress = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(progress, SaveProgress) and isinstance(self._sched, DenseScheduler):
+            self._sched.saves_progress(progress.done)
+
+    def build_connector_worker_meta(self) -> "SaveProgress | None":
+        """``async_saves``: how far each request's background saves got (SaveProgress),
+        every step, so the scheduler frees a finished request's blocks at once when
+        they are all done."""
+        if self._worker is None or self._worker.saves is None:
+            return None
+        return SaveProgress(self._worker.saves.progress())
 
     def take_events(self) -> "list[KVCacheEvent]":
         """KV events for what lmcache-core's tiers stored and evicted (see kv_events.py)."""

@@ -89,6 +89,7 @@ class _Req:
     slow: bool = False  # the looked-up hit needs a tier slower than memory (async_loads: auto)
     load_async: bool = False  # this request's load runs on the workers' load thread
     saved_async: bool = False  # async_saves: a save was planned, so vLLM holds its blocks at finish
+    saves_planned: int = 0  # async_saves: save transfers planned (one per step it saved in)
     # Sub-chunk hits (subchunks.py): the sub-chunk hashes of each prompt chunk (the
     # trailing partial one included), and the stored chunk a lookup found for the
     # chunk after the hit: (that chunk's index, the stored chunk's hash, the token
@@ -137,6 +138,7 @@ class SchedulerSide:
         # Counters and features a mode may turn on (read by tests and stats).
         self.async_saves = False
         self.held_requests = 0  # finished requests whose blocks vLLM held for background saves
+        self.freed_early = 0  # finished requests whose background saves were all done: freed at once
         self.async_load_requests = 0
         self.subs: SubChunkIndex | None = None
         self.tail_hits = 0  # lookups that hit a stored chunk's first blocks after their chunks
@@ -395,6 +397,10 @@ class DenseScheduler(SchedulerSide):
         super().__init__(settings, **kw)
         # Saves run in the background on the workers (see async_saves.py).
         self.async_saves = settings.async_saves
+        # async_saves: save transfers the workers reported done, per request (SaveProgress),
+        # and finished requests freed at once, named in the next step's metadata
+        self._save_progress: dict[str, int] = {}
+        self._freed_early: list[str] = []
         # Loads on the workers' load thread (see async_loads.py): every hit (true) or
         # the hits a slower tier than memory serves (auto).
         self.async_loads = settings.async_loads
@@ -524,6 +530,7 @@ class DenseScheduler(SchedulerSide):
         meta.unpins, self._unpins = self._unpins, []
         if self.async_saves:
             self._track_async_saves(so, meta)
+            meta.freed_early, self._freed_early = self._freed_early, []
         return meta
 
     def _plan_save(self, st: _Req, computed: int, meta: LMCacheConnectorMetadata) -> None:
@@ -576,6 +583,7 @@ class DenseScheduler(SchedulerSide):
             st = self._reqs.get(t.req_id)
             if st is not None:
                 st.saved_async = True
+                st.saves_planned += 1
         for rid in getattr(so, "preempted_req_ids", None) or ():
             st = self._reqs.get(rid)
             if st is not None and st.saved_async:
@@ -583,10 +591,21 @@ class DenseScheduler(SchedulerSide):
 
     def _delay_free(self, st: _Req | None) -> bool:
         """Hold the blocks until the workers report the request's background saves
-        done (``finished_sending``)."""
-        held = self.async_saves and st is not None and st.saved_async
-        self.held_requests += held
-        return held
+        done (``finished_sending``), unless they reported all of them done already
+        (``SaveProgress``): then vLLM frees them now and the workers are told not to
+        report the request."""
+        if not (self.async_saves and st is not None and st.saved_async):
+            return False
+        if self._save_progress.get(st.req_id, 0) >= st.saves_planned:
+            self._freed_early.append(st.req_id)
+            self.freed_early += 1
+            return False
+        self.held_requests += 1
+        return True
+
+    def saves_progress(self, done: dict[str, int]) -> None:
+        """The workers' latest ``SaveProgress``: save transfers done per request."""
+        self._save_progress = done
 
 
 class GroupedScheduler(SchedulerSide):

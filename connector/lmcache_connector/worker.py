@@ -229,6 +229,8 @@ class WorkerSide:
         otherwise after it, so the binding is the only reliable start. Background
         saves that may read blocks freed by a preemption finish here, before any
         write of the step; background loads start here."""
+        if self.saves is not None and meta is not None and meta.freed_early:
+            self.saves.forget(meta.freed_early)  # before this step's get_finished
         if self.saves is not None and meta is not None and meta.drain_saves:
             self.saves.drain()
         self._step_idle = meta is not None and meta.step_tokens == 0

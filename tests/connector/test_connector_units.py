@@ -686,3 +686,54 @@ def test_a_lookup_waits_for_a_background_save_of_its_chunks(tmp_path):
     finally:
         gate.set()
         w.close()
+
+
+def test_save_progress_and_forgotten_requests():
+    """The worker's SaveProgress (done transfers per request) and the scheduler's
+    freed_early list: a forgotten request is never reported in finished_sending (the
+    control: one not forgotten is); ranks aggregate to the minimum."""
+    import threading
+
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata, SaveProgress
+    from lmcache_connector.transfers.async_saves import SaveQueue
+
+    q = SaveQueue(lambda t, meta: None)
+    try:
+        meta = LMCacheConnectorMetadata(chunk_size=16)
+        q.submit(meta, [ChunkTransfer("A", [b"a" * 16], 0, [16], [1]), ChunkTransfer("B", [b"b" * 16], 0, [16], [2])])
+        q.submit(meta, [ChunkTransfer("A", [b"c" * 16], 1, [32], [1, 3])])
+        q._join()
+        assert q.progress() == {"A": 2, "B": 1}
+        q.forget(["A"])
+        assert q.progress() == {"B": 1}
+        assert q.finished({"A", "B"}) == {"B"}  # A was freed at once by the scheduler: not reported
+        assert q.progress() == {} and q.finished(set()) == set()
+    finally:
+        q.close()
+    a, b = SaveProgress({"A": 2, "B": 1, "C": 4}), SaveProgress({"A": 1, "B": 3})
+    assert a.aggregate(b).done == {"A": 1, "B": 1}  # C: one rank has no word of it
+    assert threading.active_count() >= 1
+
+
+def test_scheduler_frees_a_finished_request_at_once_when_its_saves_are_done():
+    from lmcache_connector.scheduler import _Req
+    from lmcache_connector.options import RequestOptions
+
+    s = _sched(connector={"async_saves": True})
+    assert s.async_saves
+
+    def req(rid, planned):
+        return _Req(rid, 10, b"", {}, [], None, True, RequestOptions(), saved_async=True, saves_planned=planned)
+
+    s.saves_progress({"R1": 2, "R2": 1})
+    assert s._delay_free(req("R1", 2)) is False  # both of its transfers done: freed now
+    assert s._delay_free(req("R2", 2)) is True  # one still pending: held (the control)
+    assert s._delay_free(req("R3", 1)) is True  # no word from the workers: held
+    assert (s.freed_early, s.held_requests) == (1, 2)
+    from types import SimpleNamespace
+
+    so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]), preempted_req_ids=[])
+    s._step_work = lambda so, meta: None
+    meta = s.build_connector_meta(so)
+    assert meta.freed_early == ["R1"]
+    assert s.build_connector_meta(so).freed_early == []  # named once

@@ -38,9 +38,9 @@ def test_background_saves_hit_and_give_every_block_back(tiny_model, reference):
         # requests that saved in the background were held until done, and exactly those
         # were reported (one per prefix at least: later ones may hit what it saved)
         sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
-        assert sched.held_requests >= 3
+        assert sched.held_requests + sched.freed_early >= 3
         assert w.saves.reported == sched.held_requests
-        assert not w.saves._seen and not w.saves._pending
+        assert not w.saves._seen and not w.saves._pending and not w.saves._done
         assert w.stats()["saved_tokens"] >= 3 * 2 * CS
 
 
@@ -72,3 +72,41 @@ def test_preemption_waits_for_background_saves(tiny_model, reference, monkeypatc
         warm = run(llm, prompts, greedy(180))
         assert token_ids(warm) == ref
         assert all(o.num_cached_tokens >= 2 * CS for o in warm)
+
+
+def test_requests_whose_saves_are_done_are_freed_at_once(tiny_model, reference):
+    """A request that decodes long enough for its background saves to finish is freed
+    when it finishes (the workers reported its saves done), not a step later, and is
+    never reported in finished_sending; the control: saves held back by a gate until
+    after the requests finish are held and reported as before. Tokens identical, later
+    hits served, every block back."""
+    import threading
+
+    prompts = [random_prompt(2 * CS + 40, 540 + i) for i in range(3)]
+    ref = reference(prompts, max_tokens=48)
+    others = [random_prompt(2 * CS + 40, 550 + i) for i in range(2)]
+    ref2 = reference(others, max_tokens=8)
+    with make_llm(tiny_model, extra={"connector": {"async_saves": True}}) as llm:
+        w = worker()
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+        assert token_ids(run(llm, prompts, greedy(48))) == ref
+        assert sched.freed_early >= 1, "no request was freed at once"
+        early, held = sched.freed_early, sched.held_requests
+        # the control: saves blocked until the requests have finished
+        gate = threading.Event()
+        real = w.saves._save
+        w.saves._save = lambda t, meta: (gate.wait(30), real(t, meta))
+        try:
+            assert token_ids(run(llm, others, greedy(8))) == ref2
+        finally:
+            gate.set()
+        w.saves.drain()
+        run(llm, [random_prompt(20, 560)])  # one more step collects finished_sending
+        assert sched.held_requests >= held + 2 and sched.freed_early == early
+        assert w.saves.reported == sched.held_requests
+        warm = run(llm, prompts + others, greedy(8))
+        assert all(o.num_cached_tokens >= 2 * CS for o in warm)
+        run(llm, [random_prompt(20, 561)])
+        free, total = _free_blocks(llm)
+        assert free == total - 1
+        assert not w.saves._seen and not w.saves._pending and not w.saves._done

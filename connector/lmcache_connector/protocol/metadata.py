@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -48,6 +48,9 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     # async_saves: a request with saves in flight was preempted (its blocks are
     # free again): finish the queued saves before this step writes any block
     drain_saves: bool = False
+    # async_saves: finished requests whose background saves the workers had reported
+    # done, so vLLM freed their blocks at once: not to be reported in finished_sending
+    freed_early: list[str] = field(default_factory=list)
 
     def chunk_start(self, t: ChunkTransfer, i: int) -> int:
         return (t.first_chunk + i) * self.chunk_size
@@ -57,3 +60,18 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
         if t.tail_tokens and i == len(t.hashes) - 1:
             return t.tail_tokens
         return t.chunk_ends[i] - self.chunk_start(t, i)
+
+
+@dataclass
+class SaveProgress(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, every step with background saves (``async_saves``): per
+    request not yet finished in vLLM, how many of its save transfers are done. With
+    several ranks vLLM aggregates the workers' objects: a request counts as done as
+    far as every rank got (the minimum; a request one rank does not list is left out).
+    Every worker sends one each step, so the minimum is over all of them."""
+
+    done: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "SaveProgress":
+        theirs = other.done if isinstance(other, SaveProgress) else {}
+        return SaveProgress({r: min(n, theirs[r]) for r, n in self.done.items() if r in theirs})

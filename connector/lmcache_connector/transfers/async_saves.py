@@ -19,8 +19,14 @@ A lookup whose prefix is still being saved waits for that save, up to
 ``LOOKUP_WAIT_S`` (:meth:`SaveQueue.wait_for_chunks`), so a request that follows
 another with the same prefix hits instead of missing by a few milliseconds.
 
-Both sides apply the same rule (a request is delayed iff a save was planned for it),
-so ``finished_sending`` names exactly the requests vLLM holds blocks for.
+Both sides apply the same rule (a request is delayed iff a save was planned for it
+and the workers had not reported all of its saves done), so ``finished_sending`` names
+exactly the requests vLLM holds blocks for: the worker reports, every step, how many
+of each request's save transfers are done (:meth:`SaveQueue.progress`, sent as
+vLLM's worker metadata); a request that finishes after its saves were reported done
+has its blocks freed at once (one step sooner, which admits the next request a step
+sooner), and the scheduler names it in the next step's ``freed_early`` so the worker
+never reports it in ``finished_sending`` (:meth:`SaveQueue.forget`).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class SaveQueue(TransferQueue):
         self._seen: set[str] = set()  # requests with a save submitted (delayed by the scheduler)
         self._finishing: set[str] = set()  # finished in vLLM, saves maybe still pending
         self._chunks: Counter[bytes] = Counter()  # chunk hashes in queued or running saves
+        self._done: Counter[str] = Counter()  # save transfers done, per request still known
         self._saved = threading.Condition(self._lock)
         self.reported = 0  # requests reported in finished_sending
         self.drains = 0  # drains asked for by a preemption
@@ -76,6 +83,8 @@ class SaveQueue(TransferQueue):
                 self._pending[t.req_id] -= 1
                 if self._pending[t.req_id] <= 0:
                     del self._pending[t.req_id]
+                if t.req_id in self._seen:
+                    self._done[t.req_id] += 1
                 self._chunks.subtract(t.hashes)
                 for h in t.hashes:
                     if self._chunks[h] <= 0:
@@ -99,6 +108,24 @@ class SaveQueue(TransferQueue):
         self.drains += 1
         self._join()
 
+    def progress(self) -> dict[str, int]:
+        """Save transfers done per request not yet reported or forgotten (for the
+        scheduler, which frees a finished request's blocks at once when all the
+        saves it planned are done)."""
+        with self._lock:
+            return dict(self._done)
+
+    def forget(self, req_ids: list[str]) -> None:
+        """Requests the scheduler freed at once (all their saves were reported done):
+        never report them in ``finished_sending``."""
+        with self._lock:
+            for r in req_ids:
+                if r in self._pending:  # cannot happen: the scheduler saw every save done
+                    log.warning("request %s: freed with a save still pending", r)
+                self._seen.discard(r)
+                self._finishing.discard(r)
+                self._done.pop(r, None)
+
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests to report in ``finished_sending``: finished in vLLM (this call's
         ``finished_req_ids`` or an earlier one's), saved through this queue, and with
@@ -108,5 +135,7 @@ class SaveQueue(TransferQueue):
             done = {r for r in self._finishing if r not in self._pending}
             self._finishing -= done
             self._seen -= done
+            for r in done:
+                self._done.pop(r, None)
             self.reported += len(done)
         return done

@@ -384,3 +384,32 @@ def test_index_uploads_reuse_their_pinned_buffers_only_once_read(monkeypatch, ma
     outs = [lay._to_device(np.full(300 + i, i, dtype=np.int64)) for i in range(20)]
     for i, o in enumerate(outs):
         assert o.numel() == 300 + i and bool(o.eq(i).all()), f"upload {i}"
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_index_uploads_from_two_threads_never_share_a_buffer():
+    """A background save thread and the model's thread upload indices at once (GPU
+    with async saves): every upload lands with its own values."""
+    import threading
+
+    import numpy as np
+
+    kv = vllm_kv_caches("LBNHC", 1, NB, H, BS, 2 * D, torch.float16, "cuda", seed=98)
+    lay = TokenLayout(kv, BS)
+    results: dict[int, list] = {0: [], 1: []}
+
+    def upload(t: int) -> None:
+        for i in range(200):
+            v = t * 1000 + i
+            results[t].append((v, lay._to_device(np.full(257, v, dtype=np.int64))))
+
+    torch.cuda._sleep(20_000_000)
+    threads = [threading.Thread(target=upload, args=(t,)) for t in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    torch.cuda.synchronize()
+    for t in (0, 1):
+        for v, out in results[t]:
+            assert bool(out.eq(v).all()), f"thread {t} upload {v}"

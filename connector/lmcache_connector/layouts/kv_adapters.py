@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -143,7 +144,8 @@ class _PinnedRing:
     copy is still queued is skipped and, up to ``MAX`` buffers, a new one is made, so an
     upload never waits for the GPU's queue; past ``MAX`` the oldest is waited for.
     ``Tensor.pin_memory()`` per upload was seen to cost 0.1-2.5 ms on a GPU host (a
-    pointer query of the pageable source and the pinned allocator)."""
+    pointer query of the pageable source and the pinned allocator). Thread-safe: a
+    background save thread and the model's thread may upload at once."""
 
     MAX = 64
 
@@ -151,6 +153,7 @@ class _PinnedRing:
         self._bufs: list[torch.Tensor] = []
         self._events: list[Any] = []
         self._next = 0
+        self._lock = threading.Lock()
 
     def _slot(self, n: int) -> int:
         for k in range(len(self._bufs)):
@@ -172,11 +175,12 @@ class _PinnedRing:
 
     def upload(self, arr: np.ndarray, device: torch.device) -> torch.Tensor:
         n = int(arr.size)
-        i = self._slot(n)
-        host = self._bufs[i][:n]
-        host.numpy()[:] = arr
-        out = host.to(device, non_blocking=True)
-        self._events[i].record(torch.cuda.current_stream(device))
+        with self._lock:  # a slot is taken, filled and its copy recorded as one step
+            i = self._slot(n)
+            host = self._bufs[i][:n]
+            host.numpy()[:] = arr
+            out = host.to(device, non_blocking=True)
+            self._events[i].record(torch.cuda.current_stream(device))
         return out
 
 

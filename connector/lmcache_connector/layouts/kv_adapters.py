@@ -301,13 +301,17 @@ class _PagedLayers:
         not grow with a kernel call per chunk."""
         if self._ops is None:
             items, load = plan
-            for it in items:
-                if load:
-                    self.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, layer=layer)
-                else:
-                    self.save_chunk(it.block_ids, it.lo, it.hi, it.buf.tensor, layer=layer)
+            self._each_chunk(items, load, layer=layer)
             return
         self._run(plan, layer)
+
+    def _each_chunk(self, items: Sequence[Any], load: bool, **kw: Any) -> None:
+        """The torch path: ``load_chunk`` or ``save_chunk`` for each item in turn."""
+        for it in items:
+            if load:
+                self.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, **kw)
+            else:
+                self.save_chunk(it.block_ids, it.lo, it.hi, it.buf.tensor, **kw)
 
     def copy_many(self, items: Sequence[Any], load: bool) -> None:
         """Every layer of several chunks (items as for ``plan_layers``), enqueued on
@@ -316,11 +320,7 @@ class _PagedLayers:
         (a chunk's layers are evenly spaced rows in its buffer and in the staging
         buffer), so a step's host work does not grow with a full call per chunk."""
         if self._ops is None:
-            for it in items:
-                if load:
-                    self.load_chunk(it.buf.tensor, it.block_ids, it.lo, it.hi, it.write_from, wait=False)
-                else:
-                    self.save_chunk(it.block_ids, it.lo, it.hi, it.buf.tensor, wait=False)
+            self._each_chunk(items, load, wait=False)
             return
         plan = self._plan(items, load)
         if plan is None:

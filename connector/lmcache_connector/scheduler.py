@@ -88,7 +88,6 @@ class _Req:
     looked_up: int | None = None
     slow: bool = False  # the looked-up hit needs a tier slower than memory (async_loads: auto)
     load_async: bool = False  # this request's load runs on the workers' load thread
-    saved_async: bool = False  # async_saves: a save was planned, so vLLM holds its blocks at finish
     saves_planned: int = 0  # async_saves: save transfers planned (one per step it saved in)
     # Sub-chunk hits (subchunks.py): the sub-chunk hashes of each prompt chunk (the
     # trailing partial one included), and the stored chunk a lookup found for the
@@ -582,11 +581,10 @@ class DenseScheduler(SchedulerSide):
         for t in meta.saves:
             st = self._reqs.get(t.req_id)
             if st is not None:
-                st.saved_async = True
                 st.saves_planned += 1
         for rid in getattr(so, "preempted_req_ids", None) or ():
             st = self._reqs.get(rid)
-            if st is not None and st.saved_async:
+            if st is not None and st.saves_planned:
                 meta.drain_saves = True
 
     def _delay_free(self, st: _Req | None) -> bool:
@@ -594,7 +592,7 @@ class DenseScheduler(SchedulerSide):
         done (``finished_sending``), unless they reported all of them done already
         (``SaveProgress``): then vLLM frees them now and the workers are told not to
         report the request."""
-        if not (self.async_saves and st is not None and st.saved_async):
+        if not (self.async_saves and st is not None and st.saves_planned):
             return False
         if self._save_progress.get(st.req_id, 0) >= st.saves_planned:
             self._freed_early.append(st.req_id)

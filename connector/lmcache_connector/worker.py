@@ -147,8 +147,15 @@ class WorkerSide:
             world_size=1 if self.replicated else self.world_size,
             rank=0 if self.replicated else self.rank,
         )
+        # the cores the model is not bound to: for background_cores: auto, and for the save
+        # thread when async_saves: auto chose background saves
+        spare = (
+            background_cores(self.world_size)
+            if self.cfg.background_cores == "auto" or self.settings.saves_on_spare_cores
+            else None
+        )
         if self.cfg.background_cores == "auto":
-            cores = background_cores(self.world_size)
+            cores = spare
             use_background_cores(cores)
             if cores is not None:
                 log.info(
@@ -170,7 +177,7 @@ class WorkerSide:
         else:
             save_cores = None
             if self.settings.saves_on_spare_cores:  # async_saves: auto chose background saves
-                save_cores = background_cores(self.world_size)
+                save_cores = spare
                 log.info(
                     "lmcache-core: saves run in the background (async_saves: auto) on cores %s at nice 19",
                     sorted(save_cores) if save_cores else "of the model",

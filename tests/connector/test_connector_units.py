@@ -723,7 +723,7 @@ def test_scheduler_frees_a_finished_request_at_once_when_its_saves_are_done():
     assert s.async_saves
 
     def req(rid, planned):
-        return _Req(rid, 10, b"", {}, [], None, True, RequestOptions(), saved_async=True, saves_planned=planned)
+        return _Req(rid, 10, b"", {}, [], None, True, RequestOptions(), saves_planned=planned)
 
     s.saves_progress({"R1": 2, "R2": 1})
     assert s._delay_free(req("R1", 2)) is False  # both of its transfers done: freed now

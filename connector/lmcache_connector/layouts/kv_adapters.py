@@ -341,11 +341,11 @@ class _PagedLayers:
             stage_pitch.append(sp)
         stage = [staging] * len(rows)
         if load:
-            self._ops.copy_rows(stage, plan.stage_off, stage_pitch, plan.tensors, plan.bases, chunk_pitch, plan.width, rows)
+            plan.copy_rows(stage, plan.stage_off, stage_pitch, plan.tensors, plan.bases, chunk_pitch, plan.width, rows)
             plan.copies.run_all(staging, False)
         else:
             plan.copies.run_all(staging, True)
-            self._ops.copy_rows(plan.tensors, plan.bases, chunk_pitch, stage, plan.stage_off, stage_pitch, plan.width, rows)
+            plan.copy_rows(plan.tensors, plan.bases, chunk_pitch, stage, plan.stage_off, stage_pitch, plan.width, rows)
 
     def load_layer(self, items: Sequence[Any], layer: int) -> None:
         self.run_layer(self.plan_layers(items, True), layer)

@@ -489,6 +489,7 @@ def summarize(results: list[Result], wall: float) -> dict[str, Any]:
         "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"),
         "itl_p50": pct(itl, 50),
         "itl_p99": pct(itl, 99),
+        "itl_ms": [round(x * 1e3, 2) for x in itl],  # every gap, for percentiles pooled over rounds
         "errors": sorted({r.error for r in results if r.error})[:3],
     }
 
@@ -670,6 +671,11 @@ def merge(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
                 else:
                     m[f] = v
             m["rounds"] = len(ss)
+            pooled = [x for s in ss for x in s.get("itl_ms") or ()]
+            m.pop("itl_ms", None)
+            if pooled:  # one round's p99 is its few largest gaps: pooled, the rounds' samples together
+                m["itl_p99_pooled"] = pct(pooled, 99) / 1e3
+                m["itl_samples"] = len(pooled)
             out.setdefault(arm, {})[key] = m
     return out
 
@@ -714,6 +720,19 @@ def report(merged: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespac
                 lines.append(
                     f"|  vs vllm | | | | | {s['out_tok_per_s'] / van['out_tok_per_s']:.3f}x | | {s['itl_p99'] / van['itl_p99']:.3f}x | | | | | | | | |"
                 )
+        pooled = [(arm, merged[arm][key]) for arm in args.arms if merged.get(arm, {}).get(key, {}).get("itl_p99_pooled")]
+        if pooled:
+            base = (van or {}).get("itl_p99_pooled")
+            lines += [
+                "",
+                "ITL p99 pooled over every round's gaps: "
+                + ", ".join(
+                    f"{arm} {s['itl_p99_pooled'] * 1e3:.1f} ms ({s['itl_samples']} gaps"
+                    + (f", {s['itl_p99_pooled'] / base:.3f}x vllm" if base and arm != "vllm" else "")
+                    + ")"
+                    for arm, s in pooled
+                ),
+            ]
         outs = {arm: merged[arm][key].get("outputs") for arm in args.arms if key in merged.get(arm, {})}
         outs = {a: o for a, o in outs.items() if o}
         if len(outs) > 1:

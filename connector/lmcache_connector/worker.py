@@ -24,7 +24,6 @@ import torch
 from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
-from lmcache_core.memory import MemoryPool
 from lmcache_core.threads import use_background_cores
 
 from .transfers.async_loads import LoadQueue
@@ -61,10 +60,6 @@ VLLM_TAG = "vllm-0.32"
 def _dtype_of(kv: Any) -> str:
     ts = [kv] if isinstance(kv, torch.Tensor) else list(kv)
     return "+".join(str(t.dtype).removeprefix("torch.") for t in ts)
-
-
-POPULATE_QUIET_S = 0.2
-"""populate_pool: auto faults the pool in only once no step has started for this long."""
 
 
 class WorkerSide:
@@ -113,7 +108,6 @@ class WorkerSide:
         self._reported: dict[str, float] = {}
         self._step_idle = False  # this step computes nothing (async_loads: wait for loads instead of spinning)
         self.suspended = False  # vLLM's sleep mode: the KV tensors are released; no copy touches them
-        self._populating: MemoryPool | None = None  # populate_pool: auto, until the pool is faulted in
 
     # -- the dense strategies, for tests and tools (None for grouped models) -----------
     @property
@@ -170,18 +164,6 @@ class WorkerSide:
                     sorted(os.sched_getaffinity(0)),
                 )
         engine = CacheEngine(self.settings.loaded, namespace=ns, shared_writes=not self.replicated or self.rank == 0)
-        if self.cfg.populate_pool == AUTO and self.settings.saves_on_spare_cores and spare:
-            # saves on spare cores (async_saves: auto): their pool's pages faulted in there
-            # beforehand, while the engine serves nothing, so a fresh server's first saves
-            # do not pay a page fault every 4 KiB (step_started pauses it)
-            if engine.pool.start_populate(while_idle=POPULATE_QUIET_S, cores=frozenset(spare)):
-                self._populating = engine.pool
-                log.info(
-                    "lmcache-core: the memory pool (%.1f GiB) is faulted in on cores %s while the engine is idle "
-                    "(populate_pool: auto)",
-                    engine.pool.capacity / 2**30,
-                    sorted(spare),
-                )
         if self.kv_events:
             ranks = [dataclasses.replace(engine.namespace, rank=r).id for r in range(ns.world_size)]
             self.tier_events = TierEventBuffer(self.rank, ranks)
@@ -254,12 +236,6 @@ class WorkerSide:
         otherwise after it, so the binding is the only reliable start. Background
         saves that may read blocks freed by a preemption finish here, before any
         write of the step; background loads start here."""
-        pool = self._populating
-        if pool is not None:  # populate_pool: auto runs only while no step does
-            if pool.populated.is_set():
-                self._populating = None
-            else:
-                pool.busy()
         if self.saves is not None and meta is not None and meta.freed_early:
             self.saves.forget(meta.freed_early)  # before this step's get_finished
         if self.saves is not None and meta is not None and meta.drain_saves:

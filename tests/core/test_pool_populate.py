@@ -98,7 +98,7 @@ def test_engine_populates_its_pool_only_when_told() -> None:
     with _engine(populate_pool=True) as eng:
         assert eng.pool.populated.wait(30)
         assert eng.stats()["pool"]["populated"] >= eng.pool.capacity - 2 * PAGE
-    with _engine() as eng:  # the default (auto): off in an engine no connector starts it for
+    with _engine() as eng:  # the default: off
         assert eng.pool.populated.is_set() and eng.stats()["pool"]["populated"] == 0
 
 
@@ -117,26 +117,3 @@ def test_populate_runs_at_idle_priority(monkeypatch: pytest.MonkeyPatch) -> None
     assert pool.populated.wait(30)
     assert seen == [os.SCHED_IDLE]
     assert os.sched_getscheduler(0) != os.SCHED_IDLE
-
-
-@needs_populate
-def test_populate_while_idle_waits_for_quiet_and_stops_when_asked() -> None:
-    """start_populate(while_idle=...): nothing is faulted in while busy() keeps coming,
-    everything once it stops (the control that it runs at all); stop_populate ends a
-    paused thread at once; a second start is refused."""
-    pool = MemoryPool(32 * MiB)
-    assert pool.populated.is_set() and pool.populated_bytes == 0  # not asked: nothing runs
-    assert pool.start_populate(while_idle=0.3)
-    assert not pool.start_populate(while_idle=0.3)
-    for _ in range(12):
-        pool.busy()
-        assert not pool.populated.wait(0.05)
-    assert pool.populated_bytes == 0
-    assert pool.populated.wait(30)
-    assert pool.populated_bytes >= 32 * MiB - 2 * PAGE
-
-    paused = MemoryPool(32 * MiB)
-    assert paused.start_populate(while_idle=30.0)
-    paused.stop_populate()
-    assert paused.populated.wait(2), "a paused populate did not stop"
-    assert paused.populated_bytes == 0

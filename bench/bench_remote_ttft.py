@@ -256,7 +256,7 @@ def wire_ceiling(port: int, rounds: int = 5) -> tuple[float, int]:
     expect = sum(n + len(b"$%d\r\n" % n) + 2 for n in sizes)
     buf = memoryview(bytearray(expect))
     times = []
-    with socket.create_connection(("127.0.0.1", port)) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # bounded: a stuck server raises
         for _ in range(rounds):
             t0 = time.perf_counter()
             sock.sendall(request)

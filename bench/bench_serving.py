@@ -36,8 +36,8 @@ are the client's):
 
 Printed per workload and concurrency: req/s, output tok/s, TTFT p50/p90/p99, ITL
 p50/p99 (medians over rounds, and the ITL p99 pooled over every round's gaps: one
-round's p99 is its few largest gaps), tokens vLLM's prefix cache hit, tokens lmcache-core loaded, RSS of the
-server's processes, ratios to ``limit`` and ``floor`` (and to ``vllm`` for ``unique``),
+round's p99 is its few largest gaps), tokens vLLM's prefix cache hit, tokens
+lmcache-core loaded, RSS of the server's processes, ratios to ``limit`` and ``floor`` (and to ``vllm`` for ``unique``),
 and whether every arm's greedy outputs are identical. Outputs in ``--out``:
 ``results.json``, ``results.md``, ``ttft.png``, and each server's log
 (``server-logs/round<N>-<arm>.log``). Never part of the test pass.

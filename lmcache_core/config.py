@@ -295,6 +295,17 @@ def _true_false_or_auto(value: Any) -> Any:
     return value
 
 
+#: connector.save_decode_cache: answers stored as a prefill computes them (internal
+#: requests of the engine connector's scheduler), not as decode steps did
+SAVE_PREFILL: Literal["prefill"] = "prefill"
+
+
+def _true_false_or_prefill(value: Any) -> Any:
+    if value is not True and value is not False and value != SAVE_PREFILL:
+        raise ValueError(f"must be true, false or {SAVE_PREFILL}, got {_shown(value)}")
+    return value
+
+
 class ConnectorSection(StrictModel):
     """``connector:``: the engine connector's policy. Each key merges on its own across
     sources (file, env vars ``LMCACHE_CORE_CONNECTOR_<KEY>``, overrides such as
@@ -317,7 +328,12 @@ class ConnectorSection(StrictModel):
     )
     layerwise: StrictBool = Field(False, description="load and save layer by layer, overlapping the forward pass")
     save_unfull_chunk: bool = Field(False, description="also save the last, partial chunk of a prompt")
-    save_decode_cache: bool = Field(False, description="also save KV produced during decode")
+    save_decode_cache: Annotated[bool | Literal["prefill"], BeforeValidator(_true_false_or_prefill)] = Field(
+        False,
+        description="also store the whole chunks of each answer: true, the KV (and recurrent states) decode steps "
+        "computed; prefill, the same chunks prefilled once more after the request finishes, exactly as a "
+        "recomputation gives them (vLLM: needs the state scheduler, --scheduler-cls)",
+    )
     sub_chunk_hits: bool = Field(
         True,
         description="load the whole KV blocks a prompt shares with a stored chunk whose rest differs",

@@ -26,6 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcache_core.config import ConfigError
 
+from .features import settle
 from .features.cpu_cores import auto_async_saves, reservation_advice
 from .protocol.kv_events import EventTranslator, LMCacheCoreKVEvents, event_groups, events_enabled
 from .layouts.groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size, state_advice
@@ -116,10 +117,15 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM's scheduler module is loaded in this process already; not in a worker's
             from .state_scheduler import is_state_scheduler  # noqa: PLC0415
 
-            for advice in (
-                reservation_advice(vllm_config),
-                state_advice(plan, cfg.chunk_size, is_state_scheduler(vllm_config.scheduler_config.scheduler_cls)),
-            ):
+            state_sched = is_state_scheduler(vllm_config.scheduler_config.scheduler_cls)
+            settles, settle_advice = settle.resolve(
+                cfg.connector.save_decode_cache,
+                has_state=plan.has_state,
+                state_scheduler=state_sched,
+                can_load=ktc.is_kv_consumer,
+                can_save=ktc.is_kv_producer,
+            )
+            for advice in (reservation_advice(vllm_config), state_advice(plan, cfg.chunk_size, state_sched), settle_advice):
                 if advice:
                     log.warning("lmcache-core: %s", advice)
             client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.connector.lookup_timeout_s)
@@ -130,6 +136,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 can_save=ktc.is_kv_producer,
                 lookup=client,
                 plan=plan,
+                settle=settles,
                 events=EventTranslator(
                     chunk_size=cfg.chunk_size,
                     hash_block_size=getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size,
@@ -169,6 +176,16 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         side = self._sched
         plan = side.plan if side is not None else None
         return int(side.cs) if side is not None and plan is not None and plan.has_state else 0
+
+    def lmcache_take_settles(self) -> "list[settle.SettlePlan]":
+        """Internal requests to run (``connector.save_decode_cache: prefill``): what the
+        state scheduler asks after each step (features/settle.py)."""
+        return self._sched.take_settles() if self._sched is not None else []
+
+    def lmcache_settle_dropped(self, req_id: str) -> None:
+        """The state scheduler could not add settle ``req_id``."""
+        if self._sched is not None:
+            self._sched.settle_dropped(req_id)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -24,6 +24,7 @@ from .features.load_policy import step_pairs
 from .protocol.lookup_ipc import LookupClient
 from .protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
+from .features.settle import NORMAL_FINISH, SettlePlan, Settler
 from .features.subchunks import SubChunkIndex
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class SchedulerSide:
         lookup: LookupClient,
         plan: GroupPlan | None = None,
         events: EventTranslator | None = None,
+        settle: bool = False,
     ) -> None:
         self.cfg = settings.core
         self.events = events  # KV events for routers: remembers the vLLM block hashes of saved chunks
@@ -141,6 +143,9 @@ class SchedulerSide:
         self.async_load_requests = 0
         self.subs: SubChunkIndex | None = None
         self.tail_hits = 0  # lookups that hit a stored chunk's first blocks after their chunks
+        # save_decode_cache: prefill (features/settle.py): finished requests' answers
+        # prefilled once more by internal requests the state scheduler runs
+        self.settler = Settler() if settle else None
 
     # -- what a mode decides ------------------------------------------------------------
     def _partial_ok(self) -> bool:
@@ -232,11 +237,13 @@ class SchedulerSide:
         return (chunk + 1) * self.cs
 
     # -- vLLM scheduler hooks ---------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state_for(request)
         if st.opts.skip_load or st.load_failed or request.prompt_token_ids is None or not (self.can_load or st.save):
             return 0, False
         hashes = self._lookup_hashes(st)
+        if st.looked_up is None and self.settler is not None and self.settler.must_wait(st.req_id, hashes):
+            return None, False  # a settle in flight stores some of its chunks: vLLM asks again next step
         if st.looked_up is None:
             # A producer looks up too (without pinning), so it never re-saves what is cached.
             offers = self._offers(st, hashes) if self.can_load else {}
@@ -324,7 +331,7 @@ class SchedulerSide:
     def _savable(self, st: _Req, computed: int) -> tuple[int, int]:
         """(tokens that may be saved, full chunks among them whose hashes are known),
         hashing decode-phase chunks as they complete."""
-        limit = computed if self.cfg.connector.save_decode_cache else min(computed, st.prompt_len)
+        limit = computed if self.cfg.connector.save_decode_cache is True else min(computed, st.prompt_len)
         n_full = limit // self.cs
         if n_full > len(st.hashes):
             self._extend_hashes(st, n_full)
@@ -380,7 +387,41 @@ class SchedulerSide:
         if st is not None and st in self._pending_loads:
             self._pending_loads.remove(st)
         self._unpins.append(request.request_id)
+        if self.settler is not None:
+            was_settle = self.settler.is_settle(request.request_id)
+            self.settler.done(request.request_id)
+            if st is not None and not was_settle:  # a settle is never settled again
+                self._plan_settle(st, request)
         return self._delay_free(st), None
+
+    # -- save_decode_cache: prefill (features/settle.py) --------------------------------
+    def _plan_settle(self, st: _Req, request: "Request") -> None:
+        """A request that finished normally with whole chunks beyond those known
+        stored (its answer's): queue an internal request that prefills them."""
+        assert self.settler is not None
+        if not (st.save and self.can_load) or st.opts.skip_load:
+            return
+        if getattr(request.status, "name", None) not in NORMAL_FINISH:
+            return  # aborted, failed: its client has gone
+        if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None or request.mm_features:
+            return  # its tokens alone do not say what was computed
+        end = int(request.num_computed_tokens) // self.cs
+        if end <= st.saved_full:
+            return
+        self._extend_hashes(st, end)
+        if len(st.hashes) < end:
+            return
+        tokens = list(request.all_token_ids[: end * self.cs + 1])
+        self.settler.plan(request, tokens, st.hashes[st.saved_full : end])
+
+    def take_settles(self) -> list[SettlePlan]:
+        """Settles to run (the state scheduler adds them to vLLM's waiting queue)."""
+        return self.settler.take() if self.settler is not None else []
+
+    def settle_dropped(self, req_id: str) -> None:
+        """The state scheduler could not add settle ``req_id``: nobody waits for it."""
+        if self.settler is not None:
+            self.settler.done(req_id)
 
     def close(self) -> None:
         self.lookup_client.close()

@@ -18,6 +18,12 @@ caching on ("align" mamba cache mode) vLLM's own split runs first and this one o
 adds stops. The cost is more, shorter steps per prompt: measured by
 ``bench/bench_hybrid.py``, figures in docs/benchmarks.md.
 
+With ``connector.save_decode_cache: prefill`` it also runs the connector's *settles*
+(:mod:`lmcache_connector.features.settle`): when a request finishes, an internal
+request prefills the whole chunks of its answer once more, so that the next turn of a
+chat hits them with exactly what a recomputation gives. Their outputs never leave this
+scheduler. This works for any model, with or without state-space layers.
+
 It subclasses vLLM's synchronous ``Scheduler`` (vLLM-CPU runs without asynchronous
 scheduling), so where vLLM would schedule asynchronously it runs synchronously; vLLM
 logs a warning for any custom scheduler class. It relies on vLLM 0.32's mamba split
@@ -27,9 +33,12 @@ hook (``need_mamba_block_aligned_split`` / ``_mamba_block_aligned_split``).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
+from vllm import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
 
 from .layouts.groups import STATE_SCHEDULER as QUALNAME  # the dotted path users give vLLM (--scheduler-cls)
 
@@ -63,6 +72,43 @@ def check_split_hook(scheduler_cls: type) -> None:
         )
 
 
+#: settle ids remembered to drop their outputs (a settle's last output can come one
+#: step after it left the scheduler: vLLM's finished-request sets)
+SETTLE_IDS_KEPT = 4096
+
+
+def settle_request(plan: Any) -> Request:
+    """The vLLM request a settle plan (features.settle.SettlePlan) runs: its tokens,
+    one greedy token to sample, and everything of the finished request that goes into
+    the chunk keys (cache options, salt, LoRA) or the queue (priority, client)."""
+    src = plan.source
+    req = Request(
+        request_id=plan.req_id,
+        prompt_token_ids=list(plan.tokens),
+        sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+        pooling_params=None,
+        client_index=int(getattr(src, "client_index", 0)),
+        lora_request=getattr(src, "lora_request", None),
+        cache_salt=getattr(src, "cache_salt", None),
+        priority=int(getattr(src, "priority", 0)),
+        block_hasher=getattr(src, "_block_hasher", None),
+    )
+    params = getattr(src, "kv_transfer_params", None)
+    req.kv_transfer_params = dict(params) if params else None
+    return req
+
+
+def drop_outputs(outputs: dict[int, Any], ids: "OrderedDict[str, None]") -> None:
+    """Remove the outputs (and finished-request entries) of the requests ``ids`` from
+    vLLM's per-client ``EngineCoreOutputs``."""
+    for eco in outputs.values():
+        if eco.outputs:
+            eco.outputs = [o for o in eco.outputs if o.request_id not in ids]
+        finished = getattr(eco, "finished_requests", None)
+        if finished:
+            eco.finished_requests = {r for r in finished if r not in ids}
+
+
 def is_state_scheduler(scheduler_cls: Any) -> bool:
     """Whether vLLM's configured scheduler class (``scheduler_config.scheduler_cls``,
     a dotted path or a class) is this module's scheduler or a subclass of it."""
@@ -88,6 +134,32 @@ class StateBoundaryScheduler(Scheduler):
             )
         else:
             log.info("lmcache-core: %s has nothing to align here (no state-space layers or no lmcache-core connector)", QUALNAME)
+        self._lmc_settle_ids: OrderedDict[str, None] = OrderedDict()
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._lmc_settle_ids:
+            drop_outputs(outputs, self._lmc_settle_ids)
+        self._add_settles()
+        return outputs
+
+    def _add_settles(self) -> None:
+        """Queue the settles the connector planned as requests finished this step."""
+        take = getattr(self.connector, "lmcache_take_settles", None)
+        dropped = getattr(self.connector, "lmcache_settle_dropped", None)
+        if not callable(take) or not callable(dropped):
+            return
+        for plan in take():
+            try:
+                req = settle_request(plan)
+            except (TypeError, ValueError, AttributeError) as err:  # vLLM refused it: the answer is simply not stored
+                log.warning("lmcache-core: settle %s not queued (%s); its answer is not stored", plan.req_id, err)
+                dropped(plan.req_id)
+                continue
+            self._lmc_settle_ids[plan.req_id] = None
+            while len(self._lmc_settle_ids) > SETTLE_IDS_KEPT:
+                self._lmc_settle_ids.popitem(last=False)
+            self.add_request(req)
 
     def _mamba_block_aligned_split(
         self,

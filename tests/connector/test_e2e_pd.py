@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import random_prompt, spawn
+from .conftest import random_prompt, spawn, stop_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,8 @@ def _stop(proc: subprocess.Popen) -> None:
     if proc.stdin and not proc.stdin.closed:
         proc.stdin.close()  # engines stop when stdin closes
     if any(str(a).endswith("pd_proxy.py") for a in proc.args):
-        proc.terminate()
+        stop_process(proc, 60.0)
+        return
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import make_llm, random_prompt, run, token_ids
+from .conftest import make_llm, random_prompt, run, stop_process, token_ids
 from .test_serving_metrics import _free_port, _get, _metric, _post
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -98,11 +98,7 @@ def test_server_chat_turns_hit_settled_answers(tmp_path: Path):
                 break
             time.sleep(0.5)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
     expect = [0] + [(len(p) + ANSWER - 1) // CHUNK * CHUNK for p in prompts[:-1]]
     assert cached == expect

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import random_prompt
+from .conftest import random_prompt, stop_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -119,9 +119,5 @@ def test_vllm_serve_exports_connector_metrics(tiny_model, tmp_path):
         assert _metric(text, "lmcache_core:verified_chunks_total") == 3
         assert _metric(text, "lmcache_core:verify_mismatches_total") == 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()

@@ -1,0 +1,274 @@
+"""Chat turns on a state-space hybrid through vLLM's OpenAI server: what storing the
+previous answer with ``connector.save_decode_cache: prefill`` (settles) gains, and what
+it costs when no one follows up.
+
+    python bench/bench_hybrid_chat.py [--quick] [--rounds N] [--users 4] [--think 2.0]
+
+Each arm is a fresh ``python -m vllm.entrypoints.openai.api_server`` (API process,
+engine-core process) on 127.0.0.1 serving a small Qwen3-Next built on the spot (gated
+delta-net + attention, bf16, random weights), prefix caching off, the state scheduler
+(``--scheduler-cls``), ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``:
+
+- ``lmc``: lmcache-core storing prompts only (``save_decode_cache: false``, the default);
+- ``lmc-settle``: the same with ``save_decode_cache: prefill``;
+- ``vllm``: vLLM alone (no connector, its own scheduler): every turn recomputed.
+
+Two parts, each arm in turn, the arms' order rotating per round:
+
+- ``chat``: ``--users`` conversations at once, ``--turns`` turns each: a first prompt of
+  ``--first`` tokens, then each turn the history + the last answer (``--answer`` tokens,
+  ``ignore_eos``) + a new message of ``--message`` tokens, ``--think`` seconds between a
+  user's turns (a settle runs then). Streamed: TTFT is the client's. Printed: TTFT p50
+  of turns 2+, tokens served from the cache, and whether the arms' greedy answers agree.
+- ``unique``: ``--unique`` single-turn prompts of ``--first`` tokens with answers of
+  ``--answer`` tokens, ``--users`` at a time, nobody following up: the settles' cost,
+  as throughput (output tokens/s) of ``lmc-settle`` against ``lmc``.
+
+Medians over rounds. Never part of the test pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from lmcache_connector.dev.tiny_hybrid import build_hybrid_model
+from lmcache_connector.dev.tiny_model import random_prompt
+from lmcache_connector.state_scheduler import QUALNAME
+
+MODELS = Path.home() / ".cache" / "lmcache-core" / "bench-hybrid"
+ARMS = ("lmc", "lmc-settle", "vllm")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def server(model: Path, arm: str, log_path: Path, start_timeout: float = 420) -> Iterator[int]:
+    """A fresh OpenAI server for ``arm``; yields its port; stopped (bounded) on exit."""
+    port = _free_port()
+    args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager"]
+    args += [
+        "--no-enable-prefix-caching",
+        "--max-model-len",
+        "4096",
+        "--max-num-batched-tokens",
+        "2048",
+        "--enable-prompt-tokens-details",
+    ]
+    if arm != "vllm":
+        mode = "prefill" if arm == "lmc-settle" else False
+        ktc = {
+            "kv_connector": "LMCacheCoreConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connector": {"save_decode_cache": mode}},
+        }
+        args += ["--scheduler-cls", QUALNAME, "--kv-transfer-config", json.dumps(ktc)]
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        try:
+            deadline = time.monotonic() + start_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"{arm}: server exited; see {log_path}")
+                try:
+                    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                    c.request("GET", "/health")
+                    if c.getresponse().status == 200:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{arm}: no /health in {start_timeout} s; see {log_path}")
+                time.sleep(1)
+            yield port
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def complete(port: int, model: Path, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: TTFT, the answer's token ids, cached prompt tokens."""
+    body = {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = c.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+    ttft, tokens, cached = None, [], 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        msg = json.loads(line[6:])
+        for choice in msg.get("choices") or ():
+            got = choice.get("token_ids") or []
+            if got and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens += got
+        usage = msg.get("usage")
+        if usage:
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    c.close()
+    return {"ttft": ttft or 0.0, "tokens": tokens, "cached": cached, "end": time.perf_counter() - t0}
+
+
+def chat(port: int, model: Path, a: argparse.Namespace) -> dict[str, Any]:
+    turns: list[list[dict[str, Any]]] = [[] for _ in range(a.users)]
+
+    def user(u: int) -> None:
+        prompt = random_prompt(a.first, 7000 + u)
+        for t in range(a.turns):
+            if t:
+                time.sleep(a.think)
+                prompt = prompt + turns[u][-1]["tokens"] + random_prompt(a.message, 7100 + 10 * u + t)
+            turns[u].append(complete(port, model, prompt, a.answer))
+
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(a.users)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    later = [r for user_turns in turns for r in user_turns[1:]]
+    return {
+        "ttft_p50": statistics.median(r["ttft"] for r in later),
+        "cached": sum(r["cached"] for r in later),
+        "answers": [[r["tokens"] for r in ut] for ut in turns],
+        "wall": time.perf_counter() - t0,
+    }
+
+
+def unique(port: int, model: Path, a: argparse.Namespace, seed: int) -> dict[str, Any]:
+    prompts = [random_prompt(a.first, seed + i) for i in range(a.unique)]
+    out: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    todo = list(prompts)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                p = todo.pop()
+            r = complete(port, model, p, a.answer)
+            with lock:
+                out.append(r)
+
+    threads = [threading.Thread(target=worker) for _ in range(a.users)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    if any(r["cached"] for r in out):
+        raise SystemExit("unique prompts hit the cache: not a no-reuse run")
+    return {"tok_s": sum(len(r["tokens"]) for r in out) / wall, "wall": wall}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 round, 2 users, 3 turns, 8 unique prompts")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--users", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--first", type=int, default=1500)
+    p.add_argument("--message", type=int, default=130)
+    p.add_argument("--answer", type=int, default=256)
+    p.add_argument("--think", type=float, default=2.0)
+    p.add_argument("--unique", type=int, default=16)
+    p.add_argument("--parts", nargs="+", default=["chat", "unique"], choices=["chat", "unique"])
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "hybrid_chat"))
+    a = p.parse_args()
+    if a.quick:
+        a.rounds, a.users, a.turns, a.unique = 1, 2, 3, 8
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_hybrid_model(MODELS / "qwen3_next", "qwen3_next")
+    print(
+        f"Qwen3-Next (tiny, bf16) on the OpenAI server; chat: {a.users} users x {a.turns} turns, first {a.first} tokens, "
+        f"messages {a.message}, answers {a.answer}, think {a.think} s; unique: {a.unique} prompts x {a.first} tokens, "
+        f"answers {a.answer}, {a.users} at a time; {a.rounds} round(s), the arms' order rotating",
+        flush=True,
+    )
+    res: dict[str, dict[str, list[Any]]] = {arm: {"ttft": [], "cached": [], "tok_s": [], "answers": []} for arm in ARMS}
+    for rnd in range(a.rounds):
+        order = ARMS[rnd % len(ARMS) :] + ARMS[: rnd % len(ARMS)]
+        for arm in order:
+            with server(model, arm, out / f"round{rnd + 1}-{arm}.log") as port:
+                complete(port, model, random_prompt(64, 1), 4)  # warm-up
+                line = f"  round {rnd + 1} {arm:<11}"
+                if "chat" in a.parts:
+                    c = chat(port, model, a)
+                    res[arm]["ttft"].append(c["ttft_p50"])
+                    res[arm]["cached"].append(c["cached"])
+                    res[arm]["answers"].append(c["answers"])
+                    line += f" chat: TTFT p50 (turns 2+) {c['ttft_p50'] * 1000:7.1f} ms, cached {c['cached']:>6} tokens"
+                if "unique" in a.parts:
+                    u = unique(port, model, a, 9000 + 100 * rnd)
+                    res[arm]["tok_s"].append(u["tok_s"])
+                    line += f"; unique: {u['tok_s']:6.1f} output tok/s"
+                print(line, flush=True)
+    med = {
+        arm: {k: statistics.median(v) for k, v in r.items() if k in ("ttft", "cached", "tok_s") and v} for arm, r in res.items()
+    }
+    (out / "results.json").write_text(json.dumps({"args": vars(a), "rounds": res, "medians": med}, indent=1))
+    print("\nmedians over rounds")
+    ok = True
+    if "chat" in a.parts:
+        for arm in ARMS:
+            print(
+                f"  {arm:<11} chat TTFT p50 (turns 2+) {med[arm]['ttft'] * 1000:7.1f} ms, cached {med[arm]['cached']:>8.0f} tokens"
+            )
+        print(
+            f"  lmc-settle / lmc TTFT {med['lmc-settle']['ttft'] / med['lmc']['ttft']:.3f}, "
+            f"lmc-settle / vllm {med['lmc-settle']['ttft'] / med['vllm']['ttft']:.3f}, lmc / vllm {med['lmc']['ttft'] / med['vllm']['ttft']:.3f}"
+        )
+        same = all(x == res["lmc"]["answers"][0] for arm in ("lmc", "lmc-settle") for x in res[arm]["answers"])
+        print(f"  lmc and lmc-settle answers identical in every round: {same}")
+        ok = ok and same and med["lmc-settle"]["cached"] > med["lmc"]["cached"]
+    if "unique" in a.parts:
+        ratio = med["lmc-settle"]["tok_s"] / med["lmc"]["tok_s"]
+        print(
+            f"  unique: lmc-settle / lmc throughput {ratio:.3f} (the settles' cost without follow-ups), "
+            f"lmc / vllm {med['lmc']['tok_s'] / med['vllm']['tok_s']:.3f}"
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,16 +11,77 @@ a real link.
         ...  # connect to proxy.address instead of 127.0.0.1:6379
 
 ``python bench/latency_proxy.py TARGET_HOST:PORT RTT_MS`` runs one in the foreground
-and prints its address.
+and prints its address; ``python bench/latency_proxy.py --self-check`` prints what the
+relay costs on this host (126 MiB and a ping, straight and at 0, 1 and 20 ms).
 """
 
 from __future__ import annotations
 
-import asyncio
+import collections
+import socket
 import sys
 import threading
 import time
 from typing import Any
+
+RECV_BYTES = 4 << 20  # the most one read takes off a socket
+
+
+class _Pipe:
+    """One direction of one connection: a reader thread takes what ``src`` sends and
+    stamps it; a writer thread sends each piece to ``dst`` ``one_way`` seconds after
+    it arrived, in order, then half-closes ``dst`` after ``src``'s end. Plain blocking
+    sockets: each thread waits in the kernel without the GIL, and a piece is copied
+    once in user space (the asyncio relay this replaces copied it through two stream
+    buffers and ran both directions of every connection on one thread)."""
+
+    def __init__(self, src: socket.socket, dst: socket.socket, one_way: float, name: str, done: Any) -> None:
+        self.src, self.dst, self.one_way, self._done = src, dst, one_way, done
+        self._q: collections.deque[tuple[float, bytes]] = collections.deque()
+        self._cv = threading.Condition()
+        self.threads = [
+            threading.Thread(target=self._read, name=f"{name}-read", daemon=True),
+            threading.Thread(target=self._write, name=f"{name}-write", daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                data = self.src.recv(RECV_BYTES)
+                with self._cv:
+                    self._q.append((time.monotonic() + self.one_way, data))
+                    self._cv.notify()
+                if not data:
+                    return
+        except OSError:  # the connection broke: the writer finishes
+            with self._cv:
+                self._q.append((0.0, b""))
+                self._cv.notify()
+
+    def _write(self) -> None:
+        try:
+            self._deliver()
+        finally:
+            self._done()
+
+    def _deliver(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q:
+                    self._cv.wait()
+                due, data = self._q.popleft()
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                if not data:
+                    self.dst.shutdown(socket.SHUT_WR)
+                    return
+                self.dst.sendall(data)
+            except OSError:
+                return
 
 
 class LatencyProxy:
@@ -29,38 +90,42 @@ class LatencyProxy:
         self.one_way = max(0.0, rtt_ms) / 2000.0
         self.address: tuple[str, int] = ("127.0.0.1", 0)
         self.connections = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="latency-proxy", daemon=True)
-        self._server: asyncio.base_events.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._listener: socket.socket | None = None
+        self._sockets: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stopping = False
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> "LatencyProxy":
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("latency proxy did not start")
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.settimeout(0.2)
+        self._listener = listener
+        self.address = listener.getsockname()[:2]
+        accept = threading.Thread(target=self._accept_loop, name="latency-proxy", daemon=True)
+        self._threads.append(accept)
+        accept.start()
         return self
 
     def stop(self) -> None:
-        """Close the listener and every connection, then the loop."""
-        if not self._thread.is_alive():
+        """Close the listener and every connection; join every thread (bounded)."""
+        if self._listener is None:
             return
-        try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
-
-    async def _shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for w in list(self._writers):  # EOF on both sides: every pipe finishes on its own
-            w.close()
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=2)
+        self._stopping = True
+        with self._lock:
+            socks = list(self._sockets)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for t in list(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+        for s in socks:
+            s.close()
+        self._listener.close()
+        self._listener = None
 
     def __enter__(self) -> "LatencyProxy":
         return self.start()
@@ -73,60 +138,111 @@ class LatencyProxy:
         return f"{self.address[0]}:{self.address[1]}"
 
     # -- the proxy ----------------------------------------------------------------------
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._accept, "127.0.0.1", 0))
-        self.address = self._server.sockets[0].getsockname()[:2]
-        self._ready.set()
-        self._loop.run_forever()
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping:
+            try:
+                client, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            try:
+                upstream = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            client.settimeout(None)
+            upstream.settimeout(None)
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            n = self.connections
+            done = self._closer(client, upstream)
+            with self._lock:
+                self._threads = [t for t in self._threads if t.is_alive()]
+                self._sockets |= {client, upstream}
+                self._threads += _Pipe(client, upstream, self.one_way, f"proxy{n}-up", done).threads
+                self._threads += _Pipe(upstream, client, self.one_way, f"proxy{n}-down", done).threads
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            up_r, up_w = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
-            return
-        self._writers |= {writer, up_w}
-        try:
-            await asyncio.gather(self._pipe(reader, up_w), self._pipe(up_r, writer), return_exceptions=True)
-        finally:
-            self._writers -= {writer, up_w}
+    def _closer(self, a: socket.socket, b: socket.socket) -> Any:
+        """Called once per direction when its writer finishes: the second call closes
+        both sockets (which also ends a reader still waiting on either)."""
+        left = [2]
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        """Copy ``src`` to ``dst``, each piece released ``one_way`` after it arrived."""
-        q: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def deliver() -> None:
-            while True:
-                due, data = await q.get()
-                if not data:
-                    break
-                wait = due - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
+        def done() -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+                self._sockets -= {a, b}
+            for s in (a, b):
                 try:
-                    dst.write(data)
-                    await dst.drain()
-                except (ConnectionError, OSError):
-                    break
-            dst.close()
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
 
-        sender = asyncio.ensure_future(deliver())
-        try:
-            while True:
-                data = await src.read(1 << 20)
-                await q.put((time.monotonic() + self.one_way, data))
-                if not data:
-                    break
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            q.put_nowait((0.0, b""))
-            await asyncio.gather(sender, return_exceptions=True)
+        return done
+
+
+def _bulk_server(payload: bytes) -> tuple[socket.socket, tuple[str, int]]:
+    """A loopback server answering each ``B`` with ``payload`` and each ``p`` with one byte."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def handle(c: socket.socket) -> None:
+        with c:
+            while req := c.recv(16):
+                c.sendall(payload if req.startswith(b"B") else b"p")
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(c,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, srv.getsockname()[:2]
+
+
+def _fetch(addr: tuple[str, int], size: int, tries: int = 3) -> float:
+    """Fastest of ``tries`` request/response exchanges of ``size`` bytes (1: a ping)."""
+    with socket.create_connection(addr, timeout=30) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = memoryview(bytearray(size))
+        best = float("inf")
+        for _ in range(tries):
+            t = time.perf_counter()
+            s.sendall(b"B" if size > 1 else b"p")
+            got = 0
+            while got < size:
+                n = s.recv_into(buf[got:])
+                if not n:
+                    raise ConnectionError("server closed")
+                got += n
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def self_check(mib: int = 126, rtts: tuple[float, ...] = (0, 1, 20)) -> None:
+    """What the relay costs on this host: ``mib`` MiB and a one-byte ping, straight and
+    through the proxy at each round trip."""
+    size = mib << 20
+    srv, addr = _bulk_server(b"x" * size)
+    with srv:
+        print(f"direct: {mib} MiB {_fetch(addr, size) * 1000:.1f} ms, ping {_fetch(addr, 1) * 1000:.2f} ms")
+        for rtt in rtts:
+            with LatencyProxy(addr, rtt) as proxy:
+                big, ping = _fetch(proxy.address, size), _fetch(proxy.address, 1)
+            print(f"rtt {rtt:g} ms: {mib} MiB {big * 1000:.1f} ms ({size / big / 1e9:.2f} GB/s), ping {ping * 1000:.2f} ms")
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--self-check"]:
+        self_check()
+        return 0
     host, _, port = argv[0].rpartition(":")
     with LatencyProxy((host or "127.0.0.1", int(port)), float(argv[1])) as proxy:
         print(f"proxy {proxy.url_host_port} -> {argv[0]} at {argv[1]} ms round trip", flush=True)

@@ -173,6 +173,36 @@ def test_unfull_chunk_and_decode_saving(tiny_model, reference):
         assert run(llm, [follow])[0].num_cached_tokens == 2 * CS
 
 
+def test_settled_answers_serve_the_next_turn_on_a_dense_model(tiny_model, reference):
+    """``save_decode_cache: prefill`` on a dense model with the state scheduler (it
+    aligns nothing here, but runs the connector's settles): the follow-up turn hits the
+    previous answer's whole chunks, which a settle prefilled once more, and its tokens
+    equal vLLM's without the connector. Control: without the state scheduler nothing is
+    settled (the connector warns at start-up) and the follow-up hits the prompt's chunk
+    only."""
+    from lmcache_connector.state_scheduler import QUALNAME
+
+    p = random_prompt(300, 121)
+    ref = reference([p], max_tokens=300)
+    hits, follow_ups = {}, {}
+    follow = p + ref[0] + random_prompt(50, 122)
+    for sched in (QUALNAME, None):
+        kw = {"scheduler_cls": sched} if sched else {}
+        with make_llm(tiny_model, extra={"connector": {"save_decode_cache": "prefill"}}, **kw) as llm:
+            assert token_ids(run(llm, [p], greedy(300))) == ref
+            fo = run(llm, [follow])[0]
+            hits[sched], follow_ups[sched] = fo.num_cached_tokens, token_ids([fo])[0]
+            settler = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.settler
+            counts = None if settler is None else (settler.planned, settler.finished, settler.waits)
+            if sched:
+                # prompt (300) + 299 decoded tokens with KV computed: chunk 1 is the answer's
+                assert counts == (1, 1, 1)
+            else:
+                assert counts is None
+    assert hits == {QUALNAME: 2 * CS, None: CS}
+    assert follow_ups[QUALNAME] == follow_ups[None] == reference([follow])[0]  # (an engine of its own: after the others)
+
+
 def test_roles_producer_then_consumer(tiny_model, reference, tmp_path):
     pytest.importorskip("lmcache_backend_disk")
     prompts = [random_prompt(700, 131), random_prompt(520, 132)]

@@ -186,14 +186,14 @@ class LatencyProxy:
         return done
 
 
-def _bulk_server(payload: bytes) -> tuple[socket.socket, tuple[str, int]]:
-    """A loopback server answering each ``B`` with ``payload`` and each ``p`` with one byte."""
+def loopback_server(handle: Any) -> tuple[socket.socket, tuple[str, int]]:
+    """A server on 127.0.0.1 running ``handle(connection)`` on a thread per connection
+    (closed after it); close the returned socket to stop accepting."""
     srv = socket.create_server(("127.0.0.1", 0))
 
-    def handle(c: socket.socket) -> None:
+    def run(c: socket.socket) -> None:
         with c:
-            while req := c.recv(16):
-                c.sendall(payload if req.startswith(b"B") else b"p")
+            handle(c)
 
     def serve() -> None:
         while True:
@@ -201,10 +201,20 @@ def _bulk_server(payload: bytes) -> tuple[socket.socket, tuple[str, int]]:
                 c, _ = srv.accept()
             except OSError:
                 return
-            threading.Thread(target=handle, args=(c,), daemon=True).start()
+            threading.Thread(target=run, args=(c,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return srv, srv.getsockname()[:2]
+
+
+def _bulk_server(payload: bytes) -> tuple[socket.socket, tuple[str, int]]:
+    """Answers each ``B`` with ``payload`` and each ``p`` with one byte."""
+
+    def handle(c: socket.socket) -> None:
+        while req := c.recv(16):
+            c.sendall(payload if req.startswith(b"B") else b"p")
+
+    return loopback_server(handle)
 
 
 def _fetch(addr: tuple[str, int], size: int, tries: int = 3) -> float:

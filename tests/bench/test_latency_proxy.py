@@ -12,28 +12,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import LatencyProxy, loopback_server  # noqa: E402
 
 
 def _echo_server() -> tuple[socket.socket, tuple[str, int]]:
     """Echoes what it reads; closes its side after the client's half-close."""
-    srv = socket.create_server(("127.0.0.1", 0))
 
     def handle(c: socket.socket) -> None:
-        with c:
-            while data := c.recv(1 << 16):
-                c.sendall(data)
+        while data := c.recv(1 << 16):
+            c.sendall(data)
 
-    def serve() -> None:
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=handle, args=(c,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return srv, srv.getsockname()[:2]
+    return loopback_server(handle)
 
 
 def _recv_all(s: socket.socket) -> bytes:

@@ -18,7 +18,9 @@ relay costs on this host (126 MiB and a ping, straight and at 0, 1 and 20 ms).
 from __future__ import annotations
 
 import collections
+import select
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -84,7 +86,10 @@ class _Pipe:
                 return
 
 
-class LatencyProxy:
+class Relay:
+    """The relay itself, in this process (what the child process of
+    :class:`LatencyProxy` runs)."""
+
     def __init__(self, target: tuple[str, int], rtt_ms: float) -> None:
         self.target = target
         self.one_way = max(0.0, rtt_ms) / 2000.0
@@ -97,7 +102,7 @@ class LatencyProxy:
         self._stopping = False
 
     # -- lifecycle ----------------------------------------------------------------------
-    def start(self) -> "LatencyProxy":
+    def start(self) -> "Relay":
         listener = socket.create_server(("127.0.0.1", 0))
         listener.settimeout(0.2)
         self._listener = listener
@@ -127,7 +132,7 @@ class LatencyProxy:
         self._listener.close()
         self._listener = None
 
-    def __enter__(self) -> "LatencyProxy":
+    def __enter__(self) -> "Relay":
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -184,6 +189,65 @@ class LatencyProxy:
                 s.close()
 
         return done
+
+
+class LatencyProxy:
+    """The proxy the benchmarks use: the relay in a child process of its own, so that
+    its threads never wait for the GIL behind the benchmark's own Python threads (the
+    engine, a tier client parsing responses), as a network would not.
+    ``in_process=True`` runs :class:`Relay` here instead."""
+
+    def __init__(self, target: tuple[str, int], rtt_ms: float, in_process: bool = False) -> None:
+        self.target, self.rtt_ms = target, rtt_ms
+        self.address: tuple[str, int] = ("127.0.0.1", 0)
+        self._relay = Relay(target, rtt_ms) if in_process else None
+        self._proc: subprocess.Popen[str] | None = None
+
+    @property
+    def connections(self) -> int | None:
+        """Connections accepted (in process only; None for the child process)."""
+        return self._relay.connections if self._relay is not None else None
+
+    def start(self) -> "LatencyProxy":
+        if self._relay is not None:
+            self.address = self._relay.start().address
+            return self
+        host, port = self.target
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, f"{host}:{port}", str(self.rtt_ms)], stdout=subprocess.PIPE, text=True
+        )
+        assert self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], 30)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line.startswith("proxy "):
+            self.stop()
+            raise RuntimeError(f"latency proxy did not start: {line!r}")
+        h, _, p = line.split()[1].rpartition(":")
+        self.address = (h, int(p))
+        return self
+
+    def stop(self) -> None:
+        if self._relay is not None:
+            self._relay.stop()
+            return
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+            self._proc = None
+
+    def __enter__(self) -> "LatencyProxy":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def url_host_port(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
 
 
 def loopback_server(handle: Any) -> tuple[socket.socket, tuple[str, int]]:
@@ -254,7 +318,7 @@ def main(argv: list[str]) -> int:
         self_check()
         return 0
     host, _, port = argv[0].rpartition(":")
-    with LatencyProxy((host or "127.0.0.1", int(port)), float(argv[1])) as proxy:
+    with Relay((host or "127.0.0.1", int(port)), float(argv[1])) as proxy:
         print(f"proxy {proxy.url_host_port} -> {argv[0]} at {argv[1]} ms round trip", flush=True)
         try:
             while True:

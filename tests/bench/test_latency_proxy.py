@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from latency_proxy import LatencyProxy, loopback_server  # noqa: E402
@@ -32,10 +34,11 @@ def _recv_all(s: socket.socket) -> bytes:
     return bytes(out)
 
 
-def test_bytes_arrive_intact_in_order_after_one_round_trip():
+@pytest.mark.parametrize("in_process", [False, True], ids=["child-process", "in-process"])
+def test_bytes_arrive_intact_in_order_after_one_round_trip(in_process):
     srv, addr = _echo_server()
     payload = bytes(range(256)) * 40_000  # 10 MiB, position-dependent
-    with srv, LatencyProxy(addr, rtt_ms=40) as proxy:
+    with srv, LatencyProxy(addr, rtt_ms=40, in_process=in_process) as proxy:
         with socket.create_connection(proxy.address, timeout=30) as s:
             t = time.perf_counter()
             s.sendall(b"x")
@@ -45,14 +48,15 @@ def test_bytes_arrive_intact_in_order_after_one_round_trip():
             sender.start()
             echoed = _recv_all(s)  # ends only if the half-close went through both ways
             sender.join(30)
-        assert proxy.connections == 1
+        assert proxy.connections == (1 if in_process else None)
     assert 0.040 <= ping < 0.5  # one round trip, and not several
     assert echoed == payload
 
 
-def test_without_delay_a_ping_is_fast_and_stop_ends_open_connections():
+@pytest.mark.parametrize("in_process", [False, True], ids=["child-process", "in-process"])
+def test_without_delay_a_ping_is_fast_and_stop_ends_open_connections(in_process):
     srv, addr = _echo_server()
-    proxy = LatencyProxy(addr, rtt_ms=0).start()
+    proxy = LatencyProxy(addr, rtt_ms=0, in_process=in_process).start()
     with srv, socket.create_connection(proxy.address, timeout=10) as s:
         t = time.perf_counter()
         s.sendall(b"y")

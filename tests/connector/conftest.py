@@ -110,6 +110,11 @@ def token_ids(outs: list[Any]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def scheduler_side(llm: Any) -> Any:
+    """The connector's scheduler side of an in-process engine (its counters, settles)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+
+
 def worker() -> Any:
     """The worker side of the connector in this process (in-process engine)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -143,7 +148,7 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait(timeout=10)
 
 
-__all__ = ["make_llm", "random_prompt", "run", "token_ids", "worker", "greedy"]
+__all__ = ["make_llm", "random_prompt", "run", "scheduler_side", "token_ids", "worker", "greedy"]
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

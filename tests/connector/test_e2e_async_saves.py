@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import greedy, make_llm, random_prompt, run, token_ids, worker
+from .conftest import greedy, make_llm, random_prompt, run, scheduler_side, token_ids, worker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CS = 256
@@ -37,7 +37,7 @@ def test_background_saves_hit_and_give_every_block_back(tiny_model, reference):
         assert free == total - 1  # all but vLLM's null block
         # requests that saved in the background were held until done, and exactly those
         # were reported (one per prefix at least: later ones may hit what it saved)
-        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+        sched = scheduler_side(llm)
         assert sched.held_requests + sched.freed_early >= 3
         assert w.saves.reported == sched.held_requests
         assert not w.saves._seen and not w.saves._pending and not w.saves._done
@@ -88,7 +88,7 @@ def test_requests_whose_saves_are_done_are_freed_at_once(tiny_model, reference):
     ref2 = reference(others, max_tokens=8)
     with make_llm(tiny_model, extra={"connector": {"async_saves": True}}) as llm:
         w = worker()
-        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+        sched = scheduler_side(llm)
         assert token_ids(run(llm, prompts, greedy(48))) == ref
         assert sched.freed_early >= 1, "no request was freed at once"
         early, held = sched.freed_early, sched.held_requests

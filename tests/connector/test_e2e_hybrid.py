@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import greedy, make_llm, random_prompt, run, token_ids, worker
+from .conftest import greedy, make_llm, random_prompt, run, scheduler_side, token_ids, worker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -376,10 +376,6 @@ def _logprobs(out: Any) -> list[float]:
     return [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
 
 
-def _settler(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.settler
-
-
 def _diverge(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
@@ -423,7 +419,7 @@ def test_state_chat_turns_resume_after_the_previous_answer(models, name):
         with make_llm(models[name], scheduler_cls=QUALNAME, extra={"connector": {"save_decode_cache": mode}}, **settings) as llm:
             chunk = worker().cfg.chunk_size
             runs[mode] = _chat(llm)
-            s = _settler(llm)
+            s = scheduler_side(llm).settler
             settles[mode] = None if s is None else (s.planned, s.finished, s.waits, s.gave_up, s.in_flight)
     sp = SamplingParams(max_tokens=ANSWER, temperature=0, ignore_eos=True, logprobs=0)
     with make_llm(models[name], connector=False, **{**settings, "max_num_batched_tokens": chunk}) as llm:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from lmcache_core.plugins import get_plugin_manager
 
-from .conftest import greedy, make_llm, random_prompt, run, token_ids, worker
+from .conftest import greedy, make_llm, random_prompt, run, scheduler_side, token_ids, worker
 from .plugins_for_tests import FlakyPlugin, TamperPlugin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -192,7 +192,7 @@ def test_settled_answers_serve_the_next_turn_on_a_dense_model(tiny_model, refere
             assert token_ids(run(llm, [p], greedy(300))) == ref
             fo = run(llm, [follow])[0]
             hits[sched], follow_ups[sched] = fo.num_cached_tokens, token_ids([fo])[0]
-            settler = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.settler
+            settler = scheduler_side(llm).settler
             counts = None if settler is None else (settler.planned, settler.finished, settler.waits)
             if sched:
                 # prompt (300) + 299 decoded tokens with KV computed: chunk 1 is the answer's

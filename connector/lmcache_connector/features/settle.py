@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from lmcache_core.config import SAVE_PREFILL
+
 from ..layouts.groups import STATE_SCHEDULER
 
 #: request ids of settles start with this (never seen by vLLM's front-end)
@@ -134,7 +136,7 @@ def resolve(
 ) -> tuple[bool, str | None]:
     """Whether settles run for ``connector.save_decode_cache`` = ``mode``, and the
     start-up warning to log (None when nothing is to be said)."""
-    if mode == "prefill":
+    if mode == SAVE_PREFILL:
         if not state_scheduler:
             return False, (
                 f"connector.save_decode_cache: prefill needs vLLM started with --scheduler-cls {STATE_SCHEDULER} "

@@ -303,6 +303,8 @@ def _true_false_or(word: str) -> Callable[[Any], Any]:
 #: connector.save_decode_cache: answers stored as a prefill computes them (internal
 #: requests of the engine connector's scheduler), not as decode steps did
 SAVE_PREFILL: Literal["prefill"] = "prefill"
+#: connector.settle_when: those internal requests run only while the engine is idle
+SETTLE_IDLE: Literal["idle"] = "idle"
 
 
 class ConnectorSection(StrictModel):
@@ -332,6 +334,13 @@ class ConnectorSection(StrictModel):
         description="also store the whole chunks of each answer: true, the KV (and recurrent states) decode steps "
         "computed; prefill, the same chunks prefilled once more after the request finishes, exactly as a "
         "recomputation gives them (vLLM: needs the state scheduler, --scheduler-cls)",
+    )
+    settle_when: Literal["idle", "always"] = Field(
+        SETTLE_IDLE,
+        description="with save_decode_cache: prefill, when the internal requests run: idle, only while the engine "
+        "has nothing else to do, one at a time (a request that needs an answer's chunks before its settle ran "
+        "computes them itself); always, as each request finishes, beside the others (the next turn's hit comes "
+        "sooner under load; an answer nobody follows up costs one more prefill of its whole chunks)",
     )
     sub_chunk_hits: bool = Field(
         True,

@@ -145,7 +145,7 @@ class SchedulerSide:
         self.tail_hits = 0  # lookups that hit a stored chunk's first blocks after their chunks
         # save_decode_cache: prefill (features/settle.py): finished requests' answers
         # prefilled once more by internal requests the state scheduler runs
-        self.settler = Settler() if settle else None
+        self.settler = Settler(when=self.cfg.connector.settle_when) if settle else None
 
     # -- what a mode decides ------------------------------------------------------------
     def _partial_ok(self) -> bool:
@@ -412,11 +412,27 @@ class SchedulerSide:
         if len(st.hashes) < end:
             return
         tokens = list(request.all_token_ids[: end * self.cs + 1])
-        self.settler.plan(request, tokens, st.hashes[st.saved_full : end])
+        self.settler.plan(request, tokens, st.hashes[st.saved_full : end], st.hashes[: st.saved_full])
 
-    def take_settles(self) -> list[SettlePlan]:
-        """Settles to run (the state scheduler adds them to vLLM's waiting queue)."""
-        return self.settler.take() if self.settler is not None else []
+    def take_settles(self, idle: bool = True) -> list[SettlePlan]:
+        """Settles to run now (the state scheduler adds them to vLLM's waiting queue);
+        ``idle``: whether the engine has no request running or waiting. A settle
+        queued until the engine was idle (``settle_when: idle``) runs only if its
+        prompt's chunks are still stored: without them it would recompute the whole
+        prompt."""
+        if self.settler is None:
+            return []
+        plans = self.settler.take(idle)
+        if not self.settler.idle_only:
+            return plans
+        ready = []
+        for plan in plans:
+            found = self.lookup_client.lookup(list(plan.prefix), None) if plan.prefix else 0
+            if int(found or 0) >= len(plan.prefix):
+                ready.append(plan)
+            else:
+                self.settler.drop(plan)
+        return ready
 
     def settle_dropped(self, req_id: str) -> None:
         """The state scheduler could not add settle ``req_id``: nobody waits for it."""

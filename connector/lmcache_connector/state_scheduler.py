@@ -149,7 +149,8 @@ class StateBoundaryScheduler(Scheduler):
         dropped = getattr(self.connector, "lmcache_settle_dropped", None)
         if not callable(take) or not callable(dropped):
             return
-        for plan in take():
+        running, waiting = self.get_request_counts()
+        for plan in take(idle=running + waiting == 0):
             try:
                 req = settle_request(plan)
             except (TypeError, ValueError, AttributeError) as err:  # vLLM refused it: the answer is simply not stored

@@ -203,6 +203,55 @@ def test_settled_answers_serve_the_next_turn_on_a_dense_model(tiny_model, refere
     assert follow_ups[QUALNAME] == follow_ups[None] == reference([follow])[0]  # (an engine of its own: after the others)
 
 
+@pytest.mark.parametrize("when", ["idle", "always"])
+def test_a_follow_up_while_the_engine_is_busy_supersedes_an_idle_settle(tiny_model, reference, when):
+    """``settle_when: idle`` (the default): a request that finishes while another still
+    decodes has its settle queued, not run; its follow-up, arriving then, computes the
+    answer's chunk itself (the queued settle is dropped: nothing computed twice) and
+    equals vLLM's tokens. Control, ``always``: the settle runs as the request finishes,
+    the follow-up waits for it and hits the answer's chunk too."""
+    from vllm import SamplingParams
+
+    from lmcache_connector.state_scheduler import QUALNAME
+
+    from .conftest import tokens_prompt
+
+    p, busy = random_prompt(300, 121), random_prompt(300, 141)
+    ref = reference([p], max_tokens=300)
+    follow = p + ref[0] + random_prompt(50, 122)
+    ref_follow = reference([follow], max_tokens=16)
+    extra = {"connector": {"save_decode_cache": "prefill", "settle_when": when}}
+    with make_llm(tiny_model, extra=extra, scheduler_cls=QUALNAME) as llm:
+        eng, done = llm.llm_engine, {}
+
+        def step_until(cond) -> None:
+            for _ in range(3000):  # bounded: each step computes at least one token of a request
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                if cond():
+                    return
+            raise AssertionError(f"engine did not get there: finished {sorted(done)}")
+
+        eng.add_request("a", tokens_prompt(p), greedy(300))
+        eng.add_request("busy", tokens_prompt(busy), SamplingParams(max_tokens=700, temperature=0, ignore_eos=True))
+        step_until(lambda: "a" in done)
+        assert "busy" not in done  # still decoding: the engine is not idle
+        eng.add_request("f", tokens_prompt(follow), greedy(16))
+        step_until(lambda: "f" in done)
+        settler = scheduler_side(llm).settler
+        assert list(done["a"].outputs[0].token_ids) == ref[0]
+        assert list(done["f"].outputs[0].token_ids) == ref_follow[0]
+        if when == "idle":
+            assert "busy" not in done
+            assert done["f"].num_cached_tokens == CS  # the prompt's chunk; the answer's it computed itself
+            assert (settler.superseded, settler.waits, settler.finished) == (1, 0, 0)
+        else:
+            assert done["f"].num_cached_tokens == 2 * CS
+            assert (settler.superseded, settler.waits, settler.finished) == (0, 1, 1)
+        step_until(lambda: "busy" in done)
+
+
 def test_roles_producer_then_consumer(tiny_model, reference, tmp_path):
     pytest.importorskip("lmcache_backend_disk")
     prompts = [random_prompt(700, 131), random_prompt(520, 132)]

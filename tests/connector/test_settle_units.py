@@ -108,6 +108,44 @@ def test_settles_in_flight_are_bounded():
     assert (s.planned, s.skipped, s.in_flight) == (2, 1, 2)
 
 
+def test_idle_settles_are_handed_over_one_at_a_time_and_only_when_idle():
+    s = Settler(when="idle")
+    a = s.plan(None, [1], [b"a"])
+    b = s.plan(None, [1], [b"b"])
+    assert s.take(idle=False) == [] and s.in_flight == 2  # busy: both stay queued
+    assert s.take(idle=True) == [a]
+    assert s.take(idle=True) == [b]
+    assert s.take(idle=True) == []
+    # negative control: always hands every plan over at once, busy or not
+    e = Settler(when="always")
+    plans = [e.plan(None, [1], [b"a"]), e.plan(None, [1], [b"b"])]
+    assert e.take(idle=False) == plans
+
+
+def test_a_request_supersedes_a_queued_idle_settle_and_waits_for_a_running_one():
+    clock = _Clock()
+    s = Settler(when="idle", clock=clock)
+    queued = s.plan(None, [1], [b"h1"])
+    assert not s.must_wait("next", [b"h0", b"h1"])  # it computes h1 itself, at once
+    assert (s.superseded, s.waits, s.in_flight) == (1, 0, 0) and s.take(idle=True) == []
+    assert queued is not None
+    # once handed to the scheduler (running), a request waits for it as with always
+    running = s.plan(None, [1], [b"h2"])
+    assert s.take(idle=True) == [running]
+    assert s.must_wait("next2", [b"h2"]) and (s.superseded, s.waits) == (1, 1)
+
+
+def test_idle_settles_past_the_bound_drop_the_oldest_queued():
+    s = Settler(when="idle", max_in_flight=2)
+    a, b = s.plan(None, [1], [b"a"]), s.plan(None, [1], [b"b"])
+    c = s.plan(None, [1], [b"c"])
+    assert c is not None and (s.dropped, s.skipped, s.in_flight) == (1, 0, 2)
+    assert s.take(idle=True) == [b] and s.take(idle=True) == [c]
+    # with none queued (both running), a new one is skipped
+    assert s.plan(None, [1], [b"d"]) is None and s.skipped == 1
+    assert a is not None
+
+
 def test_resolve_says_what_is_missing():
     ok = dict(has_state=True, state_scheduler=True, can_load=True, can_save=True)
     assert resolve("prefill", **ok) == (True, None)
@@ -138,7 +176,7 @@ def test_the_config_key_takes_true_false_or_prefill(tmp_path):
 
 # -- the scheduler side ---------------------------------------------------------------------
 def test_a_finished_answer_with_a_new_whole_chunk_is_settled():
-    side = _side()
+    side = _side(settle_when="always")
     req = _request(_prompt(300))
     side.get_num_new_matched_tokens(req, 0)
     st = side._reqs["r"]
@@ -164,6 +202,37 @@ def test_a_finished_answer_with_a_new_whole_chunk_is_settled():
     assert (side.settler.planned, side.settler.finished, side.settler.waits) == (1, 1, 1)
 
 
+@pytest.mark.parametrize("stored", [1, 0])
+def test_an_idle_settle_runs_only_while_its_prompt_is_stored(stored):
+    """settle_when: idle (the default) hands a settle over when the engine is idle, if
+    the prompt's chunks it should hit are still stored (looked up without a pin);
+    control: they left the cache, so it is dropped instead of recomputing the prompt."""
+    lookup = _Lookup(n=stored)
+    side = _side(lookup=lookup)
+    req = _request(_prompt(300))
+    side.get_num_new_matched_tokens(req, 0)
+    side._reqs["r"].saved_full = 1
+    _finish(req, _prompt(300, 7))
+    side.request_finished(req)
+    assert side.take_settles(idle=False) == [] and lookup.calls == 1  # busy: not even looked up
+    plans = side.take_settles(idle=True)
+    assert lookup.calls == 2
+    if stored:
+        assert [p.tokens for p in plans] == [list(req.all_token_ids[: 2 * CS + 1])] and side.settler.in_flight == 1
+    else:
+        assert plans == [] and (side.settler.dropped, side.settler.in_flight) == (1, 0)
+
+
+def test_the_settle_when_key_takes_idle_or_always(tmp_path):
+    assert ConnectorSection().settle_when == "idle"
+    env = {"LMCACHE_CORE_CONNECTOR_SETTLE_WHEN": "always"}
+    assert load_config(None, env=env).config.connector.settle_when == "always"
+    p = tmp_path / "c.yaml"
+    p.write_text("connector: {settle_when: later}\n")
+    with pytest.raises(ConfigError, match="settle_when"):
+        load_config(p, env={})
+
+
 @pytest.mark.parametrize(
     "case",
     ["aborted", "no new chunk", "skip_save", "no settler"],
@@ -187,7 +256,7 @@ def test_a_settle_request_has_the_finished_requests_chunk_keys():
     copies them, so what it stores is what the next turn looks up."""
     from lmcache_connector.state_scheduler import settle_request
 
-    side = _side()
+    side = _side(settle_when="always")
     req = _request(_prompt(300), params={"lmcache.tag.user": "u1"}, salt="s1")
     side.get_num_new_matched_tokens(req, 0)
     side._reqs["r"].saved_full = 1

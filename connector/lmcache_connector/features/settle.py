@@ -18,7 +18,20 @@ drops its outputs). A request arriving while a settle that stores some of its ch
 is still in flight waits for it (vLLM asks again each step), at most :data:`WAIT_S`
 seconds, instead of computing the same tokens beside it. The cost is one prefill of
 each answer's whole chunks, spent between turns; at most :data:`MAX_IN_FLIGHT` settles
-are queued or running at once (more finished requests are not settled).
+are queued or running at once.
+
+When settles run is ``connector.settle_when``:
+
+- ``always``: each as its request finishes, beside the requests running then (the next
+  turn's hit is there as soon as possible; an answer nobody follows up is computed once
+  more for nothing, which costs throughput where most requests are never followed up);
+- ``idle``: only while the engine has nothing else to do, one at a time, so a settle
+  never competes with a request for more than one settle's steps. Queued settles wait;
+  a request that needs one before it ran computes those tokens itself (the settle is
+  dropped, nothing is computed twice); past :data:`MAX_IN_FLIGHT` the oldest queued one
+  is dropped; one whose prompt chunks left the cache meanwhile is dropped (it would
+  recompute the whole prompt). Under sustained load settles rarely run: the next turn
+  then costs what it costs without them.
 
 This module only keeps the bookkeeping (plans, what is in flight, who waits); the
 scheduler side decides what to settle and the state scheduler builds the requests.
@@ -28,10 +41,11 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from lmcache_core.config import SAVE_PREFILL
+from lmcache_core.config import SAVE_PREFILL, SETTLE_IDLE
 
 from ..layouts.groups import STATE_SCHEDULER
 
@@ -50,32 +64,42 @@ _GAVE_UP = -1.0  # a waiting request's deadline once it stopped waiting
 class SettlePlan:
     """An internal request to run: ``tokens`` (whole chunks plus one token) with the
     cache options of ``source``, the finished vLLM request (its ``kv_transfer_params``,
-    cache salt, LoRA, priority and block hasher: the chunk keys must be the same)."""
+    cache salt, LoRA, priority and block hasher: the chunk keys must be the same).
+    ``prefix``: the hashes of the chunks it should find stored (the prompt's)."""
 
     req_id: str
     tokens: list[int]
     source: Any
+    prefix: tuple[bytes, ...] = ()
 
 
 class Settler:
     """Settles planned, in flight, and the requests waiting for them."""
 
     def __init__(
-        self, *, wait_s: float = WAIT_S, max_in_flight: int = MAX_IN_FLIGHT, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        when: str = "always",
+        wait_s: float = WAIT_S,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.idle_only = when == SETTLE_IDLE
         self.wait_s = wait_s
         self.max_in_flight = max_in_flight
         self._clock = clock
         self._ids = itertools.count(1)
-        self._plans: list[SettlePlan] = []
-        self._in_flight: dict[str, frozenset[bytes]] = {}  # settle id -> chunk hashes it stores
+        self._plans: deque[SettlePlan] = deque()  # planned, not yet handed to the scheduler
+        self._in_flight: dict[str, frozenset[bytes]] = {}  # settle id -> chunk hashes it stores (queued or running)
         self._waiting: dict[str, float] = {}  # request id -> when it stops waiting
         # counters (read by tests and the scheduler's stats)
         self.planned = 0
         self.finished = 0
-        self.skipped = 0  # not planned: MAX_IN_FLIGHT settles in flight
+        self.skipped = 0  # not planned: MAX_IN_FLIGHT settles in flight (settle_when: always)
         self.waits = 0  # requests that waited for a settle
         self.gave_up = 0  # requests that stopped waiting after wait_s
+        self.superseded = 0  # queued settles dropped: a request needing their chunks came first (idle)
+        self.dropped = 0  # queued settles dropped: the oldest past MAX_IN_FLIGHT, or their prompt left the cache (idle)
 
     def is_settle(self, req_id: str) -> bool:
         return req_id in self._in_flight
@@ -84,22 +108,41 @@ class Settler:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def plan(self, source: Any, tokens: list[int], hashes: Iterable[bytes]) -> SettlePlan | None:
-        """Queue a settle of ``tokens`` that stores the chunks ``hashes``; None (and
-        counted as skipped) when :data:`MAX_IN_FLIGHT` are in flight already."""
+    def plan(
+        self, source: Any, tokens: list[int], hashes: Iterable[bytes], prefix: Iterable[bytes] = ()
+    ) -> SettlePlan | None:
+        """Queue a settle of ``tokens`` that stores the chunks ``hashes`` after finding
+        ``prefix`` stored. With :data:`MAX_IN_FLIGHT` in flight already: ``idle`` drops
+        the oldest queued one to make room; otherwise (or with none queued) None,
+        counted as skipped."""
         if len(self._in_flight) >= self.max_in_flight:
-            self.skipped += 1
-            return None
-        plan = SettlePlan(f"{PREFIX}{next(self._ids)}-{getattr(source, 'request_id', '')}", tokens, source)
+            if not (self.idle_only and self._plans):
+                self.skipped += 1
+                return None
+            self._drop(self._plans.popleft())
+        plan = SettlePlan(f"{PREFIX}{next(self._ids)}-{getattr(source, 'request_id', '')}", tokens, source, tuple(prefix))
         self._in_flight[plan.req_id] = frozenset(hashes)
         self._plans.append(plan)
         self.planned += 1
         return plan
 
-    def take(self) -> list[SettlePlan]:
-        """The plans queued since the last call (the state scheduler adds them)."""
-        plans, self._plans = self._plans, []
-        return plans
+    def take(self, idle: bool = True) -> list[SettlePlan]:
+        """The plans to hand to the scheduler now: ``always``, every plan queued since
+        the last call; ``idle``, the oldest queued one when the engine is ``idle`` (no
+        request running or waiting), else none."""
+        if not self.idle_only:
+            plans = list(self._plans)
+            self._plans.clear()
+            return plans
+        return [self._plans.popleft()] if idle and self._plans else []
+
+    def drop(self, plan: SettlePlan) -> None:
+        """``plan`` (taken) is not run after all: its prompt left the cache."""
+        self._drop(plan)
+
+    def _drop(self, plan: SettlePlan) -> None:
+        self._in_flight.pop(plan.req_id, None)
+        self.dropped += 1
 
     def done(self, req_id: str) -> None:
         """``req_id`` finished (or was never added): a settle leaves the flight, a
@@ -115,7 +158,17 @@ class Settler:
         if not self._in_flight or req_id in self._in_flight or self._waiting.get(req_id) == _GAVE_UP:
             return False
         mine = set(hashes)
-        if not any(stores & mine for stores in self._in_flight.values()):
+        ahead = [sid for sid, stores in self._in_flight.items() if stores & mine]
+        if ahead and self.idle_only and self._plans:
+            # queued, not running yet (idle): this request computes those tokens itself
+            queued = [p for p in self._plans if p.req_id in ahead]
+            for plan in queued:
+                self._plans.remove(plan)
+                del self._in_flight[plan.req_id]
+                self.superseded += 1
+            if len(queued) == len(ahead):
+                ahead = []
+        if not ahead:
             self._waiting.pop(req_id, None)
             return False
         now = self._clock()

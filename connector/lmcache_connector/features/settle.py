@@ -108,9 +108,7 @@ class Settler:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def plan(
-        self, source: Any, tokens: list[int], hashes: Iterable[bytes], prefix: Iterable[bytes] = ()
-    ) -> SettlePlan | None:
+    def plan(self, source: Any, tokens: list[int], hashes: Iterable[bytes], prefix: Iterable[bytes] = ()) -> SettlePlan | None:
         """Queue a settle of ``tokens`` that stores the chunks ``hashes`` after finding
         ``prefix`` stored. With :data:`MAX_IN_FLIGHT` in flight already: ``idle`` drops
         the oldest queued one to make room; otherwise (or with none queued) None,

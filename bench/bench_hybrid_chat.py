@@ -1,8 +1,8 @@
 """Chat turns on a state-space hybrid through vLLM's OpenAI server: what storing the
 previous answer with ``connector.save_decode_cache: prefill`` (settles) gains, and what
-it costs when no one follows up.
+it costs when no one follows up, for each ``connector.settle_when``.
 
-    python bench/bench_hybrid_chat.py [--quick] [--rounds N] [--users 4] [--think 2.0]
+    python bench/bench_hybrid_chat.py [--quick] [--rounds N] [--users 4] [--think 2.0] [--stagger 1.5]
 
 Each arm is a fresh ``python -m vllm.entrypoints.openai.api_server`` (API process,
 engine-core process) on 127.0.0.1 serving a small Qwen3-Next built on the spot (gated
@@ -10,19 +10,27 @@ delta-net + attention, bf16, random weights), prefix caching off, the state sche
 (``--scheduler-cls``), ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``:
 
 - ``lmc``: lmcache-core storing prompts only (``save_decode_cache: false``, the default);
-- ``lmc-settle``: the same with ``save_decode_cache: prefill``;
+- ``lmc-idle``: the same with ``save_decode_cache: prefill`` (``settle_when: idle``, the
+  default: settles only while the engine has nothing else to do);
+- ``lmc-always``: ``save_decode_cache: prefill``, ``settle_when: always`` (each settle as
+  its request finishes);
 - ``vllm``: vLLM alone (no connector, its own scheduler): every turn recomputed.
 
-Two parts, each arm in turn, the arms' order rotating per round:
+Three parts, each arm in turn, the arms' order rotating per round:
 
 - ``chat``: ``--users`` conversations at once, ``--turns`` turns each: a first prompt of
   ``--first`` tokens, then each turn the history + the last answer (``--answer`` tokens,
   ``ignore_eos``) + a new message of ``--message`` tokens, ``--think`` seconds between a
-  user's turns (a settle runs then). Streamed: TTFT is the client's. Printed: TTFT p50
-  of turns 2+, tokens served from the cache, and whether the arms' greedy answers agree.
+  user's turns (a settle runs then). The users start together, so their turns end
+  together and the engine idles while they all think. Streamed: TTFT is the client's.
+  Printed: TTFT p50 of turns 2+, tokens served from the cache, and whether the arms'
+  greedy answers agree.
+- ``staggered``: the same conversations (other prompts), user ``u`` starting ``u x
+  --stagger`` seconds late, so someone is nearly always decoding: what ``idle`` gives
+  up under load.
 - ``unique``: ``--unique`` single-turn prompts of ``--first`` tokens with answers of
   ``--answer`` tokens, ``--users`` at a time, nobody following up: the settles' cost,
-  as throughput (output tokens/s) of ``lmc-settle`` against ``lmc``.
+  as throughput (output tokens/s) against ``lmc``.
 
 Medians over rounds. Never part of the test pass.
 """
@@ -48,7 +56,9 @@ from lmcache_connector.dev.tiny_model import random_prompt
 from lmcache_connector.state_scheduler import QUALNAME
 
 MODELS = Path.home() / ".cache" / "lmcache-core" / "bench-hybrid"
-ARMS = ("lmc", "lmc-settle", "vllm")
+ARMS = ("lmc", "lmc-idle", "lmc-always", "vllm")
+SETTLE_ARMS = {"lmc-idle": "idle", "lmc-always": "always"}
+PARTS = ("chat", "staggered", "unique")
 
 
 def _free_port() -> int:
@@ -71,12 +81,13 @@ def server(model: Path, arm: str, log_path: Path, start_timeout: float = 420) ->
         "--enable-prompt-tokens-details",
     ]
     if arm != "vllm":
-        mode = "prefill" if arm == "lmc-settle" else False
+        when = SETTLE_ARMS.get(arm)
+        connector: dict[str, Any] = {"save_decode_cache": "prefill", "settle_when": when} if when else {}
         ktc = {
             "kv_connector": "LMCacheCoreConnector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connector": {"save_decode_cache": mode}},
+            "kv_connector_extra_config": {"connector": connector},
         }
         args += ["--scheduler-cls", QUALNAME, "--kv-transfer-config", json.dumps(ktc)]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -146,15 +157,16 @@ def complete(port: int, model: Path, prompt: list[int], max_tokens: int) -> dict
     return {"ttft": ttft or 0.0, "tokens": tokens, "cached": cached, "end": time.perf_counter() - t0}
 
 
-def chat(port: int, model: Path, a: argparse.Namespace) -> dict[str, Any]:
+def chat(port: int, model: Path, a: argparse.Namespace, stagger: float = 0.0, seed: int = 7000) -> dict[str, Any]:
     turns: list[list[dict[str, Any]]] = [[] for _ in range(a.users)]
 
     def user(u: int) -> None:
-        prompt = random_prompt(a.first, 7000 + u)
+        time.sleep(u * stagger)
+        prompt = random_prompt(a.first, seed + u)
         for t in range(a.turns):
             if t:
                 time.sleep(a.think)
-                prompt = prompt + turns[u][-1]["tokens"] + random_prompt(a.message, 7100 + 10 * u + t)
+                prompt = prompt + turns[u][-1]["tokens"] + random_prompt(a.message, seed + 100 + 10 * u + t)
             turns[u].append(complete(port, model, prompt, a.answer))
 
     threads = [threading.Thread(target=user, args=(u,)) for u in range(a.users)]
@@ -210,8 +222,9 @@ def main() -> int:
     p.add_argument("--message", type=int, default=130)
     p.add_argument("--answer", type=int, default=256)
     p.add_argument("--think", type=float, default=2.0)
+    p.add_argument("--stagger", type=float, default=1.5, help="seconds between users' starts (staggered part)")
     p.add_argument("--unique", type=int, default=16)
-    p.add_argument("--parts", nargs="+", default=["chat", "unique"], choices=["chat", "unique"])
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "hybrid_chat"))
     a = p.parse_args()
     if a.quick:
@@ -225,47 +238,49 @@ def main() -> int:
         f"answers {a.answer}, {a.users} at a time; {a.rounds} round(s), the arms' order rotating",
         flush=True,
     )
-    res: dict[str, dict[str, list[Any]]] = {arm: {"ttft": [], "cached": [], "tok_s": [], "answers": []} for arm in ARMS}
+    keys = ("chat", "chat_cached", "staggered", "staggered_cached", "tok_s")
+    res: dict[str, dict[str, list[Any]]] = {arm: {k: [] for k in (*keys, "answers")} for arm in ARMS}
     for rnd in range(a.rounds):
         order = ARMS[rnd % len(ARMS) :] + ARMS[: rnd % len(ARMS)]
         for arm in order:
             with server(model, arm, out / f"round{rnd + 1}-{arm}.log") as port:
                 complete(port, model, random_prompt(64, 1), 4)  # warm-up
-                line = f"  round {rnd + 1} {arm:<11}"
-                if "chat" in a.parts:
-                    c = chat(port, model, a)
-                    res[arm]["ttft"].append(c["ttft_p50"])
-                    res[arm]["cached"].append(c["cached"])
-                    res[arm]["answers"].append(c["answers"])
-                    line += f" chat: TTFT p50 (turns 2+) {c['ttft_p50'] * 1000:7.1f} ms, cached {c['cached']:>6} tokens"
+                line = f"  round {rnd + 1} {arm:<10}"
+                for part, stagger, seed in (("chat", 0.0, 7000), ("staggered", a.stagger, 8000)):
+                    if part in a.parts:
+                        c = chat(port, model, a, stagger, seed)
+                        res[arm][part].append(c["ttft_p50"])
+                        res[arm][f"{part}_cached"].append(c["cached"])
+                        res[arm]["answers"].append(c["answers"])
+                        line += f" {part}: TTFT p50 {c['ttft_p50'] * 1000:6.1f} ms, cached {c['cached']:>6};"
                 if "unique" in a.parts:
                     u = unique(port, model, a, 9000 + 100 * rnd)
                     res[arm]["tok_s"].append(u["tok_s"])
-                    line += f"; unique: {u['tok_s']:6.1f} output tok/s"
+                    line += f" unique: {u['tok_s']:6.1f} output tok/s"
                 print(line, flush=True)
-    med = {
-        arm: {k: statistics.median(v) for k, v in r.items() if k in ("ttft", "cached", "tok_s") and v} for arm, r in res.items()
-    }
+    med = {arm: {k: statistics.median(r[k]) for k in keys if r[k]} for arm, r in res.items()}
     (out / "results.json").write_text(json.dumps({"args": vars(a), "rounds": res, "medians": med}, indent=1))
-    print("\nmedians over rounds")
+    print("\nmedians over rounds (TTFT p50 of turns 2+)")
     ok = True
-    if "chat" in a.parts:
+    lmc_arms = [arm for arm in ARMS if arm != "vllm"]
+    for part in ("chat", "staggered"):
+        if part not in a.parts:
+            continue
         for arm in ARMS:
-            print(
-                f"  {arm:<11} chat TTFT p50 (turns 2+) {med[arm]['ttft'] * 1000:7.1f} ms, cached {med[arm]['cached']:>8.0f} tokens"
-            )
-        print(
-            f"  lmc-settle / lmc TTFT {med['lmc-settle']['ttft'] / med['lmc']['ttft']:.3f}, "
-            f"lmc-settle / vllm {med['lmc-settle']['ttft'] / med['vllm']['ttft']:.3f}, lmc / vllm {med['lmc']['ttft'] / med['vllm']['ttft']:.3f}"
+            print(f"  {part:<9} {arm:<10} {med[arm][part] * 1000:7.1f} ms, cached {med[arm][f'{part}_cached']:>8.0f} tokens")
+        ratios = ", ".join(
+            f"{arm} / {base} {med[arm][part] / med[base][part]:.3f}" for arm in lmc_arms[1:] for base in ("lmc", "vllm")
         )
-        same = all(x == res["lmc"]["answers"][0] for arm in ("lmc", "lmc-settle") for x in res[arm]["answers"])
-        print(f"  lmc and lmc-settle answers identical in every round: {same}")
-        ok = ok and same and med["lmc-settle"]["cached"] > med["lmc"]["cached"]
+        print(f"  {part:<9} TTFT {ratios}, lmc / vllm {med['lmc'][part] / med['vllm'][part]:.3f}")
+        ok = ok and all(med[arm][f"{part}_cached"] >= med["lmc"][f"{part}_cached"] for arm in lmc_arms)
+    if "chat" in a.parts or "staggered" in a.parts:
+        same = all(res[arm]["answers"] == res["lmc"]["answers"] for arm in lmc_arms)
+        print(f"  answers of every lmcache arm identical to lmc's in every round: {same}")
+        ok = ok and same
     if "unique" in a.parts:
-        ratio = med["lmc-settle"]["tok_s"] / med["lmc"]["tok_s"]
+        ratios = ", ".join(f"{arm} / lmc {med[arm]['tok_s'] / med['lmc']['tok_s']:.3f}" for arm in lmc_arms[1:])
         print(
-            f"  unique: lmc-settle / lmc throughput {ratio:.3f} (the settles' cost without follow-ups), "
-            f"lmc / vllm {med['lmc']['tok_s'] / med['vllm']['tok_s']:.3f}"
+            f"  unique throughput (the settles' cost without follow-ups): {ratios}, lmc / vllm {med['lmc']['tok_s'] / med['vllm']['tok_s']:.3f}"
         )
     return 0 if ok else 1
 

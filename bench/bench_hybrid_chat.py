@@ -30,7 +30,8 @@ Three parts, each arm in turn, the arms' order rotating per round:
   up under load.
 - ``unique``: ``--unique`` single-turn prompts of ``--first`` tokens with answers of
   ``--answer`` tokens, ``--users`` at a time, nobody following up: the settles' cost,
-  as throughput (output tokens/s) against ``lmc``.
+  as throughput (output tokens/s) against ``lmc``, with the per-round ratios (on a
+  shared host throughput moves by 10-20% between rounds).
 
 Medians over rounds. Never part of the test pass.
 """
@@ -178,6 +179,8 @@ def chat(port: int, model: Path, a: argparse.Namespace, stagger: float = 0.0, se
     later = [r for user_turns in turns for r in user_turns[1:]]
     return {
         "ttft_p50": statistics.median(r["ttft"] for r in later),
+        "ttft_by_turn": [[round(r["ttft"] * 1000, 1) for r in ut] for ut in turns],
+        "cached_by_turn": [[r["cached"] for r in ut] for ut in turns],
         "cached": sum(r["cached"] for r in later),
         "answers": [[r["tokens"] for r in ut] for ut in turns],
         "wall": time.perf_counter() - t0,
@@ -225,6 +228,7 @@ def main() -> int:
     p.add_argument("--stagger", type=float, default=1.5, help="seconds between users' starts (staggered part)")
     p.add_argument("--unique", type=int, default=16)
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="lmc is always run (the base of every ratio)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "hybrid_chat"))
     a = p.parse_args()
     if a.quick:
@@ -239,9 +243,12 @@ def main() -> int:
         flush=True,
     )
     keys = ("chat", "chat_cached", "staggered", "staggered_cached", "tok_s")
-    res: dict[str, dict[str, list[Any]]] = {arm: {k: [] for k in (*keys, "answers")} for arm in ARMS}
+    arms = tuple(arm for arm in ARMS if arm in a.arms or arm == "lmc")
+    res: dict[str, dict[str, list[Any]]] = {
+        arm: {k: [] for k in (*keys, "answers", "chat_turns", "staggered_turns")} for arm in arms
+    }
     for rnd in range(a.rounds):
-        order = ARMS[rnd % len(ARMS) :] + ARMS[: rnd % len(ARMS)]
+        order = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
         for arm in order:
             with server(model, arm, out / f"round{rnd + 1}-{arm}.log") as port:
                 complete(port, model, random_prompt(64, 1), 4)  # warm-up
@@ -252,6 +259,7 @@ def main() -> int:
                         res[arm][part].append(c["ttft_p50"])
                         res[arm][f"{part}_cached"].append(c["cached"])
                         res[arm]["answers"].append(c["answers"])
+                        res[arm][f"{part}_turns"].append({"ttft_ms": c["ttft_by_turn"], "cached": c["cached_by_turn"]})
                         line += f" {part}: TTFT p50 {c['ttft_p50'] * 1000:6.1f} ms, cached {c['cached']:>6};"
                 if "unique" in a.parts:
                     u = unique(port, model, a, 9000 + 100 * rnd)
@@ -262,26 +270,33 @@ def main() -> int:
     (out / "results.json").write_text(json.dumps({"args": vars(a), "rounds": res, "medians": med}, indent=1))
     print("\nmedians over rounds (TTFT p50 of turns 2+)")
     ok = True
-    lmc_arms = [arm for arm in ARMS if arm != "vllm"]
+    lmc_arms = [arm for arm in arms if arm != "vllm"]
+    bases = [b for b in ("lmc", "vllm") if b in arms]
     for part in ("chat", "staggered"):
         if part not in a.parts:
             continue
-        for arm in ARMS:
+        for arm in arms:
             print(f"  {part:<9} {arm:<10} {med[arm][part] * 1000:7.1f} ms, cached {med[arm][f'{part}_cached']:>8.0f} tokens")
         ratios = ", ".join(
-            f"{arm} / {base} {med[arm][part] / med[base][part]:.3f}" for arm in lmc_arms[1:] for base in ("lmc", "vllm")
+            f"{arm} / {base} {med[arm][part] / med[base][part]:.3f}"
+            for arm in arms
+            if arm != "lmc"
+            for base in bases
+            if base != arm
         )
-        print(f"  {part:<9} TTFT {ratios}, lmc / vllm {med['lmc'][part] / med['vllm'][part]:.3f}")
+        print(f"  {part:<9} TTFT {ratios}")
         ok = ok and all(med[arm][f"{part}_cached"] >= med["lmc"][f"{part}_cached"] for arm in lmc_arms)
     if "chat" in a.parts or "staggered" in a.parts:
         same = all(res[arm]["answers"] == res["lmc"]["answers"] for arm in lmc_arms)
         print(f"  answers of every lmcache arm identical to lmc's in every round: {same}")
         ok = ok and same
     if "unique" in a.parts:
-        ratios = ", ".join(f"{arm} / lmc {med[arm]['tok_s'] / med['lmc']['tok_s']:.3f}" for arm in lmc_arms[1:])
-        print(
-            f"  unique throughput (the settles' cost without follow-ups): {ratios}, lmc / vllm {med['lmc']['tok_s'] / med['vllm']['tok_s']:.3f}"
-        )
+        ratios = ", ".join(f"{arm} / lmc {med[arm]['tok_s'] / med['lmc']['tok_s']:.3f}" for arm in arms if arm != "lmc")
+        print(f"  unique throughput (the settles' cost without follow-ups): {ratios}")
+        for arm in arms:
+            if arm != "lmc":
+                per = [x / y for x, y in zip(res[arm]["tok_s"], res["lmc"]["tok_s"])]
+                print(f"    {arm} / lmc per round: {' '.join(f'{x:.3f}' for x in per)} (median {statistics.median(per):.3f})")
     return 0 if ok else 1
 
 

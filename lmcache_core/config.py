@@ -335,12 +335,13 @@ class ConnectorSection(StrictModel):
         "computed; prefill, the same chunks prefilled once more after the request finishes, exactly as a "
         "recomputation gives them (vLLM: needs the state scheduler, --scheduler-cls)",
     )
-    settle_when: Literal["idle", "always"] = Field(
-        SETTLE_IDLE,
-        description="with save_decode_cache: prefill, when the internal requests run: idle, only while the engine "
-        "has nothing else to do, one at a time (a request that needs an answer's chunks before its settle ran "
-        "computes them itself); always, as each request finishes, beside the others (the next turn's hit comes "
-        "sooner under load; an answer nobody follows up costs one more prefill of its whole chunks)",
+    settle_when: Literal["always", "idle"] = Field(
+        "always",
+        description="with save_decode_cache: prefill, when the internal requests run: always, as each request "
+        "finishes, beside the others (the next turn hits the answer under load too; an answer nobody follows up costs "
+        "one more prefill of its whole chunks); idle, only while the engine has nothing else to do, one at a time (a "
+        "request that needs an answer's chunks before its settle ran computes them itself): answers nobody follows up "
+        "cost idle time only, and under sustained load settles rarely run",
     )
     sub_chunk_hits: bool = Field(
         True,

@@ -205,7 +205,7 @@ def test_settled_answers_serve_the_next_turn_on_a_dense_model(tiny_model, refere
 
 @pytest.mark.parametrize("when", ["idle", "always"])
 def test_a_follow_up_while_the_engine_is_busy_supersedes_an_idle_settle(tiny_model, reference, when):
-    """``settle_when: idle`` (the default): a request that finishes while another still
+    """``settle_when: idle``: a request that finishes while another still
     decodes has its settle queued, not run; its follow-up, arriving then, computes the
     answer's chunk itself (the queued settle is dropped: nothing computed twice) and
     equals vLLM's tokens. Control, ``always``: the settle runs as the request finishes,

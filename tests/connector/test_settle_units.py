@@ -176,7 +176,7 @@ def test_the_config_key_takes_true_false_or_prefill(tmp_path):
 
 # -- the scheduler side ---------------------------------------------------------------------
 def test_a_finished_answer_with_a_new_whole_chunk_is_settled():
-    side = _side(settle_when="always")
+    side = _side()
     req = _request(_prompt(300))
     side.get_num_new_matched_tokens(req, 0)
     st = side._reqs["r"]
@@ -204,11 +204,11 @@ def test_a_finished_answer_with_a_new_whole_chunk_is_settled():
 
 @pytest.mark.parametrize("stored", [1, 0])
 def test_an_idle_settle_runs_only_while_its_prompt_is_stored(stored):
-    """settle_when: idle (the default) hands a settle over when the engine is idle, if
+    """settle_when: idle hands a settle over when the engine is idle, if
     the prompt's chunks it should hit are still stored (looked up without a pin);
     control: they left the cache, so it is dropped instead of recomputing the prompt."""
     lookup = _Lookup(n=stored)
-    side = _side(lookup=lookup)
+    side = _side(lookup=lookup, settle_when="idle")
     req = _request(_prompt(300))
     side.get_num_new_matched_tokens(req, 0)
     side._reqs["r"].saved_full = 1
@@ -223,10 +223,10 @@ def test_an_idle_settle_runs_only_while_its_prompt_is_stored(stored):
         assert plans == [] and (side.settler.dropped, side.settler.in_flight) == (1, 0)
 
 
-def test_the_settle_when_key_takes_idle_or_always(tmp_path):
-    assert ConnectorSection().settle_when == "idle"
-    env = {"LMCACHE_CORE_CONNECTOR_SETTLE_WHEN": "always"}
-    assert load_config(None, env=env).config.connector.settle_when == "always"
+def test_the_settle_when_key_takes_always_or_idle(tmp_path):
+    assert ConnectorSection().settle_when == "always"  # what save_decode_cache: prefill did before the key
+    env = {"LMCACHE_CORE_CONNECTOR_SETTLE_WHEN": "idle"}
+    assert load_config(None, env=env).config.connector.settle_when == "idle"
     p = tmp_path / "c.yaml"
     p.write_text("connector: {settle_when: later}\n")
     with pytest.raises(ConfigError, match="settle_when"):
@@ -256,7 +256,7 @@ def test_a_settle_request_has_the_finished_requests_chunk_keys():
     copies them, so what it stores is what the next turn looks up."""
     from lmcache_connector.state_scheduler import settle_request
 
-    side = _side(settle_when="always")
+    side = _side()
     req = _request(_prompt(300), params={"lmcache.tag.user": "u1"}, salt="s1")
     side.get_num_new_matched_tokens(req, 0)
     side._reqs["r"].saved_full = 1

@@ -76,7 +76,7 @@ def test_the_check_catches_a_stale_reference(change):
     """Negative controls: the same check on an edited copy of the reference."""
     text = DOC.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| `settle_when` |"))
-    edited = row.replace("| `idle` | with", "| `always` | with") if change == "change a default" else ""
+    edited = row.replace("| `always` | with", "| `idle` | with") if change == "change a default" else ""
     assert edited != row
     found = missing(CoreConfig, text.replace(row, edited))
     assert len(found) == 1 and found[0].startswith("connector.settle_when")

@@ -260,9 +260,10 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
 
     def get_kv_connector_stats(self) -> "LMCacheConnectorStats | None":
-        if self._worker is None:
-            return None
-        delta = self._worker.take_stats_delta()
+        """This step's counter increments: the worker's, or on the scheduler the
+        settles' (vLLM adds both)."""
+        side = self._worker if self._worker is not None else self._sched
+        delta = side.take_stats_delta() if side is not None else None
         return LMCacheConnectorStats(data=delta) if delta else None
 
     def get_kv_connector_kv_cache_events(self) -> LMCacheCoreKVEvents | None:

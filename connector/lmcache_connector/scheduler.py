@@ -25,6 +25,7 @@ from .protocol.lookup_ipc import LookupClient
 from .protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
 from .features.settle import NORMAL_FINISH, SettlePlan, Settler
+from .protocol.stats import DeltaReporter
 from .features.subchunks import SubChunkIndex
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ class SchedulerSide:
         # save_decode_cache: prefill (features/settle.py): finished requests' answers
         # prefilled once more by internal requests the state scheduler runs
         self.settler = Settler(when=self.cfg.connector.settle_when) if settle else None
+        self._reported = DeltaReporter()
 
     # -- what a mode decides ------------------------------------------------------------
     def _partial_ok(self) -> bool:
@@ -433,6 +435,21 @@ class SchedulerSide:
             else:
                 self.settler.drop(plan)
         return ready
+
+    def take_stats_delta(self) -> dict[str, float]:
+        """The settle counters' increments since the previous call (vLLM's
+        ``/metrics``, through the scheduler's connector stats)."""
+        s = self.settler
+        if s is None:
+            return {}
+        return self._reported.delta(
+            {
+                "settles": s.finished,
+                "settles_superseded": s.superseded,
+                "settles_dropped": s.dropped + s.skipped,
+                "settle_waits": s.waits,
+            }
+        )
 
     def settle_dropped(self, req_id: str) -> None:
         """The state scheduler could not add settle ``req_id``: nobody waits for it."""

@@ -38,6 +38,7 @@ from .features.hits import HitPlanner
 from .features.load_policy import PrefillModel
 from .protocol.lookup_ipc import LookupServer
 from .protocol.metadata import LMCacheConnectorMetadata
+from .protocol.stats import DeltaReporter
 from .options import AUTO, ConnectorSettings
 from .transfers.chunks import (
     ChunkSaver,
@@ -105,7 +106,7 @@ class WorkerSide:
         self.prefill = PrefillModel()
         self._fwd_start: float | None = None
         self._step_load_s = 0.0
-        self._reported: dict[str, float] = {}
+        self._reported = DeltaReporter()
         self._step_idle = False  # this step computes nothing (async_loads: wait for loads instead of spinning)
         self.suspended = False  # vLLM's sleep mode: the KV tensors are released; no copy touches them
 
@@ -327,10 +328,7 @@ class WorkerSide:
 
     def take_stats_delta(self) -> dict[str, float]:
         """Counter increments since the previous call (vLLM sums these)."""
-        now = self.counters()
-        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
-        self._reported = now
-        return {k: v for k, v in delta.items() if v}
+        return self._reported.delta(self.counters())
 
     # -- sleep mode (vLLM >= 0.33: unregister_kv_caches / restore_kv_caches) ------------
     def suspend(self) -> None:

@@ -104,6 +104,10 @@ def test_server_chat_turns_hit_settled_answers(tmp_path: Path):
     assert cached == expect
     assert expect[1] > len(prompts[0]) // CHUNK * CHUNK  # turn 2 hit answer chunks, which only a settle stores
     assert _metric(text, "vllm:request_success_total") == 4  # the settles never reached the API server
+    # every turn whose answer completes a chunk was settled, and /metrics says so
+    settled = sum((len(p) + ANSWER - 1) // CHUNK > len(p) // CHUNK for p in prompts)
+    assert settled >= 2 and _metric(text, "lmcache_core:settles_total") == settled
+    assert _metric(text, "lmcache_core:settles_dropped_total") == _metric(text, "lmcache_core:settles_superseded_total") == 0
     serving = log_path.read_text(errors="replace").split("shutdown triggered")[0]  # vLLM's stop logs its own traceback
     assert "Traceback" not in serving and "not queued" not in serving and "ERROR" not in serving
 

@@ -293,3 +293,23 @@ def test_settle_outputs_are_dropped_and_nothing_else():
     drop_outputs(outs, hidden)
     assert [o.request_id for o in outs[0].outputs] == ["a"] and outs[0].finished_requests == {"a"}
     assert [o.request_id for o in outs[1].outputs] == ["b"] and outs[1].finished_requests is None
+
+
+def test_settle_counters_reach_vllm_as_increments():
+    """The scheduler side reports its settle counters through vLLM's connector stats
+    (``/metrics``): increments since the last report, nothing when nothing changed."""
+    side = _side(settle_when="always")
+    assert side.take_stats_delta() == {}
+    req = _request(_prompt(300))
+    side.get_num_new_matched_tokens(req, 0)
+    side._reqs["r"].saved_full = 1
+    _finish(req, _prompt(300, 7))
+    side.request_finished(req)
+    [plan] = side.take_settles()
+    settle = _request(plan.tokens, rid=plan.req_id)
+    side.get_num_new_matched_tokens(settle, 0)
+    _finish(settle, [5])
+    side.request_finished(settle)
+    assert side.take_stats_delta() == {"settles": 1}
+    assert side.take_stats_delta() == {}  # reported once
+    assert _side(settle=False).take_stats_delta() == {}  # negative control: no settler, no counters

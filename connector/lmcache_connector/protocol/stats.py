@@ -27,6 +27,17 @@ COUNTERS = {
     "verify_inexact": ("verify_inexact", "Verified chunks equal to their recomputation only within the dtype tolerance"),
     "load_seconds": ("load_seconds", "Time spent loading KV into vLLM"),
     "save_seconds": ("save_seconds", "Time spent saving KV from vLLM"),
+    # the scheduler side's (connector.save_decode_cache: prefill)
+    "settles": ("settles", "Settles that ran: finished answers whose whole chunks were prefilled once more and stored"),
+    "settles_superseded": (
+        "settles_superseded",
+        "Queued settles dropped because a request needing their chunks came first (it computed them itself)",
+    ),
+    "settles_dropped": (
+        "settles_dropped",
+        "Finished answers not settled: past the bound of settles in flight, or their prompt left the cache",
+    ),
+    "settle_waits": ("settle_waits", "Requests that waited for a running settle storing some of their chunks"),
 }
 # per-tier stats keys are "<kind>/<tier>"
 TIER_COUNTERS = {
@@ -43,6 +54,19 @@ TIER_GAUGES = {
     "tier_used_bytes": ("tier_used_bytes", "Bytes a tier holds now (this engine's view; shared tiers count every writer)"),
     "tier_capacity_bytes": ("tier_capacity_bytes", "A tier's byte budget (0: none)"),
 }
+
+
+class DeltaReporter:
+    """Turns running totals into the increments since the previous report (vLLM sums
+    increments across workers and steps)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}  # the totals as last reported
+
+    def delta(self, now: dict[str, float]) -> dict[str, float]:
+        out = {k: v - self.last.get(k, 0) for k, v in now.items()}
+        self.last = now
+        return {k: v for k, v in out.items() if v}
 
 
 class LMCacheConnectorStats(KVConnectorStats):

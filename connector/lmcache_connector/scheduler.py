@@ -433,7 +433,7 @@ class SchedulerSide:
             if int(found or 0) >= len(plan.prefix):
                 ready.append(plan)
             else:
-                self.settler.drop(plan)
+                self.settler.drop(plan.req_id)
         return ready
 
     def take_stats_delta(self) -> dict[str, float]:
@@ -454,7 +454,7 @@ class SchedulerSide:
     def settle_dropped(self, req_id: str) -> None:
         """The state scheduler could not add settle ``req_id``: nobody waits for it."""
         if self.settler is not None:
-            self.settler.done(req_id)
+            self.settler.drop(req_id)
 
     def close(self) -> None:
         self.lookup_client.close()

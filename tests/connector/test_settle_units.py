@@ -313,3 +313,19 @@ def test_settle_counters_reach_vllm_as_increments():
     assert side.take_stats_delta() == {"settles": 1}
     assert side.take_stats_delta() == {}  # reported once
     assert _side(settle=False).take_stats_delta() == {}  # negative control: no settler, no counters
+
+
+def test_a_settle_vllm_refused_counts_as_dropped_and_nobody_waits_for_it():
+    side = _side()
+    req = _request(_prompt(300))
+    side.get_num_new_matched_tokens(req, 0)
+    side._reqs["r"].saved_full = 1
+    _finish(req, _prompt(300, 7))
+    side.request_finished(req)
+    [plan] = side.take_settles()
+    side.settle_dropped(plan.req_id)  # what the state scheduler says when vLLM refuses the request
+    s = side.settler
+    assert (s.dropped, s.finished, s.in_flight) == (1, 0, 0)
+    nxt = _request(list(req.all_token_ids) + _prompt(50, 3), rid="next")
+    assert side.get_num_new_matched_tokens(nxt, 0) == (0, False)  # looks up at once: nothing to wait for
+    assert side.take_stats_delta() == {"settles_dropped": 1}

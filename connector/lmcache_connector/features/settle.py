@@ -117,7 +117,7 @@ class Settler:
             if not (self.idle_only and self._plans):
                 self.skipped += 1
                 return None
-            self._drop(self._plans.popleft())
+            self.drop(self._plans.popleft().req_id)
         plan = SettlePlan(f"{PREFIX}{next(self._ids)}-{getattr(source, 'request_id', '')}", tokens, source, tuple(prefix))
         self._in_flight[plan.req_id] = frozenset(hashes)
         self._plans.append(plan)
@@ -134,13 +134,11 @@ class Settler:
             return plans
         return [self._plans.popleft()] if idle and self._plans else []
 
-    def drop(self, plan: SettlePlan) -> None:
-        """``plan`` (taken) is not run after all: its prompt left the cache."""
-        self._drop(plan)
-
-    def _drop(self, plan: SettlePlan) -> None:
-        self._in_flight.pop(plan.req_id, None)
-        self.dropped += 1
+    def drop(self, req_id: str) -> None:
+        """Settle ``req_id`` (taken) is not run after all: its prompt left the cache,
+        or vLLM refused the request."""
+        if self._in_flight.pop(req_id, None) is not None:
+            self.dropped += 1
 
     def done(self, req_id: str) -> None:
         """``req_id`` finished (or was never added): a settle leaves the flight, a

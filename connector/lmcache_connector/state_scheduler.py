@@ -143,6 +143,15 @@ class StateBoundaryScheduler(Scheduler):
         self._add_settles()
         return outputs
 
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Any]:
+        """vLLM's abort (a client went away): the engine may be idle now, which is
+        when ``settle_when: idle`` settles run. (None, every request: a shutdown or
+        a pause, when none is added.)"""
+        finished = super().finish_requests(request_ids, finished_status)
+        if request_ids is not None:
+            self._add_settles()
+        return finished
+
     def _add_settles(self) -> None:
         """Queue the settles the connector planned as requests finished this step."""
         take = getattr(self.connector, "lmcache_take_settles", None)

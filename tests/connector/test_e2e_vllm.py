@@ -252,6 +252,38 @@ def test_a_follow_up_while_the_engine_is_busy_supersedes_an_idle_settle(tiny_mod
         step_until(lambda: "busy" in done)
 
 
+def test_an_idle_settle_runs_when_an_abort_leaves_the_engine_idle(tiny_model):
+    """``settle_when: idle``: a settle queued while another request decodes runs once
+    that request is aborted (no step ends idle then: the abort itself must hand it
+    over). Control: before the abort it stays queued."""
+    from vllm import SamplingParams
+
+    from lmcache_connector.state_scheduler import QUALNAME
+
+    from .conftest import tokens_prompt
+
+    p, busy = random_prompt(300, 151), random_prompt(300, 152)
+    extra = {"connector": {"save_decode_cache": "prefill", "settle_when": "idle"}}
+    with make_llm(tiny_model, extra=extra, scheduler_cls=QUALNAME) as llm:
+        eng, sched = llm.llm_engine, llm.llm_engine.engine_core.engine_core.scheduler
+        settler = scheduler_side(llm).settler
+        eng.add_request("a", tokens_prompt(p), SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+        eng.add_request("busy", tokens_prompt(busy), SamplingParams(max_tokens=700, temperature=0, ignore_eos=True))
+        for _ in range(1000):  # bounded
+            if any(o.finished and o.request_id == "a" for o in eng.step()):
+                break
+        assert (settler.planned, len(settler._plans)) == (1, 1)  # queued: "busy" still decodes
+        eng.step()
+        assert len(settler._plans) == 1 and sum(sched.get_request_counts()) == 1
+        eng.abort_request(["busy"])
+        assert len(settler._plans) == 0 and sum(sched.get_request_counts()) == 1  # the settle, handed over
+        for _ in range(50):  # bounded: the settle's steps (its outputs never reach the front end)
+            if settler.finished:
+                break
+            eng.step()
+        assert settler.finished == 1 and worker().engine.stats()["stored_chunks"] == 3  # two prompts, one answer
+
+
 def test_roles_producer_then_consumer(tiny_model, reference, tmp_path):
     pytest.importorskip("lmcache_backend_disk")
     prompts = [random_prompt(700, 131), random_prompt(520, 132)]

@@ -339,8 +339,8 @@ class ConnectorSection(StrictModel):
         "always",
         description="with save_decode_cache: prefill, when the internal requests run: always, as each request "
         "finishes, beside the others (the next turn hits the answer under load too; an answer nobody follows up costs "
-        "one more prefill of its whole chunks); idle, only while the engine has nothing else to do, one at a time (a "
-        "request that needs an answer's chunks before its settle ran computes them itself): answers nobody follows up "
+        "one more prefill of its whole chunks); idle, only while the engine has nothing else to do, as many as one step "
+        "holds (a request that needs an answer's chunks before its settle ran computes them itself): answers nobody follows up "
         "cost idle time only, and under sustained load settles rarely run",
     )
     sub_chunk_hits: bool = Field(

@@ -177,11 +177,12 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         plan = side.plan if side is not None else None
         return int(side.cs) if side is not None and plan is not None and plan.has_state else 0
 
-    def lmcache_take_settles(self, idle: bool = True) -> "list[settle.SettlePlan]":
+    def lmcache_take_settles(self, idle: bool = True, budget: int | None = None) -> "list[settle.SettlePlan]":
         """Internal requests to run (``connector.save_decode_cache: prefill``): what the
         state scheduler asks after each step, saying whether the engine is ``idle``
-        (no request running or waiting; features/settle.py)."""
-        return self._sched.take_settles(idle) if self._sched is not None else []
+        (no request running or waiting) and how many tokens a step schedules
+        (features/settle.py)."""
+        return self._sched.take_settles(idle, budget) if self._sched is not None else []
 
     def lmcache_settle_dropped(self, req_id: str) -> None:
         """The state scheduler could not add settle ``req_id``."""

@@ -414,17 +414,19 @@ class SchedulerSide:
         if len(st.hashes) < end:
             return
         tokens = list(request.all_token_ids[: end * self.cs + 1])
-        self.settler.plan(request, tokens, st.hashes[st.saved_full : end], st.hashes[: st.saved_full])
+        prefix = st.hashes[: st.saved_full]
+        self.settler.plan(request, tokens, st.hashes[st.saved_full : end], prefix, len(tokens) - len(prefix) * self.cs)
 
-    def take_settles(self, idle: bool = True) -> list[SettlePlan]:
+    def take_settles(self, idle: bool = True, budget: int | None = None) -> list[SettlePlan]:
         """Settles to run now (the state scheduler adds them to vLLM's waiting queue);
-        ``idle``: whether the engine has no request running or waiting. A settle
+        ``idle``: whether the engine has no request running or waiting; ``budget``:
+        the tokens one step schedules (``settle_when: idle`` hands over what fits). A settle
         queued until the engine was idle (``settle_when: idle``) runs only if its
         prompt's chunks are still stored: without them it would recompute the whole
         prompt."""
         if self.settler is None:
             return []
-        plans = self.settler.take(idle)
+        plans = self.settler.take(idle, budget)
         if not self.settler.idle_only:
             return plans
         ready = []

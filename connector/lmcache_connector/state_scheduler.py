@@ -159,7 +159,7 @@ class StateBoundaryScheduler(Scheduler):
         if not callable(take) or not callable(dropped):
             return
         running, waiting = self.get_request_counts()
-        for plan in take(idle=running + waiting == 0):
+        for plan in take(idle=running + waiting == 0, budget=self.max_num_scheduled_tokens):
             try:
                 req = settle_request(plan)
             except (TypeError, ValueError, AttributeError) as err:  # vLLM refused it: the answer is simply not stored

@@ -108,18 +108,18 @@ def test_settles_in_flight_are_bounded():
     assert (s.planned, s.skipped, s.in_flight) == (2, 1, 2)
 
 
-def test_idle_settles_are_handed_over_one_at_a_time_and_only_when_idle():
+def test_idle_settles_are_handed_over_only_when_idle_as_many_as_a_step_holds():
     s = Settler(when="idle")
-    a = s.plan(None, [1], [b"a"])
-    b = s.plan(None, [1], [b"b"])
-    assert s.take(idle=False) == [] and s.in_flight == 2  # busy: both stay queued
-    assert s.take(idle=True) == [a]
-    assert s.take(idle=True) == [b]
-    assert s.take(idle=True) == []
+    a, b, c = (s.plan(None, [1], [h], new_tokens=300) for h in (b"a", b"b", b"c"))
+    big = s.plan(None, [1], [b"d"], new_tokens=900)
+    assert s.take(idle=False, budget=1000) == [] and s.in_flight == 4  # busy: all stay queued
+    assert s.take(idle=True, budget=1000) == [a, b, c]  # 900 tokens; the next would make 1,800
+    assert s.take(idle=True, budget=500) == [big]  # at least one, even past the budget
+    assert s.take(idle=True, budget=1000) == []
     # negative control: always hands every plan over at once, busy or not
     e = Settler(when="always")
-    plans = [e.plan(None, [1], [b"a"]), e.plan(None, [1], [b"b"])]
-    assert e.take(idle=False) == plans
+    plans = [e.plan(None, [1], [b"a"], new_tokens=900), e.plan(None, [1], [b"b"], new_tokens=900)]
+    assert e.take(idle=False, budget=1000) == plans
 
 
 def test_a_request_supersedes_a_queued_idle_settle_and_waits_for_a_running_one():
@@ -140,7 +140,7 @@ def test_idle_settles_past_the_bound_drop_the_oldest_queued():
     a, b = s.plan(None, [1], [b"a"]), s.plan(None, [1], [b"b"])
     c = s.plan(None, [1], [b"c"])
     assert c is not None and (s.dropped, s.skipped, s.in_flight) == (1, 0, 2)
-    assert s.take(idle=True) == [b] and s.take(idle=True) == [c]
+    assert s.take(idle=True) == [b, c]
     # with none queued (both running), a new one is skipped
     assert s.plan(None, [1], [b"d"]) is None and s.skipped == 1
     assert a is not None
@@ -219,6 +219,7 @@ def test_an_idle_settle_runs_only_while_its_prompt_is_stored(stored):
     assert lookup.calls == 2
     if stored:
         assert [p.tokens for p in plans] == [list(req.all_token_ids[: 2 * CS + 1])] and side.settler.in_flight == 1
+        assert plans[0].new_tokens == CS + 1  # the answer's chunk and one token; the prompt's chunk is loaded
     else:
         assert plans == [] and (side.settler.dropped, side.settler.in_flight) == (1, 0)
 

@@ -25,8 +25,8 @@ When settles run is ``connector.settle_when``:
 - ``always``: each as its request finishes, beside the requests running then (the next
   turn's hit is there as soon as possible; an answer nobody follows up is computed once
   more for nothing, which costs throughput where most requests are never followed up);
-- ``idle``: only while the engine has nothing else to do, one at a time, so a settle
-  never competes with a request for more than one settle's steps. Queued settles wait;
+- ``idle``: only while the engine has nothing else to do, as many as one step's token
+  budget holds, so a request arriving meanwhile waits for at most about one step. Queued settles wait;
   a request that needs one before it ran computes those tokens itself (the settle is
   dropped, nothing is computed twice); past :data:`MAX_IN_FLIGHT` the oldest queued one
   is dropped; one whose prompt chunks left the cache meanwhile is dropped (it would
@@ -65,12 +65,14 @@ class SettlePlan:
     """An internal request to run: ``tokens`` (whole chunks plus one token) with the
     cache options of ``source``, the finished vLLM request (its ``kv_transfer_params``,
     cache salt, LoRA, priority and block hasher: the chunk keys must be the same).
-    ``prefix``: the hashes of the chunks it should find stored (the prompt's)."""
+    ``prefix``: the hashes of the chunks it should find stored (the prompt's);
+    ``new_tokens``: how many tokens it computes."""
 
     req_id: str
     tokens: list[int]
     source: Any
     prefix: tuple[bytes, ...] = ()
+    new_tokens: int = 0
 
 
 class Settler:
@@ -108,7 +110,9 @@ class Settler:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def plan(self, source: Any, tokens: list[int], hashes: Iterable[bytes], prefix: Iterable[bytes] = ()) -> SettlePlan | None:
+    def plan(
+        self, source: Any, tokens: list[int], hashes: Iterable[bytes], prefix: Iterable[bytes] = (), new_tokens: int = 0
+    ) -> SettlePlan | None:
         """Queue a settle of ``tokens`` that stores the chunks ``hashes`` after finding
         ``prefix`` stored. With :data:`MAX_IN_FLIGHT` in flight already: ``idle`` drops
         the oldest queued one to make room; otherwise (or with none queued) None,
@@ -118,21 +122,31 @@ class Settler:
                 self.skipped += 1
                 return None
             self.drop(self._plans.popleft().req_id)
-        plan = SettlePlan(f"{PREFIX}{next(self._ids)}-{getattr(source, 'request_id', '')}", tokens, source, tuple(prefix))
+        rid = f"{PREFIX}{next(self._ids)}-{getattr(source, 'request_id', '')}"
+        plan = SettlePlan(rid, tokens, source, tuple(prefix), new_tokens)
         self._in_flight[plan.req_id] = frozenset(hashes)
         self._plans.append(plan)
         self.planned += 1
         return plan
 
-    def take(self, idle: bool = True) -> list[SettlePlan]:
+    def take(self, idle: bool = True, budget: int | None = None) -> list[SettlePlan]:
         """The plans to hand to the scheduler now: ``always``, every plan queued since
-        the last call; ``idle``, the oldest queued one when the engine is ``idle`` (no
-        request running or waiting), else none."""
+        the last call; ``idle``, when the engine is ``idle`` (no request running or
+        waiting), the oldest queued ones whose new tokens fit in ``budget`` (one
+        step's; at least one, all without a budget), else none."""
         if not self.idle_only:
             plans = list(self._plans)
             self._plans.clear()
             return plans
-        return [self._plans.popleft()] if idle and self._plans else []
+        out: list[SettlePlan] = []
+        used = 0
+        while idle and self._plans:
+            nxt = self._plans[0]
+            if out and budget is not None and used + nxt.new_tokens > budget:
+                break
+            out.append(self._plans.popleft())
+            used += nxt.new_tokens
+        return out
 
     def drop(self, req_id: str) -> None:
         """Settle ``req_id`` (taken) is not run after all: its prompt left the cache,

@@ -72,6 +72,17 @@ def _prompt(n, base=1000):
     return [base + (i * 7919) % 5000 for i in range(n)]
 
 
+def _finished(side, **kw):
+    """A 300-token request whose prefill stored chunk 0, finished with a 300-token
+    answer (KV for 599 tokens: chunk 1 whole), as vLLM hands it to the connector."""
+    req = _request(_prompt(300), **kw)
+    side.get_num_new_matched_tokens(req, 0)
+    side._reqs[req.request_id].saved_full = 1
+    _finish(req, _prompt(300, 7))
+    side.request_finished(req)
+    return req
+
+
 # -- Settler ------------------------------------------------------------------------------
 def test_a_request_waits_for_a_settle_that_stores_its_chunks_until_it_finishes():
     clock = _Clock()
@@ -209,11 +220,7 @@ def test_an_idle_settle_runs_only_while_its_prompt_is_stored(stored):
     control: they left the cache, so it is dropped instead of recomputing the prompt."""
     lookup = _Lookup(n=stored)
     side = _side(lookup=lookup, settle_when="idle")
-    req = _request(_prompt(300))
-    side.get_num_new_matched_tokens(req, 0)
-    side._reqs["r"].saved_full = 1
-    _finish(req, _prompt(300, 7))
-    side.request_finished(req)
+    req = _finished(side)
     assert side.take_settles(idle=False) == [] and lookup.calls == 1  # busy: not even looked up
     plans = side.take_settles(idle=True)
     assert lookup.calls == 2
@@ -258,11 +265,7 @@ def test_a_settle_request_has_the_finished_requests_chunk_keys():
     from lmcache_connector.state_scheduler import settle_request
 
     side = _side()
-    req = _request(_prompt(300), params={"lmcache.tag.user": "u1"}, salt="s1")
-    side.get_num_new_matched_tokens(req, 0)
-    side._reqs["r"].saved_full = 1
-    _finish(req, _prompt(300, 7))
-    side.request_finished(req)
+    req = _finished(side, params={"lmcache.tag.user": "u1"}, salt="s1")
     [plan] = side.take_settles()
     settle = settle_request(plan)
     assert settle.request_id == plan.req_id and settle.max_tokens == 1 and settle.prompt_token_ids == plan.tokens
@@ -301,11 +304,7 @@ def test_settle_counters_reach_vllm_as_increments():
     (``/metrics``): increments since the last report, nothing when nothing changed."""
     side = _side(settle_when="always")
     assert side.take_stats_delta() == {}
-    req = _request(_prompt(300))
-    side.get_num_new_matched_tokens(req, 0)
-    side._reqs["r"].saved_full = 1
-    _finish(req, _prompt(300, 7))
-    side.request_finished(req)
+    _finished(side)
     [plan] = side.take_settles()
     settle = _request(plan.tokens, rid=plan.req_id)
     side.get_num_new_matched_tokens(settle, 0)
@@ -318,11 +317,7 @@ def test_settle_counters_reach_vllm_as_increments():
 
 def test_a_settle_vllm_refused_counts_as_dropped_and_nobody_waits_for_it():
     side = _side()
-    req = _request(_prompt(300))
-    side.get_num_new_matched_tokens(req, 0)
-    side._reqs["r"].saved_full = 1
-    _finish(req, _prompt(300, 7))
-    side.request_finished(req)
+    req = _finished(side)
     [plan] = side.take_settles()
     side.settle_dropped(plan.req_id)  # what the state scheduler says when vLLM refuses the request
     s = side.settler

@@ -203,6 +203,25 @@ def test_settled_answers_serve_the_next_turn_on_a_dense_model(tiny_model, refere
     assert follow_ups[QUALNAME] == follow_ups[None] == reference([follow])[0]  # (an engine of its own: after the others)
 
 
+def _decode(n: int):
+    """Greedy sampling of exactly ``n`` tokens (a request that keeps the engine busy)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _step_until(eng, cond, done: dict | None = None, steps: int = 3000) -> None:
+    """Step vLLM's engine until ``cond()`` (bounded: each step computes at least one
+    token of a request), recording finished outputs in ``done``."""
+    for _ in range(steps):
+        for out in eng.step():
+            if out.finished and done is not None:
+                done[out.request_id] = out
+        if cond():
+            return
+    raise AssertionError(f"engine did not get there in {steps} steps: finished {sorted(done or {})}")
+
+
 @pytest.mark.parametrize("when", ["idle", "always"])
 def test_a_follow_up_while_the_engine_is_busy_supersedes_an_idle_settle(tiny_model, reference, when):
     """``settle_when: idle``: a request that finishes while another still
@@ -210,8 +229,6 @@ def test_a_follow_up_while_the_engine_is_busy_supersedes_an_idle_settle(tiny_mod
     answer's chunk itself (the queued settle is dropped: nothing computed twice) and
     equals vLLM's tokens. Control, ``always``: the settle runs as the request finishes,
     the follow-up waits for it and hits the answer's chunk too."""
-    from vllm import SamplingParams
-
     from lmcache_connector.state_scheduler import QUALNAME
 
     from .conftest import tokens_prompt
@@ -223,22 +240,12 @@ def test_a_follow_up_while_the_engine_is_busy_supersedes_an_idle_settle(tiny_mod
     extra = {"connector": {"save_decode_cache": "prefill", "settle_when": when}}
     with make_llm(tiny_model, extra=extra, scheduler_cls=QUALNAME) as llm:
         eng, done = llm.llm_engine, {}
-
-        def step_until(cond) -> None:
-            for _ in range(3000):  # bounded: each step computes at least one token of a request
-                for out in eng.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                if cond():
-                    return
-            raise AssertionError(f"engine did not get there: finished {sorted(done)}")
-
         eng.add_request("a", tokens_prompt(p), greedy(300))
-        eng.add_request("busy", tokens_prompt(busy), SamplingParams(max_tokens=700, temperature=0, ignore_eos=True))
-        step_until(lambda: "a" in done)
+        eng.add_request("busy", tokens_prompt(busy), _decode(700))
+        _step_until(eng, lambda: "a" in done, done)
         assert "busy" not in done  # still decoding: the engine is not idle
         eng.add_request("f", tokens_prompt(follow), greedy(16))
-        step_until(lambda: "f" in done)
+        _step_until(eng, lambda: "f" in done, done)
         settler = scheduler_side(llm).settler
         assert list(done["a"].outputs[0].token_ids) == ref[0]
         assert list(done["f"].outputs[0].token_ids) == ref_follow[0]
@@ -249,15 +256,13 @@ def test_a_follow_up_while_the_engine_is_busy_supersedes_an_idle_settle(tiny_mod
         else:
             assert done["f"].num_cached_tokens == 2 * CS
             assert (settler.superseded, settler.waits, settler.finished) == (0, 1, 1)
-        step_until(lambda: "busy" in done)
+        _step_until(eng, lambda: "busy" in done, done)
 
 
 def test_an_idle_settle_runs_when_an_abort_leaves_the_engine_idle(tiny_model):
     """``settle_when: idle``: a settle queued while another request decodes runs once
     that request is aborted (no step ends idle then: the abort itself must hand it
     over). Control: before the abort it stays queued."""
-    from vllm import SamplingParams
-
     from lmcache_connector.state_scheduler import QUALNAME
 
     from .conftest import tokens_prompt
@@ -267,20 +272,16 @@ def test_an_idle_settle_runs_when_an_abort_leaves_the_engine_idle(tiny_model):
     with make_llm(tiny_model, extra=extra, scheduler_cls=QUALNAME) as llm:
         eng, sched = llm.llm_engine, llm.llm_engine.engine_core.engine_core.scheduler
         settler = scheduler_side(llm).settler
-        eng.add_request("a", tokens_prompt(p), SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
-        eng.add_request("busy", tokens_prompt(busy), SamplingParams(max_tokens=700, temperature=0, ignore_eos=True))
-        for _ in range(1000):  # bounded
-            if any(o.finished and o.request_id == "a" for o in eng.step()):
-                break
+        done: dict = {}
+        eng.add_request("a", tokens_prompt(p), _decode(300))
+        eng.add_request("busy", tokens_prompt(busy), _decode(700))
+        _step_until(eng, lambda: "a" in done, done, steps=1000)
         assert (settler.planned, len(settler._plans)) == (1, 1)  # queued: "busy" still decodes
         eng.step()
         assert len(settler._plans) == 1 and sum(sched.get_request_counts()) == 1
         eng.abort_request(["busy"])
         assert len(settler._plans) == 0 and sum(sched.get_request_counts()) == 1  # the settle, handed over
-        for _ in range(50):  # bounded: the settle's steps (its outputs never reach the front end)
-            if settler.finished:
-                break
-            eng.step()
+        _step_until(eng, lambda: settler.finished > 0, steps=50)  # its outputs never reach the front end
         assert settler.finished == 1 and worker().engine.stats()["stored_chunks"] == 3  # two prompts, one answer
 
 

@@ -26,11 +26,11 @@ When settles run is ``connector.settle_when``:
   turn's hit is there as soon as possible; an answer nobody follows up is computed once
   more for nothing, which costs throughput where most requests are never followed up);
 - ``idle``: only while the engine has nothing else to do, as many as one step's token
-  budget holds, so a request arriving meanwhile waits for at most about one step. Queued settles wait;
-  a request that needs one before it ran computes those tokens itself (the settle is
-  dropped, nothing is computed twice); past :data:`MAX_IN_FLIGHT` the oldest queued one
-  is dropped; one whose prompt chunks left the cache meanwhile is dropped (it would
-  recompute the whole prompt). Under sustained load settles rarely run: the next turn
+  budget holds, so a request arriving meanwhile waits for at most about one step.
+  Queued settles wait; a request that needs one before it ran computes those tokens
+  itself (the settle is dropped, nothing is computed twice); past
+  :data:`MAX_IN_FLIGHT` the oldest queued one is dropped; one whose prompt chunks left
+  the cache meanwhile is dropped (it would recompute the whole prompt). Under sustained load settles rarely run: the next turn
   then costs what it costs without them.
 
 This module only keeps the bookkeeping (plans, what is in flight, who waits); the

@@ -1,9 +1,10 @@
 """Build a wheel of every distribution in the repository (``pip wheel --no-deps``
 with the environment's own setuptools, so nothing is downloaded per build) into a
 fresh directory and check what each one ships: its packages with their ``py.typed``,
-the native sources they build at run time (``*.c``, ``*.cpp``, ``*.cu``, ``*.cuh``), its
-entry points. ``package = skip`` in tox never builds them, so a broken build
-configuration would otherwise only show at release time.
+the native sources they build at run time (``*.c``, ``*.cpp``, ``*.cu``, ``*.cuh``),
+the extensions they compile when built (the core's fp8 kernel), its entry points.
+``package = skip`` in tox never builds them, so a broken build configuration would
+otherwise only show at release time.
 
     python .ci/build_wheels.py OUT_DIR
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE_SOURCES = ("*.c", "*.cpp", "*.cu", "*.cuh")
+# compiled when the distribution is built (setup.py), never at run time
+COMPILED = {"lmcache-core": "lmcache_core/_fp8."}
 
 
 def distributions() -> list[Path]:
@@ -54,6 +57,8 @@ def main(out: Path) -> int:
             for f in dist.glob(f"*/**/{pattern}")
             if (f.relative_to(dist).parts[0] + "/__init__.py") in files
         }
+        if name in COMPILED and not any(f.startswith(COMPILED[name]) for f in files):
+            failures.append(f"{name}: {built[0].name} lacks its compiled {COMPILED[name]}* (setup.py's build failed?)")
         if sources - set(files):
             failures.append(f"{name}: {built[0].name} lacks {sorted(sources - set(files))} (package-data)")
         print(f"{built[0].name}: {len(files)} files, {', '.join(typed + sorted(sources))}")

@@ -7,8 +7,8 @@ torch's default thread count, in one run; and the frame's bytes against the chun
                                     [--paths native torch]
 
 Both implementations of the codec run in one process, one after the other: the fused
-kernel (``lmcache_core/fp8_kernel.c``, what the codec uses wherever a C compiler is
-found) and the torch ops it falls back to (``LMCACHE_FP8_KERNEL=torch``).
+kernel (``lmcache_core/csrc/fp8_kernel.c``, what the codec uses wherever the package
+was built with a C compiler) and the torch ops it falls back to (``LMCACHE_FP8_KERNEL=torch``).
 
 The chunk is ``[layers, k/v, 256 tokens, heads, head_size]`` of random normal KV.
 Encode is :func:`lmcache_core.serde.encode_parts` (codec and frame header, checksum
@@ -111,7 +111,9 @@ def main() -> None:
         if ("native", threads) in by and ("torch", threads) in by:
             gain = by[("native", threads)]["round_trip"] / by[("torch", threads)]["round_trip"]
             print(f"native / torch, enc+dec, {threads} thread(s): {gain:.2f}x")
-    print("\npath: native = the fused kernel (lmcache_core/fp8_kernel.c), torch = the torch ops (LMCACHE_FP8_KERNEL=torch);")
+    print(
+        "\npath: native = the fused kernel (lmcache_core/csrc/fp8_kernel.c, built with the package), torch = the torch ops (LMCACHE_FP8_KERNEL=torch);"
+    )
     print("GB/s of the raw chunk's bytes; (x) = ratio to the copy; enc+dec = bytes / (t_encode + t_decode);")
     print(f"raw frame = the raw codec's frame encode + decode, for reference; target: enc+dec >= {TARGET_GBPS} GB/s on 1 thread")
 

@@ -18,7 +18,7 @@ of 2.5% (normal data). The scale's own rounding costs nothing: values are divide
 the stored scale, the one decode multiplies by. Figures: ``docs/benchmarks.md``.
 
 Encode and decode run in the fused kernel of :mod:`lmcache_core.fp8_native` where
-a C compiler is found (about 5x faster, the same bytes and values), else in the
+the package was built with a C compiler (about 5x faster, the same bytes and values), else in the
 torch ops below.
 
 Decoding trusts nothing in the payload: its length must be exactly the one the
@@ -62,7 +62,7 @@ REL_ERROR_BOUND = 0.03
 #: recomputation's own rounding. Another key's chunk is off by about 100%.
 CANARY_BOUND = 0.08
 _UNBIAS = 2.0**120  # float8 bits moved into a bfloat16 read 2**-120 of their value
-#: the fused kernel's dtype codes (lmcache_core/fp8_kernel.c)
+#: the fused kernel's dtype codes (lmcache_core/csrc/fp8_kernel.c)
 _KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # what both paths (kernel and torch ops) say when they refuse input
 _NOT_FINITE = "the fp8 codec cannot store NaN or infinite KV"
@@ -123,13 +123,13 @@ class Fp8Codec:
             raise TypeError(f"the fp8 codec stores float16, bfloat16 or float32 KV, not {tensor.dtype}")
         n = tensor.numel()
         groups = -(-n // GROUP)
-        dll = fp8_native.kernel() if tensor.device.type == "cpu" else None
-        if dll is not None:
+        kern = fp8_native.kernel() if tensor.device.type == "cpu" else None
+        if kern is not None:
             src = tensor.detach().contiguous()
             out = torch.empty(2 * groups + n, dtype=torch.uint8)
             limit = scale_limit(tensor.dtype)
             code = _KERNEL_DTYPES[tensor.dtype]
-            if dll.lmc_fp8_encode(src.data_ptr(), code, n, _ROUND_UP / FP8_MAX, MIN_SCALE, limit, out.data_ptr()) != 0:
+            if kern.encode(src.data_ptr(), code, n, _ROUND_UP / FP8_MAX, MIN_SCALE, limit, out.data_ptr()) != 0:
                 raise ValueError(_NOT_FINITE)
             return out.numpy().data.cast("B")
         flat = tensor.detach().reshape(-1)
@@ -158,14 +158,14 @@ class Fp8Codec:
         groups = -(-n // GROUP)
         if payload.nbytes != 2 * groups + n:
             raise ValueError(f"payload is {payload.nbytes} bytes, {2 * groups + n} expected for {n} values")
-        dll = fp8_native.kernel()
-        if dll is not None:
+        kern = fp8_native.kernel()
+        if kern is not None:
             direct = (
                 out is not None and out.dtype == dtype and out.numel() == n and out.is_contiguous() and out.device.type == "cpu"
             )
             dst = out if direct and out is not None else torch.empty(shape, dtype=dtype)
             src = np.frombuffer(payload, dtype=np.uint8)
-            rc = dll.lmc_fp8_decode(src.ctypes.data, n, _KERNEL_DTYPES[dtype], scale_limit(dtype), dst.data_ptr()) if n else 0
+            rc = kern.decode(src.ctypes.data, n, _KERNEL_DTYPES[dtype], scale_limit(dtype), dst.data_ptr()) if n else 0
             if rc == -1:
                 raise ValueError(_BAD_SCALE)
             if rc == -2:

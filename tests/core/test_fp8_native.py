@@ -1,15 +1,20 @@
-"""The fp8 codec's fused kernel (lmcache_core/fp8_kernel.c) against its torch path:
-the same frame bytes and the same decoded bits for every dtype, every finite 16-bit
-value, random float32 bit patterns, short last groups and random payloads; the same
-refusals of bad input, with ``out`` untouched; and the fall-back to the torch path
-where the kernel cannot be built."""
+"""The fp8 codec's fused kernel (lmcache_core/csrc/fp8_kernel.c, compiled with the
+package as lmcache_core._fp8) against its torch path: every variant this CPU runs
+writes the same frame bytes and decodes the same bits for every dtype, every finite
+16-bit value, random float32 bit patterns, short last groups and random payloads;
+the same refusals of bad input, with ``out`` untouched; the fall-back to the torch
+path where the package was installed without the kernel; and nothing compiled or
+loaded at run time from a directory another user can touch."""
 
 from __future__ import annotations
 
-import ctypes
-import os
+import json
 import logging
-import platform
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -23,7 +28,14 @@ T = TypeVar("T")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CODEC = Fp8Codec()
 
-pytestmark = pytest.mark.skipif(fp8_native.kernel() is None, reason="no C compiler here: the kernel cannot be built")
+try:
+    VARIANTS = {k.variant: k for k in fp8_native.variants()}
+except fp8_native.KernelUnavailable:
+    VARIANTS = {}
+pytestmark = pytest.mark.skipif(not VARIANTS, reason="lmcache-core was installed without its compiled fp8 kernel")
+# avx512 and avx2 on x86-64 CPUs that have them, generic everywhere: each is held to
+# the torch path.
+KERNELS = list(VARIANTS)
 
 
 @pytest.fixture(autouse=True)
@@ -34,20 +46,11 @@ def _fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     fp8_native.reset()
 
 
-# On x86 the kernel has an AVX-512 quantizer and a portable one (what other CPUs
-# run): both are held to the torch path, the portable one built with -mno-avx512f.
-X86 = platform.machine() in ("x86_64", "AMD64")
-KERNELS = ["native", "portable"] if X86 else ["native"]
-_portable: dict[str, ctypes.CDLL] = {}
-
-
 def on(path: str, fn: Callable[[], T], monkeypatch: pytest.MonkeyPatch) -> T:
-    monkeypatch.setenv(fp8_native.ENV, "native" if path == "portable" else path)
+    monkeypatch.setenv(fp8_native.ENV, "torch" if path == "torch" else "native")
     fp8_native.reset()
-    if path == "portable":
-        if "dll" not in _portable:
-            _portable["dll"] = fp8_native._load(fp8_native.build(extra=("-mno-avx512f",)))
-        fp8_native._state["dll"] = _portable["dll"]
+    if path != "torch":
+        fp8_native._state["kernel"] = VARIANTS[path]
     assert (fp8_native.kernel() is None) == (path == "torch")
     return fn()
 
@@ -153,22 +156,28 @@ def test_bad_input_is_refused_alike_and_out_is_left_alone(path: str, monkeypatch
     assert (out.float() - x.float()).norm() / x.float().norm() < 0.03
 
 
-def test_without_a_compiler_the_codec_falls_back_and_says_why(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_the_best_variant_is_chosen_and_the_generic_one_is_always_there() -> None:
+    assert KERNELS[-1] == "generic"
+    assert (k := fp8_native.kernel()) is not None and k.variant == KERNELS[0]
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx512f " in flags and " avx512bw " in flags and sys.platform == "linux" and os.uname().machine == "x86_64":
+        assert KERNELS[0] == "avx512"
+
+
+def test_without_the_compiled_kernel_the_codec_falls_back_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setenv("LMCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "lmcache_core._fp8", None)  # as if installed without a compiler
     monkeypatch.setenv(fp8_native.ENV, "auto")
     with caplog.at_level(logging.WARNING, logger="lmcache_core.fp8_native"):
         assert fp8_native.kernel() is None
-    assert "torch path" in caplog.text and "no C compiler" in caplog.text
+    assert "torch path" in caplog.text and "installed without its compiled fp8 kernel" in caplog.text
     x = torch.randn(1000).to(torch.float16)
     out = CODEC.decode_tensor(CODEC.encode_tensor(x), torch.float16, (1000,), None)
     assert (out.float() - x.float()).norm() / x.float().norm() < 0.03
     monkeypatch.setenv(fp8_native.ENV, "native")
     fp8_native.reset()
-    with pytest.raises(fp8_native.KernelUnavailable, match="native.*no C compiler"):
+    with pytest.raises(fp8_native.KernelUnavailable, match="native.*installed without"):
         fp8_native.kernel()
     monkeypatch.setenv(fp8_native.ENV, "fast")
     fp8_native.reset()
@@ -176,53 +185,78 @@ def test_without_a_compiler_the_codec_falls_back_and_says_why(
         fp8_native.kernel()
 
 
-def test_the_library_is_built_once_per_machine_and_source(tmp_path: Path) -> None:
-    first = fp8_native.build(tmp_path)
-    stamp = first.stat().st_mtime_ns
-    assert fp8_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
-
-
-def test_an_engine_with_an_fp8_tier_builds_the_kernel_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The kernel is ready before the first request, built where the engine starts;
-    control: an engine without an fp8 tier builds nothing."""
+# An engine with an fp8 tier, started and used in a fresh process: which shared
+# objects it mapped, and whether any planted library ran.
+_PROBE = textwrap.dedent(
+    """
+    import json, torch
+    from lmcache_core import fp8_native
     from lmcache_core.config import load_config
     from lmcache_core.engine import CacheEngine
+    from lmcache_core.fp8 import Fp8Codec
     from lmcache_core.keys import KeyNamespace
     from lmcache_core.plugins import PluginManager
 
-    def engine(serde: str) -> CacheEngine:
-        backends = [{"name": "local_cpu", "max_size": "16MiB"}, {"name": "example_dict", "max_entries": 10, "serde": serde}]
-        cfg = load_config(env={}, overrides={"chunk_size": 16, "backends": backends})
-        return CacheEngine(cfg, namespace=KeyNamespace(model="fp8-prepare"), plugins=PluginManager())
+    backends = [{"name": "local_cpu", "max_size": "16MiB"}, {"name": "example_dict", "max_entries": 10, "serde": "fp8"}]
+    cfg = load_config(env={}, overrides={"chunk_size": 16, "backends": backends})
+    with CacheEngine(cfg, namespace=KeyNamespace(model="fp8-probe"), plugins=PluginManager()):
+        k = fp8_native.kernel()
+        x = torch.randn(4096).to(torch.bfloat16)
+        codec = Fp8Codec()
+        y = codec.decode_tensor(codec.encode_tensor(x), torch.bfloat16, (4096,), None)
+        err = float((y.float() - x.float()).norm() / x.float().norm())
+    maps = sorted({line.split()[-1] for line in open("/proc/self/maps") if line.rstrip().endswith(".so")})
+    print(json.dumps({"variant": k and k.variant, "err": err, "maps": maps}))
+    """
+)
 
-    for serde, built in (("raw", False), ("fp8", True)):
-        cache = tmp_path / serde
-        monkeypatch.setenv("LMCACHE_CACHE_DIR", str(cache))
-        fp8_native.reset()
-        with engine(serde):
-            assert ("dll" in fp8_native._state) is built
-            assert (cache.is_dir() and any(cache.glob("fp8_kernel-*.so"))) is built
+
+def _probe(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_cache_directory_others_can_write_is_not_trusted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A library is code the process runs: one in a directory other users can write,
-    or owned by another user, is not loaded (the torch path runs, saying why)."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
-    with pytest.raises(fp8_native.KernelUnavailable, match="writable by other users"):
-        fp8_native.build(shared)
-    assert list(shared.iterdir()) == []  # nothing built there either
-    private = tmp_path / "private"
-    lib = fp8_native.build(private)  # control: a private directory is used
-    assert private.stat().st_mode & 0o777 == 0o700 and lib.stat().st_mode & 0o022 == 0
-    lib.chmod(0o666)
-    with pytest.raises(fp8_native.KernelUnavailable, match="writable by other users"):
-        fp8_native.build(private)
-    lib.chmod(0o755)
-    assert fp8_native.build(private) == lib
-    if os.getuid() == 0:  # only root can give a file away
-        os.chown(lib, 1, 1)
-        with pytest.raises(fp8_native.KernelUnavailable, match="belongs to uid 1"):
-            fp8_native.build(private)
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_nothing_is_compiled_or_loaded_from_a_cache_directory_at_run_time(tmp_path: Path) -> None:
+    """The round-3 finding: the kernel was compiled into, and loaded by path from,
+    ``$LMCACHE_CACHE_DIR`` (a symlinked one made root compile wherever the link
+    pointed; a swapped one made it load another user's library). Now every cache
+    variable points through a symlink into a directory holding a planted library
+    under the old names, no compiler is on PATH, and an engine with an fp8 tier
+    runs the kernel all the same: loaded from the installed package, nothing
+    written to that directory, nothing of it mapped, the planted code never run."""
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    marker = tmp_path / "foreign-code-ran"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc:  # a library whose constructor leaves a mark, under the names the old loader used
+        src = tmp_path / "evil.c"
+        src.write_text(
+            "#include <stdio.h>\n__attribute__((constructor)) static void mark(void) "
+            f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
+            "int lmc_fp8_encode(void) { return 0; }\nint lmc_fp8_decode(void) { return 0; }\n"
+        )
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(target / "fp8_kernel-0000000000000000.so"), str(src)], check=True)
+        for sub in ("", "lmcache-core"):
+            (target / sub).mkdir(exist_ok=True)
+            shutil.copy(target / "fp8_kernel-0000000000000000.so", target / sub / "_fp8.so")
+    link = tmp_path / "cache-link"
+    link.symlink_to(target)
+    before = sorted((p.relative_to(target), p.stat().st_mtime_ns) for p in target.rglob("*"))
+    bare = tmp_path / "bin"  # PATH with the interpreter only: no cc, gcc or clang
+    bare.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", fp8_native.ENV)}
+    env.update(PATH=str(bare), LMCACHE_CACHE_DIR=str(link), XDG_CACHE_HOME=str(link), HOME=str(link))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    got = _probe(env)
+    assert got["variant"] == KERNELS[0] and got["err"] < 0.03
+    package = Path(fp8_native.__file__).resolve().parent
+    ours = [m for m in got["maps"] if Path(m).name.startswith("_fp8.")]
+    assert len(ours) == 1 and Path(ours[0]).resolve().parent == package, got["maps"]
+    assert not [m for m in got["maps"] if str(tmp_path) in m], got["maps"]
+    assert sorted((p.relative_to(target), p.stat().st_mtime_ns) for p in target.rglob("*")) == before
+    assert not marker.exists()
+    if cc:  # control: the planted library does run when something loads it
+        subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(target / '_fp8.so')!r})"], check=True)
+        assert marker.exists()

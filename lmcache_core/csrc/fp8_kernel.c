@@ -1,5 +1,8 @@
-/* The fp8 codec's encode and decode in one pass each (lmcache_core/fp8_native.py
- * builds and loads this file; lmcache_core/fp8.py documents the format).
+/* The fp8 codec's encode and decode in one pass each (lmcache_core/fp8.py documents
+ * the format). Compiled when the package is built, once per instruction set:
+ * fp8_generic.c, fp8_avx2.c and fp8_avx512.c each include this file with LMC_NAME
+ * giving the exported functions a suffix; fp8_module.c picks the best one this CPU
+ * runs (lmcache_core/fp8_native.py loads it).
  *
  * Every arithmetic step is the one the torch path performs, in the same order and
  * in float32 (IEEE, no fused multiply-add, no flush to zero), so both paths write
@@ -140,7 +143,7 @@ static inline void put_scales(uint8_t *out, int64_t g0, const uint16_t *scales, 
 
 /* Writes 2 * ceil(n / 64) bytes of scales (little-endian bfloat16) then n codes to
  * out. Returns 0, or -1 when a value is NaN or infinite (out is then partly written). */
-int lmc_fp8_encode(const void *src, int dtype, int64_t n, float inv_max_up, float min_scale, float limit, uint8_t *out) {
+int LMC_NAME(lmc_fp8_encode)(const void *src, int dtype, int64_t n, float inv_max_up, float min_scale, float limit, uint8_t *out) {
     int64_t groups = (n + GROUP - 1) / GROUP;
     int64_t full = n / GROUP;
     uint8_t *codes = out + 2 * groups;
@@ -174,7 +177,7 @@ static inline float scale_at(const uint8_t *payload, int64_t g) {
 /* Decodes n values into dst (dtype, contiguous). Returns 0; -1 for a scale that is
  * negative, not finite or over limit; -2 for a float8 NaN code (never written by
  * the encoder). The payload is checked whole before dst is written. */
-int lmc_fp8_decode(const uint8_t *payload, int64_t n, int dtype, float limit, void *dst) {
+int LMC_NAME(lmc_fp8_decode)(const uint8_t *payload, int64_t n, int dtype, float limit, void *dst) {
     int64_t groups = (n + GROUP - 1) / GROUP;
     const uint8_t *codes = payload + 2 * groups;
     for (int64_t g = 0; g < groups; g++) {

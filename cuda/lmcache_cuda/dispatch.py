@@ -9,7 +9,11 @@ Resolved once per process, lazily (the first transfer on CUDA tensors, or a call
    when it imports.
 4. Otherwise the sources shipped in ``lmcache_cuda/csrc`` are JIT-compiled with
    ``torch.utils.cpp_extension.load`` (about a minute the first time, cached under
-   ``TORCH_EXTENSIONS_DIR``); ``LMCACHE_CUDA_JIT=0`` disables this.
+   ``TORCH_EXTENSIONS_DIR``); ``LMCACHE_CUDA_JIT=0`` disables this. The build
+   directory is code this process loads: it, and every directory above it up to
+   ``/``, must belong to root or this user and be writable by no one else (sticky
+   directories such as ``/tmp`` excepted above it), else no JIT build (the reason
+   says which directory and what to do).
 
 ``LMCACHE_CUDA_BACKEND=cuda`` turns any fallback into an error that carries the reason.
 """
@@ -17,6 +21,7 @@ Resolved once per process, lazily (the first transfer on CUDA tensors, or a call
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import warnings
 from dataclasses import dataclass
@@ -49,11 +54,53 @@ def _env(name: str, default: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+class UnsafeBuildDir(RuntimeError):
+    pass
+
+
+def unsafe_reason(directory: str) -> str | None:
+    """Why another user could change what is loaded from ``directory`` (already
+    resolved: no symbolic links), or None. The directory must belong to this user
+    and be writable by no one else; each directory above it must belong to root or
+    this user and be writable by no one else unless sticky (a sticky directory lets
+    others create entries, not rename or remove ours)."""
+    uid = os.geteuid()
+    path = Path(directory)
+    for i, p in enumerate([path, *path.parents]):
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            return f"{p} is not a plain directory"
+        if st.st_uid not in ((uid,) if i == 0 else (0, uid)):
+            return f"{p} belongs to uid {st.st_uid}"
+        if st.st_mode & 0o022 and (i == 0 or not st.st_mode & stat.S_ISVTX):
+            return f"{p} is writable by other users (mode {st.st_mode & 0o7777:o})"
+    return None
+
+
+def build_directory() -> str:
+    """Where the JIT build goes: ``$TORCH_EXTENSIONS_DIR`` or torch's default, resolved,
+    one directory per torch and CUDA version; made 0700 and checked with
+    :func:`unsafe_reason` (raises :class:`UnsafeBuildDir`)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.path.realpath(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    directory = os.path.join(root, f"{JIT_NAME}-torch{torch.__version__}-cuda{torch.version.cuda}".replace("+", "_"))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    why = unsafe_reason(directory)
+    if why is not None:
+        raise UnsafeBuildDir(
+            f"not building or loading the kernels in {directory}: {why}; set TORCH_EXTENSIONS_DIR to a private "
+            "directory, or install the prebuilt extension (LMCACHE_CUDA_BUILD=1)"
+        )
+    return directory
+
+
 def _jit_build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     return load(
         name=JIT_NAME,
+        build_directory=build_directory(),
         sources=[str(CSRC / "ops.cpp"), str(CSRC / "paged_copy.cu")],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3"],

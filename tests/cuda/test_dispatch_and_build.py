@@ -93,3 +93,34 @@ def test_bad_build_flag():
 def test_sources_ship_in_the_package():
     for name in ("ops.cpp", "paged_copy.cu", "paged_copy.cuh"):
         assert (dispatch.CSRC / name).is_file()
+
+
+def test_the_jit_build_directory_must_be_private_up_to_the_root(tmp_path, monkeypatch):
+    """Hardening round 3: the JIT-built kernels are code this process loads, so the
+    build directory and every directory above it must be out of other users' reach
+    (a writable parent lets them swap the directory between build and load)."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert dispatch.unsafe_reason(str(private)) is None  # control: tmp_path sits under sticky /tmp
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # writable by all, not sticky
+    (shared / "cache").mkdir(mode=0o700)
+    assert "shared is writable by other users" in dispatch.unsafe_reason(str(shared / "cache"))
+    private.chmod(0o770)
+    assert "private is writable by other users" in dispatch.unsafe_reason(str(private))
+    private.chmod(0o700)
+    link = tmp_path / "link"
+    link.symlink_to(private)
+    assert "not a plain directory" in dispatch.unsafe_reason(str(link))
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chown(private, 1, 1)
+        assert "belongs to uid 1" in dispatch.unsafe_reason(str(private))
+        os.chown(private, 0, 0)
+    # build_directory resolves TORCH_EXTENSIONS_DIR (a link to a private place is fine)
+    # and refuses a shared one, saying what to do
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(link))
+    assert Path(dispatch.build_directory()).parent == private
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(shared / "cache"))
+    with pytest.raises(dispatch.UnsafeBuildDir, match="writable by other users.*TORCH_EXTENSIONS_DIR"):
+        dispatch.build_directory()

@@ -19,7 +19,7 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Generator, Iterator, Literal, Mapping, NamedTuple, Sequence, overload
 
 import torch
@@ -33,6 +33,7 @@ from .loadcost import TierReadModel
 from .keys import ChunkKey, KeyNamespace
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
+from .prefetch import Prefetcher
 from .quarantine import Quarantine
 from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs, is_lossy, tier_codecs
 from .threads import enter_background, use_background_cores
@@ -45,10 +46,14 @@ ChunkData = torch.Tensor | MemoryBuffer
 
 #: keys in a tier's lookup window after it answered short of its window (see lookup_runs)
 LOOKUP_WINDOW = 16
-#: bytes of prefetches in flight at most (see CacheEngine.prefetch)
+#: bytes of prefetches in flight at most (see CacheEngine.prefetch), and at most
+#: this share of the pool
 PREFETCH_BYTES = 512 << 20
-#: how long a load waits for a prefetch of the same run before reading it itself
+PREFETCH_POOL_SHARE = 0.5
+#: how long a load waits for a running prefetch of the same run before reading it itself
 PREFETCH_WAIT_S = 30.0
+#: how long close() waits for running background reads (queued ones are cancelled)
+CLOSE_WAIT_S = 5.0
 
 
 class KeyWindow(Sequence[ChunkKey]):
@@ -250,11 +255,9 @@ class CacheEngine:
         self._pin_lock = threading.Lock()
         # reads the next window of a long load while the caller copies this one
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-fetch", initializer=nice)
-        # prefetches started at lookup (see prefetch), keyed by their first chunk
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-prefetch", initializer=nice)
-        self._prefetch_lock = threading.Lock()
-        self._prefetching: dict[bytes, Future[None]] = {}
-        self._prefetch_bytes = 0
+        # prefetches started at lookup (see prefetch), owned by the request's pin id
+        budget = min(PREFETCH_BYTES, int(self.pool.capacity * PREFETCH_POOL_SHARE))
+        self.prefetcher = Prefetcher(budget, PREFETCH_WAIT_S, initializer=nice)
         self._closed = False
 
     # -- listeners --------------------------------------------------------------------
@@ -396,6 +399,7 @@ class CacheEngine:
         took them). Unknown ids are ignored."""
         with self._pin_lock:
             pinned = self._pins.pop(pin_id, None)
+        self.prefetcher.cancel(pin_id)
         self._unpin_all(pinned or ())
 
     def keep_pinned(self, pin_id: str, n_chunks: int) -> None:
@@ -554,50 +558,38 @@ class CacheEngine:
         self._await_prefetch(hashes)
         return fetch_run(self, hashes, shapes, dtype, pool=self._fetch_pool)
 
-    def prefetch(self, hashes: Sequence[bytes], shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> bool:
+    def prefetch(
+        self, hashes: Sequence[bytes], shapes: Sequence[Sequence[int]], dtype: torch.dtype, owner: str | None = None
+    ) -> bool:
         """Start reading ``hashes`` from the slower tiers into the memory tier in the
-        background (a hit found at lookup, before vLLM schedules its load), at most
-        ``PREFETCH_BYTES`` in flight. False when nothing was started (no memory tier,
+        background (a hit found at lookup, before vLLM schedules its load) for request
+        ``owner`` (its pin id: :meth:`unpin` cancels it), at most ``PREFETCH_BYTES``
+        (and half the pool) in flight. False when nothing was started (no memory tier,
         the budget is taken, or the same run is already being read). A later
-        :meth:`iter_chunks` of the same run waits for it (bounded) instead of reading
-        the chunks a second time."""
+        :meth:`iter_chunks` of the same run waits for it if it is reading (bounded)
+        instead of reading the chunks a second time, and cancels it if it is still
+        queued (see :mod:`lmcache_core.prefetch`)."""
         tier0 = self.tiers[0] if self.tiers else None
         if not hashes or tier0 is None or ZERO_COPY not in tier0.capabilities or self._closed:
             return False
         item = torch.empty((), dtype=dtype).element_size()
         nbytes = sum(item * int(torch.Size(s).numel()) for s in shapes)
-        key = bytes(hashes[0])
-        with self._prefetch_lock:
-            if key in self._prefetching or self._prefetch_bytes + nbytes > PREFETCH_BYTES:
-                return False
-            self._prefetch_bytes += nbytes
+        hashes, shapes = list(hashes), list(shapes)
 
-            def run() -> None:
-                try:
-                    with torch.inference_mode():
-                        for buf in fetch_run(self, hashes, shapes, dtype):
-                            buf.release()  # promoted into the memory tier by the read
-                except Exception as err:  # a prefetch that fails is a load that reads later
-                    log.debug("prefetch failed: %s: %s", type(err).__name__, err)
-                finally:
-                    with self._prefetch_lock:
-                        self._prefetch_bytes -= nbytes
-                        self._prefetching.pop(key, None)
+        def read() -> Iterator[None]:
+            with torch.inference_mode():
+                for buf in fetch_run(self, hashes, shapes, dtype):
+                    buf.release()  # promoted into the memory tier by the read
+                    yield None
 
-            self._prefetching[key] = self._prefetch_pool.submit(run)
+        if not self.prefetcher.start(bytes(hashes[0]), nbytes, read, owner):
+            return False
         self.counters.add(prefetches=1)
         return True
 
     def _await_prefetch(self, hashes: Sequence[bytes]) -> None:
-        if not hashes:
-            return
-        with self._prefetch_lock:
-            pending = self._prefetching.get(bytes(hashes[0]))
-        if pending is not None:
-            try:
-                pending.result(timeout=PREFETCH_WAIT_S)
-            except Exception:  # slow or failed: the load reads what is missing itself
-                pass
+        if hashes:
+            self.prefetcher.await_run(bytes(hashes[0]))
 
     def _tier0_buffer(
         self, tier0: StorageBackend, key: ChunkKey, shape: Sequence[int], dtype: torch.dtype
@@ -716,15 +708,20 @@ class CacheEngine:
         return out
 
     def close(self) -> None:
+        """Stop background work and close the tiers, in bounded time: queued
+        prefetches and background writes are dropped, running ones get at most
+        ``CLOSE_WAIT_S`` together (a tier call in progress is not interrupted: its
+        thread is left to finish on its own), then each tier's ``close``."""
         if self._closed:
             return
         self._closed = True
-        self._prefetch_pool.shutdown(wait=True)
-        self._fetch_pool.shutdown(wait=True)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        self.prefetcher.close(CLOSE_WAIT_S)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.pool.stop_populate()
         self.quarantine.close()
         for w in self._writers:
-            w.stop()
+            w.stop(timeout=max(0.1, deadline - time.monotonic()))
         for t in self.tiers:
             try:
                 t.close()

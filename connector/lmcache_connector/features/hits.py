@@ -91,7 +91,7 @@ class HitPlanner:
             # step or more later (after allocating blocks), and the load then waits for
             # this read instead of making its own. (An offered chunk after the hit may
             # be a partial one, of a size only the scheduler knows: the load reads it.)
-            self.engine.prefetch(hashes[:k], [self.chunk_shape] * k, self.chunk_dtype)
+            self.engine.prefetch(hashes[:k], [self.chunk_shape] * k, self.chunk_dtype, owner=pin_id)
         return Hit(k, slow, tail)
 
     def _tail(self, alt: bytes, pin_id: str | None) -> bool:

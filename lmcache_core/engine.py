@@ -402,6 +402,11 @@ class CacheEngine:
         self.prefetcher.cancel(pin_id)
         self._unpin_all(pinned or ())
 
+    def pinned_ids(self) -> set[str]:
+        """The pin ids holding pins now (requests between lookup and release)."""
+        with self._pin_lock:
+            return set(self._pins)
+
     def keep_pinned(self, pin_id: str, n_chunks: int) -> None:
         """Keep only the first ``n_chunks`` chunks of ``pin_id``'s last lookup pinned
         (the prefix a caller decided to load, without a second lookup); the rest are

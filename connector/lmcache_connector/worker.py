@@ -251,8 +251,8 @@ class WorkerSide:
         transfers = self.transfers
         if self.suspended:  # vLLM's KV memory is released: report every load failed (recompute)
             transfers.fail_all(meta)
-            for t in meta.loads:
-                transfers.unpin(t.req_id)
+            for rid in {t.req_id for t in meta.loads} | set(meta.unpins):  # pins are released asleep too
+                transfers.unpin(rid)
             return
         t_start = time.perf_counter()
         transfers.load_step(meta)

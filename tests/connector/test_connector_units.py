@@ -548,6 +548,34 @@ def test_sleep_mode_drains_and_touches_no_block(tmp_path):
     w.close()
 
 
+def test_pins_are_released_while_asleep(tmp_path):
+    """Hardening round 3, item 4: requests that finish while vLLM sleeps release their
+    pins (the step's ``unpins``) like any other step; before, 8 chunks stayed pinned
+    and a full CPU tier then stored 0 of 8 new chunks. Control: the pins are held
+    until that step."""
+    from lmcache_connector.protocol.metadata import LMCacheConnectorMetadata
+
+    w = _worker(tmp_path)
+    try:
+        pinned = [bytes([i]) * 16 for i in range(8)]
+        data = torch.zeros(w.hits.chunk_shape, dtype=w.hits.chunk_dtype)
+        for h in pinned:
+            assert w.engine.store_hashes([h], [data]) == 1
+        assert w.hits.lookup(pinned, "asleep-req") == 8
+        w.suspend()
+        idle = LMCacheConnectorMetadata(chunk_size=16)
+        w.step_started(idle)
+        w.start_load_kv(idle)
+        assert w.engine.pinned_ids() == {"asleep-req"}  # control: nothing released it yet
+        done = LMCacheConnectorMetadata(chunk_size=16, unpins=["asleep-req"])  # it finished during sleep
+        w.step_started(done)
+        w.start_load_kv(done)
+        assert w.engine.pinned_ids() == set(), "a request that finished during sleep kept its pins"
+        w.resume()
+    finally:
+        w.close()
+
+
 def test_auto_async_follows_the_tier_and_its_measured_speed(tmp_path):
     """async_loads: auto: a hit in the CPU tier loads in the step; one a slower tier
     serves goes to the background while that tier's speed is unknown or slow (more

@@ -348,6 +348,15 @@ class ConnectorSection(StrictModel):
         description="load the whole KV blocks a prompt shares with a stored chunk whose rest differs",
     )
     priority_limit: int | None = Field(None, description="requests whose priority value is above this are not saved")
+    access_log: StrictStr | None = Field(
+        None,
+        description="a file the scheduler appends one line per finished request to, in the Mooncake trace format "
+        "(timestamp, lengths, per-chunk ids: chunk hashes remapped with a per-run secret, no token or key), to "
+        "replay with lmcache-core replay --block-tokens <chunk_size>; off by default",
+    )
+    access_log_max_bytes: ByteSize = Field(
+        256 << 20, gt=0, description="the access log stops growing at this size (later requests are counted, not written)"
+    )
     layout: Literal["auto", "block", "token"] = Field(
         "auto", description="layout adapter: block (any backend, required on CPU), token (GPU layouts)"
     )

@@ -24,6 +24,7 @@ from .features.load_policy import step_pairs
 from .protocol.lookup_ipc import LookupClient
 from .protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
+from .features.access_log import AccessLog
 from .features.settle import NORMAL_FINISH, SettlePlan, Settler
 from .protocol.stats import DeltaReporter
 from .features.subchunks import SubChunkIndex
@@ -148,6 +149,9 @@ class SchedulerSide:
         # prefilled once more by internal requests the state scheduler runs
         self.settler = Settler(when=self.cfg.connector.settle_when) if settle else None
         self._reported = DeltaReporter()
+        # connector.access_log (features/access_log.py): a replayable trace of the traffic
+        conn = self.cfg.connector
+        self.access_log = AccessLog(conn.access_log, conn.access_log_max_bytes, self.cs) if conn.access_log else None
 
     # -- what a mode decides ------------------------------------------------------------
     def _partial_ok(self) -> bool:
@@ -389,12 +393,28 @@ class SchedulerSide:
         if st is not None and st in self._pending_loads:
             self._pending_loads.remove(st)
         self._unpins.append(request.request_id)
+        was_settle = False
         if self.settler is not None:
             was_settle = self.settler.is_settle(request.request_id)
             self.settler.done(request.request_id)
             if st is not None and not was_settle:  # a settle is never settled again
                 self._plan_settle(st, request)
+        if self.access_log is not None and st is not None and not was_settle:
+            self._log_access(st, request)
         return self._delay_free(st), None
+
+    def _log_access(self, st: _Req, request: "Request") -> None:
+        try:
+            arrival = float(request.arrival_time)
+            output = int(getattr(request, "num_output_tokens", 0) or 0)
+        except (AttributeError, TypeError, ValueError):
+            return
+        assert self.access_log is not None
+        try:
+            self.access_log.record(arrival, st.prompt_len, output, st.hashes[: st.prompt_len // self.cs])
+        except OSError as err:  # a full disk never fails a request
+            log.warning("connector.access_log: %s; recording stops", err)
+            self.access_log.close()
 
     # -- save_decode_cache: prefill (features/settle.py) --------------------------------
     def _plan_settle(self, st: _Req, request: "Request") -> None:
@@ -460,6 +480,8 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.lookup_client.close()
+        if self.access_log is not None:
+            self.access_log.close()
 
 
 class DenseScheduler(SchedulerSide):

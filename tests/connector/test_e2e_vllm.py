@@ -5,6 +5,8 @@ so every cached token counted by vLLM (``num_cached_tokens``) came from the conn
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from lmcache_core.plugins import get_plugin_manager
 
@@ -72,12 +74,15 @@ def test_chunked_prefill_saves_each_chunk_once_then_full_hit(tiny_model, referen
         assert eng.stats()["stored_chunks"] == stored
 
 
-def test_partial_prefix_hit_loads_exactly_shared_chunks(tiny_model, reference):
+def test_partial_prefix_hit_loads_exactly_shared_chunks(tiny_model, reference, tmp_path):
+    """...and connector.access_log records both requests in the trace format: ids
+    shared exactly where the KV is (3 chunks), nothing of the tokens."""
     shared = random_prompt(3 * CS + 100, 41)
     a = shared + random_prompt(300, 42)
     b = shared + random_prompt(300, 43)
     ref = reference([a, b])
-    with make_llm(tiny_model) as llm:
+    trace = tmp_path / "access.jsonl"
+    with make_llm(tiny_model, extra={"connector": {"access_log": str(trace)}}) as llm:
         assert token_ids(run(llm, [a])) == ref[:1]
         w = worker()
         before = w.stats()["loaded_tokens"]
@@ -85,6 +90,12 @@ def test_partial_prefix_hit_loads_exactly_shared_chunks(tiny_model, reference):
         assert out[0].num_cached_tokens == 3 * CS
         assert w.stats()["loaded_tokens"] - before == 3 * CS
         assert token_ids(out) == ref[1:]
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert [(x["input_length"], x["output_length"]) for x in lines] == [(len(a), len(ref[0])), (len(b), len(ref[1]))]
+    ida, idb = lines[0]["hash_ids"], lines[1]["hash_ids"]
+    assert len(ida) == len(idb) == len(a) // CS and ida[:3] == idb[:3] and ida[3] != idb[3]
+    assert 0 <= lines[0]["timestamp"] <= lines[1]["timestamp"]
+    assert trace.stat().st_mode & 0o077 == 0
 
 
 def test_many_concurrent_requests_identical_outputs(tiny_model, reference):

@@ -258,6 +258,13 @@ class StorageBackend(abc.ABC):
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         raise NotImplementedError
 
+    # -- optional: retention hints (lmcache_core.retention) ---------------------------
+    def retain(self, keys: Sequence[ChunkKey], seconds: float, priority: int) -> int:
+        """Keep ``keys`` ahead of unretained chunks for ``seconds`` (``priority`` 0-99
+        orders retentions when they exceed the tier's share for them); how many resident
+        keys are now retained. Default: the tier takes no hints (0)."""
+        return 0
+
 
 def _overrides_on_evicted(cls: type[StorageBackend]) -> bool:
     """Whether ``cls`` or a base below :class:`StorageBackend` defines ``on_evicted``."""

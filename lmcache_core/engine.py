@@ -402,6 +402,22 @@ class CacheEngine:
         self.prefetcher.cancel(pin_id)
         self._unpin_all(pinned or ())
 
+    def retain(self, hashes: Sequence[bytes], seconds: float, priority: int = 0) -> int:
+        """Retention hint (:mod:`lmcache_core.retention`): keep these chunks ahead of
+        unretained ones for ``seconds`` in every tier that takes hints; chunks not
+        there yet are retained when they arrive. How many resident chunks the first
+        such tier now retains."""
+        keys = self.keys(hashes)
+        n = -1
+        for tier in self.tiers:
+            try:
+                got = tier.retain(keys, seconds, priority)
+            except Exception as err:
+                self._tier_error(tier, "retain", err)
+                continue
+            n = got if n < 0 else n
+        return max(n, 0)
+
     def pinned_ids(self) -> set[str]:
         """The pin ids holding pins now (requests between lookup and release)."""
         with self._pin_lock:

@@ -9,12 +9,14 @@ import threading
 from typing import Any, Mapping, Sequence
 
 import torch
+from pydantic import Field
 
 from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageBackend, prefix_count
 from .config import ByteSize, StrictModel, parse_size, validate_section
 from .eviction import EvictionPolicy, LruPolicy
 from .keys import ChunkKey
 from .memory import MemoryBuffer, MemoryPool
+from .retention import Retention
 
 
 DEFAULT_EVICTION = "tinylfu"
@@ -23,17 +25,22 @@ DEFAULT_EVICTION = "tinylfu"
 class LocalCpuConfig(StrictModel):
     max_size: ByteSize = 1 << 30
     eviction: str = DEFAULT_EVICTION
+    retention_share: float = Field(0.5, ge=0.0, le=0.9)
 
 
 class LocalCpuBackend(StorageBackend):
     name = "local_cpu"
     capabilities = frozenset({ZERO_COPY, PINNING})
 
-    def __init__(self, pool: MemoryPool, max_size: int, policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self, pool: MemoryPool, max_size: int, policy: EvictionPolicy | None = None, retention_share: float = 0.5
+    ) -> None:
         self.pool = pool
         self.max_size = min(max_size, pool.capacity)
         self._lock = threading.RLock()
         self.policy = policy if policy is not None else LruPolicy(self.max_size)
+        # retention hints (lmcache_core.retention): honoured whatever the policy
+        self.retention: Retention[ChunkKey] = Retention(self.max_size, retention_share)
         # key -> the pool buffer holding the chunk (one reference held by the tier);
         # pins apart, for the few keys that have them (a small per-entry footprint)
         self._entries: dict[ChunkKey, MemoryBuffer] = {}
@@ -84,6 +91,7 @@ class LocalCpuBackend(StorageBackend):
             if buf is None:
                 return False
             self.policy.remove(key)
+            self.retention.forget(key)
             self._bytes -= buf.size
             self._pins.pop(key, None)
         buf.release()
@@ -95,6 +103,7 @@ class LocalCpuBackend(StorageBackend):
             s.chunks = len(self._entries)
             s.bytes_used = self._bytes
             s.extra["pinned"] = len(self._pins)
+            s.extra.update(self.retention.stats())
         return s
 
     def close(self) -> None:
@@ -102,6 +111,7 @@ class LocalCpuBackend(StorageBackend):
             entries = list(self._entries.values())
             for key in self._entries:
                 self.policy.remove(key)
+                self.retention.forget(key)
             self._entries.clear()
             self._pins.clear()
             self._bytes = 0
@@ -143,6 +153,7 @@ class LocalCpuBackend(StorageBackend):
                 return False
             self._entries[key] = buf.retain()
             self.policy.insert(key, size)
+            self.retention.arrived(key, size)
             self._bytes += size
             self._stats.puts += 1
             self._stats.put_bytes += buf.nbytes
@@ -179,7 +190,7 @@ class LocalCpuBackend(StorageBackend):
             buf = self._entries.get(key)
             if buf is None:  # the policy offered a key the tier does not hold
                 continue
-            if key in self._pins:
+            if key in self._pins or self.retention.protects(key):
                 kept.append(key)
                 continue
             del self._entries[key]
@@ -191,6 +202,15 @@ class LocalCpuBackend(StorageBackend):
         for key in kept:
             self.policy.keep(key, self._entries[key].size)
         return freed
+
+    # -- retention hints ------------------------------------------------------------
+    def retain(self, keys: Sequence[ChunkKey], seconds: float, priority: int) -> int:
+        def size_of(key: ChunkKey) -> int | None:
+            buf = self._entries.get(key)
+            return None if buf is None else buf.size
+
+        with self._lock:
+            return self.retention.add(keys, seconds, priority, size_of)
 
     # -- pinning --------------------------------------------------------------------
     def pin(self, keys: Sequence[ChunkKey]) -> None:
@@ -229,4 +249,4 @@ def create_local_cpu(section: Mapping[str, Any], ctx: BackendContext) -> LocalCp
     plugins = ctx.plugins or get_plugin_manager()
     max_size = min(cfg.max_size, ctx.pool.capacity)
     policy = plugins.create_eviction_policy(cfg.eviction, max_size, key_path=f"{ctx.key_path}.eviction", source=ctx.source)
-    return LocalCpuBackend(ctx.pool, cfg.max_size, policy)
+    return LocalCpuBackend(ctx.pool, cfg.max_size, policy, cfg.retention_share)

@@ -7,9 +7,12 @@ overrides: ``config_file`` (a YAML path) and any core key (``chunk_size``,
 the key path and ``kv_connector_extra_config`` as its source.
 
 Per-request options come in ``kv_transfer_params`` (``SamplingParams.extra_args``):
-``lmcache.skip_save: true``, ``lmcache.tag.<name>: <str>`` and ``lmcache.verify: true|false``
+``lmcache.skip_save: true``, ``lmcache.tag.<name>: <str>``, ``lmcache.verify: true|false``
 (recompute this request's hit and compare it with the cache, or never; default: sampled
-with ``verify_fraction``, see :mod:`lmcache_core.canary`). A malformed option
+with ``verify_fraction``, see :mod:`lmcache_core.canary`), and the retention hint
+``lmcache.retention_seconds: <seconds>`` with ``lmcache.priority: 0-99`` (the chunks
+the request stores or hits outlive unretained ones that long, see
+:mod:`lmcache_core.retention`). A malformed option
 never fails the request: the request is served without the cache (no load, no save)
 and a warning says why.
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from lmcache_core.config import ASYNC_AUTO, ConfigError, CoreConfig, LoadedConfig, load_config, moved_keys
+from lmcache_core.retention import MAX_PRIORITY, MAX_SECONDS
 
 from .log import get_logger
 
@@ -29,6 +33,9 @@ log = get_logger(__name__)
 AUTO = ASYNC_AUTO  # connector.async_loads: in the background only when a tier slower than memory serves the hit
 SKIP_SAVE = "lmcache.skip_save"
 VERIFY = "lmcache.verify"
+RETENTION = "lmcache.retention_seconds"
+PRIORITY = "lmcache.priority"
+KNOWN = (SKIP_SAVE, VERIFY, RETENTION, PRIORITY)
 TAG_PREFIX = "lmcache.tag."
 SOURCE = "kv_connector_extra_config"  # the source its errors and warnings name
 #: the keys only kv_connector_extra_config took before ``connector:`` (the core's own
@@ -110,6 +117,7 @@ class RequestOptions:
     tags: dict[str, str] = field(default_factory=dict)
     problem: str | None = None
     verify: bool | None = None  # None: sampled with verify_fraction
+    retention: tuple[float, int] | None = None  # (seconds, priority): a retention hint
 
 
 def parse_request_options(params: Mapping[str, Any] | None, request_id: str = "?") -> RequestOptions:
@@ -123,6 +131,16 @@ def parse_request_options(params: Mapping[str, Any] | None, request_id: str = "?
     verify = params.get(VERIFY)
     if verify is not None and not isinstance(verify, bool):
         return _bad(request_id, f"{VERIFY} must be true or false, got {verify!r}")
+    retention = None
+    seconds, priority = params.get(RETENTION), params.get(PRIORITY, 0)
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_SECONDS:
+            return _bad(request_id, f"{RETENTION} must be a number of seconds in (0, {MAX_SECONDS:.0f}], got {seconds!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+            return _bad(request_id, f"{PRIORITY} must be an integer from 0 to {MAX_PRIORITY}, got {priority!r}")
+        retention = (float(seconds), priority)
+    elif PRIORITY in params:
+        return _bad(request_id, f"{PRIORITY} orders retention hints: it needs {RETENTION}")
     tags: dict[str, str] = {}
     for key, value in params.items():
         if isinstance(key, str) and key.startswith(TAG_PREFIX):
@@ -130,9 +148,9 @@ def parse_request_options(params: Mapping[str, Any] | None, request_id: str = "?
             if not name or not isinstance(value, (str, int)) or isinstance(value, bool):
                 return _bad(request_id, f"{key} must be a non-empty tag name with a string value, got {value!r}")
             tags[name] = str(value)
-        elif isinstance(key, str) and key.startswith("lmcache.") and key not in (SKIP_SAVE, VERIFY):
-            return _bad(request_id, f"unknown option {key!r} (known: {SKIP_SAVE}, {VERIFY}, {TAG_PREFIX}<name>)")
-    return RequestOptions(skip_save=skip_save, tags=tags, verify=verify)
+        elif isinstance(key, str) and key.startswith("lmcache.") and key not in KNOWN:
+            return _bad(request_id, f"unknown option {key!r} (known: {', '.join(KNOWN)}, {TAG_PREFIX}<name>)")
+    return RequestOptions(skip_save=skip_save, tags=tags, verify=verify, retention=retention)
 
 
 def _bad(request_id: str, why: str) -> RequestOptions:

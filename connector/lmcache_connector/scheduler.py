@@ -178,6 +178,16 @@ class SchedulerSide:
         raise NotImplementedError
 
     def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
+        """This step's plan (the mode's :meth:`_build_meta`), with the retention hints of
+        the requests it loads or saves for."""
+        meta = self._build_meta(so)
+        for t in (*meta.loads, *meta.saves):
+            st = self._reqs.get(t.req_id)
+            if st is not None and st.opts.retention is not None:
+                meta.retain[t.req_id] = st.opts.retention
+        return meta
+
+    def _build_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
         raise NotImplementedError
 
     def _delay_free(self, st: _Req | None) -> bool:
@@ -601,7 +611,7 @@ class DenseScheduler(SchedulerSide):
             self._pending_loads.append(st)
 
     # -- each step ----------------------------------------------------------------------
-    def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
+    def _build_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata(chunk_size=self.cs)
         self._step_work(so, meta)
         self._emit_pending_loads(meta)  # async_loads: sent the step after allocation
@@ -729,7 +739,7 @@ class GroupedScheduler(SchedulerSide):
             load.boundaries = [(boundary_hash(load.hashes[-1]), -(-end // self.cs) * self.cs)]
         self._pending_loads.append(st)
 
-    def build_connector_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
+    def _build_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
         """Loads are asynchronous (issued the step after allocation, whether or not
         the request runs); saves read every group's current block table from vLLM."""
         meta = LMCacheConnectorMetadata(chunk_size=self.cs)

@@ -275,6 +275,11 @@ class WorkerSide:
             self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start - self._step_load_s)
         self._fwd_start = None
         self.transfers.save_step(meta)
+        if meta.retain and self.engine is not None:  # retention hints (lmcache_core.retention): what this step moved
+            for t in (*meta.loads, *meta.saves):
+                hint = meta.retain.get(t.req_id)
+                if hint is not None:
+                    self.engine.retain(t.hashes, hint[0], hint[1])
 
     # -- what vLLM asks after a step ------------------------------------------------------
     def take_tier_events(self) -> list[RawEvent]:
@@ -321,6 +326,9 @@ class WorkerSide:
                 out[f"tier_evictions/{tier.name}"] = s.evictions
                 out[f"tier_used_bytes/{tier.name}"] = s.bytes_used
                 out[f"tier_capacity_bytes/{tier.name}"] = s.bytes_capacity or 0
+                if "retained_bytes" in s.extra:  # a tier that takes retention hints
+                    out[f"tier_retained_bytes/{tier.name}"] = s.extra["retained_bytes"]
+                    out[f"tier_retention_kept/{tier.name}"] = s.extra["retention_kept"]
                 out[f"tier_errors/{tier.name}"] = e["backend_errors"].get(tier.name, 0)
                 out[f"verify_mismatches/{tier.name}"] = e["verify_mismatches"].get(tier.name, 0)
                 out[f"tier_quarantined/{tier.name}"] = int(self.engine.quarantine.is_quarantined(tier.name))

@@ -765,3 +765,44 @@ def test_scheduler_frees_a_finished_request_at_once_when_its_saves_are_done():
     meta = s.build_connector_meta(so)
     assert meta.freed_early == ["R1"]
     assert s.build_connector_meta(so).freed_early == []  # named once
+
+
+def test_retention_hints_are_parsed_and_reach_the_cpu_tier(tmp_path):
+    """lmcache.retention_seconds / lmcache.priority in kv_transfer_params: parsed with
+    the other per-request options (a bad value serves the request without the cache),
+    sent with the step that saves or loads the request's chunks, and retained by the
+    worker's CPU tier; a step without the hint retains nothing (control)."""
+    from lmcache_connector.options import parse_request_options
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    ok = parse_request_options({"lmcache.retention_seconds": 600, "lmcache.priority": 7})
+    assert ok.retention == (600.0, 7) and ok.problem is None
+    assert parse_request_options({}).retention is None
+    for bad in (
+        {"lmcache.retention_seconds": 0},
+        {"lmcache.retention_seconds": -5},
+        {"lmcache.retention_seconds": "600"},
+        {"lmcache.retention_seconds": True},
+        {"lmcache.retention_seconds": 1e12},
+        {"lmcache.retention_seconds": 60, "lmcache.priority": 100},
+        {"lmcache.retention_seconds": 60, "lmcache.priority": 1.5},
+        {"lmcache.priority": 3},
+    ):
+        got = parse_request_options(bad, "r")
+        assert got.problem and got.skip_save and got.skip_load, bad
+    w = _worker(tmp_path)
+    try:
+        tier = w.engine.tiers[0]
+        plain = LMCacheConnectorMetadata(chunk_size=16, saves=[ChunkTransfer("P", [b"p" * 16], 0, [16], [3])], step_tokens=16)
+        w.step_started(plain)
+        w.wait_for_save(plain)
+        assert tier.stats().extra["retained"] == 0  # control
+        kept = LMCacheConnectorMetadata(
+            chunk_size=16, saves=[ChunkTransfer("K", [b"k" * 16], 0, [16], [4])], step_tokens=16, retain={"K": (600.0, 7)}
+        )
+        w.step_started(kept)
+        w.wait_for_save(kept)
+        assert tier.stats().extra["retained"] == 1
+        assert w.counters()[f"tier_retained_bytes/{tier.name}"] > 0
+    finally:
+        w.close()

@@ -51,6 +51,9 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     # async_saves: finished requests whose background saves the workers had reported
     # done, so vLLM freed their blocks at once: not to be reported in finished_sending
     freed_early: list[str] = field(default_factory=list)
+    # retention hints of the requests whose loads or saves this step carries:
+    # req_id -> (seconds, priority) (lmcache_core.retention)
+    retain: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def chunk_start(self, t: ChunkTransfer, i: int) -> int:
         return (t.first_chunk + i) * self.chunk_size

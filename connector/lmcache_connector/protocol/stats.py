@@ -45,6 +45,7 @@ TIER_COUNTERS = {
     "tier_get_bytes": ("tier_get_bytes", "Bytes read per tier"),
     "tier_errors": ("tier_errors", "Backend failures turned into misses, per tier"),
     "tier_evictions": ("tier_evictions", "Chunks evicted per tier"),
+    "tier_retention_kept": ("tier_retention_kept", "Evictions a retention hint prevented, per tier"),
     "verify_mismatches": ("verify_mismatches", MEANINGS["verify_mismatches"]),
 }
 # per-tier gauges, shipped as deltas (+1 when quarantined, -1 when released; bytes
@@ -53,6 +54,7 @@ TIER_GAUGES = {
     "tier_quarantined": ("tier_quarantined", MEANINGS["tier_quarantined"]),
     "tier_used_bytes": ("tier_used_bytes", "Bytes a tier holds now (this engine's view; shared tiers count every writer)"),
     "tier_capacity_bytes": ("tier_capacity_bytes", "A tier's byte budget (0: none)"),
+    "tier_retained_bytes": ("tier_retained_bytes", "Bytes a tier keeps for retention hints now"),
 }
 
 

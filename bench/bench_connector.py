@@ -11,7 +11,7 @@ hit; no-reuse TTFT within 5% of no connector.
 
     python bench/bench_connector.py [--quick] [--json PATH]
 
-``--json`` also writes the medians (seconds) for bench/bench_before_after.py.
+``--json`` also writes the medians (seconds) for bench/tools/before_after.py.
 """
 
 from __future__ import annotations

@@ -76,7 +76,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--paths", nargs="+", default=["native", "torch"], choices=["native", "torch"])
+    ap.add_argument("--quick", action="store_true", help="a smaller chunk and 2 rounds")
     args = ap.parse_args()
+    if args.quick:
+        args.layers, args.rounds = 2, 2
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.layers, 2, 256, args.heads, args.head_size, generator=g).to(dtype)

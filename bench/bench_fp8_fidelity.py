@@ -207,7 +207,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="one prompt of 16 tokens per family")
     a = ap.parse_args()
+    if a.quick:
+        a.prompts, a.tokens = 1, 16
     print(f"bench_fp8_fidelity: {a.prompts} prompts per family, {a.tokens} greedy tokens each, disk tier raw vs fp8", flush=True)
     print(
         "| family | hit tokens raw / fp8 | frames of the fp8 tier | K / V error (max over chunks) "

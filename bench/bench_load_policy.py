@@ -223,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="256,512,1024,2048,3072,4096,6144")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
+    ap.add_argument("--quick", action="store_true", help="three prompt lengths, one repetition")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.lengths, args.reps = "256,1024,3072", 1
     from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model
 
     from lmcache_core.plugins import get_plugin_manager

@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, default=256, help="ONEDNN_PRIMITIVE_CACHE_CAPACITY of the capped variants")
     ap.add_argument("--tcmalloc", default=None, help="path of libtcmalloc (default: found under /usr/lib)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="60 distinct step sizes")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.distinct = 60
     tcmalloc = a.tcmalloc or find_tcmalloc()
     variants: list[tuple[str, dict[str, str]]] = [
         ("glibc, cache 1024", {}),

@@ -192,7 +192,7 @@ def part_rtt(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
 
 
 FIGURES: dict[str, dict[str, float]] = {"seconds": {}, "ratios": {}}
-"""What --json writes (for bench/bench_before_after.py)."""
+"""What --json writes (for bench/tools/before_after.py)."""
 
 
 def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:

@@ -1,6 +1,9 @@
-"""Run every ``bench/bench_*.py`` in turn, each in its own interpreter (so one
-benchmark's threads, memory or crash cannot skew or stop the next). Arguments
-(``--quick``) are passed through. Exit status 1 if any benchmark failed."""
+"""Run every benchmark, ``bench/bench_*.py``, in turn, each in its own interpreter (so
+one benchmark's threads, memory or crash cannot skew or stop the next). Arguments
+(``--quick``) are passed through; every benchmark takes ``--quick``. Tools that need
+arguments of their own (``bench/tools/``, ``gpu_check.py``) and shared modules are not
+benchmarks and are never run here (tests/core/test_bench_runner.py checks both). Exit
+status 1 if any benchmark failed."""
 
 from __future__ import annotations
 
@@ -10,9 +13,12 @@ import time
 from pathlib import Path
 
 
+def benchmarks() -> list[Path]:
+    return sorted(Path(__file__).resolve().parent.glob("bench_*.py"))
+
+
 def main(argv: list[str]) -> int:
-    here = Path(__file__).resolve().parent
-    scripts = sorted(here.glob("bench_*.py"))
+    scripts = benchmarks()
     failed = []
     for script in scripts:
         print(f"=== {script.name} {' '.join(argv)}", flush=True)

@@ -3,10 +3,10 @@ against the working tree, taking turns, so a change is judged by figures measure
 by side (a refactor "within noise", a feature's cost) rather than against a number
 from another day.
 
-    python bench/bench_before_after.py --base REV [--rounds N] BENCH [BENCH ARGS ...]
+    python bench/tools/before_after.py --base REV [--rounds N] BENCH [BENCH ARGS ...]
 
-    python bench/bench_before_after.py --base a3410f9^ --rounds 2 bench_connector.py --quick
-    python bench/bench_before_after.py --base a3410f9^ bench_burst.py --quick
+    python bench/tools/before_after.py --base a3410f9^ --rounds 2 bench_connector.py --quick
+    python bench/tools/before_after.py --base a3410f9^ bench_burst.py --quick
 
 ``REV`` is checked out into a temporary git worktree. Both sides run *this* tree's
 ``bench/BENCH`` (so the measurement is the same) with ``--json PATH`` appended, in a
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 

@@ -9,6 +9,10 @@ Subcommands:
   each top-level key and of each key of the ``connector:`` section, or the validation error.
 - ``quarantine``: tiers that running engines took out of service after the
   correctness canary caught them serving wrong KV (``list``), and ``release``.
+- ``replay``: a request trace (Mooncake JSONL) through real cache engines, one per
+  eviction policy and size (or through the tiers of a config file), next to the
+  offline optimum and the never-evicting ceiling; ``--sweep`` draws hit ratio
+  against size as a PNG and plans the capacity (:mod:`lmcache_core.replay`).
 - anything plugins add through the ``register_commands`` hook (for example ``demo``
   from the vLLM connector's distribution, ``serve`` from the peer tier's). The core
   knows them only by what they registered: the parser lists their names and help,
@@ -31,6 +35,8 @@ from .config import MERGED_SECTIONS, ConfigError, load_config
 from .hookspecs import Command
 from .plugins import BUILTIN_COMMANDS, PluginManager
 from .quarantine import UnsafeDirError, cli_owners, default_dir, open_private_dir, printable, scan_control_files
+from .replay import add_arguments as add_replay_arguments
+from .replay import cmd_replay
 
 PROG = "lmcache-core"
 
@@ -180,6 +186,15 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     )
     p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
     p.set_defaults(func=cmd_quarantine)
+    p = sub.add_parser(
+        "replay",
+        help="replay a request trace through each eviction policy and size, next to the offline optimum",
+        description="Replay a Mooncake-format request trace through real cache engines (one per eviction policy and "
+        "size, driven as the vLLM connector drives one) and print the hit ratios next to the offline optimum "
+        "(Belady, exact for same-sized blocks) and the ceiling of a cache that never evicts.",
+    )
+    add_replay_arguments(p)
+    p.set_defaults(func=lambda args: cmd_replay(args, pm))
     for name, info in sorted(pm.commands().items()):
         sub.add_parser(name, help=info.help or f"(from {info.origin.distribution})", add_help=False)
     return parser

@@ -58,7 +58,7 @@ class Origin:
 
 _COMMAND_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 #: Subcommands of ``lmcache-core`` itself; a plugin cannot take these names.
-BUILTIN_COMMANDS = frozenset({"plugins", "config", "quarantine"})
+BUILTIN_COMMANDS = frozenset({"plugins", "config", "quarantine", "replay"})
 
 
 @dataclass(frozen=True)

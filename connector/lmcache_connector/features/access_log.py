@@ -10,7 +10,8 @@ ids exactly when they share the KV of their first k chunks, as in the trace form
 The ids are the chunk hashes passed through a keyed BLAKE2b with a secret drawn per
 process (48-bit ids): the log holds no token, no key and nothing from which a prompt
 could be checked; ids compare within one recording (one server run). Lines are
-written as requests finish, so timestamps are not sorted (the replayer sorts them).
+written as requests finish: the replayer takes them in that order, which differs from
+arrival order only among requests in flight together.
 
 Bounded: the file stops growing at ``access_log_max_bytes`` (one warning; the lines
 not written are counted). The file is opened without following a link, made 0600

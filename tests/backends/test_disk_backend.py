@@ -114,6 +114,38 @@ def test_byte_budget_evicts_lru(tmp_path: Path) -> None:
     assert on_disk == s.bytes_used
 
 
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "tinylfu"])
+def test_eviction_takes_the_cpu_tiers_policies(tmp_path: Path, policy: str) -> None:
+    """``eviction:`` picks the same policies as the CPU tier: a hot set read between
+    every put of a one-off scan survives with s3fifo and tinylfu, while LRU (the
+    default, the control) lets the scan flush it; the budget holds for every policy."""
+    fsize = frame_size(random_key(), random_chunk(SHAPE, seed=0))
+    b = open_disk(tmp_path / "t", max_size=fsize * 10, eviction=policy)
+    hot = [random_key() for _ in range(4)]
+    data = {k: random_chunk(SHAPE, seed=i) for i, k in enumerate(hot)}
+    for k in hot:
+        assert b.put(k, data[k])
+    for _ in range(3):
+        assert all(hit(b, k, data[k]) for k in hot)
+    for i in range(40):  # a scan of one-off chunks, 4x the tier, the hot set read at times
+        assert b.put(random_key(), random_chunk(SHAPE, seed=100 + i))
+        assert b.stats().bytes_used <= fsize * 10
+        if i % 12 == 11:
+            for k in hot:
+                hit(b, k, data[k])
+    kept = sum(b.contains([k]) for k in hot)
+    if policy == "lru":
+        assert kept < 4
+    else:
+        assert kept == 4, f"{policy} let a scan flush the hot set"
+    assert b.stats().bytes_used == sum(p.stat().st_size for p in (tmp_path / "t").glob("??/v1-*"))
+
+
+def test_an_unknown_eviction_policy_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"backends\[1\]\.eviction"):
+        open_disk(tmp_path / "t", eviction="mru")
+
+
 def test_evictions_are_reported_to_the_engine_listener(tmp_path: Path) -> None:
     """Each chunk dropped for room is reported once (KV events), in LRU order; a
     remove() is not an eviction."""

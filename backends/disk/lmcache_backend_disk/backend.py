@@ -46,14 +46,16 @@ import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendContext, BackendStats, StorageBackend
 from lmcache_core.config import ConfigError, validate_section
+from lmcache_core.eviction import EvictionPolicy
 from lmcache_core.keys import ChunkKey
+from lmcache_core.plugins import get_plugin_manager
 from lmcache_core.serde import (
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
@@ -79,7 +81,7 @@ from .config import DiskConfig
 from .directory import FANOUT, MARKER_TEXT, USAGE, TierDirectory, open_dir, shard_name, temp_name
 from .fileio import NotRegularFile, open_regular, probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts
 from .frames import read_frame_header
-from .index import LruIndex
+from .index import LruIndex, PolicyIndex
 from .owners import Owners, TempJudge, track, untrack
 from .scan import Pacer, ScanResult, scan_shard, scan_shards
 
@@ -112,8 +114,10 @@ class DiskBackend(StorageBackend):
         codecs: Mapping[str, Codec],
         key_path: str = "disk",
         source: str = "code",
+        policy: Callable[[], EvictionPolicy] | None = None,
     ) -> None:
         t0 = time.perf_counter()
+        self._make_policy = policy
         self.cfg = cfg
         self.root = Path(cfg.path).expanduser()
         self.directory = TierDirectory(self.root)
@@ -122,7 +126,7 @@ class DiskBackend(StorageBackend):
         self._codecs = dict(codecs)
         self._seal = seal_of(codec)
         self._lock = threading.Lock()
-        self._index = LruIndex()
+        self._index = self._new_index()
         self._last_put_error: str | None = None
         self._closed = False
         self._root_fd: int | None = None
@@ -349,6 +353,10 @@ class DiskBackend(StorageBackend):
             if release:  # close() gave up waiting for us: the directory is ours to close
                 self._release_dir()
 
+    def _new_index(self) -> LruIndex:
+        """An empty index: LRU, or driven by the configured eviction policy."""
+        return LruIndex() if self._make_policy is None else PolicyIndex(self._make_policy)
+
     def _merge_found(self) -> None:
         """Make the scanned chunks the least recently used part of the index, oldest
         mtime first, below the chunks this process used during the scan."""
@@ -357,7 +365,7 @@ class DiskBackend(StorageBackend):
             self._found_heap = []
         order.sort()
         with self._lock:
-            merged = LruIndex()
+            merged = self._new_index()
             found, current = self._found, self._index
             for _, _, key in order:
                 size = found.get(key)
@@ -717,7 +725,7 @@ class DiskBackend(StorageBackend):
     def _load_listing(self, listing: ScanResult) -> None:
         """Make a listing of the whole directory the index (oldest mtime first)."""
         with self._lock:
-            self._index = LruIndex()
+            self._index = self._new_index()
             self._index.load(listing.entries)
             self._found, self._found_heap, self._found_bytes = {}, [], 0  # all in the listing
 
@@ -1108,4 +1116,13 @@ class _PendingFrame:
 def create_disk_backend(section: Mapping[str, Any], ctx: BackendContext) -> DiskBackend:
     """Factory registered as ``disk``: validates the section, then opens the tier."""
     cfg = validate_section(DiskConfig, section, ctx.key_path, ctx.source)
-    return DiskBackend(cfg, codec=ctx.codec, codecs=ctx.codecs, key_path=ctx.key_path, source=ctx.source)
+    policy = None
+    if cfg.eviction != "lru":
+        plugins = ctx.plugins or get_plugin_manager()
+        key_path = f"{ctx.key_path}.eviction"
+        plugins.create_eviction_policy(cfg.eviction, cfg.max_size, key_path=key_path, source=ctx.source)  # checked now
+
+        def policy() -> EvictionPolicy:
+            return plugins.create_eviction_policy(cfg.eviction, cfg.max_size, key_path=key_path, source=ctx.source)
+
+    return DiskBackend(cfg, codec=ctx.codec, codecs=ctx.codecs, key_path=ctx.key_path, source=ctx.source, policy=policy)

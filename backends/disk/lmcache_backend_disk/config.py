@@ -12,7 +12,12 @@ class DiskConfig(StrictModel):
 
     path: str = Field(..., min_length=1, description="directory of the tier; created if missing")
     max_size: ByteSize = Field(
-        10 * 2**30, description="byte budget of the directory (all processes sharing it); LRU eviction above it"
+        10 * 2**30, description="byte budget of the directory (all processes sharing it); eviction above it"
+    )
+    eviction: str = Field(
+        "lru",
+        description="eviction policy of this process's index: lru (the order survives restarts), or any policy the CPU "
+        "tier takes (s3fifo, tinylfu, a plugin's)",
     )
     fsync: bool = Field(True, description="fsync each chunk file and its directory before it becomes visible")
     o_direct: bool = Field(False, description="bypass the page cache with O_DIRECT where the filesystem allows it")

@@ -61,6 +61,7 @@ from .engine import CacheEngine
 from .keys import KeyNamespace
 from .memory import ALIGN
 from .plugins import PluginManager
+from .serde import RawCodec, encode
 from .traces import DEFAULT_BLOCK_TOKENS, Trace, TraceError, load_trace
 
 #: pool bytes of one simulated block: one float32 vector of the pool's alignment
@@ -717,9 +718,18 @@ def _config_sections(
         if sec.name == "disk":
             section["path"] = os.path.join(tmp, f"tier{i}")
             section["fsync"] = False
+            section["max_size"] = blocks * _sim_frame_bytes()  # a file is a frame: header and payload
+            if policy:
+                section["eviction"] = policy
         out.append(section)
         tiers.append((sec.name, blocks))
     return out, tiers
+
+
+def _sim_frame_bytes() -> int:
+    """Bytes of one simulated block stored as a raw frame (what a disk tier counts)."""
+    key = KeyNamespace(model="lmcache-core-replay", layout=f"sim{SIM_CHUNK_BYTES}", dtype=str(SIM_DTYPE)).key(bytes(16))
+    return len(encode(key, torch.zeros(SIM_SHAPE, dtype=SIM_DTYPE), RawCodec()))
 
 
 # -- output -------------------------------------------------------------------------------

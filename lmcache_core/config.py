@@ -42,6 +42,10 @@ _RESERVED_ENV = {ENV_CONFIG_PATH, ENV_BLOCK_PLUGINS}
 _RAW_ENV_KEYS = {"frame_secret"}  # taken verbatim from the environment, never parsed as YAML
 MIN_FRAME_SECRET_BYTES = 16
 MAX_SECRET_FILE_BYTES = 4096
+#: ``frame_secret: none``: this deployment runs its shared tiers unsealed on purpose
+#: (written in the config, so the start-up warning about them goes). Four bytes:
+#: shorter than :data:`MIN_FRAME_SECRET_BYTES`, so it can never be a real secret.
+NO_FRAME_SECRET = "none"
 
 DEFAULT_YAML = """\
 # Embedded default: used when no config file is given.
@@ -436,10 +440,13 @@ class CoreConfig(StrictModel):
         None,
         description="deployment secret (at least 16 bytes) that seals every frame written to a tier: a keyed "
         "BLAKE3 MAC, so nobody without it can plant KV in a shared store; every engine sharing a store needs the "
-        "same one. Prefer frame_secret_file or the env var LMCACHE_CORE_FRAME_SECRET; never logged",
+        "same one. Prefer frame_secret_file or the env var LMCACHE_CORE_FRAME_SECRET; never logged. The word none: "
+        "no secret, on purpose (shared tiers then start without the warning about planted KV)",
     )
     frame_secret_file: str | None = Field(
-        None, description="file holding frame_secret (its first line, at most 4 KiB); the alternative to frame_secret"
+        None,
+        description="file holding frame_secret (its first line, at most 4 KiB); the alternative to frame_secret. "
+        "Readable by its owner only (this user or root; chmod 600), else refused",
     )
 
     #: the connector's keys that were top-level before ``connector:``, and the old
@@ -463,16 +470,30 @@ class CoreConfig(StrictModel):
     def _one_secret(self) -> "CoreConfig":
         if self.frame_secret is not None and self.frame_secret_file is not None:
             raise ValueError("set frame_secret or frame_secret_file, not both")
+        if self.frame_secret_declined:
+            return self
         if self.frame_secret is not None and len(self.frame_secret.get_secret_value().encode()) < MIN_FRAME_SECRET_BYTES:
-            raise ValueError(f"frame_secret needs at least {MIN_FRAME_SECRET_BYTES} bytes")
+            raise ValueError(
+                f"frame_secret needs at least {MIN_FRAME_SECRET_BYTES} bytes (or exactly {NO_FRAME_SECRET}: "
+                "no secret, on purpose)"
+            )
         return self
+
+    @property
+    def frame_secret_declined(self) -> bool:
+        """``frame_secret: none``: the operator chose to run shared tiers unsealed."""
+        return self.frame_secret is not None and self.frame_secret.get_secret_value() == NO_FRAME_SECRET
 
 
 def read_frame_secret(cfg: CoreConfig) -> str | None:
     """The frame secret ``cfg`` names (``frame_secret``, or the first line of
-    ``frame_secret_file``), or ``None``. The file must be a regular file of at most
-    4 KiB (read without blocking: a FIFO is refused, not waited on); errors never
-    quote the secret."""
+    ``frame_secret_file``), or ``None`` (none set, or ``frame_secret: none``). The file
+    must be a regular file of at most 4 KiB (read without blocking: a FIFO is refused,
+    not waited on), owned by this user or root, with no permission for its group or
+    others (mode 600 or 400): anyone else who can read it can seal forged KV. Errors
+    never quote the secret."""
+    if cfg.frame_secret_declined:
+        return None
     if cfg.frame_secret is not None:
         return cfg.frame_secret.get_secret_value()
     if cfg.frame_secret_file is None:
@@ -488,6 +509,7 @@ def read_frame_secret(cfg: CoreConfig) -> str | None:
             raise ConfigError(f"frame_secret_file: {path} is not a regular file")
         if st.st_size > MAX_SECRET_FILE_BYTES:
             raise ConfigError(f"frame_secret_file: {path} is larger than {MAX_SECRET_FILE_BYTES} bytes")
+        _check_private(path, st)
         data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
     finally:
         os.close(fd)
@@ -498,9 +520,32 @@ def read_frame_secret(cfg: CoreConfig) -> str | None:
     secret = lines[0].strip() if lines else ""
     if len(secret.encode()) < MIN_FRAME_SECRET_BYTES:
         raise ConfigError(f"frame_secret_file: the secret in {path} is shorter than {MIN_FRAME_SECRET_BYTES} bytes")
-    if st.st_mode & 0o004:
-        log.warning("frame_secret_file %s is readable by every user: anyone who reads it can plant KV (chmod 600)", path)
     return secret
+
+
+def _check_private(path: str, st: os.stat_result) -> None:
+    """Refuse a secret file someone other than its reader can read or replace: a
+    group or other permission bit, or an owner other than this user or root."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        if mode & 0o004:
+            what = "readable by every user"
+        elif mode & 0o040:
+            what = "readable by its group"
+        elif mode & 0o022:
+            what = "writable by other users"
+        else:
+            what = "open to users other than its owner"
+        raise ConfigError(
+            f"frame_secret_file: {path} is {what} (mode {mode:04o}): anyone who can read it can seal "
+            f"forged KV that this engine serves; make it private to its owner: chmod 600 {path}"
+        )
+    euid = os.geteuid()
+    if st.st_uid not in (euid, 0):
+        raise ConfigError(
+            f"frame_secret_file: {path} belongs to uid {st.st_uid}, not to this user (uid {euid}) or root: its owner "
+            f"can read it and seal forged KV; give it to this user: chown {euid} {path} && chmod 600 {path}"
+        )
 
 
 @dataclass

@@ -400,7 +400,7 @@ class ConnectorSection(StrictModel):
         description="with save_decode_cache: prefill, when the internal requests run: always, as each request "
         "finishes, beside the others (the next turn hits the answer under load too; an answer nobody follows up costs "
         "one more prefill of its whole chunks); idle, only while the engine has nothing else to do, as many as one step "
-        "holds (a request that needs an answer's chunks before its settle ran computes them itself): answers nobody follows up "
+        "holds, a longer one in step-sized pieces (a request that needs an answer's chunks before its settle ran computes them itself): answers nobody follows up "
         "cost idle time only, and under sustained load settles rarely run",
     )
     sub_chunk_hits: Flag = Field(

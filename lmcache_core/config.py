@@ -10,6 +10,7 @@ cache or none at all.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import stat
@@ -26,7 +27,6 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
-    StrictBool,
     StrictStr,
     ValidationError,
     ValidationInfo,
@@ -42,6 +42,10 @@ _RESERVED_ENV = {ENV_CONFIG_PATH, ENV_BLOCK_PLUGINS}
 _RAW_ENV_KEYS = {"frame_secret"}  # taken verbatim from the environment, never parsed as YAML
 MIN_FRAME_SECRET_BYTES = 16
 MAX_SECRET_FILE_BYTES = 4096
+#: ``frame_secret: none``: this deployment runs its shared tiers unsealed on purpose
+#: (written in the config, so the start-up warning about them goes). Four bytes:
+#: shorter than :data:`MIN_FRAME_SECRET_BYTES`, so it can never be a real secret.
+NO_FRAME_SECRET = "none"
 
 DEFAULT_YAML = """\
 # Embedded default: used when no config file is given.
@@ -108,6 +112,62 @@ ByteSize = Annotated[int, BeforeValidator(parse_size)]
 def _shown(value: Any) -> str:
     shown = repr(value)
     return shown if len(shown) <= 60 else shown[:60] + "..."
+
+
+def _flag(value: Any) -> bool:
+    if value is True or value is False:
+        return value
+    raise ValueError(f"must be true or false, got {_shown(value)}")
+
+
+#: a boolean key: exactly ``true`` or ``false`` (YAML, JSON or Python booleans), from
+#: every source alike; ``yes``, ``on``, ``1`` or the string ``"true"`` are errors
+Flag = Annotated[bool, BeforeValidator(_flag)]
+
+#: the shortest duration any key takes: 1 ms (a shorter timeout cannot be met, and a
+#: float such as 1e-300 is not a timeout but a typo)
+MIN_SECONDS = 0.001
+MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
+
+
+def _span(seconds: float) -> str:
+    for unit, name in ((DAY, "day"), (HOUR, "hour"), (MINUTE, "minute")):
+        if seconds >= unit and seconds % unit == 0:
+            n = int(seconds // unit)
+            return f"{n} {name}{'s' if n != 1 else ''}"
+    return f"{seconds:g} s"
+
+
+def check_seconds(value: Any, *, max_s: float, min_s: float = MIN_SECONDS, off: bool = False) -> float:
+    """The one rule for every duration key (``*_s``), core, connector or backend,
+    whatever the source: a number (not a boolean, not a string) of seconds from
+    ``min_s`` to ``max_s``, or exactly 0 where ``off`` (the key's "never"/"none").
+    Raises ValueError saying the bounds; NaN and infinities are out of them."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number of seconds, got {_shown(value)}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if off and seconds == 0:
+        return 0.0
+    if not min_s <= seconds <= max_s:  # NaN fails too
+        zero = "0 (off) or " if off else ""
+        raise ValueError(
+            f"must be {zero}a number of seconds from {min_s:.10g} to {max_s:.10g} ({_span(max_s)}), got {_shown(value)}"
+        )
+    return seconds
+
+
+def seconds(max_s: float, *, min_s: float = MIN_SECONDS, off: bool = False) -> Any:
+    """The validator of a duration key, for ``Annotated[float, seconds(...)]``
+    (:func:`check_seconds`'s rule with these bounds)."""
+
+    def check(value: Any) -> float:
+        return check_seconds(value, max_s=max_s, min_s=min_s, off=off)
+
+    check.duration_bounds = (min_s, max_s, off)  # type: ignore[attr-defined]  # read by tests and docs checks
+    return BeforeValidator(check)
 
 
 def deprecated(msg: str, say: Callable[[str], None] | None = None) -> None:
@@ -327,8 +387,8 @@ class ConnectorSection(StrictModel):
         description="true: load every hit in the background, off the forward path; false: in the step; auto: in the "
         "background only the hits a tier slower than memory serves",
     )
-    layerwise: StrictBool = Field(False, description="load and save layer by layer, overlapping the forward pass")
-    save_unfull_chunk: bool = Field(False, description="also save the last, partial chunk of a prompt")
+    layerwise: Flag = Field(False, description="load and save layer by layer, overlapping the forward pass")
+    save_unfull_chunk: Flag = Field(False, description="also save the last, partial chunk of a prompt")
     save_decode_cache: Annotated[bool | Literal["prefill"], BeforeValidator(_true_false_or(SAVE_PREFILL))] = Field(
         False,
         description="also store the whole chunks of each answer: true, the KV (and recurrent states) decode steps "
@@ -340,10 +400,10 @@ class ConnectorSection(StrictModel):
         description="with save_decode_cache: prefill, when the internal requests run: always, as each request "
         "finishes, beside the others (the next turn hits the answer under load too; an answer nobody follows up costs "
         "one more prefill of its whole chunks); idle, only while the engine has nothing else to do, as many as one step "
-        "holds (a request that needs an answer's chunks before its settle ran computes them itself): answers nobody follows up "
+        "holds, a longer one in step-sized pieces (a request that needs an answer's chunks before its settle ran computes them itself): answers nobody follows up "
         "cost idle time only, and under sustained load settles rarely run",
     )
-    sub_chunk_hits: bool = Field(
+    sub_chunk_hits: Flag = Field(
         True,
         description="load the whole KV blocks a prompt shares with a stored chunk whose rest differs",
     )
@@ -360,11 +420,8 @@ class ConnectorSection(StrictModel):
     layout: Literal["auto", "block", "token"] = Field(
         "auto", description="layout adapter: block (any backend, required on CPU), token (GPU layouts)"
     )
-    lookup_timeout_s: float = Field(
-        2.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="scheduler-to-worker lookup timeout in seconds; past it the lookup is a miss",
+    lookup_timeout_s: Annotated[float, seconds(10 * MINUTE)] = Field(
+        2.0, description="scheduler-to-worker lookup timeout in seconds; past it the lookup is a miss"
     )
     renamed_ms_keys = {"lookup_timeout_ms": "lookup_timeout_s"}
     load_policy: Literal["always", "faster_than_recompute"] = Field(
@@ -403,7 +460,7 @@ class CoreConfig(StrictModel):
         256 * 2**20,
         description="pool memory beyond the CPU tier for chunks in flight (saves, write-behind to slower tiers, loads)",
     )
-    populate_pool: bool = Field(
+    populate_pool: Flag = Field(
         False,
         description="fault in the memory pool's pages on a background thread at start (Linux), so the first saves "
         "copy at memory speed instead of taking page faults; off by default: while it runs, the engine's own "
@@ -434,7 +491,9 @@ class CoreConfig(StrictModel):
     verify_mismatch_limit: int = Field(
         3, ge=1, description="mismatches of one tier within verify_window_s that quarantine it (no reads, no writes)"
     )
-    verify_window_s: float = Field(3600.0, gt=0, description="window in seconds for verify_mismatch_limit")
+    verify_window_s: Annotated[float, seconds(30 * DAY)] = Field(
+        3600.0, description="window in seconds for verify_mismatch_limit"
+    )
     quarantine_dir: str | None = Field(
         None,
         description="where quarantined tiers are announced as control files (delete one to release the tier); "
@@ -445,10 +504,13 @@ class CoreConfig(StrictModel):
         None,
         description="deployment secret (at least 16 bytes) that seals every frame written to a tier: a keyed "
         "BLAKE3 MAC, so nobody without it can plant KV in a shared store; every engine sharing a store needs the "
-        "same one. Prefer frame_secret_file or the env var LMCACHE_CORE_FRAME_SECRET; never logged",
+        "same one. Prefer frame_secret_file or the env var LMCACHE_CORE_FRAME_SECRET; never logged. The word none: "
+        "no secret, on purpose (shared tiers then start without the warning about planted KV)",
     )
     frame_secret_file: str | None = Field(
-        None, description="file holding frame_secret (its first line, at most 4 KiB); the alternative to frame_secret"
+        None,
+        description="file holding frame_secret (its first line, at most 4 KiB); the alternative to frame_secret. "
+        "Readable by its owner only (this user or root; chmod 600), else refused",
     )
 
     #: the connector's keys that were top-level before ``connector:``, and the old
@@ -472,16 +534,30 @@ class CoreConfig(StrictModel):
     def _one_secret(self) -> "CoreConfig":
         if self.frame_secret is not None and self.frame_secret_file is not None:
             raise ValueError("set frame_secret or frame_secret_file, not both")
+        if self.frame_secret_declined:
+            return self
         if self.frame_secret is not None and len(self.frame_secret.get_secret_value().encode()) < MIN_FRAME_SECRET_BYTES:
-            raise ValueError(f"frame_secret needs at least {MIN_FRAME_SECRET_BYTES} bytes")
+            raise ValueError(
+                f"frame_secret needs at least {MIN_FRAME_SECRET_BYTES} bytes (or exactly {NO_FRAME_SECRET}: "
+                "no secret, on purpose)"
+            )
         return self
+
+    @property
+    def frame_secret_declined(self) -> bool:
+        """``frame_secret: none``: the operator chose to run shared tiers unsealed."""
+        return self.frame_secret is not None and self.frame_secret.get_secret_value() == NO_FRAME_SECRET
 
 
 def read_frame_secret(cfg: CoreConfig) -> str | None:
     """The frame secret ``cfg`` names (``frame_secret``, or the first line of
-    ``frame_secret_file``), or ``None``. The file must be a regular file of at most
-    4 KiB (read without blocking: a FIFO is refused, not waited on); errors never
-    quote the secret."""
+    ``frame_secret_file``), or ``None`` (none set, or ``frame_secret: none``). The file
+    must be a regular file of at most 4 KiB (read without blocking: a FIFO is refused,
+    not waited on), owned by this user or root, with no permission for its group or
+    others (mode 600 or 400): anyone else who can read it can seal forged KV. Errors
+    never quote the secret."""
+    if cfg.frame_secret_declined:
+        return None
     if cfg.frame_secret is not None:
         return cfg.frame_secret.get_secret_value()
     if cfg.frame_secret_file is None:
@@ -497,6 +573,7 @@ def read_frame_secret(cfg: CoreConfig) -> str | None:
             raise ConfigError(f"frame_secret_file: {path} is not a regular file")
         if st.st_size > MAX_SECRET_FILE_BYTES:
             raise ConfigError(f"frame_secret_file: {path} is larger than {MAX_SECRET_FILE_BYTES} bytes")
+        _check_private(path, st)
         data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
     finally:
         os.close(fd)
@@ -507,9 +584,32 @@ def read_frame_secret(cfg: CoreConfig) -> str | None:
     secret = lines[0].strip() if lines else ""
     if len(secret.encode()) < MIN_FRAME_SECRET_BYTES:
         raise ConfigError(f"frame_secret_file: the secret in {path} is shorter than {MIN_FRAME_SECRET_BYTES} bytes")
-    if st.st_mode & 0o004:
-        log.warning("frame_secret_file %s is readable by every user: anyone who reads it can plant KV (chmod 600)", path)
     return secret
+
+
+def _check_private(path: str, st: os.stat_result) -> None:
+    """Refuse a secret file someone other than its reader can read or replace: a
+    group or other permission bit, or an owner other than this user or root."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        if mode & 0o004:
+            what = "readable by every user"
+        elif mode & 0o040:
+            what = "readable by its group"
+        elif mode & 0o022:
+            what = "writable by other users"
+        else:
+            what = "open to users other than its owner"
+        raise ConfigError(
+            f"frame_secret_file: {path} is {what} (mode {mode:04o}): anyone who can read it can seal "
+            f"forged KV that this engine serves; make it private to its owner: chmod 600 {path}"
+        )
+    euid = os.geteuid()
+    if st.st_uid not in (euid, 0):
+        raise ConfigError(
+            f"frame_secret_file: {path} belongs to uid {st.st_uid}, not to this user (uid {euid}) or root: its owner "
+            f"can read it and seal forged KV; give it to this user: chown {euid} {path} && chmod 600 {path}"
+        )
 
 
 @dataclass
@@ -605,11 +705,60 @@ def _expanded_nodes(root: yaml.Node, where: str) -> int:
     return count(root)
 
 
+_YAML11_SCALARS = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float", "timestamp")}
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` reading plain scalars by YAML 1.2's core schema, the way
+    JSON (vLLM's ``kv_connector_extra_config``) reads them, so a word means the same
+    from a file, an env var or vLLM: only ``true``/``false`` (also ``True``,
+    ``TRUE``...) are booleans (YAML 1.1 also took ``yes``, ``no``, ``on``, ``off``);
+    integers are decimal (``010`` is ten, not eight), ``0o17`` or ``0x1f`` (no
+    ``1_000``, no base 60: ``1:30`` is text); ``1e3`` is a float (YAML 1.1 left it
+    text); dates are text. Everything else a plain scalar says is a string."""
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML11_SCALARS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"),
+)
+
+
+def _yaml_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+def _yaml_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
+    text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
+    if text.lower().endswith(".inf"):
+        return -math.inf if text.startswith("-") else math.inf
+    if text.lower() == ".nan":
+        return math.nan
+    return float(text)
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
+ConfigLoader.add_constructor("tag:yaml.org,2002:float", _yaml_float)
+
+
 def safe_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load`` with bounds: at most :data:`MAX_YAML_NODES` values after
-    alias expansion, no alias cycles, no nesting deep enough to exhaust the stack.
-    Every failure is a :class:`ConfigError` naming ``where``."""
-    loader = yaml.SafeLoader(text)
+    """``yaml.safe_load`` with YAML 1.2's plain scalars (:class:`ConfigLoader`) and
+    bounds: at most :data:`MAX_YAML_NODES` values after alias expansion, no alias
+    cycles, no nesting deep enough to exhaust the stack. Every failure is a
+    :class:`ConfigError` naming ``where``."""
+    loader = ConfigLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
@@ -622,6 +771,10 @@ def safe_yaml(text: str, where: str) -> Any:
         return loader.construct_document(node)
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: not valid YAML: {err}") from None
+    except ConfigError:
+        raise
+    except ValueError as err:  # a number past what Python converts (thousands of digits)
+        raise ConfigError(f"{where}: not a usable number: {err}") from None
     except RecursionError:
         raise ConfigError(f"{where}: the YAML is nested too deeply to be a configuration") from None
     finally:

@@ -224,15 +224,7 @@ class CacheEngine:
             for t in self.tiers:
                 t.close()
             raise
-        shared = [t.name for t in self.tiers if SHARED in t.capabilities]
-        if shared and self.seal is None:
-            log.warning(
-                "tiers %s are shared and frame_secret is not set: anyone who can write to them can plant KV "
-                "that this engine serves as a hit (set frame_secret_file; see docs/security.md)",
-                ", ".join(shared),
-            )
-        elif self.seal is not None:
-            log.info("frames are sealed (frame key id %s)", self.seal.key_id)
+        self._say_how_frames_are_sealed(loaded)
         self._listeners: list[TierListener] = []
         self._writes = [shared_writes or SHARED not in t.capabilities for t in self.tiers]
         self.quarantine = Quarantine(
@@ -670,6 +662,27 @@ class CacheEngine:
                     self._promote(key, buf if buf is not None else out, level)
                 return True
         return False
+
+    def _say_how_frames_are_sealed(self, loaded: LoadedConfig) -> None:
+        """At start: a warning when a ``SHARED`` tier's frames are not sealed and the
+        config does not say so on purpose (``frame_secret: none``), since anyone who
+        can write to such a tier can plant KV this engine serves as a hit."""
+        shared = [t.name for t in self.tiers if SHARED in t.capabilities]
+        if self.seal is not None:
+            log.info("frames are sealed (frame key id %s)", self.seal.key_id)
+        elif shared and loaded.config.frame_secret_declined:
+            log.info(
+                "tiers %s are shared and their frames are not sealed: frame_secret: none (from %s)",
+                ", ".join(shared),
+                loaded.source_of("frame_secret"),
+            )
+        elif shared:
+            log.warning(
+                "tiers %s are shared and frame_secret is not set: anyone who can write to them can plant KV "
+                "that this engine serves as a hit. Set frame_secret_file (see docs/security.md), or write "
+                "frame_secret: none in the config to run them unsealed on purpose",
+                ", ".join(shared),
+            )
 
     def _tier_codec(self, name: str | None, key_path: str, source: str) -> Codec:
         """The codec of a tier whose section says ``serde: name`` (the top-level

@@ -38,6 +38,7 @@ such as the lossy ``fp8`` the tensor) to write; :func:`header_span`, :func:`pars
 from __future__ import annotations
 
 import enum
+import hmac
 import json
 import logging
 import re
@@ -401,8 +402,21 @@ def check_seal(meta: Mapping[str, str], seal: FrameSeal | None) -> None:
             raise ForeignFrame(f"frame is sealed (key id {auth}); this reader has no frame_secret")
     elif auth is None:
         raise ForeignFrame("frame is not sealed: written without frame_secret (or planted), refused")
-    elif auth != seal.key_id:
+    elif not (isinstance(auth, str) and hmac.compare_digest(auth.encode("utf-8", "surrogatepass"), seal.key_id.encode())):
         raise ForeignFrame(f"frame is sealed with another key (id {auth}, ours {seal.key_id})")
+
+
+def checksum_matches(meta: Mapping[str, str], digest: str) -> bool:
+    """Whether ``digest`` (a :func:`payload_hasher`'s ``hexdigest()``) is ``meta``'s
+    ``checksum`` field, compared with :func:`hmac.compare_digest`: in a time that does
+    not depend on how many leading digits agree, so whoever can time reads learns
+    nothing about the MAC a forged frame would need. Every tier compares with this,
+    never ``==``. A missing or non-text field is no match."""
+    stored = meta.get("checksum")
+    if not isinstance(stored, str):
+        return False
+    # bytes: compare_digest takes str only when ASCII, and a planted header need not be
+    return hmac.compare_digest(digest.encode("utf-8", "surrogatepass"), stored.encode("utf-8", "surrogatepass"))
 
 
 def checksum_placeholder(meta: Mapping[str, str]) -> str:
@@ -421,7 +435,7 @@ def payload_hasher(meta: Mapping[str, str], seal: FrameSeal | None = None) -> Ha
     Tiers that move the payload in pieces (the disk tier reads it in segments) feed
     each piece to ``.update(chunk)`` as it arrives and, at the end, compare
     ``.hexdigest()`` with ``meta["checksum"]`` (16 lowercase hex digits, 64 when
-    sealed); unequal means the frame is corrupt or forged (a :class:`FrameError`,
+    sealed) through :func:`checksum_matches`; unequal means the frame is corrupt or forged (a :class:`FrameError`,
     i.e. a miss). ``meta`` may or may not hold the ``checksum`` field; it is left out
     either way. ``seal`` must match the frame (:func:`check_seal`, raised here).
     """
@@ -448,7 +462,7 @@ def verify_payload(meta: Mapping[str, str], payload: bytes | bytearray | memoryv
     ``meta`` is the metadata returned by :func:`parse_header` or
     :func:`parse_header_prefix`; use this when the whole payload is in memory and
     :func:`payload_hasher` when it arrives in pieces."""
-    if payload_checksum(meta, payload, seal) != meta.get("checksum"):
+    if not checksum_matches(meta, payload_checksum(meta, payload, seal)):
         raise FrameError("MAC mismatch: not written with our frame_secret" if seal is not None else "checksum mismatch")
 
 

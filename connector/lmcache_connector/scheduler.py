@@ -147,7 +147,7 @@ class SchedulerSide:
         self.tail_hits = 0  # lookups that hit a stored chunk's first blocks after their chunks
         # save_decode_cache: prefill (features/settle.py): finished requests' answers
         # prefilled once more by internal requests the state scheduler runs
-        self.settler = Settler(when=self.cfg.connector.settle_when) if settle else None
+        self.settler = Settler(when=self.cfg.connector.settle_when, chunk_size=self.cs) if settle else None
         self._reported = DeltaReporter()
         # connector.access_log (features/access_log.py): a replayable trace of the traffic
         conn = self.cfg.connector
@@ -450,23 +450,18 @@ class SchedulerSide:
     def take_settles(self, idle: bool = True, budget: int | None = None) -> list[SettlePlan]:
         """Settles to run now (the state scheduler adds them to vLLM's waiting queue);
         ``idle``: whether the engine has no request running or waiting; ``budget``:
-        the tokens one step schedules (``settle_when: idle`` hands over what fits). A settle
+        the tokens one step schedules (``settle_when: idle`` hands over what fits, a
+        longer settle in step-sized pieces, see :meth:`Settler.take`). A settle
         queued until the engine was idle (``settle_when: idle``) runs only if its
         prompt's chunks are still stored: without them it would recompute the whole
-        prompt."""
+        prompt (looked up without a pin)."""
         if self.settler is None:
             return []
-        plans = self.settler.take(idle, budget)
-        if not self.settler.idle_only:
-            return plans
-        ready = []
-        for plan in plans:
-            found = self.lookup_client.lookup(list(plan.prefix), None) if plan.prefix else 0
-            if int(found or 0) >= len(plan.prefix):
-                ready.append(plan)
-            else:
-                self.settler.drop(plan.req_id)
-        return ready
+        return self.settler.take(idle, budget, self._settle_prefix_stored)
+
+    def _settle_prefix_stored(self, plan: SettlePlan) -> int:
+        """How many of ``plan.prefix`` (the chunks a settle loads) are stored."""
+        return int(self.lookup_client.lookup(list(plan.prefix), None) or 0) if plan.prefix else 0
 
     def take_stats_delta(self) -> dict[str, float]:
         """The settle counters' increments since the previous call (vLLM's

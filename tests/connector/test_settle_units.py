@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, LoadedConfig, load_config  # noqa: E402
-from lmcache_connector.features.settle import PREFIX, Settler, resolve  # noqa: E402
+from lmcache_connector.features import settle as settle_module  # noqa: E402
+from lmcache_connector.features.settle import PREFIX, WAIT_S, Settler, resolve  # noqa: E402
 from lmcache_connector.layouts.groups import STATE_SCHEDULER  # noqa: E402
 from lmcache_connector.options import ConnectorSettings  # noqa: E402
 from lmcache_connector.scheduler import make_scheduler  # noqa: E402
@@ -125,12 +126,84 @@ def test_idle_settles_are_handed_over_only_when_idle_as_many_as_a_step_holds():
     big = s.plan(None, [1], [b"d"], new_tokens=900)
     assert s.take(idle=False, budget=1000) == [] and s.in_flight == 4  # busy: all stay queued
     assert s.take(idle=True, budget=1000) == [a, b, c]  # 900 tokens; the next would make 1,800
-    assert s.take(idle=True, budget=500) == [big]  # at least one, even past the budget
+    assert s.take(idle=True, budget=1000) == [big]
     assert s.take(idle=True, budget=1000) == []
     # negative control: always hands every plan over at once, busy or not
     e = Settler(when="always")
     plans = [e.plan(None, [1], [b"a"], new_tokens=900), e.plan(None, [1], [b"b"], new_tokens=900)]
     assert e.take(idle=False, budget=1000) == plans
+
+
+def _long_settle(s: Settler, prompt_chunks: int, answer_chunks: int, cs: int):
+    """Plan a settle of ``answer_chunks`` whole chunks after ``prompt_chunks`` stored
+    ones, as the scheduler side does; returns the plan and every chunk hash."""
+    hashes = [i.to_bytes(4, "little") for i in range(prompt_chunks + answer_chunks)]
+    tokens = list(range((prompt_chunks + answer_chunks) * cs + 1))
+    plan = s.plan(
+        SimpleNamespace(request_id="long"), tokens, hashes[prompt_chunks:], hashes[:prompt_chunks], answer_chunks * cs + 1
+    )
+    assert plan is not None
+    return plan, hashes
+
+
+def test_an_idle_settle_longer_than_a_step_runs_in_step_sized_pieces():
+    """Hardening round 3: settle_when: idle handed over a settle of any size (120,000
+    tokens against a 2,048-token step budget), so a request arriving meanwhile waited
+    for the whole prefill instead of about one step. Now each piece handed over fits
+    one step, every answer chunk is settled exactly once, in order, and the next piece
+    waits for the previous one."""
+    cs, budget = 240, 2048
+    s = Settler(when="idle")  # the chunk size comes from the plan (the scheduler side gives it too)
+    plan, hashes = _long_settle(s, 2, 500, cs)
+    assert plan.new_tokens == 120_001  # 500 chunks of 240 tokens, plus the one token vLLM computes
+    pieces = []
+    while got := s.take(idle=True, budget=budget):
+        assert len(got) == 1 and got[0].new_tokens <= budget, got[0].new_tokens
+        piece = got[0]
+        n = len(piece.prefix) + len(piece.stores)
+        assert piece.prefix == tuple(hashes[: len(piece.prefix)]) and piece.tokens == plan.tokens[: n * cs + 1]
+        assert piece.new_tokens == len(piece.stores) * cs + 1
+        assert s.take(idle=True, budget=budget) == []  # the next piece waits for this one
+        pieces.append(piece)
+        s.done(piece.req_id)
+    assert len(pieces) == 63 and [len(p.stores) for p in pieces] == [8] * 62 + [4]  # 8 chunks: 1,921 tokens a step
+    assert [h for p in pieces for h in p.stores] == hashes[2:]  # each answer chunk once, in order
+    assert pieces[-1].tokens == plan.tokens and pieces[-1].req_id == plan.req_id
+    assert (s.planned, s.finished, s.pieces, s.dropped, s.in_flight) == (1, 1, 62, 0, 0)  # one settle, counted once
+    # negative control: settle_when: always hands the whole settle over at once (by design)
+    a = Settler(when="always", chunk_size=cs)
+    whole, _ = _long_settle(a, 2, 500, cs)
+    assert a.take(idle=True, budget=budget) == [whole]
+
+
+def test_a_request_arriving_during_a_long_idle_settle_waits_about_one_step():
+    """Between pieces the engine is busy with the request: no piece is handed over.
+    A request needing the running piece's chunks waits for that piece only (one step);
+    one needing the chunks after it supersedes the rest and computes them itself."""
+    cs, budget = 240, 2048
+    s = Settler(when="idle")
+    _, hashes = _long_settle(s, 2, 500, cs)
+    [first] = s.take(idle=True, budget=budget)
+    assert s.must_wait("next", hashes[:5])  # shares the running piece's chunks: waits for it
+    assert not s.must_wait("other", [b"unrelated"])  # negative control: shares nothing
+    assert s.take(idle=False, budget=budget) == []  # busy: nothing more is handed over
+    s.done(first.req_id)
+    assert not s.must_wait("next", hashes[:5])  # one piece later it goes on
+    assert not s.must_wait("turn2", hashes[:40])  # needs the queued rest: computes it itself
+    assert (s.superseded, s.in_flight) == (1, 0) and s.take(idle=True, budget=budget) == []
+
+
+def test_a_settle_of_which_no_chunk_fits_a_step_is_not_handed_over_at_idle(monkeypatch):
+    said: list[str] = []
+    monkeypatch.setattr(settle_module.log, "warning", lambda msg, *args: said.append(msg % args))
+    s = Settler(when="idle", chunk_size=256)
+    _long_settle(s, 1, 3, 256)
+    assert s.take(idle=True, budget=256) == []  # one chunk and one token: 257
+    assert (s.dropped, s.too_long, s.in_flight) == (1, 1, 0)
+    assert len(said) == 1 and "do not fit in one step's token budget (256)" in said[0]
+    # negative control: with room for one chunk and its token, it runs in pieces of one chunk
+    _long_settle(s, 1, 3, 256)
+    assert [p.new_tokens for p in s.take(idle=True, budget=257)] == [257]
 
 
 def test_a_request_supersedes_a_queued_idle_settle_and_waits_for_a_running_one():
@@ -211,6 +284,73 @@ def test_a_finished_answer_with_a_new_whole_chunk_is_settled():
     assert side.take_settles() == []  # a settle is never settled again
     assert side.get_num_new_matched_tokens(nxt, 0) == (0, False) and lookup.calls == 4
     assert (side.settler.planned, side.settler.finished, side.settler.waits) == (1, 1, 1)
+
+
+class _Stored:
+    """Answers how many leading chunks of a lookup are in ``have``."""
+
+    def __init__(self) -> None:
+        self.have: set[bytes] = set()
+
+    def lookup(self, hashes, pin_id, alts=None):
+        n = 0
+        while n < len(hashes) and hashes[n] in self.have:
+            n += 1
+        return n
+
+    def close(self):
+        pass
+
+
+def _run_settle(side, plan):
+    """The settle request runs in vLLM and finishes (its one token sampled)."""
+    settle = _request(plan.tokens, rid=plan.req_id)
+    side.get_num_new_matched_tokens(settle, 0)
+    _finish(settle, [5])
+    side.request_finished(settle)
+
+
+def test_the_next_piece_of_an_idle_settle_waits_for_the_chunks_of_the_one_before():
+    """The scheduler side: a 5-chunk answer against a 600-token step goes in pieces of
+    2 chunks (513 tokens). A piece waits for the chunks of the one before to be stored
+    (a background save may land after the request finished), at most WAIT_S; a piece
+    whose prompt chunks left the cache is dropped at once."""
+    lookup, clock = _Stored(), _Clock()
+    side = _side(lookup=lookup, settle_when="idle")
+    side.settler._clock = clock
+    req = _request(_prompt(300))
+    side.get_num_new_matched_tokens(req, 0)
+    st = side._reqs["r"]
+    st.saved_full = 1
+    _finish(req, _prompt(1300, 7))  # 1,600 tokens, KV for 1,599: chunks 0-5 whole
+    side.request_finished(req)
+    h = st.hashes
+    lookup.have = {h[0]}  # the prompt's chunk
+    [p1] = side.take_settles(idle=True, budget=600)
+    assert (p1.prefix, p1.new_tokens, p1.tokens) == ((h[0],), 2 * CS + 1, list(req.all_token_ids[: 3 * CS + 1]))
+    _run_settle(side, p1)
+    assert side.take_settles(idle=True, budget=600) == []  # p1's chunks are not stored yet: the rest waits
+    lookup.have |= {h[1], h[2]}
+    [p2] = side.take_settles(idle=True, budget=600)
+    assert (p2.prefix, p2.new_tokens) == ((h[0], h[1], h[2]), 2 * CS + 1)
+    _run_settle(side, p2)  # its chunks never get stored (say the tier refused them)
+    assert side.take_settles(idle=True, budget=600) == []
+    clock.now += WAIT_S + 0.1
+    assert side.take_settles(idle=True, budget=600) == []
+    s = side.settler
+    assert (s.dropped, s.finished, s.pieces, s.in_flight) == (1, 0, 2, 0)
+    assert side.take_stats_delta() == {"settles_dropped": 1}  # one settle, not one per piece
+    # negative control: the prompt's chunk left the cache: the next piece is dropped at once
+    side2 = _side(lookup=lookup, settle_when="idle")
+    req2 = _request(_prompt(300), rid="r2")
+    side2.get_num_new_matched_tokens(req2, 0)
+    side2._reqs["r2"].saved_full = 1
+    side2.request_finished(_finish(req2, _prompt(1300, 7)))
+    lookup.have = {h[0]}
+    [q1] = side2.take_settles(idle=True, budget=600)
+    _run_settle(side2, q1)
+    lookup.have = {h[1], h[2]}  # the piece's chunks are there, the prompt's is gone
+    assert side2.take_settles(idle=True, budget=600) == [] and (side2.settler.dropped, side2.settler.in_flight) == (1, 0)
 
 
 @pytest.mark.parametrize("stored", [1, 0])

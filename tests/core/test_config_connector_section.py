@@ -211,7 +211,7 @@ def test_layers_merge_key_by_key(tmp_path: Path) -> None:
         ("async_saves", "'yes'", "must be true, false or auto, got 'yes'"),
         ("layout", "tokens", "'auto', 'block' or 'token'"),
         ("load_margin", "1.5", "less than 1"),
-        ("lookup_timeout_s", "0", "greater than 0"),
+        ("lookup_timeout_s", "0", "from 0.001 to 600"),
         ("model_id", "7", "valid string"),
     ],
 )

@@ -107,7 +107,10 @@ def test_old_value_is_checked_against_the_new_bounds(tmp_path: Path) -> None:
     p = write(tmp_path, "connector:\n  lookup_timeout_ms: 0\n")
     with (
         pytest.warns(DeprecationWarning),
-        pytest.raises(ConfigError, match=rf"connector\.lookup_timeout_s: .*greater than 0 \(from {re.escape(str(p))}\)"),
+        pytest.raises(
+            ConfigError,
+            match=rf"connector\.lookup_timeout_s: .*seconds from 0\.001 to 600 .*got 0\.0 \(from {re.escape(str(p))}\)",
+        ),
     ):
         load_config(p, env={})
     with pytest.raises(ConfigError, match="too large"):

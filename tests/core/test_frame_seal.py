@@ -6,6 +6,8 @@ is served as a hit (666.0 instead of the real KV): the negative control shows it
 
 from __future__ import annotations
 
+import ast
+import hmac
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ from lmcache_core.backend import SHARED, BackendContext, BackendStats, StorageBa
 from lmcache_core.config import ConfigError, load_config, read_frame_secret
 from lmcache_core.hookspecs import RegisterBackend, hookimpl
 from lmcache_core.keys import ChunkKey
+from lmcache_core import serde
 from lmcache_core.plugins import PluginManager
 from lmcache_core.serde import (
     MAC_HEX_LEN,
@@ -191,6 +194,7 @@ def test_bad_secrets_are_clear_errors_that_never_quote_the_secret(tmp_path: Path
         load_config(env={}, overrides={"frame_secret": SECRET, "frame_secret_file": "/x"})
     f = tmp_path / "weak"
     f.write_text(weak)
+    f.chmod(0o600)
     for path, msg in ((str(f), "shorter than 16"), (str(tmp_path / "absent"), "cannot open"), (str(tmp_path), "not a regular")):
         cfg = load_config(env={}, overrides={"frame_secret_file": path}).config
         with pytest.raises(ConfigError, match=msg) as err:
@@ -214,13 +218,161 @@ def test_a_fifo_as_secret_file_is_refused_without_blocking(tmp_path: Path) -> No
     assert result and "not a regular file" in str(result[0])
 
 
-def test_a_world_readable_secret_file_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+OPEN_MODES = [
+    (0o644, "readable by every user"),
+    (0o604, "readable by every user"),
+    (0o640, "readable by its group"),
+    (0o660, "readable by its group"),
+    (0o620, "writable by other users"),
+    (0o602, "writable by other users"),
+    (0o610, "open to users other than its owner"),
+]
+
+
+@pytest.mark.parametrize(("mode", "said"), OPEN_MODES, ids=[f"{m:04o}" for m, _ in OPEN_MODES])
+def test_a_secret_file_others_can_open_is_refused_naming_the_fix(tmp_path: Path, mode: int, said: str) -> None:
+    """Hardening round 3: a group-readable file was taken silently and a world-readable
+    one with a warning, though anyone who reads it can seal forged KV."""
     f = tmp_path / "secret"
     f.write_text(SECRET)
-    f.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="lmcache_core.config"):
-        read_frame_secret(load_config(env={}, overrides={"frame_secret_file": str(f)}).config)
-    assert "readable by every user" in caplog.text and SECRET not in caplog.text
+    f.chmod(mode)
+    cfg = load_config(env={}, overrides={"frame_secret_file": str(f)}).config
+    with pytest.raises(ConfigError, match=said) as err:
+        read_frame_secret(cfg)
+    assert f"chmod 600 {f}" in str(err.value) and f"mode {mode:04o}" in str(err.value)
+    assert SECRET not in str(err.value)
+    f.chmod(0o600)  # the fix the message names
+    assert read_frame_secret(cfg) == SECRET
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400], ids=["0600", "0400"])
+def test_a_secret_file_private_to_its_owner_is_taken(tmp_path: Path, mode: int) -> None:
+    """Negative control for the test above: owner-only modes pass."""
+    f = tmp_path / "secret"
+    f.write_text(SECRET)
+    f.chmod(mode)
+    assert read_frame_secret(load_config(env={}, overrides={"frame_secret_file": str(f)}).config) == SECRET
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_secret_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    """Mode 600 keeps a file from everyone but its owner: owned by another user, that
+    user can read it (and rewrite it). The owner must be this user or root."""
+    f = tmp_path / "secret"
+    f.write_text(SECRET)
+    f.chmod(0o600)
+    cfg = load_config(env={}, overrides={"frame_secret_file": str(f)}).config
+    assert read_frame_secret(cfg) == SECRET  # negative control: root's own file
+    os.chown(f, 4242, 4242)
+    with pytest.raises(ConfigError, match="belongs to uid 4242") as err:
+        read_frame_secret(cfg)
+    assert f"chown {os.geteuid()} {f}" in str(err.value) and SECRET not in str(err.value)
+
+
+def test_frame_secret_none_is_the_explicit_no_secret(tmp_path: Path) -> None:
+    """``frame_secret: none`` is a choice written in the config (file, env var or an
+    override such as kv_connector_extra_config): no secret, and no warning for it. The
+    word can never be a real secret (4 bytes, under the 16 a secret needs)."""
+    p = tmp_path / "c.yaml"
+    p.write_text("frame_secret: none\n")
+    sources = [
+        load_config(p, env={}),
+        load_config(None, env={"LMCACHE_CORE_FRAME_SECRET": "none"}),
+        load_config(None, env={}, overrides={"frame_secret": "none"}, overrides_source="kv_connector_extra_config"),
+    ]
+    for loaded in sources:
+        assert loaded.config.frame_secret_declined and read_frame_secret(loaded.config) is None
+    # negative controls: nothing said, a real secret, and spellings that are not the word
+    assert not load_config(None, env={}).config.frame_secret_declined
+    assert not load_config(None, env={}, overrides={"frame_secret": SECRET}).config.frame_secret_declined
+    for near in ("None", "NONE", " none", "none ", "nothing"):
+        with pytest.raises(ConfigError, match="at least 16 bytes \\(or exactly none"):
+            load_config(None, env={}, overrides={"frame_secret": near})
+    f = tmp_path / "secret"
+    f.write_text(SECRET)
+    f.chmod(0o600)
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(None, env={}, overrides={"frame_secret": "none", "frame_secret_file": str(f)})
+
+
+# -- MAC comparisons -------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = [ROOT / "lmcache_core", ROOT / "connector", ROOT / "examples", *sorted((ROOT / "backends").glob("*/lmcache_backend_*"))]
+
+
+def _is_digest(node: ast.expr) -> bool:
+    """An expression that holds a checksum or MAC: ``x.hexdigest()`` / ``x.digest()``,
+    ``meta["checksum"]``, ``meta.get("checksum")``, ``x.mac`` or ``mac``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr in ("hexdigest", "digest"):
+            return True
+        if node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant):
+            return node.args[0].value in ("checksum", "mac")
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return node.slice.value in ("checksum", "mac")
+    return (isinstance(node, ast.Attribute) and node.attr == "mac") or (isinstance(node, ast.Name) and node.id == "mac")
+
+
+def digest_comparisons(source: str, name: str = "<src>") -> list[str]:
+    """``==`` / ``!=`` comparisons of a checksum or MAC in ``source``: each one's
+    time tells an attacker how many leading bytes of a forged MAC are right."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
+            if any(_is_digest(e) for e in [node.left, *node.comparators]):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_mac_or_checksum_is_compared_with_eq_anywhere() -> None:
+    """Every MAC and checksum comparison (core, connector, every backend, the example
+    backend) goes through hmac.compare_digest (serde.checksum_matches). Before round 3,
+    serde, the disk tier and the peer tier's shared-memory path compared with ``!=``."""
+    found = []
+    for tree in SOURCES:
+        for path in sorted(tree.rglob("*.py")):
+            found += digest_comparisons(path.read_text(), str(path.relative_to(ROOT)))
+    assert found == []
+
+
+def test_the_comparison_scan_finds_what_it_looks_for() -> None:
+    """Negative control: the scan flags the spellings round 3 removed, and not their fix."""
+    assert len(SOURCES) >= 7 and all(p.is_dir() for p in SOURCES)
+    bad = [
+        'if hasher.hexdigest() != meta["checksum"]: pass',
+        'if payload_checksum(meta, payload) != meta.get("checksum"): pass',
+        "ok = reply.mac == expected",
+    ]
+    for line in bad:
+        assert len(digest_comparisons(line)) == 1, line
+    good = 'if not checksum_matches(meta, hasher.hexdigest()): pass\nok = hmac.compare_digest(reply.mac, x)\nk != "checksum"'
+    assert digest_comparisons(good) == []
+
+
+def test_frames_are_checked_with_compare_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: Any, b: Any) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    key, data = random_key(), random_chunk(shape=(4, 8), seed=8)
+    for codecs in (CODECS, sealed_codecs()):
+        calls.clear()
+        frame = encode(key, data, codecs["raw"])
+        _, meta, payload = parse_header(frame)
+        assert decode(frame, codecs, expect_key=key).equal(data)
+        assert any(b == meta["checksum"].encode() for _, b in calls), "the checksum was not compared with compare_digest"
+        last = meta["checksum"][-1]
+        forged = _rewrite_header(frame, checksum=meta["checksum"][:-1] + ("0" if last != "0" else "1"))
+        with pytest.raises(FrameError, match="mismatch"):
+            decode(forged, codecs, expect_key=key)
+    # a planted header's checksum need not be ASCII: no match, never a TypeError
+    assert not serde.checksum_matches({"checksum": "\u00e9" * 16}, "0" * 16)
+    assert not serde.checksum_matches({}, "0" * 16)
 
 
 # -- the engine --------------------------------------------------------------------
@@ -321,3 +473,35 @@ def test_engine_with_a_secret_serves_no_planted_frame(caplog: pytest.LogCaptureF
     assert plugin.tiers[-1].misses >= 1
     assert "frame_secret is not set" not in caplog.text and FrameSeal(SECRET).key_id in caplog.text
     assert SECRET not in caplog.text
+
+
+def test_a_shared_tier_unsealed_warns_unless_the_config_says_frame_secret_none(caplog: pytest.LogCaptureFixture) -> None:
+    """A shared tier without a secret is a choice written in the config: without
+    ``frame_secret: none`` the engine starts with a warning that names that key; with
+    it, the start is warning-free (an info line says it was chosen, and where) and the
+    tier is unsealed, as chosen."""
+    plugin = SharedPlugin()
+    with caplog.at_level(logging.INFO, logger="lmcache_core.engine"):
+        with _engine(plugin):
+            pass
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "shared_frames" in warned[0] and "frame_secret: none" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lmcache_core.engine"):
+        with _engine(plugin, frame_secret="none") as eng:
+            assert eng.seal is None
+            n, second = _plant_and_retrieve(eng, plugin)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert "shared_frames are shared and their frames are not sealed: frame_secret: none (from programmatic override)" in (
+        caplog.text
+    )
+    assert n == 2 and float(second.flatten()[0]) == 666.0  # unsealed, as the config says
+    # negative control: no shared tier, nothing to warn about, with or without the word
+    caplog.clear()
+    pm = PluginManager(load_entry_points=False)
+    with caplog.at_level(logging.INFO, logger="lmcache_core.engine"):
+        for extra in ({}, {"frame_secret": "none"}):
+            loaded = load_config(env={}, overrides={"chunk_size": 16, **extra})
+            with CacheEngine(loaded, namespace=KeyNamespace(model="seal-test"), plugins=pm):
+                pass
+    assert "shared" not in caplog.text

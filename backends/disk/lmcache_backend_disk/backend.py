@@ -65,6 +65,7 @@ from lmcache_core.serde import (
     UnknownCodec,
     WrongShape,
     check_header,
+    checksum_matches,
     checksum_placeholder,
     frame_header,
     encode_payload,
@@ -1063,7 +1064,7 @@ class DiskBackend(StorageBackend):
         except EOFError as err:
             self._drop_corrupt(key, path, ino, str(err))
             return False
-        if hasher.hexdigest() != meta["checksum"]:
+        if not checksum_matches(meta, hasher.hexdigest()):
             self._drop_corrupt(key, path, ino, "MAC mismatch" if self._seal is not None else "checksum mismatch")
             return False
         return True

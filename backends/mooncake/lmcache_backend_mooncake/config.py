@@ -8,11 +8,11 @@ durations are seconds (the old ``*_ms`` spellings are accepted with a deprecatio
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lmcache_core.config import ByteSize, StrictModel
+from lmcache_core.config import HOUR, ByteSize, Flag, StrictModel, seconds
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+):([0-9]{1,5})$")
 _METADATA = re.compile(r"^(https?://[^/\s]+(/\S*)?|etcd://\S+|redis://\S+|P2PHANDSHAKE)$")
@@ -46,17 +46,10 @@ class MooncakeConfig(StrictModel):
     buffer_size: ByteSize = Field(64 << 20, description="the client's own transfer buffer (local_buffer_size)")
     replicas: int = Field(1, ge=1, le=16, description="memory replicas written per chunk")
     key_prefix: str = Field("lmcache/", description="object keys are {key_prefix}{chunk key}")
-    timeout_s: float = Field(
-        2.0, gt=0, le=600, allow_inf_nan=False, description="deadline in seconds of one store call (lookup, get, put)"
-    )
-    setup_timeout_s: float = Field(
-        15.0, gt=0, le=600, allow_inf_nan=False, description="deadline in seconds of connecting to the master"
-    )
-    down_cooldown_s: float = Field(
+    timeout_s: Annotated[float, seconds(600)] = Field(2.0, description="deadline in seconds of one store call (lookup, get, put)")
+    setup_timeout_s: Annotated[float, seconds(600)] = Field(15.0, description="deadline in seconds of connecting to the master")
+    down_cooldown_s: Annotated[float, seconds(600, off=True)] = Field(
         2.0,
-        ge=0,
-        le=600,
-        allow_inf_nan=False,
         description="after the master fails or a call overruns, calls are misses for this many seconds",
     )
     renamed_ms_keys = {"timeout_ms": "timeout_s", "setup_timeout_ms": "setup_timeout_s", "down_cooldown_ms": "down_cooldown_s"}
@@ -64,10 +57,10 @@ class MooncakeConfig(StrictModel):
     staging_size: ByteSize = Field(
         128 << 20, description="registered memory that gets land in (checked there, then copied into the pool)"
     )
-    quarantine_s: float = Field(
-        30.0, ge=0, le=3600, description="staging memory of a failed or overrun transfer is not reused for this long"
+    quarantine_s: Annotated[float, seconds(HOUR, off=True)] = Field(
+        30.0, description="staging memory of a failed or overrun transfer is not reused for this long"
     )
-    verify_on_start: bool = Field(True, description="fail at startup when the master cannot be reached")
+    verify_on_start: Flag = Field(True, description="fail at startup when the master cannot be reached")
 
     @field_validator("master")
     @classmethod

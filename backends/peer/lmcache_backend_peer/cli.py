@@ -13,7 +13,6 @@ SIGINT/SIGTERM.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -21,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lmcache_core.config import ConfigError, CoreConfig, ms_to_seconds, parse_size, read_frame_secret
+from lmcache_core.config import HOUR, ConfigError, CoreConfig, check_seconds, ms_to_seconds, parse_size, read_frame_secret
 from lmcache_core.serde import FrameSeal
 
 from .client import format_address
@@ -174,11 +173,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _serve(parser.parse_args(argv), parser)
 
 
+#: the most each duration flag takes: the same bounds as the engines' peer tier keys
+FLAG_MAX_S = {"timeout": HOUR, "handshake-timeout": 600.0}
+
+
 def seconds_flag(args: argparse.Namespace, parser: argparse.ArgumentParser, name: str, default: float) -> float:
     """The value of ``--<name>-s``, or of the deprecated ``--<name>-ms`` (accepted for
     one release, converted to seconds with a warning by the config's own rule,
-    :func:`lmcache_core.config.ms_to_seconds`), or ``default``. It must be a
-    positive, finite number of seconds; both flags at once are an error."""
+    :func:`lmcache_core.config.ms_to_seconds`), or ``default``. It must meet the
+    config's rule for durations (:func:`lmcache_core.config.check_seconds`: from
+    1 ms to :data:`FLAG_MAX_S`); both flags at once are an error."""
     attr = name.replace("-", "_")
     seconds, millis = getattr(args, f"{attr}_s"), getattr(args, f"{attr}_ms")
     if millis is not None:
@@ -195,9 +199,10 @@ def seconds_flag(args: argparse.Namespace, parser: argparse.ArgumentParser, name
             parser.error(str(err))
     if seconds is None:
         seconds = default
-    if not (math.isfinite(seconds) and seconds > 0):
-        parser.error(f"--{name}-s must be a positive number of seconds")
-    return float(seconds)
+    try:
+        return check_seconds(seconds, max_s=FLAG_MAX_S.get(name, HOUR))
+    except ValueError as err:
+        parser.error(f"--{name}-s: {err}")
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

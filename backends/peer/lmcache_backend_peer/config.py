@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, SecretStr, model_validator
 
-from lmcache_core.config import ByteSize, ConfigError, StrictModel
+from lmcache_core.config import HOUR, ByteSize, ConfigError, Flag, StrictModel, seconds
 
 Address = tuple[str, int]
 
@@ -71,7 +71,7 @@ class PeerConfig(StrictModel):
         None,
         description="Unix socket of a cache node on this host (its --unix-socket): asked before peers, through shared memory",
     )
-    shm: bool = Field(
+    shm: Flag = Field(
         True,
         description="with unix_socket, load straight from the node's shared memory; false: the socket carries the frames",
     )
@@ -83,28 +83,26 @@ class PeerConfig(StrictModel):
         description="authenticate as this tenant of a shared node; the secret is then the tenant's own",
     )
     max_size: ByteSize = Field(1 << 30, description="bytes of chunks kept (and served) by this tier; 0 keeps none")
-    push: bool = Field(False, description="also send every put (and remove) to the peers, e.g. a shared cache node")
-    timeout_s: float = Field(
-        2.0, gt=0, allow_inf_nan=False, description="whole-request deadline in seconds (connect, auth, send, reply)"
+    push: Flag = Field(False, description="also send every put (and remove) to the peers, e.g. a shared cache node")
+    timeout_s: Annotated[float, seconds(HOUR)] = Field(
+        2.0, description="whole-request deadline in seconds (connect, auth, send, reply)"
     )
-    connect_timeout_s: float = Field(
-        0.5, gt=0, allow_inf_nan=False, description="TCP connect deadline in seconds (within timeout_s)"
+    connect_timeout_s: Annotated[float, seconds(600)] = Field(
+        0.5, description="TCP connect deadline in seconds (within timeout_s)"
     )
     max_frame_size: ByteSize = Field(256 << 20, description="largest message accepted or sent (bounds one reply)")
     pool_size: int = Field(4, ge=1, le=256, description="idle connections kept per peer")
-    retry_after_s: float = Field(
-        1.0, ge=0, allow_inf_nan=False, description="a peer that failed is skipped for this many seconds"
+    retry_after_s: Annotated[float, seconds(HOUR, off=True)] = Field(
+        1.0, description="a peer that failed is skipped for this many seconds"
     )
     max_connections: int = Field(64, ge=1, description="authenticated connections the server keeps at once")
     max_unauthenticated: int = Field(32, ge=1, description="connections still authenticating, kept apart from max_connections")
     max_unauthenticated_per_address: int = Field(4, ge=1, description="of those, from one client address")
-    handshake_timeout_s: float = Field(
-        1.0, gt=0, allow_inf_nan=False, description="a new connection must authenticate within this many seconds"
+    handshake_timeout_s: Annotated[float, seconds(600)] = Field(
+        1.0, description="a new connection must authenticate within this many seconds"
     )
-    eviction_poll_s: float = Field(
+    eviction_poll_s: Annotated[float, seconds(HOUR, min_s=0.05, off=True)] = Field(
         2.0,
-        ge=0,
-        allow_inf_nan=False,
         description="with push, ask the nodes every this many seconds what they dropped (KV events for routers); 0: never",
     )
     max_inflight: ByteSize | None = Field(
@@ -126,8 +124,6 @@ class PeerConfig(StrictModel):
             check_secret(self.secret.get_secret_value().encode())
         if self.listen is None and not self.peers and self.unix_socket is None:
             raise ValueError("give listen (serve), peers or unix_socket (ask), or both; with neither the tier does nothing")
-        if 0 < self.eviction_poll_s < 0.05:
-            raise ValueError("eviction_poll_s must be 0 (off) or at least 0.05")
         if self.max_frame_size < 1024:
             raise ValueError("max_frame_size must be at least 1KiB")
         return self

@@ -56,6 +56,7 @@ from lmcache_core.serde import (
     FrameError,
     FrameInfo,
     check_frame,
+    checksum_matches,
     codec_output,
     parse_header_prefix,
     payload_hasher,
@@ -414,7 +415,7 @@ class ShmView:
             self.read_hook()  # type: ignore[operator]
         if not self._stable(loc, kb):
             return "slot reused"
-        if hasher.hexdigest() != meta["checksum"]:
+        if not checksum_matches(meta, hasher.hexdigest()):
             return "MAC mismatch" if "auth" in meta else "checksum mismatch"
         return None
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 
-from lmcache_core.config import ByteSize, ConfigError, StrictModel
+from lmcache_core.config import DAY, HOUR, ByteSize, ConfigError, Flag, StrictModel, seconds
 
 #: Redis' default ``proto-max-bulk-len``: the largest string a server accepts.
 SERVER_MAX_BULK = 512 * 2**20
@@ -51,42 +51,44 @@ class RedisConfig(StrictModel):
     username: str | None = Field(None, description="ACL user (Redis 6+); overrides one in the URL")
     password: SecretStr | None = Field(None, description="password (prefer password_file); overrides one in the URL")
     password_file: Path | None = Field(None, description="file holding the password (trailing newline stripped)")
-    tls: bool = Field(False, description="TLS to the cluster nodes (for url, use the rediss:// scheme)")
+    tls: Flag = Field(False, description="TLS to the cluster nodes (for url, use the rediss:// scheme)")
     tls_ca_file: Path | None = Field(None, description="CA bundle that signed the server certificate")
     tls_cert_file: Path | None = Field(None, description="client certificate (servers with tls-auth-clients)")
     tls_key_file: Path | None = Field(None, description="client private key")
-    tls_verify: bool = Field(True, description="verify the server certificate (false: encrypted but unauthenticated)")
-    tls_check_hostname: bool = Field(True, description="the certificate must name the host connected to")
+    tls_verify: Flag = Field(True, description="verify the server certificate (false: encrypted but unauthenticated)")
+    tls_check_hostname: Flag = Field(True, description="the certificate must name the host connected to")
     prefix: str = Field("lmcache:", description="every key is {prefix}{chunk key}")
-    ttl_s: float | None = Field(None, gt=0, description="expire chunks this long after they are stored; null: never")
+    ttl_s: Annotated[float, seconds(365 * DAY)] | None = Field(
+        None, description="expire chunks this long after they are stored; null: never"
+    )
     max_value_size: ByteSize = Field(
         64 * 2**20, description="frames larger than this are refused (the put is skipped), never split"
     )
-    connect_timeout_s: float = Field(1.0, gt=0, le=60, description="TCP (and TLS) connect deadline per attempt")
-    socket_timeout_s: float = Field(5.0, gt=0, le=600, description="deadline for each socket read or write")
-    call_timeout_s: float = Field(
+    connect_timeout_s: Annotated[float, seconds(60)] = Field(1.0, description="TCP (and TLS) connect deadline per attempt")
+    socket_timeout_s: Annotated[float, seconds(600)] = Field(5.0, description="deadline for each socket read or write")
+    call_timeout_s: Annotated[float, seconds(600)] = Field(
         5.0,
-        gt=0,
-        le=600,
         description="deadline for one whole call (a pipeline): pool wait, connect, sending, every reply, "
         "reconnects and retries included",
     )
     retries: int = Field(1, ge=0, le=10, description="redis-py retries after a connection error or timeout")
     max_connections: int = Field(32, ge=1, le=1024, description="pooled connections per server node")
     write_concurrency: int = Field(4, ge=1, le=64, description="background puts the engine runs at once")
-    check_exists_before_put: bool = Field(
+    check_exists_before_put: Flag = Field(
         True, description="EXISTS before SET so chunks another instance stored are not sent again"
     )
-    down_cooldown_s: float = Field(5.0, ge=0, description="after a server failure, calls are misses for this long")
-    verify_on_start: bool = Field(True, description="PING the server(s) when the tier is created")
-    delete_corrupt: bool = Field(False, description="delete values that fail their checksum or key check")
+    down_cooldown_s: Annotated[float, seconds(HOUR, off=True)] = Field(
+        5.0, description="after a server failure, calls are misses for this long"
+    )
+    verify_on_start: Flag = Field(True, description="PING the server(s) when the tier is created")
+    delete_corrupt: Flag = Field(False, description="delete values that fail their checksum or key check")
     max_key_events_per_s: int = Field(
         100_000,
         ge=1,
         le=10**7,
         description="key-event names checked (EXISTS) and reported a second at most; more are dropped and counted",
     )
-    eviction_events: bool = Field(
+    eviction_events: Flag = Field(
         True,
         description="with KV events on, report keys the server evicts or expires (keyspace notifications; "
         "turns notify-keyspace-events' E, x, e flags on when missing)",

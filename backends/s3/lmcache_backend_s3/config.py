@@ -8,11 +8,11 @@ deliberately no key for credentials: they come from boto3's standard chain only.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lmcache_core.config import ByteSize, StrictModel
+from lmcache_core.config import DAY, HOUR, ByteSize, Flag, StrictModel, seconds
 
 MIN_PART_SIZE = 5 * 2**20  # S3's smallest multipart part (all parts but the last)
 MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
@@ -28,29 +28,29 @@ class S3Config(StrictModel):
     profile: str | None = Field(None, description="named profile from the shared AWS config files")
     addressing_style: Literal["auto", "path", "virtual"] = Field("auto", description="bucket in the path or the host")
     max_concurrency: int = Field(16, ge=1, le=256, description="parallel requests (and pooled connections)")
-    connect_timeout_s: float = Field(2.0, gt=0, le=300, description="TCP connect timeout per attempt")
-    read_timeout_s: float = Field(10.0, gt=0, le=3600, description="socket read timeout per attempt")
+    connect_timeout_s: Annotated[float, seconds(300)] = Field(2.0, description="TCP connect timeout per attempt")
+    read_timeout_s: Annotated[float, seconds(HOUR)] = Field(10.0, description="socket read timeout per attempt")
     max_attempts: int = Field(3, ge=1, le=20, description="attempts per request, the first included")
     retry_mode: Literal["standard", "adaptive", "legacy"] = Field("standard", description="botocore retry mode")
-    op_deadline_s: float = Field(
+    op_deadline_s: Annotated[float, seconds(HOUR)] = Field(
         10.0,
-        gt=0,
-        le=3600,
         description="total deadline for one lookup, get, put or remove, retries included; past it: a miss and the endpoint counts as down",
     )
     multipart_threshold: ByteSize = Field(64 * 2**20, description="frames this large or larger use multipart upload")
     multipart_chunksize: ByteSize = Field(16 * 2**20, description="part size for multipart uploads (>= 5MiB)")
     range_chunksize: ByteSize = Field(16 * 2**20, description="bytes per GET; larger objects are fetched as parallel ranged GETs")
-    check_exists_before_put: bool = Field(
+    check_exists_before_put: Flag = Field(
         True, description="HEAD before PUT so chunks another instance already stored are not uploaded again"
     )
     presence_cache_size: int = Field(65536, ge=0, description="keys remembered as present (0 disables)")
-    presence_ttl_s: float = Field(300.0, ge=0, description="how long a remembered key is trusted without a request")
-    down_cooldown_s: float = Field(
-        5.0, ge=0, description="after the endpoint fails, calls are misses without a request for this long"
+    presence_ttl_s: Annotated[float, seconds(DAY, off=True)] = Field(
+        300.0, description="how long a remembered key is trusted without a request"
     )
-    verify_on_start: bool = Field(True, description="check the bucket and credentials when the tier is created")
-    delete_corrupt: bool = Field(False, description="delete objects that fail their checksum or key check")
+    down_cooldown_s: Annotated[float, seconds(HOUR, off=True)] = Field(
+        5.0, description="after the endpoint fails, calls are misses without a request for this long"
+    )
+    verify_on_start: Flag = Field(True, description="check the bucket and credentials when the tier is created")
+    delete_corrupt: Flag = Field(False, description="delete objects that fail their checksum or key check")
 
     @field_validator("bucket")
     @classmethod

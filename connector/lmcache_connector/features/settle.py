@@ -26,7 +26,13 @@ When settles run is ``connector.settle_when``:
   turn's hit is there as soon as possible; an answer nobody follows up is computed once
   more for nothing, which costs throughput where most requests are never followed up);
 - ``idle``: only while the engine has nothing else to do, as many as one step's token
-  budget holds, so a request arriving meanwhile waits for at most about one step.
+  budget holds, so a request arriving meanwhile waits for at most about one step. A
+  settle longer than one step (a long answer: 120,000 tokens against a 2,048-token
+  budget) runs in *pieces* of whole chunks that fit one step, one after the other:
+  each piece stores its chunks, and the next one, handed over at the next idle
+  moment, loads them and prefills the chunks after them. A piece whose previous
+  piece's chunks are not stored yet (a save still in the background) waits at most
+  :data:`WAIT_S`; a settle of which not even one chunk fits a step is not run.
   Queued settles wait; a request that needs one before it ran computes those tokens
   itself (the settle is dropped, nothing is computed twice); past
   :data:`MAX_IN_FLIGHT` the oldest queued one is dropped; one whose prompt chunks left
@@ -42,12 +48,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from lmcache_core.config import SAVE_PREFILL, SETTLE_IDLE
 
 from ..layouts.groups import STATE_SCHEDULER
+from ..log import get_logger
+
+log = get_logger(__name__)
 
 #: request ids of settles start with this (never seen by vLLM's front-end)
 PREFIX = "lmcache-settle-"
@@ -65,14 +74,21 @@ class SettlePlan:
     """An internal request to run: ``tokens`` (whole chunks plus one token) with the
     cache options of ``source``, the finished vLLM request (its ``kv_transfer_params``,
     cache salt, LoRA, priority and block hasher: the chunk keys must be the same).
-    ``prefix``: the hashes of the chunks it should find stored (the prompt's);
-    ``new_tokens``: how many tokens it computes."""
+    ``prefix``: the hashes of the chunks it should find stored (the prompt's, then
+    those earlier pieces of the same answer stored); ``new_tokens``: how many tokens
+    it computes; ``stores``: the hashes of the chunks it stores, in order.
+    A piece of a settle longer than a step (``settle_when: idle``): ``after``, the
+    piece before it (this one runs once that one finished); ``base``: how many of
+    ``prefix`` are the prompt's (the rest are earlier pieces')."""
 
     req_id: str
     tokens: list[int]
     source: Any
     prefix: tuple[bytes, ...] = ()
     new_tokens: int = 0
+    stores: tuple[bytes, ...] = ()
+    after: str | None = None
+    base: int = 0
 
 
 class Settler:
@@ -85,15 +101,19 @@ class Settler:
         wait_s: float = WAIT_S,
         max_in_flight: int = MAX_IN_FLIGHT,
         clock: Callable[[], float] = time.monotonic,
+        chunk_size: int | None = None,
     ) -> None:
         self.idle_only = when == SETTLE_IDLE
         self.wait_s = wait_s
         self.max_in_flight = max_in_flight
+        self.chunk_size = chunk_size  # tokens per chunk (None: worked out from each plan)
         self._clock = clock
         self._ids = itertools.count(1)
         self._plans: deque[SettlePlan] = deque()  # planned, not yet handed to the scheduler
         self._in_flight: dict[str, frozenset[bytes]] = {}  # settle id -> chunk hashes it stores (queued or running)
         self._waiting: dict[str, float] = {}  # request id -> when it stops waiting
+        self._held: dict[str, float] = {}  # queued piece -> when it stops waiting for the previous piece's chunks
+        self._pieces: set[str] = set()  # pieces split off a settle, in flight (counted with the settle's last piece)
         # counters (read by tests and the scheduler's stats)
         self.planned = 0
         self.finished = 0
@@ -102,6 +122,8 @@ class Settler:
         self.gave_up = 0  # requests that stopped waiting after wait_s
         self.superseded = 0  # queued settles dropped: a request needing their chunks came first (idle)
         self.dropped = 0  # queued settles dropped: the oldest past MAX_IN_FLIGHT, or their prompt left the cache (idle)
+        self.pieces = 0  # pieces split off settles longer than one step (idle)
+        self.too_long = 0  # of the dropped: not even one chunk fits a step (idle)
 
     def is_settle(self, req_id: str) -> bool:
         return req_id in self._in_flight
@@ -122,18 +144,33 @@ class Settler:
                 self.skipped += 1
                 return None
             self.drop(self._plans.popleft().req_id)
-        rid = f"{PREFIX}{next(self._ids)}-{getattr(source, 'request_id', '')}"
-        plan = SettlePlan(rid, tokens, source, tuple(prefix), new_tokens)
-        self._in_flight[plan.req_id] = frozenset(hashes)
+        prefix = tuple(prefix)
+        plan = SettlePlan(self._new_id(source), tokens, source, prefix, new_tokens, tuple(hashes), None, len(prefix))
+        self._in_flight[plan.req_id] = frozenset(plan.stores)
         self._plans.append(plan)
         self.planned += 1
         return plan
 
-    def take(self, idle: bool = True, budget: int | None = None) -> list[SettlePlan]:
+    def _new_id(self, source: Any) -> str:
+        return f"{PREFIX}{next(self._ids)}-{getattr(source, 'request_id', '')}"
+
+    def take(
+        self, idle: bool = True, budget: int | None = None, stored: Callable[[SettlePlan], int] | None = None
+    ) -> list[SettlePlan]:
         """The plans to hand to the scheduler now: ``always``, every plan queued since
         the last call; ``idle``, when the engine is ``idle`` (no request running or
         waiting), the oldest queued ones whose new tokens fit in ``budget`` (one
-        step's; at least one, all without a budget), else none."""
+        step's; all without a budget), else none.
+
+        ``idle`` never hands over more than ``budget``: the first queued settle, when
+        longer, is split and only its first piece (the whole chunks that fit, plus the
+        one token vLLM computes) is handed over; the rest stays first in the queue and
+        is taken (split again if need be) once that piece finished, at an idle moment.
+        A settle of which not even one chunk fits is dropped (counted in
+        ``too_long``). ``stored(plan)``, when given, says how many of ``plan.prefix``
+        are stored: a settle whose prompt chunks left the cache is dropped; a piece
+        whose earlier pieces' chunks are not all stored yet waits, first in the
+        queue, at most ``wait_s``, then is dropped."""
         if not self.idle_only:
             plans = list(self._plans)
             self._plans.clear()
@@ -142,23 +179,110 @@ class Settler:
         used = 0
         while idle and self._plans:
             nxt = self._plans[0]
-            if out and budget is not None and used + nxt.new_tokens > budget:
+            if nxt.after is not None and nxt.after in self._in_flight:
+                break  # the piece before it is still queued in vLLM or running
+            if stored is not None:
+                ready = self._ready(nxt, stored(nxt))
+                if ready is None:
+                    break  # waits for the previous piece's chunks to be stored
+                if not ready:
+                    self._plans.popleft()
+                    self.drop(nxt.req_id)
+                    continue
+            if budget is None or used + nxt.new_tokens <= budget:
+                out.append(self._plans.popleft())
+                used += nxt.new_tokens
+                continue
+            if out:
                 break
-            out.append(self._plans.popleft())
-            used += nxt.new_tokens
+            piece = self._piece(nxt, budget)
+            if piece is None:
+                self._plans.popleft()
+                self.too_long += 1
+                self.drop(nxt.req_id)
+                continue
+            out.append(piece)
+            break
         return out
+
+    def _ready(self, plan: SettlePlan, found: int) -> bool | None:
+        """Whether ``plan`` can run with ``found`` of its prefix chunks stored: True;
+        False, drop it (its prompt left the cache, or the previous piece's chunks
+        never came); None, wait (they may still be on their way)."""
+        if found >= len(plan.prefix):
+            self._held.pop(plan.req_id, None)
+            return True
+        if plan.after is None or found < plan.base:
+            return False
+        now = self._clock()
+        until = self._held.setdefault(plan.req_id, now + self.wait_s)
+        if now < until:
+            return None
+        del self._held[plan.req_id]
+        return False
+
+    def _piece(self, plan: SettlePlan, budget: int) -> SettlePlan | None:
+        """Split ``plan`` (first in the queue, longer than ``budget``): the first
+        piece, its whole chunks that fit in ``budget`` with the one token vLLM
+        computes, is returned; the rest replaces ``plan`` in the queue, to run after
+        that piece. None when not even one chunk fits."""
+        chunks = len(plan.prefix) + len(plan.stores)
+        cs = self.chunk_size or ((len(plan.tokens) - 1) // chunks if chunks else 0)
+        k = (budget - 1) // cs if cs > 0 else 0
+        if k < 1 or k >= len(plan.stores):
+            if self.too_long == 0:
+                log.warning(
+                    "lmcache-core: settle_when: idle: a chunk (%d tokens) and the token vLLM computes do not fit in one "
+                    "step's token budget (%d): such answers are not settled (raise --max-num-batched-tokens, or "
+                    "use settle_when: always)",
+                    cs,
+                    budget,
+                )
+            return None
+        end = len(plan.prefix) + k
+        piece = SettlePlan(
+            self._new_id(plan.source),
+            plan.tokens[: end * cs + 1],
+            plan.source,
+            plan.prefix,
+            k * cs + 1,
+            plan.stores[:k],
+            plan.after,
+            plan.base,
+        )
+        rest = replace(
+            plan,
+            prefix=plan.prefix + plan.stores[:k],
+            new_tokens=plan.new_tokens - k * cs,
+            stores=plan.stores[k:],
+            after=piece.req_id,
+        )
+        self._plans[0] = rest
+        self._in_flight[piece.req_id] = frozenset(piece.stores)
+        self._in_flight[rest.req_id] = frozenset(rest.stores)
+        self._pieces.add(piece.req_id)
+        self.pieces += 1
+        return piece
 
     def drop(self, req_id: str) -> None:
         """Settle ``req_id`` (taken) is not run after all: its prompt left the cache,
-        or vLLM refused the request."""
-        if self._in_flight.pop(req_id, None) is not None:
+        or vLLM refused the request. The rest of its answer, queued to run after it,
+        goes too (it would find the piece's chunks missing)."""
+        self._held.pop(req_id, None)
+        piece = req_id in self._pieces
+        self._pieces.discard(req_id)
+        if self._in_flight.pop(req_id, None) is not None and not piece:
             self.dropped += 1
+        for plan in [p for p in self._plans if p.after == req_id]:
+            self._plans.remove(plan)
+            self.drop(plan.req_id)
 
     def done(self, req_id: str) -> None:
         """``req_id`` finished (or was never added): a settle leaves the flight, a
         request that waited is forgotten."""
-        if self._in_flight.pop(req_id, None) is not None:
+        if self._in_flight.pop(req_id, None) is not None and req_id not in self._pieces:
             self.finished += 1
+        self._pieces.discard(req_id)
         self._waiting.pop(req_id, None)
 
     def must_wait(self, req_id: str, hashes: Iterable[bytes]) -> bool:
@@ -175,6 +299,7 @@ class Settler:
             for plan in queued:
                 self._plans.remove(plan)
                 del self._in_flight[plan.req_id]
+                self._held.pop(plan.req_id, None)
                 self.superseded += 1
             if len(queued) == len(ahead):
                 ahead = []

@@ -130,7 +130,7 @@ def test_engine_sweep_bars_quick() -> None:
     of warm doc-QA tokens at 50% of the working set where LRU serves 0, and never
     fewer chat tokens than LRU."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_eviction.py"), "--quick", "--policies", "lru,tinylfu"],
+        [sys.executable, str(ROOT / "bench" / "bench_eviction.py"), "--quick", "--no-traces", "--policies", "lru,tinylfu"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,5 +1,7 @@
 """``vllm serve`` with the connector: an OpenAI-compatible server on 127.0.0.1 whose
-``/metrics`` shows the connector's ``lmcache_core:`` counters after a cache hit."""
+``/metrics`` shows the connector's ``lmcache_core:`` counters after a cache hit, and
+a real Prometheus scraping it finds data for every query of deploy/'s dashboard and
+every series its alert rules read (docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -118,6 +120,29 @@ def test_vllm_serve_exports_connector_metrics(tiny_model, tmp_path):
         assert _metric(text, "lmcache_core:tier_capacity_bytes") > _metric(text, "lmcache_core:tier_used_bytes") > 0
         assert _metric(text, "lmcache_core:verified_chunks_total") == 3
         assert _metric(text, "lmcache_core:verify_mismatches_total") == 0
+        _dashboard_and_alerts_have_data(f"127.0.0.1:{port}", base, body, tmp_path)
     finally:
         stop_process(proc)
         log.close()
+
+
+def _dashboard_and_alerts_have_data(target: str, base: str, body: dict, tmp_path) -> None:
+    """Debian's prometheus scraping the server every second: every dashboard query,
+    and every series an alert rule reads, returns data (none silently empty)."""
+    import shutil
+
+    from tests.deploy.prom import MISSING, alert_rules, dashboard_queries, prometheus, selectors
+
+    if shutil.which("prometheus") is None:
+        pytest.skip(MISSING)
+    with prometheus(target, tmp_path) as prom:
+        for _ in range(2):  # traffic while it scrapes, so rates have two samples that differ
+            _post(base + "/v1/completions", body)
+        time.sleep(3)
+        empty = [f"{title}: {expr}" for title, expr in dashboard_queries() if not prom.query(expr)]
+        assert empty == [], "dashboard queries without data:\n" + "\n".join(empty)
+        read = set().union(*(selectors(r["expr"]) for r in alert_rules()))
+        missing = sorted(m for m in read if not prom.query(m))
+        assert missing == [], f"series the alert rules read that Prometheus does not have: {missing}"
+        assert prom.query("lmcache_core:loaded_tokens_total > 0")  # control: a query that can be empty is not
+        assert not prom.query("lmcache_core:verify_mismatches_total > 0")

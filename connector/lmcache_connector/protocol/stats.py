@@ -107,15 +107,28 @@ class LMCachePromMetrics(KVConnectorPromMetrics):
             key: self._gauge_cls(name=PREFIX + name, documentation=doc, labelnames=[*labelnames, "tier"])
             for key, (name, doc) in TIER_GAUGES.items()
         }
+        self._tiers_seen: dict[int, set[str]] = {}
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
+    def _new_tier(self, engine_idx: int, tier: str) -> None:
+        """Every per-tier series of ``tier`` exported from the tier's first report, at 0
+        until it moves: a dashboard panel or an alert on a tier's errors has a series
+        to read before the first error (none silently empty)."""
+        values = [*self.per_engine_labelvalues[engine_idx], tier]
+        for metric in (*self._tier_counters.values(), *self._tier_gauges.values()):
+            metric.labels(*values).inc(0)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        seen = self._tiers_seen.setdefault(engine_idx, set())
         for key, value in transfer_stats_data.items():
+            kind, _, tier = key.partition("/")
+            if tier and tier not in seen and (kind in self._tier_counters or kind in self._tier_gauges):
+                seen.add(tier)
+                self._new_tier(engine_idx, tier)
             if not value:
                 continue
-            kind, _, tier = key.partition("/")
             if kind in self._tier_gauges:
                 self._tier_gauges[kind].labels(*self.per_engine_labelvalues[engine_idx], tier).inc(value)
                 continue

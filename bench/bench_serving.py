@@ -33,6 +33,15 @@ are the client's):
 - ``unique``: no reuse: unique prompts at the highest concurrency.
 - ``vllm-bench``: vLLM's own serving benchmark (``vllm.benchmarks.serve``, run through
   Python because ``vllm bench`` fails on the CPU build), ``prefix_repetition`` dataset.
+- ``trace``: production traffic's sharing, scaled to this machine: the first
+  ``--trace-requests`` requests of ``--trace`` (Mooncake format; default the
+  conversation trace in ../shared/traces), in order, each prompt the text of its first
+  ``--trace-max-blocks`` blocks, ``--trace-block-tokens`` tokens per block id (the same
+  id, the same text: two prompts share exactly the blocks the trace says; keep it equal
+  to ``--chunk-size``). With ``--cpu-size`` a share of the printed distinct KV,
+  ``--arms lmc-cpu lmc-cpu-lru`` compares the default eviction policy with LRU as TTFT
+  and loaded tokens, e.g. ``--workloads trace --concurrency 4 --chunk-size 128
+  --cpu-size 340MiB``.
 
 Printed per workload and concurrency: req/s, output tok/s, TTFT p50/p90/p99, ITL
 p50/p99 (medians over rounds, and the ITL p99 pooled over every round's gaps: one
@@ -125,6 +134,8 @@ class Arm:
     kv_bytes: int = 0
     max_num_seqs: int | None = None
     tiers: str = "cpu"  # cpu | disk | node | redis
+    cpu_size: str = "2GiB"  # the CPU tier of tiers=cpu
+    eviction: str | None = None  # the CPU tier's policy (None: the default)
     chunk_size: int = 256
     prefix_caching: bool = True
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the server
@@ -163,7 +174,10 @@ def helper_services(arm: Arm, tmp: Path, config: dict[str, Any] | None = None) -
         if config is not None:
             pass
         elif arm.tiers == "cpu":
-            cfg["backends"] = [{"name": "local_cpu", "max_size": "2GiB"}]
+            cpu: dict[str, Any] = {"name": "local_cpu", "max_size": arm.cpu_size}
+            if arm.eviction is not None:
+                cpu["eviction"] = arm.eviction
+            cfg["backends"] = [cpu]
         elif arm.tiers == "disk":
             cfg["backends"] = [small_cpu, {"name": "disk", "path": str(tmp / "disk"), "max_size": "4GiB"}]
         elif arm.tiers == "node":
@@ -512,6 +526,29 @@ def chat_users(texts: Texts, args: argparse.Namespace, n_users: int) -> tuple[st
     return system, users
 
 
+def trace_prompts(texts: Texts, args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The trace's first requests as prompts: one fixed text per block id."""
+    from lmcache_core.traces import load_trace
+
+    trace = load_trace(args.trace, limit=args.trace_requests)
+    block_text: dict[int, str] = {}
+    out = []
+    limit = min(args.trace_max_blocks, (args.max_model_len - args.output_tokens - 8) // args.trace_block_tokens)
+    for i in range(trace.requests):
+        nodes = trace.flat[trace.offsets[i] : trace.offsets[i + 1]][:limit]
+        parts = []
+        for n in nodes:
+            if n not in block_text:
+                block_text[n] = texts.text(args.trace_block_tokens) + " "
+            parts.append(block_text[n])
+        out.append(("".join(parts) + "Answer:", args.output_tokens))
+    log(
+        f"  trace workload: {trace.requests} requests, {len(block_text)} distinct blocks of {args.trace_block_tokens} "
+        f"tokens = {len(block_text) * args.trace_block_tokens * KV_PER_TOKEN / 2**20:.0f} MiB of KV"
+    )
+    return out
+
+
 def unique_prompts(texts: Texts, args: argparse.Namespace) -> list[tuple[str, int]]:
     return [(texts.text(args.doc_tokens), args.output_tokens) for _ in range(args.unique)]
 
@@ -623,6 +660,9 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
                     summary = summarize(results, wall)
                 elif wl == "unique":
                     results, wall = asyncio.run(run_requests(base, name, unique_prompts(texts, args), c))
+                    summary = summarize(results, wall)
+                elif wl == "trace":
+                    results, wall = asyncio.run(run_requests(base, name, trace_prompts(texts, args), c))
                     summary = summarize(results, wall)
                 elif wl == "vllm-bench":
                     results = []
@@ -771,7 +811,19 @@ def plot(merged: dict[str, dict[str, dict[str, Any]]], out: Path) -> None:
 
 ARMS = {
     "vllm": lambda a: Arm("vllm", kv_bytes=a.small_kv),
-    "lmc-cpu": lambda a: Arm("lmc-cpu", connector=True, kv_bytes=a.small_kv, tiers="cpu", chunk_size=a.chunk_size),
+    "lmc-cpu": lambda a: Arm(
+        "lmc-cpu", connector=True, kv_bytes=a.small_kv, tiers="cpu", chunk_size=a.chunk_size, cpu_size=a.cpu_size
+    ),
+    # lmc-cpu with LRU eviction: the policy's gain side by side (the trace workload)
+    "lmc-cpu-lru": lambda a: Arm(
+        "lmc-cpu-lru",
+        connector=True,
+        kv_bytes=a.small_kv,
+        tiers="cpu",
+        chunk_size=a.chunk_size,
+        cpu_size=a.cpu_size,
+        eviction="lru",
+    ),
     "lmc-disk": lambda a: Arm("lmc-disk", connector=True, kv_bytes=a.small_kv, tiers="disk", chunk_size=a.chunk_size),
     "lmc-node": lambda a: Arm("lmc-node", connector=True, kv_bytes=a.small_kv, tiers="node", chunk_size=a.chunk_size),
     "lmc-redis": lambda a: Arm("lmc-redis", connector=True, kv_bytes=a.small_kv, tiers="redis", chunk_size=a.chunk_size),
@@ -801,6 +853,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-system-tokens", type=int, default=600)
     p.add_argument("--chat-message-tokens", type=int, default=150)
     p.add_argument("--unique", type=int, default=24)
+    p.add_argument("--trace", type=Path, default=ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl")
+    p.add_argument("--trace-requests", type=int, default=1000, help="the trace workload's requests (its first ones)")
+    p.add_argument("--trace-block-tokens", type=int, default=128, help="tokens per trace block (scaled from 512)")
+    p.add_argument("--trace-max-blocks", type=int, default=8, help="blocks of each trace request kept (its first ones)")
+    p.add_argument("--cpu-size", default="2GiB", help="the CPU tier of the lmc-cpu arms")
     p.add_argument("--bench-prompts", type=int, default=0, help="vllm-bench prompts (default: 3 per document)")
     p.add_argument("--small-kv", type=int, default=120 << 20, help="vLLM's KV cache in the small arms (bytes)")
     p.add_argument("--large-kv", type=int, default=1 << 30, help="vLLM's KV cache in limit/floor (bytes)")
@@ -841,6 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the lmc-cpu2 arm is lmc-cpu with --variant settings: give some")
     if a.quick:
         a.docs, a.doc_tokens, a.unique, a.chat_users, a.chat_turns, a.bench_prompts = 6, 1000, 8, 4, 3, 0
+        a.trace_requests = min(a.trace_requests, 100)
         a.concurrency = [c for c in a.concurrency if c <= 4] or [4]
     working_set = a.docs * (a.doc_tokens + 40) * KV_PER_TOKEN
     if not a.floor_seqs:

@@ -1,0 +1,97 @@
+"""``lmcache-core warm`` on real vLLM: a corpus prefilled into a config's disk tier is
+hit at once by a fresh engine with the same config (the greedy tokens those of a run
+without the cache); a rerun computes nothing it had stored; bad corpus lines are
+reported by number and skipped; a config of memory tiers only is refused."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmcache_connector.warm import CorpusError, read_corpus, Summary, warm
+
+from .conftest import greedy, make_llm
+
+CS = 256
+
+
+def _args(model: Path, config: Path, jsonl: Path, **kw) -> argparse.Namespace:
+    base = dict(
+        model=str(model),
+        config=config,
+        jsonl=jsonl,
+        dir=None,
+        prefix="Document: ",
+        chat_template=False,
+        batch=2,
+        max_model_len=2048,
+        kv_cache_memory_bytes=64 << 20,
+        limit=None,
+        quiet=True,
+    )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _docs(model: Path, n: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(7)
+    return [tok.decode([rng.randrange(10, 2000) for _ in range(700 + 37 * i)]) for i in range(n)]
+
+
+def test_the_corpus_reader_reports_bad_lines_by_number(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"prompt": "a"}\n\nnot json\n{"text": ""}\n[1]\n{"text": "b"}\n')
+    s, err = Summary(), io.StringIO()
+    args = argparse.Namespace(dir=None, jsonl=f)
+    assert list(read_corpus(args, s, err)) == ["a", "b"]
+    assert s.bad_lines == 3 and ":3: not JSON" in err.getvalue() and ":4: no non-empty" in err.getvalue()
+    with pytest.raises(CorpusError, match="cannot open"):
+        list(read_corpus(argparse.Namespace(dir=None, jsonl=tmp_path / "missing.jsonl"), s, err))
+
+
+def test_a_memory_only_config_is_refused(tmp_path, tiny_model):
+    cfg = tmp_path / "lmcache.yaml"
+    cfg.write_text(yaml.safe_dump({"backends": [{"name": "local_cpu", "max_size": "64MiB"}]}))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"prompt": "hello"}\n')
+    with pytest.raises(CorpusError, match="stores nothing that outlives"):
+        warm(_args(tiny_model, cfg, corpus))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_warmed_corpus_hits_at_once_on_a_fresh_engine(tmp_path, tiny_model):
+    cfg = tmp_path / "lmcache.yaml"
+    backends = [{"name": "local_cpu", "max_size": "64MiB"}, {"name": "disk", "path": str(tmp_path / "disk"), "max_size": "1GiB"}]
+    cfg.write_text(yaml.safe_dump({"backends": backends}))
+    docs = _docs(tiny_model, 5)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "\n".join([json.dumps({"prompt": d}) for d in docs[:2]] + ["{oops"] + [json.dumps({"text": d}) for d in docs[2:]])
+    )
+    first = warm(_args(tiny_model, cfg, corpus))
+    assert first.documents == 5 and first.bad_lines == 1 and first.cached_tokens == 0 and not first.interrupted
+    disk = next(t for t in first.tiers if t["name"] == "disk")
+    assert disk["chunks"] >= sum(len(d) for d in docs) // 4 // CS  # whole chunks reached the disk tier
+    again = warm(_args(tiny_model, cfg, corpus))
+    assert again.fully_cached == 5 and again.computed_tokens <= 5 * CS, again  # a rerun skips what is stored
+    # a fresh engine with the same config: every document's whole chunks hit at once
+    questions = [f"Document: {d}\nQuestion: what is it about?" for d in docs]
+    with make_llm(tiny_model, extra={"config_file": str(cfg)}, max_model_len=2048) as llm:
+        tok = llm.get_tokenizer()
+        outs = llm.generate(questions, greedy(), use_tqdm=False)
+        warmed = [len(tok(f"Document: {d}")["input_ids"]) // CS * CS for d in docs]
+        hits = [o.num_cached_tokens for o in outs]
+        assert all(h >= w for h, w in zip(hits, warmed)), (hits, warmed)
+        got = [list(o.outputs[0].token_ids) for o in outs]
+    with make_llm(tiny_model, connector=False, max_model_len=2048) as llm:
+        ref = [list(o.outputs[0].token_ids) for o in llm.generate(questions, greedy(), use_tqdm=False)]
+    assert got == ref

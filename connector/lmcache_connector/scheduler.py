@@ -21,7 +21,7 @@ from lmcache_core.keys import as_token_array, chain_seed, chunk_hashes
 from .layouts.groups import GroupPlan, boundary_hash
 from .protocol.kv_events import EventTranslator
 from .features.load_policy import step_pairs
-from .protocol.lookup_ipc import LookupClient
+from .protocol.lookup_ipc import LookupAnswer, LookupClient
 from .protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 from .options import AUTO, ConnectorSettings, RequestOptions, parse_request_options
 from .features.access_log import AccessLog
@@ -165,7 +165,7 @@ class SchedulerSide:
         """Stored chunks to offer with the lookup (sub-chunk hits): none here."""
         return {}
 
-    def _looked_up(self, st: _Req, answer: Any, offers: dict[int, tuple[bytes, int, int]]) -> None:
+    def _looked_up(self, st: _Req, answer: LookupAnswer, offers: dict[int, tuple[bytes, int, int]]) -> None:
         """The lookup's answer arrived (``st.looked_up`` set)."""
 
     def _load_async(self, st: _Req) -> bool:
@@ -266,8 +266,8 @@ class SchedulerSide:
             alts = {c: offer[0] for c, offer in offers.items()} or None
             pin = st.req_id if self.can_load else None
             answer = self.lookup_client.lookup(hashes, pin, alts) if alts else self.lookup_client.lookup(hashes, pin)
-            st.looked_up = int(answer or 0)
-            st.slow = bool(getattr(answer, "slow", False))
+            st.looked_up = answer.chunks
+            st.slow = answer.slow
             self._looked_up(st, answer, offers)
         n = st.looked_up or 0
         full = st.prompt_len // self.cs
@@ -461,7 +461,7 @@ class SchedulerSide:
 
     def _settle_prefix_stored(self, plan: SettlePlan) -> int:
         """How many of ``plan.prefix`` (the chunks a settle loads) are stored."""
-        return int(self.lookup_client.lookup(list(plan.prefix), None) or 0) if plan.prefix else 0
+        return self.lookup_client.lookup(list(plan.prefix), None).chunks if plan.prefix else 0
 
     def take_stats_delta(self) -> dict[str, float]:
         """The settle counters' increments since the previous call (vLLM's
@@ -560,10 +560,10 @@ class DenseScheduler(SchedulerSide):
             offers[full] = (h, whole, whole)
         return offers
 
-    def _looked_up(self, st: _Req, answer: Any, offers: dict[int, tuple[bytes, int, int]]) -> None:
+    def _looked_up(self, st: _Req, answer: LookupAnswer, offers: dict[int, tuple[bytes, int, int]]) -> None:
         st.tail = None
         n = st.looked_up or 0
-        if getattr(answer, "tail", False) and n in offers:
+        if answer.tail and n in offers:
             stored, tokens, held = offers[n]
             st.tail = (n, stored, n * self.cs + tokens, held)
             self.tail_hits += 1

@@ -36,7 +36,7 @@ from .transfers.layerwise import LayerPipeline
 from .features.cpu_cores import background_cores
 from .features.hits import HitPlanner
 from .features.load_policy import PrefillModel
-from .protocol.lookup_ipc import LookupServer
+from .protocol.lookup_ipc import LookupAnswer, LookupServer
 from .protocol.metadata import LMCacheConnectorMetadata
 from .protocol.stats import DeltaReporter
 from .options import AUTO, ConnectorSettings
@@ -221,7 +221,7 @@ class WorkerSide:
             inline = all(ZERO_COPY in t.capabilities for t in engine.tiers)
             self.server = LookupServer(self.lookup_address, self._lookup, inline=inline)
 
-    def _lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Mapping[int, bytes] | None = None) -> int:
+    def _lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Mapping[int, bytes] | None = None) -> LookupAnswer:
         """The scheduler's lookup: chunks still in a background save are waited for
         (briefly, see async_saves.LOOKUP_WAIT_S) before the answer."""
         assert self.hits is not None

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, LoadedConfig  # noqa: E402
 from lmcache_connector.layouts.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
-from lmcache_connector.protocol.lookup_ipc import LookupClient, LookupServer  # noqa: E402
+from lmcache_connector.protocol.lookup_ipc import MISS, LookupAnswer, LookupClient, LookupServer  # noqa: E402
 from lmcache_connector.options import ConnectorSettings, load_settings, parse_request_options  # noqa: E402
 from lmcache_connector.scheduler import make_scheduler  # noqa: E402
 
@@ -216,15 +216,13 @@ def test_async_loads_option():
 
 
 def test_lookup_hit_carries_slow_over_the_socket(tmp_path):
-    from lmcache_connector.protocol.lookup_ipc import Hit
-
     addr = f"ipc://{tmp_path}/slow.ipc"
-    server = LookupServer(addr, lambda hashes, pin: Hit(len(hashes) - 1, slow=pin == "far"))
+    server = LookupServer(addr, lambda hashes, pin: LookupAnswer(len(hashes) - 1, slow=pin == "far"))
     client = LookupClient([addr], timeout_s=2.0)
     try:
         near, far = client.lookup([b"x" * 16] * 4, "near"), client.lookup([b"x" * 16] * 4, "far")
-        assert (int(near), near.slow) == (3, False) and (int(far), far.slow) == (3, True)
-        assert not Hit(0, slow=True).slow  # nothing to load is never slow
+        assert (near.chunks, near.slow) == (3, False) and (far.chunks, far.slow) == (3, True)
+        assert not LookupAnswer(0, slow=True).slow  # nothing to load is never slow
     finally:
         client.close()
         server.close()
@@ -326,13 +324,13 @@ def test_lookup_server_and_timeout(tmp_path):
 
     def lookup(hashes, pin):
         seen.append((len(hashes), pin))
-        return len(hashes) - 1
+        return LookupAnswer(len(hashes) - 1)
 
     server = LookupServer(addr, lookup)
     client = LookupClient([addr], timeout_s=2.0)
     try:
-        assert client.lookup([b"x" * 16] * 5, "req-1") == 4
-        assert client.lookup([b"y" * 16] * 3, None) == 2
+        assert client.lookup([b"x" * 16] * 5, "req-1").chunks == 4
+        assert client.lookup([b"y" * 16] * 3, None).chunks == 2
         assert seen == [(5, "req-1"), (3, None)]
     finally:
         client.close()
@@ -344,7 +342,7 @@ def test_lookup_server_and_timeout(tmp_path):
     client = LookupClient([f"ipc://{tmp_path}/silent.ipc"], timeout_s=0.3)
     try:
         t0 = time.monotonic()
-        assert client.lookup([b"z" * 16] * 4, "r") == 0
+        assert client.lookup([b"z" * 16] * 4, "r") == MISS
         assert time.monotonic() - t0 < 2.0
         assert client.timeouts == 1
     finally:
@@ -363,18 +361,18 @@ def test_lookup_in_the_same_process_skips_the_socket(tmp_path):
         calls.append(pin)
         if pin == "boom":
             raise RuntimeError("tier broke")
-        return len(hashes)
+        return LookupAnswer(len(hashes))
 
     server = LookupServer(addr, lookup, inline=True)
     client = LookupClient([addr], timeout_s=0.3)
     try:
-        assert client.lookup([b"a" * 16] * 3, "r1") == 3
-        assert client.lookup([b"a" * 16] * 3, "boom") == 0  # a failing cache is a miss
+        assert client.lookup([b"a" * 16] * 3, "r1").chunks == 3
+        assert client.lookup([b"a" * 16] * 3, "boom") == MISS  # a failing cache is a miss
         assert client.inline_lookups == 2 and calls == ["r1", "boom"]
     finally:
         server.close()
     try:
-        assert client.lookup([b"a" * 16] * 3, "r2") == 0
+        assert client.lookup([b"a" * 16] * 3, "r2") == MISS
         assert client.inline_lookups == 2 and client.timeouts == 1 and calls == ["r1", "boom"]
     finally:
         client.close()
@@ -382,7 +380,7 @@ def test_lookup_in_the_same_process_skips_the_socket(tmp_path):
     server = LookupServer(addr, lookup)
     client = LookupClient([addr], timeout_s=2.0)
     try:
-        assert client.lookup([b"a" * 16] * 2, "r3") == 2
+        assert client.lookup([b"a" * 16] * 2, "r3").chunks == 2
         assert client.inline_lookups == 0
     finally:
         client.close()
@@ -561,7 +559,7 @@ def test_pins_are_released_while_asleep(tmp_path):
         data = torch.zeros(w.hits.chunk_shape, dtype=w.hits.chunk_dtype)
         for h in pinned:
             assert w.engine.store_hashes([h], [data]) == 1
-        assert w.hits.lookup(pinned, "asleep-req") == 8
+        assert w.hits.lookup(pinned, "asleep-req").chunks == 8
         w.suspend()
         idle = LMCacheConnectorMetadata(chunk_size=16)
         w.step_started(idle)
@@ -704,13 +702,13 @@ def test_a_lookup_waits_for_a_background_save_of_its_chunks(tmp_path):
         w.start_load_kv(step)
         w.wait_for_save(step)
         t0 = time.monotonic()
-        assert w._lookup(hashes, None) == 0  # the save is stuck: a miss after the bounded wait
+        assert w._lookup(hashes, None) == MISS  # the save is stuck: a miss after the bounded wait
         waited = time.monotonic() - t0
         assert 0.08 <= waited < 2, waited
         threading.Timer(0.03, gate.set).start()
-        assert w._lookup(hashes, None) == 2  # released while the lookup waits: a hit
+        assert w._lookup(hashes, None).chunks == 2  # released while the lookup waits: a hit
         t0 = time.monotonic()
-        assert w._lookup([b"\x07" * 16], None) == 0 and time.monotonic() - t0 < 0.05  # nothing pending: at once
+        assert w._lookup([b"\x07" * 16], None) == MISS and time.monotonic() - t0 < 0.05  # nothing pending: at once
     finally:
         gate.set()
         w.close()

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, LoadedConfig, load_config  # noqa: E402
+from lmcache_connector.protocol.lookup_ipc import LookupAnswer  # noqa: E402
 from lmcache_connector.features import settle as settle_module  # noqa: E402
 from lmcache_connector.features.settle import PREFIX, WAIT_S, Settler, resolve  # noqa: E402
 from lmcache_connector.layouts.groups import STATE_SCHEDULER  # noqa: E402
@@ -38,7 +39,7 @@ class _Lookup:
 
     def lookup(self, hashes, pin_id, alts=None):
         self.calls += 1
-        return min(self.n, len(hashes))
+        return LookupAnswer(min(self.n, len(hashes)))
 
     def close(self):
         pass
@@ -296,7 +297,7 @@ class _Stored:
         n = 0
         while n < len(hashes) and hashes[n] in self.have:
             n += 1
-        return n
+        return LookupAnswer(n)
 
     def close(self):
         pass

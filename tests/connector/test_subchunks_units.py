@@ -16,7 +16,7 @@ from lmcache_core.plugins import PluginManager  # noqa: E402
 from lmcache_core.testing.tokens import token_hashes  # noqa: E402
 from lmcache_connector.features.hits import HitPlanner  # noqa: E402
 from lmcache_connector.features.load_policy import PrefillModel  # noqa: E402
-from lmcache_connector.protocol.lookup_ipc import Hit, LookupClient, LookupServer, _combine, decode_alts, encode_alts  # noqa: E402
+from lmcache_connector.protocol.lookup_ipc import LookupAnswer, LookupClient, LookupServer, _combine, decode_alts, encode_alts  # noqa: E402
 from lmcache_connector.features.subchunks import SubChunkIndex  # noqa: E402
 
 SEED = chain_seed()
@@ -60,17 +60,16 @@ def test_index_offers_the_longest_shared_prefix_of_another_chunk():
 
 
 def test_hit_flags_and_offers_round_trip():
-    for hit in (Hit(3), Hit(3, slow=True), Hit(3, tail=True), Hit(0, slow=True, tail=True)):
-        back = Hit.decode(hit.encode())
-        assert (int(back), back.slow, back.tail) == (int(hit), hit.slow, hit.tail)
-    assert not Hit(0, slow=True).slow and Hit(0, slow=True, tail=True).slow
+    for hit in (LookupAnswer(3), LookupAnswer(3, slow=True), LookupAnswer(3, tail=True), LookupAnswer(0, slow=True, tail=True)):
+        assert LookupAnswer.decode(hit.encode()) == hit
+    assert not LookupAnswer(0, slow=True).slow and LookupAnswer(0, slow=True, tail=True).slow
     alts = {0: b"a" * 16, 7: b"b" * 16}
     assert decode_alts(encode_alts(alts)) == alts
     assert decode_alts(b"x" * 19) is None
     # ranks: the offered chunk counts only if every rank holds it after the same hit
-    assert _combine([Hit(2, tail=True), Hit(2, tail=True)]).tail
-    assert not _combine([Hit(2, tail=True), Hit(1, tail=True)]).tail
-    assert not _combine([Hit(2, tail=True), Hit(2)]).tail
+    assert _combine([LookupAnswer(2, tail=True), LookupAnswer(2, tail=True)]).tail
+    assert not _combine([LookupAnswer(2, tail=True), LookupAnswer(1, tail=True)]).tail
+    assert not _combine([LookupAnswer(2, tail=True), LookupAnswer(2)]).tail
 
 
 def test_offers_travel_over_the_socket(tmp_path):
@@ -79,7 +78,7 @@ def test_offers_travel_over_the_socket(tmp_path):
     def lookup(hashes, pin, alts=None):
         seen.append(alts)
         n = len(hashes) - 1
-        return Hit(n, tail=bool(alts) and n in alts)
+        return LookupAnswer(n, tail=bool(alts) and n in alts)
 
     addr = f"ipc://{tmp_path}/alts.ipc"
     server = LookupServer(addr, lookup)
@@ -87,8 +86,8 @@ def test_offers_travel_over_the_socket(tmp_path):
     try:
         plain = client.lookup([b"x" * 16] * 4, "r1")
         offered = client.lookup([b"x" * 16] * 4, "r2", {3: b"y" * 16})
-        assert (int(plain), plain.tail) == (3, False)
-        assert (int(offered), offered.tail) == (3, True)
+        assert (plain.chunks, plain.tail) == (3, False)
+        assert (offered.chunks, offered.tail) == (3, True)
         assert seen == [None, {3: b"y" * 16}]
     finally:
         client.close()
@@ -126,16 +125,16 @@ def test_worker_checks_and_pins_the_offered_chunk(planner):
     eng.store_hashes(ha, [torch.randn(SHAPE) for _ in ha])
     other = b"\x01" * 16  # a chunk hash nobody stored
     got = hits.lookup(ha[:2] + [other], "r1", {2: ha[2]})
-    assert (int(got), got.tail) == (2, True)
+    assert (got.chunks, got.tail) == (2, True)
     assert eng.tiers[0].stats().extra["pinned"] == 3  # the hit and the offered chunk
     eng.unpin("r1")
     # absent offer: the plain hit, pinned alone
     got = hits.lookup(ha[:2] + [other], "r2", {2: other})
-    assert (int(got), got.tail) == (2, False)
+    assert (got.chunks, got.tail) == (2, False)
     assert eng.tiers[0].stats().extra["pinned"] == 2
     eng.unpin("r2")
     # an offer for a chunk the hit does not end at is not checked
     got = hits.lookup(ha, "r3", {1: ha[2]})
-    assert (int(got), got.tail) == (3, False)
+    assert (got.chunks, got.tail) == (3, False)
     eng.unpin("r3")
     assert eng.stats()["lookups"] == 3  # one lookup each, the second probe uncounted

@@ -30,7 +30,7 @@ from lmcache_core.engine import CacheEngine
 from ..layouts.groups import boundary_hash
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
 from ..log import get_logger
-from ..protocol.lookup_ipc import Hit
+from ..protocol.lookup_ipc import LookupAnswer
 
 log = get_logger(__name__)
 
@@ -70,14 +70,15 @@ class HitPlanner:
         self.bypassed_tokens = 0
         self.bypassed_lookups = 0
 
-    def lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Mapping[int, bytes] | None = None) -> int:
-        """The chunks to load from the first (pinned under ``pin_id``); a :class:`Hit`
-        carrying ``slow`` and ``tail`` where they matter. ``alts[i]``: a stored chunk
-        offered for chunk ``i`` (a sub-chunk hit), checked when the hit ends at ``i``."""
+    def lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Mapping[int, bytes] | None = None) -> LookupAnswer:
+        """The chunks to load from the first (pinned under ``pin_id``), whether that needs
+        a slower tier (``slow``) and whether the chunk offered after the hit is present
+        (``tail``). ``alts[i]``: a stored chunk offered for chunk ``i`` (a sub-chunk hit),
+        checked when the hit ends at ``i``."""
         policy = self.load_policy != ALWAYS and pin_id is not None
         alts = None if self.boundary else alts
         if not self.boundary and not self.background and not policy and not alts:
-            return self.engine.lookup_hashes(hashes, pin_id=pin_id)
+            return LookupAnswer(self.engine.lookup_hashes(hashes, pin_id=pin_id))
         runs = self.engine.lookup_runs(hashes, pin_id=pin_id, record=False)
         n = sum(c for _, c in runs)
         k = self._worth_loading(hashes, runs, pin_id) if policy and pin_id is not None else n
@@ -92,7 +93,7 @@ class HitPlanner:
             # this read instead of making its own. (An offered chunk after the hit may
             # be a partial one, of a size only the scheduler knows: the load reads it.)
             self.engine.prefetch(hashes[:k], [self.chunk_shape] * k, self.chunk_dtype, owner=pin_id)
-        return Hit(k, slow, tail)
+        return LookupAnswer(k, slow, tail)
 
     def _tail(self, alt: bytes, pin_id: str | None) -> bool:
         """Whether stored chunk ``alt``, offered after the hit, is present (then pinned

@@ -26,6 +26,7 @@ import struct
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import zmq
@@ -43,32 +44,36 @@ def socket_path(engine_id: str, rank: int) -> str:
     return f"ipc://{tempfile.gettempdir()}/lmcc-{safe}-{rank}.ipc"
 
 
-class Hit(int):
-    """A lookup's answer: the chunks hit (it is that int); ``slow``: loading them
-    needs a tier slower than memory (see the worker's ``connector.async_loads: auto``); ``tail``:
-    the stored chunk offered for the chunk right after the hit is present and pinned
-    (a sub-chunk hit, subchunks.py)."""
+@dataclass(frozen=True)
+class LookupAnswer:
+    """A lookup's answer: ``chunks`` hit; ``slow``: loading them needs a tier slower
+    than memory (see the worker's ``connector.async_loads: auto``); ``tail``: the stored
+    chunk offered for the chunk right after the hit is present and pinned (a sub-chunk
+    hit, subchunks.py). Nothing to load is never slow."""
 
-    slow: bool
-    tail: bool
+    chunks: int = 0
+    slow: bool = False
+    tail: bool = False
 
-    def __new__(cls, chunks: int, slow: bool = False, tail: bool = False) -> "Hit":
-        hit = super().__new__(cls, chunks)
-        hit.tail = bool(tail)
-        hit.slow = bool(slow) and (chunks > 0 or hit.tail)
-        return hit
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", max(0, int(self.chunks)))
+        object.__setattr__(self, "tail", bool(self.tail))
+        object.__setattr__(self, "slow", bool(self.slow) and (self.chunks > 0 or self.tail))
 
     def encode(self) -> bytes:
         flags = (b"s" if self.slow else b"") + (b"t" if self.tail else b"")
-        return str(int(self)).encode() + (b"," + flags if flags else b"")
+        return str(self.chunks).encode() + (b"," + flags if flags else b"")
 
     @classmethod
-    def decode(cls, raw: bytes) -> "Hit":
+    def decode(cls, raw: bytes) -> "LookupAnswer":
         count, _, flags = raw.partition(b",")
-        return cls(max(0, int(count)), b"s" in flags, b"t" in flags)
+        return cls(int(count), b"s" in flags, b"t" in flags)
 
 
-LookupFn = Callable[..., int]  # (hashes, pin_id[, alts]) -> chunks hit
+MISS = LookupAnswer()
+
+
+LookupFn = Callable[..., LookupAnswer]  # (hashes, pin_id[, alts]) -> the answer
 Alts = dict[int, bytes]  # chunk index -> a stored chunk that starts with that chunk's first blocks
 _ALT = struct.Struct("<I")
 
@@ -143,14 +148,16 @@ class LookupServer:
         hit = self.answer(hashes, req_id.decode() if pin == b"1" else None, alts)
         return [PROTO, seq, hit.encode()]
 
-    def answer(self, hashes: Sequence[bytes], pin_id: str | None, alts: Alts | None = None) -> Hit:
-        """Chunks hit (0 when the lookup fails: a failing cache is a miss, never a crash)."""
+    def answer(self, hashes: Sequence[bytes], pin_id: str | None, alts: Alts | None = None) -> LookupAnswer:
+        """The answer (a miss when the lookup fails: a failing cache is a miss, never a crash)."""
         try:
             got = self._lookup(hashes, pin_id, alts) if alts else self._lookup(hashes, pin_id)
-            return Hit(max(0, int(got)), getattr(got, "slow", False), getattr(got, "tail", False))
+            if not isinstance(got, LookupAnswer):
+                raise TypeError(f"the lookup returned {type(got).__name__}, not a LookupAnswer")
+            return got
         except Exception as err:
             log.warning("lookup failed, reporting a miss: %s", err)
-            return Hit(0)
+            return MISS
 
     def close(self) -> None:
         with _inline_lock:
@@ -162,13 +169,13 @@ class LookupServer:
         self._ctx.term()
 
 
-def _combine(answers: Sequence[Hit]) -> Hit:
+def _combine(answers: Sequence[LookupAnswer]) -> LookupAnswer:
     """Ranks answer for their own shards: the request hits what every rank holds
     (the offered chunk after it only when every rank holds that too)."""
     if not answers:
-        return Hit(0)
-    n = min(int(a) for a in answers)
-    return Hit(n, any(a.slow for a in answers), all(a.tail and int(a) == n for a in answers))
+        return MISS
+    n = min(a.chunks for a in answers)
+    return LookupAnswer(n, any(a.slow for a in answers), all(a.tail and a.chunks == n for a in answers))
 
 
 class LookupClient:
@@ -192,11 +199,11 @@ class LookupClient:
         s.connect(addr)
         return s
 
-    def lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Alts | None = None) -> Hit:
+    def lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Alts | None = None) -> LookupAnswer:
         """The smallest hit over the ranks; slow when any rank's hit needs a slow tier.
         ``alts``: stored chunks offered for sub-chunk hits (see the module's docstring)."""
         if not hashes and not alts:
-            return Hit(0)
+            return MISS
         with _inline_lock:
             local = [_inline.get(a) for a in self.addresses]
         if all(srv is not None for srv in local):
@@ -212,7 +219,7 @@ class LookupClient:
             for s in self._socks:
                 s.send_multipart(msg)
             deadline = time.monotonic() + self.timeout_s
-            answers: list[Hit] = []
+            answers: list[LookupAnswer] = []
             for i, s in enumerate(self._socks):
                 got = self._recv(s, seq, deadline)
                 if got is None:
@@ -221,13 +228,13 @@ class LookupClient:
                     # Drop late replies by starting over with a fresh socket.
                     s.close(0)
                     self._socks[i] = self._connect(self.addresses[i])
-                    answers.append(Hit(0))
+                    answers.append(MISS)
                 else:
                     answers.append(got)
             return _combine(answers)
 
     @staticmethod
-    def _recv(s: zmq.Socket, seq: bytes, deadline: float) -> Hit | None:
+    def _recv(s: zmq.Socket, seq: bytes, deadline: float) -> LookupAnswer | None:
         while True:
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0 or not s.poll(left):
@@ -235,9 +242,9 @@ class LookupClient:
             frames = s.recv_multipart()
             if len(frames) == 3 and frames[0] == PROTO and frames[1] == seq:
                 try:
-                    return Hit.decode(frames[2])
+                    return LookupAnswer.decode(frames[2])
                 except ValueError:
-                    return Hit(0)
+                    return MISS
 
     def close(self) -> None:
         for s in self._socks:

@@ -34,6 +34,7 @@ import torch
 from .keys import ChunkKey
 from .serde import (
     DTYPE_NAMES,
+    DTYPES,
     MAX_DECODE_RAW_BYTES,
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
@@ -184,6 +185,9 @@ class FrameHeader(FrameInfo):
 
     Equality compares the fields only, not ``meta`` or ``offset``.
     """
+
+    #: the dtype names a frame may hold, and their torch dtypes
+    DTYPES: ClassVar[Mapping[str, torch.dtype]] = DTYPES
 
     meta: Mapping[str, str] | None = field(default=None, compare=False)
     offset: int = field(default=0, compare=False)

@@ -26,6 +26,10 @@ never into data. Each refusal carries a :class:`Verdict` (``err.verdict``, and
 serve), or of the *wrong shape* for the caller. Tiers act on the verdict (count a
 corrupt value, keep one of another shape) instead of re-parsing the frame to guess.
 
+Backend authors: :mod:`lmcache_core.frames` wraps all of this in
+:class:`~lmcache_core.frames.FrameWriter` / :class:`~lmcache_core.frames.FrameReader`
+(also importable from here); the functions below stay for compatibility.
+
 Tiers that hold whole frames use :func:`encode` / :func:`try_decode`. Tiers that move
 header and payload separately (the disk tier writes and reads them with positioned
 I/O, hashing the payload while the disk moves it) use the public pieces instead of
@@ -45,7 +49,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import blake3
 import numpy as np
@@ -53,6 +57,12 @@ import torch
 import xxhash
 
 from .keys import ChunkKey
+
+if TYPE_CHECKING:
+    from .frames import FrameHeader as FrameHeader
+    from .frames import FrameReader as FrameReader
+    from .frames import FrameVerifier as FrameVerifier
+    from .frames import FrameWriter as FrameWriter
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +135,9 @@ class FrameError(Exception):
     :class:`WrongShape`."""
 
     verdict: ClassVar[Verdict] = Verdict.CORRUPT
+    #: a frame for the expected key that this reader cannot take but another may
+    #: (another shape, a codec not installed here): worth keeping if it is intact
+    keep_if_intact: ClassVar[bool] = False
 
 
 class ForeignFrame(FrameError):
@@ -139,12 +152,15 @@ class UnknownCodec(ForeignFrame):
     it: a store shared with such processes keeps it if it is intact (the disk tier
     does)."""
 
+    keep_if_intact = True
+
 
 class WrongShape(FrameError):
     """A frame for the expected key of another dtype or shape than the caller's
     (see :attr:`Verdict.WRONG_SHAPE`)."""
 
     verdict = Verdict.WRONG_SHAPE
+    keep_if_intact = True
 
 
 class FrameSeal:
@@ -889,3 +905,16 @@ def try_decode(
     except FrameError as err:
         return Decoded(None, str(err), err.verdict)
     return Decoded(tensor, None, Verdict.OK)
+
+
+_FRAMES_API = frozenset({"FrameHeader", "FrameReader", "FrameVerifier", "FrameWriter"})
+
+
+def __getattr__(name: str) -> Any:
+    """The backend authors' API of :mod:`lmcache_core.frames`, re-exported lazily
+    (that module builds on this one)."""
+    if name in _FRAMES_API:
+        from . import frames
+
+        return getattr(frames, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -56,26 +56,7 @@ from lmcache_core.config import ConfigError, validate_section
 from lmcache_core.eviction import EvictionPolicy
 from lmcache_core.keys import ChunkKey
 from lmcache_core.plugins import get_plugin_manager
-from lmcache_core.serde import (
-    MAX_HEADER_BYTES,
-    MAX_PAYLOAD_BYTES,
-    Codec,
-    FrameError,
-    FrameSeal,
-    UnknownCodec,
-    WrongShape,
-    check_header,
-    checksum_matches,
-    checksum_placeholder,
-    frame_header,
-    encode_payload,
-    frame_codec,
-    frame_meta,
-    payload_checksum,
-    payload_hasher,
-    seal_of,
-    try_decode,
-)
+from lmcache_core.frames import Codec, FrameError, FrameHeader, FrameReader, FrameWriter, Verdict
 
 from .budget import DirBudget
 from .config import DiskConfig
@@ -88,7 +69,7 @@ from .scan import Pacer, ScanResult, scan_shard, scan_shards
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 8 + MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES
+MAX_FRAME_BYTES = FrameReader.MAX_FRAME_BYTES
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 PROGRESS_LOG_S = 10.0  # the background scan logs its progress this often
 CLOSE_WAIT_S = 30.0  # close() waits this long for the background scan to stop
@@ -125,7 +106,7 @@ class DiskBackend(StorageBackend):
         self.max_size = cfg.max_size
         self._codec = codec
         self._codecs = dict(codecs)
-        self._seal = seal_of(codec)
+        self._seal = FrameWriter.seal_of(codec)
         self._lock = threading.Lock()
         self._index = self._new_index()
         self._last_put_error: str | None = None
@@ -810,13 +791,11 @@ class DiskBackend(StorageBackend):
             log.warning("disk tier: %s", err)
             _unlink_quiet(temp, dfd)
 
-    def _frame(self, key: ChunkKey, data: torch.Tensor) -> "_PendingFrame":
-        codec = frame_codec(data, self._codec)  # raw for chunks the codec cannot take (fp8: byte pages)
-        raw_len, mv = encode_payload(data, codec)  # a tensor codec (fp8) gets the tensor
-        meta = frame_meta(key, data, codec.name, raw_len, seal=self._seal)
-        return _PendingFrame(meta, mv, self._seal)
+    def _frame(self, key: ChunkKey, data: torch.Tensor) -> FrameWriter:
+        # raw for chunks the codec cannot take (fp8: byte pages); a tensor codec (fp8) gets the tensor
+        return FrameWriter(key, data, self._codec, seal=self._seal)
 
-    def _write(self, dfd: int, temp: str, frame: "_PendingFrame") -> None:
+    def _write(self, dfd: int, temp: str, frame: FrameWriter) -> None:
         if self._o_direct:
             write_atomic(temp, [frame.header(), frame.payload], dir_fd=dfd, fsync=self.cfg.fsync, o_direct=True)
         else:
@@ -865,28 +844,28 @@ class DiskBackend(StorageBackend):
             return self._read_error(path, err)
         try:
             try:
-                info, meta, offset = read_frame_header(fd, st.st_size)
+                info, _, offset = read_frame_header(fd, st.st_size)
             except FrameError as err:
                 self._drop_corrupt(key, path, st.st_ino, str(err))
                 return False
             try:
-                check_header(info, meta, self._codecs, expect_key=key, out=out, seal=self._seal)
-            except (WrongShape, UnknownCodec) as err:
+                FrameReader(self._codecs, seal=self._seal).check(info, key=key, out=out)
+            except FrameError as err:
+                if not err.keep_if_intact:  # corrupt, another key's, or sealed otherwise: not ours to serve
+                    self._drop_corrupt(key, path, st.st_ino, str(err))
+                    return False
                 # A frame for this key that this caller cannot take. Keep the file only
                 # if it is intact and sealed as we read: a flipped byte in the header
                 # can fake another shape or a codec installed elsewhere.
                 scratch = memoryview(np.empty(info.payload_len, dtype=np.uint8))
-                if not self._read_verified(fd, offset, scratch, meta, key, path, st.st_ino):
+                if not self._read_verified(fd, offset, scratch, info, key, path, st.st_ino):
                     return False
-                if isinstance(err, UnknownCodec):
+                if err.verdict is Verdict.FOREIGN:
                     log.warning("disk tier: %s: %s", path, err)  # not installed here, or lossy and not this tier's
                 else:
                     with self._lock:
                         self._extra["shape_mismatch"] += 1
                 return self._miss(key, keep=True)
-            except FrameError as err:  # corrupt, another key's, or sealed otherwise: not ours to serve
-                self._drop_corrupt(key, path, st.st_ino, str(err))
-                return False
             direct = (
                 info.codec == "raw"
                 and info.payload_len == info.raw_len
@@ -896,7 +875,7 @@ class DiskBackend(StorageBackend):
             )
             if direct:
                 dst = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-                if not self._read_verified(fd, offset, dst, meta, key, path, st.st_ino):
+                if not self._read_verified(fd, offset, dst, info, key, path, st.st_ino):
                     return False
         except OSError as err:
             return self._read_error(path, err)
@@ -914,7 +893,7 @@ class DiskBackend(StorageBackend):
                 return False
             except OSError as err:
                 return self._read_error(path, err)
-            _, reason = try_decode(buf, self._codecs, expect_key=key, out=out)
+            _, reason = FrameReader(self._codecs).decode(buf, key=key, out=out)
             if reason is not None:
                 self._drop_corrupt(key, path, ino, reason)
                 return False
@@ -1050,12 +1029,12 @@ class DiskBackend(StorageBackend):
         return False
 
     def _read_verified(
-        self, fd: int, offset: int, dst: memoryview, meta: dict[str, str], key: ChunkKey, path: Path, ino: int
+        self, fd: int, offset: int, dst: memoryview, header: FrameHeader, key: ChunkKey, path: Path, ino: int
     ) -> bool:
         """Read the payload into ``dst`` while hashing it; a short or corrupt file, or
         one sealed otherwise than this tier reads, is dropped and the read is a miss."""
         try:
-            hasher = payload_hasher(meta, self._seal)
+            hasher = FrameReader(seal=self._seal).verifier(header)
         except FrameError as err:
             self._drop_corrupt(key, path, ino, str(err))
             return False
@@ -1064,7 +1043,7 @@ class DiskBackend(StorageBackend):
         except EOFError as err:
             self._drop_corrupt(key, path, ino, str(err))
             return False
-        if not checksum_matches(meta, hasher.hexdigest()):
+        if not hasher.matches():
             self._drop_corrupt(key, path, ino, "MAC mismatch" if self._seal is not None else "checksum mismatch")
             return False
         return True
@@ -1095,23 +1074,6 @@ def _unlink_quiet(name: str, dir_fd: int) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
-
-
-class _PendingFrame:
-    """A frame about to be written: metadata plus payload. Its header (which holds
-    the payload checksum) is computed by :meth:`header`, possibly while the payload
-    is being written; its length is known up front (serde's header length does not
-    depend on the checksum's value)."""
-
-    def __init__(self, meta: dict[str, str], payload: memoryview, seal: FrameSeal | None = None) -> None:
-        self.meta = meta
-        self.payload = payload
-        self.seal = seal
-        self.header_len = len(frame_header(meta, checksum_placeholder(meta), payload.nbytes))
-        self.size = self.header_len + payload.nbytes
-
-    def header(self) -> bytes:
-        return frame_header(self.meta, payload_checksum(self.meta, self.payload, self.seal), self.payload.nbytes)
 
 
 def create_disk_backend(section: Mapping[str, Any], ctx: BackendContext) -> DiskBackend:

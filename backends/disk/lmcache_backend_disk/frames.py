@@ -11,37 +11,38 @@ of another format. Payload corruption is caught later by the full checksum on ``
 The tier writes and reads a frame in two parts (header, payload) so the payload
 moves between the disk and the caller's tensor without the extra copies of
 ``serde.encode`` / ``serde.decode`` and is hashed while the disk moves it. Every
-piece of the format comes from serde's public helpers (``frame_meta``,
-``frame_header``, ``header_span``, ``parse_header_prefix``, ``payload_hasher``), so
-the bytes on disk are exactly ``serde.encode``'s (tests compare them byte for byte).
+piece of the format comes from ``lmcache_core.frames`` (``FrameWriter``,
+``FrameHeader``, ``FrameReader.verifier``), so the bytes on disk are exactly
+``serde.encode``'s (tests compare them byte for byte).
 """
 
 from __future__ import annotations
 
 import os
 
-from lmcache_core.serde import FrameError, FrameInfo, header_span, parse_header_prefix
+from lmcache_core.frames import FrameError, FrameHeader
 
 from .fileio import open_regular
 
 PREFIX_READ = 4096
 
 
-def read_frame_header(fd: int, size: int) -> tuple[FrameInfo, dict[str, str], int]:
+def read_frame_header(fd: int, size: int) -> tuple[FrameHeader, dict[str, str], int]:
     """Read and validate the header of the frame file open as ``fd`` (``size``
     bytes): one read of :data:`PREFIX_READ` bytes, a second only for a header that
-    is longer. Returns the info, the metadata and the payload offset; raises
-    :class:`~lmcache_core.serde.FrameError` or OSError."""
+    is longer. Returns the header, its metadata and the payload offset; raises
+    :class:`~lmcache_core.frames.FrameError` or OSError."""
     head = os.pread(fd, PREFIX_READ, 0)
     if len(head) >= 8:
-        span = header_span(head)
+        span = FrameHeader.span(head)
         if len(head) < span <= size:
             head += os.pread(fd, span - len(head), len(head))
-    return parse_header_prefix(head, size)
+    header = FrameHeader.parse(head, size)
+    return header, dict(header.meta or {}), header.offset
 
 
 def check_frame_file(name: str, size: int, expect_key: str, *, dir_fd: int | None = None) -> None:
-    """Raise :class:`~lmcache_core.serde.FrameError` unless the file ``name`` in the
+    """Raise :class:`~lmcache_core.frames.FrameError` unless the file ``name`` in the
     directory ``dir_fd`` (``size`` bytes; never opened through a link, never a FIFO
     or other non-regular file: :class:`~.fileio.NotRegularFile`) starts with a valid
     frame header for ``expect_key`` whose lengths add up to exactly ``size``."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from lmcache_core.keys import KEY_FORMAT_VERSION, ChunkKey
-from lmcache_core.serde import FrameError
+from lmcache_core.frames import FrameError
 
 from .directory import FANOUT, is_temp_name, open_dir, parse_chunk_name
 from .fileio import NotRegularFile

@@ -30,7 +30,7 @@ import torch
 from lmcache_core.backend import BATCHED, SHARED, BackendError, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.memory import MemoryBuffer
-from lmcache_core.serde import Codec, Verdict, seal_of, try_decode
+from lmcache_core.frames import Codec, FrameReader, Verdict
 
 from . import codes
 from .client import SetupFailed, StoreClient
@@ -287,7 +287,7 @@ class MooncakeBackend(StorageBackend):
         if client is None:
             self._count(misses=len(keys))
             return hits
-        caps = [max_frame_len(k, out, seal_of(self.codecs)) for k, out in zip(keys, outs)]
+        caps = [max_frame_len(k, out, FrameReader(self.codecs).seal) for k, out in zip(keys, outs)]
         groups = _groups(list(range(len(keys))), lambda i: caps[i])
         Launched = tuple[Pending[list[int]] | None, list[tuple[int, MemoryBuffer]]]
 
@@ -343,7 +343,7 @@ class MooncakeBackend(StorageBackend):
 
     def _decode(self, key: ChunkKey, slot: MemoryBuffer, n: int, out: torch.Tensor) -> bool:
         frame = slot.tensor.numpy().data.cast("B")[:n]
-        decoded = try_decode(frame, self.codecs, expect_key=key, out=out)
+        decoded = FrameReader(self.codecs).decode(frame, key=key, out=out)
         if decoded.verdict is not Verdict.OK:
             self._count(misses=1)
             if decoded.verdict is not Verdict.WRONG_SHAPE:  # another shape may be fine; the rest is not ours

@@ -41,7 +41,7 @@ import torch
 
 from lmcache_core.backend import BATCHED, SHARED, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import Codec, encode, try_decode
+from lmcache_core.frames import Codec, FrameReader, FrameWriter
 
 from .client import PeerClient, PeerRequestError, PeerUnsupported
 from .protocol import MAX_EVICTIONS_PER_REPLY, PeerError, ProtocolError
@@ -332,7 +332,7 @@ class PeerBackend(StorageBackend):
         return pos
 
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        frame = encode(key, data, self.codec)
+        frame = FrameWriter.encode(key, data, self.codec)
         stored = self.store.put_frame(key, frame) if self.store.max_size else False
         if self.push:
             for peer in self._live_peers():
@@ -409,7 +409,7 @@ class PeerBackend(StorageBackend):
         return done
 
     def _decode(self, key: ChunkKey, frame: bytes | memoryview, out: torch.Tensor, where: str) -> bool:
-        _, reason = try_decode(frame, self.codecs, expect_key=key, out=out)
+        _, reason = FrameReader(self.codecs).decode(frame, key=key, out=out)
         with self._lock:
             if reason is None:
                 self._stats.hits += 1

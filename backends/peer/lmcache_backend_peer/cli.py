@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from lmcache_core.config import HOUR, ConfigError, CoreConfig, check_seconds, ms_to_seconds, parse_size, read_frame_secret
-from lmcache_core.serde import FrameSeal
+from lmcache_core.frames import FrameSeal
 
 from .client import format_address
 from .config import check_secret, parse_address

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from lmcache_core.backend import ZERO_COPY
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import encode
+from lmcache_core.frames import FrameWriter
 
 from .server import Address, PeerServer
 
@@ -34,7 +34,7 @@ class EngineSource:
         if buf is None:
             return None
         try:
-            return encode(key, buf.tensor, self.codec)
+            return FrameWriter.encode(key, buf.tensor, self.codec)
         finally:
             buf.release()
 

@@ -22,7 +22,7 @@ import threading
 from typing import Any, Iterable
 
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import FrameError, parse_header
+from lmcache_core.frames import FrameError, FrameHeader
 
 from .protocol import KEY_SIZE, MAX_EVICTIONS_PER_REPLY, key_bytes
 from .tenants import tenant_key
@@ -104,7 +104,7 @@ class EvictionLog:
             self.record(None, stored)
             return
         try:
-            info, _, _ = parse_header(frame)
+            info = FrameHeader.parse(frame)
             key = ChunkKey.parse(info.key)
         except (FrameError, ValueError):
             self.unattributed += 1

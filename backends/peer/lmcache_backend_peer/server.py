@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from lmcache_core.serde import FrameError, FrameSeal, parse_header, verify_payload
+from lmcache_core.frames import FrameError, FrameHeader, FrameReader, FrameSeal
 
 from .auth import Credentials, Principal, server_authenticate
 from .connection import Connection, PeerTimeout
@@ -432,9 +432,9 @@ class PeerServer:
         payload matches the checksum, or the MAC when the node has the frame secret
         (a sealed frame the node cannot check is kept: its readers check it)."""
         try:
-            info, meta, payload = parse_header(req.frame)
-            if self.seal is not None or "auth" not in meta:
-                verify_payload(meta, payload, self.seal)
+            info = FrameHeader.parse(req.frame)
+            if self.seal is not None or not info.sealed:
+                FrameReader(seal=self.seal).verify(info, info.payload(req.frame))
         except FrameError:
             return False
         if info.key != req.key.to_str():

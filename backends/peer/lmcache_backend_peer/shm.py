@@ -20,7 +20,7 @@ Engine side (:class:`ShmView`): an engine that authenticated on the node's Unix
 socket receives its own principal's arena fd (``SCM_RIGHTS``), checks the seals and
 maps it read-only. A LOCATE answers ``(offset, frame length, generation)`` per key;
 the engine checks the slot header (generation, key, and the frame's codec, dtype
-and shape against its output: :func:`~lmcache_core.serde.check_frame`), copies the
+and shape against its output: :meth:`~lmcache_core.frames.FrameReader.check`), copies the
 frame's header out and parses it (it must agree with the slot header), copies the
 payload straight into its output, then re-reads the generation and the key
 (seqlock): a slot rewritten or freed meanwhile is a miss, never wrong KV. The copy
@@ -50,19 +50,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import (
-    DTYPES,
-    Codec,
-    FrameError,
-    FrameInfo,
-    check_frame,
-    checksum_matches,
-    codec_output,
-    parse_header_prefix,
-    payload_hasher,
-    seal_of,
-    tensor_bytes,
-)
+from lmcache_core.frames import Codec, FrameError, FrameHeader, FrameReader
 
 from .protocol import KEY_SIZE, key_bytes
 
@@ -184,7 +172,8 @@ class Arena:
         if need > self.size:
             return False
         try:
-            info, _, span = parse_header_prefix(data, data.nbytes)
+            info = FrameHeader.parse(data)
+            span = info.offset
         except FrameError:
             return False
         if info.key != key.to_str() or len(info.shape) > MAX_NDIM or len(info.codec) > 12 or len(info.dtype) > 12:
@@ -390,23 +379,24 @@ class ShmView:
         start = loc.offset + SLOT_HEADER
         try:
             dtype_name = dtype.rstrip(b"\0").decode("ascii")
-            if ndim > MAX_NDIM or span > length or dtype_name not in DTYPES:
+            if ndim > MAX_NDIM or span > length or dtype_name not in FrameHeader.DTYPES:
                 raise FrameError("slot header is malformed")
-            info = FrameInfo(
+            info = FrameHeader(
                 key.to_str(), codec_name.rstrip(b"\0").decode("ascii"), dtype_name, tuple(shape[:ndim]), raw_len, length - span
             )
-            codec = check_frame(info, codecs, expect_key=key, out=out)
-            frame_info, meta, _ = parse_header_prefix(bytes(self._mv[start : start + span]), length)
+            reader = FrameReader(codecs)
+            reader.check(info, key=key, out=out)  # the slot's fields: no metadata, so no seal yet
+            frame_info = FrameHeader.parse(bytes(self._mv[start : start + span]), length)
             if frame_info != info:
                 raise FrameError("slot header and frame header disagree")
-            hasher = payload_hasher(meta, seal_of(codecs))  # raises unless sealed as this engine expects
+            hasher = reader.verifier(frame_info)  # raises unless sealed as this engine expects
             payload = self._mv[start + span : start + length]
             if info.codec != "raw":  # hash and decode one private copy
                 payload = memoryview(bytes(payload))
                 hasher.update(payload)
-            codec_output(codec, info, payload, out)
+            reader.decode_unverified(info, payload, out)
             if info.codec == "raw":  # hash what was copied: what this read serves
-                hasher.update(tensor_bytes(out))
+                hasher.update(out)
         except FrameError as err:
             return "slot reused" if not self._stable(loc, kb) else str(err)
         except Exception as err:  # a codec fed a slot rewritten under it
@@ -415,8 +405,8 @@ class ShmView:
             self.read_hook()  # type: ignore[operator]
         if not self._stable(loc, kb):
             return "slot reused"
-        if not checksum_matches(meta, hasher.hexdigest()):
-            return "MAC mismatch" if "auth" in meta else "checksum mismatch"
+        if not hasher.matches():
+            return "MAC mismatch" if frame_info.sealed else "checksum mismatch"
         return None
 
 

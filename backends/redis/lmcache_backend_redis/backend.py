@@ -45,7 +45,7 @@ import torch
 
 from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import MAX_HEADER_BYTES, Codec, Verdict, encode_parts, header_verdict, try_decode
+from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
 from .client import Client, Failure, call_deadline, classify, describe, make_client
 from .config import RedisConfig
@@ -61,7 +61,7 @@ _LOG_EVERY_S = 60.0
 def max_frame_bytes(out: torch.Tensor) -> int:
     """The largest frame that can decode into ``out``: header, plus the payload of the
     largest codec output for it (LZ4's worst case on incompressible data)."""
-    return 8 + MAX_HEADER_BYTES + out.nbytes + out.nbytes // 255 + 64
+    return FrameReader.max_frame_len(out)
 
 
 class _Judged(NamedTuple):
@@ -365,12 +365,12 @@ class RedisBackend(StorageBackend):
         if size > max_frame_bytes(out):
             # Only a prefix was read. Longer than any frame for ``out``: a frame of
             # another shape if its header says so, else damaged (or not ours).
-            verdict = header_verdict(frame, size, self.codecs, expect_key=key, out=out)
+            verdict = FrameReader(self.codecs).verdict(frame, size, key=key, out=out)
             return _Judged(
                 Verdict.CORRUPT if verdict is Verdict.OK else verdict,
                 f"{size} bytes, more than a frame for this chunk can have",
             )
-        decoded = try_decode(frame, self.codecs, expect_key=key, out=out)
+        decoded = FrameReader(self.codecs).decode(frame, key=key, out=out)
         if decoded.verdict is not Verdict.OK:
             return _Judged(decoded.verdict, decoded.reason or "undecodable")
         return _HIT
@@ -459,7 +459,7 @@ class RedisBackend(StorageBackend):
         frames: list[tuple[int, bytes, memoryview]] = []
         for i in todo:
             k, data = items[i]
-            header, payload = encode_parts(k, data, self.codec)
+            header, payload = FrameWriter(k, data, self.codec).parts()
             if len(header) + payload.nbytes > self.cfg.max_value_size:
                 self._too_large(k, len(header) + payload.nbytes)
                 continue

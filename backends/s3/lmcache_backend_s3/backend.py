@@ -31,7 +31,7 @@ from botocore.exceptions import ClientError
 
 from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend, prefix_count
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import MAX_HEADER_BYTES, Codec, Verdict, encode, try_decode
+from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
 from .client import Failure, classify, describe, make_client, status_of
 from .config import S3Config
@@ -196,7 +196,7 @@ class S3Backend(StorageBackend):
                 return True
             # Encoded here, not on the worker: a worker abandoned at the deadline must
             # never read ``data`` after the caller has reused its memory.
-            frame = encode(key, data, self.codec)
+            frame = FrameWriter.encode(key, data, self.codec)
             run_bounded(self._ops, deadline, "put", self._upload, name, frame, deadline)
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
@@ -251,7 +251,7 @@ class S3Backend(StorageBackend):
             return False
         # Bound what we accept before reading: header, plus the payload of the largest
         # codec output for ``out`` (LZ4's worst case on incompressible data).
-        max_bytes = 8 + MAX_HEADER_BYTES + out.nbytes + out.nbytes // 255 + 64
+        max_bytes = FrameReader.max_frame_len(out)
         deadline = self._deadline()
         try:
             # The worker returns fresh bytes; only this thread writes into ``out``.
@@ -291,7 +291,7 @@ class S3Backend(StorageBackend):
                 return False
             self._raise("get", key, err)
         self._gate.succeeded()
-        decoded = try_decode(frame, self.codecs, expect_key=key, out=out)
+        decoded = FrameReader(self.codecs).decode(frame, key=key, out=out)
         if decoded.verdict is not Verdict.OK:
             self._bad_frame(key, decoded.verdict, decoded.reason or "undecodable")
             return False

@@ -16,7 +16,7 @@ from pydantic import Field
 from lmcache_core.backend import BackendContext, BackendStats, StorageBackend, prefix_count
 from lmcache_core.config import StrictModel, validate_section
 from lmcache_core.keys import ChunkKey
-from lmcache_core.serde import Codec, encode, try_decode
+from lmcache_core.frames import Codec, FrameReader, FrameWriter
 
 
 class DictBackendConfig(StrictModel):
@@ -45,7 +45,7 @@ class DictBackend(StorageBackend):
         with self._lock:
             if key in self._frames:
                 return True
-        frame = encode(key, data, self._codec)  # outside the lock: the slow part
+        frame = FrameWriter.encode(key, data, self._codec)  # outside the lock: the slow part
         with self._lock:
             self._frames[key] = frame
             while len(self._frames) > self._max:
@@ -71,7 +71,7 @@ class DictBackend(StorageBackend):
         return [self._decode(k, f, o) for k, f, o in zip(keys, frames, outs)]
 
     def _decode(self, key: ChunkKey, frame: bytes | None, out: torch.Tensor) -> bool:
-        tensor, reason = try_decode(frame, self._codecs, expect_key=key, out=out)
+        tensor, reason = FrameReader(self._codecs).decode(frame, key=key, out=out)
         with self._lock:
             if tensor is None:
                 self._stats.misses += 1

@@ -141,18 +141,8 @@ def _scan_shard(
 ) -> ScanResult:
     res = ScanResult()
     where = os.path.join(root, shard)
-    try:
-        dfd = open_dir(shard, root_fd)
-    except FileNotFoundError:
-        return res
-    except OSError as err:
-        log.warning(
-            "disk tier: %s is not a directory (a symbolic link?): %s; the tier never follows links inside its "
-            "directory, so that shard is not used; replace it with an empty directory",
-            where,
-            err.strerror or err,
-        )
-        res.shards_refused += 1
+    dfd = _open_shard(root_fd, shard, where, res)
+    if dfd is None:
         return res
     try:
         with os.scandir(dfd) as it:
@@ -193,6 +183,24 @@ def _scan_shard(
     finally:
         os.close(dfd)
     return res
+
+
+def _open_shard(root_fd: int, shard: str, where: str, res: ScanResult) -> int | None:
+    """The shard directory, opened without following a link; None when it is
+    missing or refused (counted in ``res``)."""
+    try:
+        return open_dir(shard, root_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        log.warning(
+            "disk tier: %s is not a directory (a symbolic link?): %s; the tier never follows links inside its "
+            "directory, so that shard is not used; replace it with an empty directory",
+            where,
+            err.strerror or err,
+        )
+        res.shards_refused += 1
+        return None
 
 
 def _odd(res: ScanResult, dfd: int, name: str, st: os.stat_result, drop_odd: DropOdd | None) -> None:

@@ -10,6 +10,7 @@ logged once and the tier goes on working. No listener: no subscription.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -248,12 +249,16 @@ def test_forged_notifications_are_not_reported_and_real_ones_are() -> None:
     10 real chunks expire (the rate bound raised out of the way): every real expiry is
     reported, no forged one (the server is asked with EXISTS); before round 2, every
     forged name was reported as dropped."""
-    server = RedisServer()
     rec = Recorder()
-    tier = tier_on(server, rec, max_key_events_per_s=10**6)
-    expiring = create_redis_backend({"url": server.url, "prefix": PREFIX, "ttl_s": 1.0}, make_context())
-    stop = threading.Event()
-    try:
+    with contextlib.ExitStack() as stack:  # closed in reverse, whatever fails
+        server = RedisServer()
+        stack.callback(server.kill)
+        tier = tier_on(server, rec, max_key_events_per_s=10**6)
+        stack.callback(tier.close)
+        expiring = create_redis_backend({"url": server.url, "prefix": PREFIX, "ttl_s": 1.0}, make_context())
+        stack.callback(expiring.close)
+        stop = threading.Event()
+        stack.callback(stop.set)
         held = [random_key("held") for _ in range(50)]
         for k in held:
             assert tier.put(k, random_chunk((2, 8, 8)))
@@ -271,11 +276,6 @@ def test_forged_notifications_are_not_reported_and_real_ones_are() -> None:
         assert set(rec) == set(real), f"forged names reported: {len(set(rec) - set(real))}"
         assert tier.stats().extra.get("key_event_pauses", 0) == 0
         print(f"20,000 forged notifications + 10 real expiries handled in {time.monotonic() - t0:.1f} s")
-    finally:
-        stop.set()
-        expiring.close()
-        tier.close()
-        server.kill()
 
 
 def _flood_of_gone_names(max_per_s: int | None, caplog: pytest.LogCaptureFixture) -> tuple[int, dict[str, Any], float]:
@@ -283,13 +283,17 @@ def _flood_of_gone_names(max_per_s: int | None, caplog: pytest.LogCaptureFixture
     gone and each checked one becomes an evicted() call), published as fast as one
     client can; then one real chunk expires. Returns the evicted() calls for forged
     names, the tier's stats then, and the seconds from the flood's start to then."""
-    server = RedisServer()
     rec = Recorder()
     caplog.set_level(logging.WARNING, logger="lmcache_backend_redis.backend")
-    tier = tier_on(server, rec, **({} if max_per_s is None else {"max_key_events_per_s": max_per_s}))
-    expiring = create_redis_backend({"url": server.url, "prefix": PREFIX, "ttl_s": 0.2}, make_context())
-    stop = threading.Event()
-    try:
+    with contextlib.ExitStack() as stack:  # closed in reverse, whatever fails
+        server = RedisServer()
+        stack.callback(server.kill)
+        tier = tier_on(server, rec, **({} if max_per_s is None else {"max_key_events_per_s": max_per_s}))
+        stack.callback(tier.close)
+        expiring = create_redis_backend({"url": server.url, "prefix": PREFIX, "ttl_s": 0.2}, make_context())
+        stack.callback(expiring.close)
+        stop = threading.Event()
+        stack.callback(stop.set)
         names = [(PREFIX + random_key("gone").to_str()).encode() for _ in range(20_000)]
         t0 = time.monotonic()
         assert _flood(server, names, 20_000, stop) == 20_000
@@ -304,11 +308,6 @@ def _flood_of_gone_names(max_per_s: int | None, caplog: pytest.LogCaptureFixture
         wait_until(lambda: real in rec, "the real expiry after the flood was not reported")
         print(f"20,000 forged in {took:.2f} s: {forged} evicted() calls in {elapsed:.1f} s, {tier.stats().extra}")
         return forged, tier.stats().extra, elapsed
-    finally:
-        stop.set()
-        expiring.close()
-        tier.close()
-        server.kill()
 
 
 def test_a_flood_of_forged_notifications_costs_bounded_calls_and_cpu(caplog: pytest.LogCaptureFixture) -> None:
@@ -356,14 +355,15 @@ def test_notifications_off_and_config_set_refused_means_no_subscription(
     monkeypatch.setattr(events, "RECHECK_S", 0.5, raising=False)  # old code: none
     server = RedisServer()
     raw = server.client()
-    raw.execute_command("ACL", "SETUSER", "noset", "reset", "on", ">noset-pass-1", "~*", "&*", "+@all", "-config|set")
-    caplog.set_level(logging.WARNING, logger="lmcache_backend_redis.events")
-    tier = create_redis_backend(
-        {"url": server.url, "prefix": PREFIX, "username": "noset", "password": "noset-pass-1", "ttl_s": 0.3},
-        make_context(key_path="backends[1]"),
-    )
-    rec = Recorder()
+    tier = None
     try:
+        raw.execute_command("ACL", "SETUSER", "noset", "reset", "on", ">noset-pass-1", "~*", "&*", "+@all", "-config|set")
+        caplog.set_level(logging.WARNING, logger="lmcache_backend_redis.events")
+        tier = create_redis_backend(
+            {"url": server.url, "prefix": PREFIX, "username": "noset", "password": "noset-pass-1", "ttl_s": 0.3},
+            make_context(key_path="backends[1]"),
+        )
+        rec = Recorder()
         tier.subscribe_evictions(rec)
         assert tier.watcher is not None
         wait_until(lambda: tier.stats().extra["key_events"].startswith("off:"), "not off")
@@ -385,7 +385,8 @@ def test_notifications_off_and_config_set_refused_means_no_subscription(
         wait_until(lambda: k2 in rec, "expiry not reported")
         assert raw.config_get("notify-keyspace-events")["notify-keyspace-events"] == "AKE"  # the operator's, as set
     finally:
-        tier.close()
+        if tier is not None:
+            tier.close()
         raw.close()
         server.kill()
 
@@ -400,8 +401,9 @@ def test_configure_keyspace_events_false_never_changes_the_server_setting(monkey
     server = RedisServer("--notify-keyspace-events", "Kg")
     raw = server.client()
     rec = Recorder()
-    tier = tier_on(server, None, configure_keyspace_events=False, ttl_s=0.3)
+    tier = None
     try:
+        tier = tier_on(server, None, configure_keyspace_events=False, ttl_s=0.3)
         tier.subscribe_evictions(rec)
         wait_until(lambda: tier.stats().extra["key_events"].startswith("off:"), "not off")
         assert "configure_keyspace_events is false" in tier.stats().extra["key_events"]
@@ -421,6 +423,7 @@ def test_configure_keyspace_events_false_never_changes_the_server_setting(monkey
         finally:
             other.close()
     finally:
-        tier.close()
+        if tier is not None:
+            tier.close()
         raw.close()
         server.kill()

@@ -3,11 +3,13 @@
 tier's raw batch call and to one ``get`` per chunk (what loads cost before), at 0, 1
 and 20 ms of round-trip time.
 
-    python bench/bench_remote_loads.py [--quick] [--tiers redis peer s3 mooncake] [--rtt 0 1 20]
+    python bench/bench_remote_loads.py [--quick] [--tiers redis peer s3 mooncake] [--rtt 0 1 20] [--window-mib 4]
 
 Redis (``redis-server``), a peer node over TCP (``lmcache-core serve``) and S3 (moto's
 server, in a child process) are reached through ``bench/latency_proxy.py``, which
-delays every byte by half the round trip each way (the machines have no ``netem``).
+delays every byte by half the round trip each way (the machines have no ``netem``)
+and holds at most ``--window-mib`` in flight per direction of a connection (its
+default, 4 MiB; a large value models a link with an unbounded window).
 Mooncake's transfer engine opens its own connections, so there the tier's calls are
 delayed by one round trip each instead (a tier wrapper: ``--mooncake`` rows say
 "simulated").
@@ -44,7 +46,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 import torch  # noqa: E402
 
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import WINDOW_BYTES, LatencyProxy  # noqa: E402
 from lmcache_core.config import load_config  # noqa: E402
 from lmcache_core.engine import CacheEngine  # noqa: E402
 from lmcache_core.keys import KeyNamespace  # noqa: E402
@@ -202,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-kib", type=int, default=512)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--window-mib", type=float, default=WINDOW_BYTES / 2**20, help="the latency proxy's bytes in flight per direction"
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.rounds, a.chunk_kib = 3, 256
@@ -211,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = KeyNamespace(model="bench-remote-loads")
     print(
         f"bench_remote_loads: {n} chunks x {a.chunk_kib} KiB ({nbytes / 2**20:.0f} MiB) per load, median of {a.rounds} "
-        f"alternating runs; {os.cpu_count()} CPUs shared by client and servers"
+        f"alternating runs; {os.cpu_count()} CPUs shared by client and servers; latency proxy window "
+        f"{a.window_mib:g} MiB per direction"
     )
     print(
         f"{'tier':10} {'RTT ms':>6} {'raw ms':>8} {'engine ms':>9} {'per-chunk ms':>12} {'engine RTTs':>11} "
@@ -228,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 for rtt in sorted(a.rtt):
                     with ExitStack() as stack:
                         if target is not None:
-                            proxy = stack.enter_context(LatencyProxy(target, rtt))
+                            window = int(a.window_mib * 2**20)
+                            proxy = stack.enter_context(LatencyProxy(target, rtt, window=window))
                             hp = proxy.url_host_port
                         else:
                             hp = ""

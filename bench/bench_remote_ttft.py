@@ -4,7 +4,8 @@ against the CPU tier, and what an in-flight load does to other requests' decodin
     python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH] [--serde fp8] [--itl-nice N ...]
     python bench/bench_remote_ttft.py --tier s3 --parts ttft [--serde fp8]
 
-Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``.
+Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``
+(``--window-mib``: its bytes in flight per direction of a connection, default 4 MiB).
 Each vLLM engine is a fresh process (a writer stores, a reader with an empty CPU tier
 loads); figures come from the reader.
 
@@ -42,10 +43,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency_proxy import LatencyProxy, timed_exchanges  # noqa: E402
+from latency_proxy import WINDOW_BYTES, LatencyProxy, timed_exchanges  # noqa: E402
 from ttft_engine import run_child, run_if_child, tiny_model  # noqa: E402
 
 CS = 256
+WINDOW = WINDOW_BYTES
+"""The latency proxy's window (``--window-mib``)."""
+
+
+def delayed_redis(port: int, rtt: float) -> LatencyProxy:
+    """The latency proxy in front of the Redis server at ``port``."""
+    return LatencyProxy(("127.0.0.1", port), rtt, window=WINDOW)
 
 
 def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int, flush: bool) -> None:
@@ -181,7 +189,7 @@ def part_rtt(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     cpu = {"name": "local_cpu", "max_size": "1GiB"}
     run(model, [cpu, redis_tier(f"127.0.0.1:{port}")], [prompt], flush=True)  # the writer
     rtt = 20
-    with LatencyProxy(("127.0.0.1", port), rtt) as px:
+    with delayed_redis(port, rtt) as px:
         (r,) = run(model, [cpu, redis_tier(px.url_host_port)], [prompt])
     trips = r["pipelines"]
     return [
@@ -202,7 +210,7 @@ def part_ttft(model: Path, port: int, vocab: int, quick: bool) -> list[str]:
     prompt = random_prompt(tokens + 1, 902, vocab)
     cpu = {"name": "local_cpu", "max_size": "2GiB"}
     run(model, [cpu, remote_tier(f"127.0.0.1:{port}")], [prompt], flush=True)
-    with LatencyProxy(("127.0.0.1", port), 1) as px:
+    with delayed_redis(port, 1) as px:
         results = run(model, [cpu, remote_tier(px.url_host_port)], [prompt], passes=4)
     from_redis, from_cpu = results[0], results[1:]
     label = "Redis" if TIER == "redis" else "S3 (moto)"
@@ -313,7 +321,7 @@ def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1, cores: Any 
     loaded = 0.0
     with tempfile.TemporaryDirectory(prefix="remote-itl-") as d:
         tmp = Path(d)
-        with LatencyProxy(("127.0.0.1", port), 20) as px:
+        with delayed_redis(port, 20) as px:
             cpu = {"name": "local_cpu", "max_size": int(kv_doc * 1.5), "eviction": "lru"}
             cfg = {
                 "chunk_size": CS,
@@ -399,13 +407,16 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the ttft part's figures here")
     ap.add_argument("--serde", default=None, help="the remote tier's codec for the rtt and ttft parts (e.g. fp8)")
     ap.add_argument("--tier", default="redis", choices=["redis", "s3"], help="the remote tier (s3: the ttft part only)")
+    ap.add_argument(
+        "--window-mib", type=float, default=WINDOW_BYTES / 2**20, help="the latency proxy's bytes in flight per direction"
+    )
     args = ap.parse_args()
-    global SERDE, TIER
-    SERDE, TIER = args.serde, args.tier
+    global SERDE, TIER, WINDOW
+    SERDE, TIER, WINDOW = args.serde, args.tier, int(args.window_mib * 2**20)
     spec, model = tiny_model()
     lines = [
         f"bench_remote_ttft: model {spec.tag()} (float32, 8 KiB of KV per token), chunks of {CS} tokens, "
-        f"{TIER} tier serde {SERDE or 'default (raw)'}"
+        f"{TIER} tier serde {SERDE or 'default (raw)'}, latency proxy window {args.window_mib:g} MiB"
     ]
     if TIER == "s3":
         if args.parts != ["ttft"]:

@@ -27,22 +27,35 @@ bounded and answered with an OpenAI-style JSON error
 - ``--client-timeout`` (30 s): the whole request, head and body, must arrive within
   it (one deadline, not per read: trickling does not extend it), else 408; a write
   to a client that stops reading waits at most this long.
+- ``--header-timeout`` (10 s): the request line and headers must arrive within it,
+  else 408.
 - ``--connect-timeout`` (10 s) and ``--timeout`` (600 s): each engine call's connect
   and total time, the relayed answer included (504; an unreachable engine is 502).
-- ``--max-connections`` (256): connections handled at once, one thread each; above
-  it a connection gets an immediate 503 from the accepting thread, no thread.
+- ``--max-connections`` (256): connections handled at once, one thread each. When
+  they are all taken, a new connection takes the slot of the one that has waited
+  longest without sending its whole request (that one gets 503 and is closed), so
+  stalled sockets cannot lock clients out; when every connection is past its request
+  (an engine call), a new one gets an immediate 503 from the accepting thread, no
+  thread.
+- ``--max-per-client`` (64): connections from one client address at once; above it
+  an immediate 503 (a deployment behind one router or load balancer: raise it to
+  ``--max-connections``).
 - ``--max-body`` (4 MiB): a larger ``Content-Length`` is answered 413 before any of
   the body is read; a POST without ``Content-Length`` (or chunked) is 411; the
   request head is limited to 64 KiB (431).
 - ``--max-pending-bytes`` (64 MiB): request bodies held at once (from being read until
   sent to the decode engine, the prefill call included); a body that does not fit is
   503, unread.
-- bodies that are not a JSON object, including nesting too deep to parse, are 400.
+- bodies that are not a JSON object, including nesting too deep to parse, are 400;
+  so is a head with a folded header line (one starting with a space or a tab,
+  obsolete line folding) or a line that is not ``name: value``, before anything of
+  it is forwarded.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import http.client
 import io
 import json
@@ -53,7 +66,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -68,6 +81,7 @@ LINGER_BYTES = 64 << 10  # after an early answer: discarded at most, so the clos
 LINGER_S = 1.0
 CHUNK = 64 << 10
 _DIGITS = re.compile(r"[0-9]{1,18}")
+_FIELD_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -110,13 +124,35 @@ class Settings:
     timeout: float = 600.0
     connect_timeout: float = 10.0
     client_timeout: float = 30.0
+    header_timeout: float = 10.0
     max_body: int = 4 << 20
     max_connections: int = 256
+    max_per_client: int = 64
     max_pending_bytes: int = 64 << 20
 
 
 class _RequestTimeout(Exception):
     """The client did not deliver its whole request before its deadline."""
+
+
+class _HeadTimeout(_RequestTimeout):
+    """The client did not deliver the request line and headers within --header-timeout."""
+
+
+class _Shed(Exception):
+    """The connection's slot went to a newer one while this one was still sending its
+    request (the proxy was full)."""
+
+
+@dataclass(eq=False)
+class _Conn:
+    """One accepted connection, as the server counts it."""
+
+    sock: socket.socket
+    client: str
+    since: float = field(default_factory=time.monotonic)
+    reading: bool = True  # its whole request has not arrived yet: it may be shed
+    shed: bool = False
 
 
 class _HeadTooLarge(Exception):
@@ -129,13 +165,21 @@ class _DeadlineReader(io.RawIOBase):
     per-recv timeout restarts with every byte). While ``head_left`` is not None it also
     bounds the bytes read, so a head cannot grow to 100 lines of 64 KiB."""
 
-    def __init__(self, sock: socket.socket, deadline: float, expired: type[Exception], head_left: int | None = None):
+    def __init__(
+        self,
+        sock: socket.socket,
+        deadline: float,
+        expired: type[Exception],
+        head_left: int | None = None,
+        conn: _Conn | None = None,
+    ):
         super().__init__()
         self.sock = sock
         self._raw = sock.makefile("rb", buffering=0)  # keeps the descriptor open until closed, as makefile does
         self.deadline = deadline
         self.expired = expired
         self.head_left = head_left
+        self.conn = conn  # shed: the accepting thread shut our reading side down
 
     def readable(self) -> bool:
         return True
@@ -154,6 +198,8 @@ class _DeadlineReader(io.RawIOBase):
             n = self._raw.readinto(view) or 0
         except TimeoutError:
             raise self.expired("deadline passed") from None
+        if self.conn is not None and self.conn.shed:
+            raise _Shed
         if self.head_left is not None:
             self.head_left -= n
         return n
@@ -183,6 +229,36 @@ class _DeadlineSocket:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
+
+
+class _HeadLines:
+    """The request's file as http.server reads the headers from it (``readline``
+    only), keeping the lines so that they can be checked before anything is used."""
+
+    def __init__(self, fp: Any):
+        self.fp = fp
+        self.lines: list[bytes] = []
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self.fp.readline(limit)
+        self.lines.append(line)
+        return bytes(line)
+
+
+def bad_header_line(lines: list[bytes]) -> str | None:
+    """Why a request's header lines are refused, or None: a line folded onto the one
+    before (starting with a space or a tab: obsolete line folding, which parsers join
+    or split differently, so forwarding it lets a client smuggle a header past one of
+    them), or a line that is not ``name: value``."""
+    for line in lines:
+        if line in (b"\r\n", b"\n", b""):
+            break
+        if line[:1] in (b" ", b"\t"):
+            return "a folded header line (starting with a space or a tab) is not accepted"
+        name, colon, _ = line.partition(b":")
+        if not colon or not _FIELD_NAME.fullmatch(name):
+            return "a header line must be name: value, with no space before the colon"
+    return None
 
 
 class UpstreamError(Exception):
@@ -253,9 +329,12 @@ class Proxy(BaseHTTPRequestHandler):
         self.request_version = self.default_request_version
         self._replied = False
         self.rfile.close()
-        self._reader = _DeadlineReader(
-            self.connection, time.monotonic() + self.settings.client_timeout, _RequestTimeout, head_left=MAX_HEAD
-        )
+        self._conn = self.server.conn_of(self.connection)
+        start = time.monotonic()
+        self._deadline = start + self.settings.client_timeout
+        head_s = min(self.settings.header_timeout, self.settings.client_timeout)
+        head_expired = _HeadTimeout if self.settings.header_timeout < self.settings.client_timeout else _RequestTimeout
+        self._reader = _DeadlineReader(self.connection, start + head_s, head_expired, head_left=MAX_HEAD, conn=self._conn)
         self.rfile = io.BufferedReader(self._reader)
 
     def log_message(self, fmt: str, *args: Any) -> None:
@@ -265,6 +344,18 @@ class Proxy(BaseHTTPRequestHandler):
         self.close_connection = True
         try:
             self._serve()
+        except _Shed:
+            self._fail(
+                503,
+                f"the proxy is handling --max-connections ({self.settings.max_connections}) connections and this one "
+                "had not sent its whole request: retry",
+                {"Retry-After": "1"},
+            )
+        except _HeadTimeout:
+            self._fail(
+                408,
+                f"the request line and headers were not received within {self.settings.header_timeout:g} s (--header-timeout)",
+            )
         except _RequestTimeout:
             self._fail(408, f"the request was not received within {self.settings.client_timeout:g} s (--client-timeout)")
         except _HeadTooLarge:
@@ -278,14 +369,31 @@ class Proxy(BaseHTTPRequestHandler):
     def _serve(self) -> None:
         self.raw_requestline = self.rfile.readline(MAX_HEAD + 1)
         if not self.raw_requestline:
+            if self._conn is not None and self._conn.shed:
+                raise _Shed
             return  # connected and closed without a request
-        if not self.parse_request():
+        head = _HeadLines(self.rfile)
+        self.rfile = head  # type: ignore[assignment]  # parse_request reads the header lines through it
+        try:
+            parsed = self.parse_request()
+        finally:
+            self.rfile = head.fp
+        if self._conn is not None and self._conn.shed:
+            raise _Shed  # the head may have ended at the shutdown
+        if not parsed:
             return  # answered through send_error
+        why = bad_header_line(head.lines)
+        if why is not None:
+            self._fail(400, why)
+            return
         self._reader.head_left = None
+        self._reader.deadline = self._deadline  # the body: what is left of --client-timeout
+        self._reader.expired = _RequestTimeout
         route = self._route()
         if route is None:
             return
         if self.command == "GET":
+            self._received()
             answer = self._call(self.server.decode, "GET", route, None)
         else:
             answer = self._post(route)
@@ -343,11 +451,17 @@ class Proxy(BaseHTTPRequestHandler):
         finally:
             self.server.release(n)  # the body is no longer held once this returns
 
+    def _received(self) -> None:
+        """The whole request is here: from now on this connection is not shed."""
+        if not self.server.received(self._conn):
+            raise _Shed
+
     def _forward(self, route: str, n: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse] | None:
         raw = self.rfile.read(n)
         if len(raw) < n:
             self._fail(400, f"the body ended after {len(raw)} of {n} bytes")
             return None
+        self._received()
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -469,8 +583,8 @@ class Proxy(BaseHTTPRequestHandler):
             left -= len(data)
 
 
-def _busy_answer(max_connections: int) -> bytes:
-    body = error_body(503, f"the proxy is handling --max-connections ({max_connections}) connections: retry later")
+def _busy_answer(message: str) -> bytes:
+    body = error_body(503, message)
     head = (
         "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
@@ -479,8 +593,14 @@ def _busy_answer(max_connections: int) -> bytes:
 
 
 class ProxyServer(ThreadingHTTPServer):
-    """A thread per connection up to ``max_connections``; above it the accepting thread
-    answers 503 itself and closes, so stalled clients cannot multiply threads."""
+    """A thread per connection, at most ``max_connections`` counted at once and
+    ``max_per_client`` from one address. The accepting thread refuses a connection
+    over either bound itself (503, no thread), except that when all slots are taken it
+    first sheds the connection that has waited longest without sending its whole
+    request: its reading side is shut down, which wakes its thread at once to answer
+    503 and end. So stalled or trickling clients hold slots only until someone needs
+    them, and threads stay bounded (a shed thread ends within moments; at most
+    ``max_connections`` of them are let finish at once)."""
 
     daemon_threads = True
     block_on_close = False
@@ -490,18 +610,45 @@ class ProxyServer(ThreadingHTTPServer):
         self.settings = settings
         self.prefill = Engine("prefill", settings.prefill)
         self.decode = Engine("decode", settings.decode)
-        self._slots = threading.BoundedSemaphore(settings.max_connections)
-        self._busy = _busy_answer(settings.max_connections)
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._active = 0  # connections counted against max_connections (not shed)
+        self._shedding = 0  # shed ones whose threads have not ended yet
+        self._per_client: collections.Counter[str] = collections.Counter()
+        self.shed_count = 0
+        self._busy = _busy_answer(
+            f"the proxy is handling --max-connections ({settings.max_connections}) connections: retry later"
+        )
+        self._client_busy = _busy_answer(
+            f"this client has --max-per-client ({settings.max_per_client}) connections open here: retry later"
+        )
         self._pending_lock = threading.Lock()
         self._pending = 0
         super().__init__(address, Proxy)
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        if self._slots.acquire(blocking=False):
+        client = str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
+        victim = None
+        with self._lock:
+            if self._per_client[client] >= self.settings.max_per_client:
+                answer = self._client_busy
+            elif self._active >= self.settings.max_connections and not (victim := self._shed_one()):
+                answer = self._busy
+            else:
+                self._conns[request] = _Conn(request, client)
+                self._active += 1
+                self._per_client[client] += 1
+                answer = b""
+        if victim is not None:
+            try:  # wakes its thread's read at once: it answers 503 and ends
+                victim.sock.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        if not answer:
             return True
         try:  # a fresh socket's send buffer holds the answer: one send, no waiting
             request.setblocking(False)
-            request.send(self._busy)
+            request.send(answer)
             for _ in range(4):  # what already arrived, so the close is a FIN, not an RST
                 if not request.recv(CHUNK):
                     break
@@ -509,18 +656,68 @@ class ProxyServer(ThreadingHTTPServer):
             pass
         return False  # socketserver closes it
 
+    def _shed_one(self) -> _Conn | None:
+        """Under the lock: take the slot of the connection that has waited longest
+        without sending its whole request, or None (none such, or too many shed
+        connections still finishing)."""
+        if self._shedding >= self.settings.max_connections:
+            return None
+        oldest = None
+        for c in self._conns.values():  # at most max_connections * 2
+            if c.reading and not c.shed and (oldest is None or c.since < oldest.since):
+                oldest = c
+        if oldest is None:
+            return None
+        oldest.shed = True
+        self._active -= 1
+        self._shedding += 1
+        self._uncount(oldest.client)
+        self.shed_count += 1
+        return oldest
+
+    def _uncount(self, client: str) -> None:
+        self._per_client[client] -= 1
+        if self._per_client[client] <= 0:
+            del self._per_client[client]
+
+    def conn_of(self, request: Any) -> _Conn | None:
+        with self._lock:
+            return self._conns.get(request)
+
+    def received(self, conn: _Conn | None) -> bool:
+        """The connection's whole request has arrived: it may no longer be shed.
+        False when it was shed first."""
+        if conn is None:
+            return True
+        with self._lock:
+            if conn.shed:
+                return False
+            conn.reading = False
+            return True
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            conn = self._conns.pop(request, None)
+            if conn is None:
+                return
+            if conn.shed:
+                self._shedding -= 1
+            else:
+                self._active -= 1
+                self._uncount(conn.client)
+
     def process_request(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._forget(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._forget(request)
 
     def reserve(self, n: int) -> bool:
         """Count a body of ``n`` bytes against --max-pending-bytes, if it fits."""
@@ -552,13 +749,39 @@ def main(argv: list[str] | None = None) -> int:
         default=d.client_timeout,
         help="seconds a client has to send its whole request; also the longest one write to a client may block",
     )
+    ap.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout,
+        help="seconds a client has to send its request line and headers",
+    )
     ap.add_argument("--max-body", type=int, default=d.max_body, help="largest request body accepted (bytes)")
-    ap.add_argument("--max-connections", type=int, default=d.max_connections, help="connections handled at once")
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="connections handled at once (when full, one still sending its request is shed for a new one)",
+    )
+    ap.add_argument(
+        "--max-per-client",
+        type=int,
+        default=d.max_per_client,
+        help="connections from one client address at once (behind one router: set it to --max-connections)",
+    )
     ap.add_argument(
         "--max-pending-bytes", type=int, default=d.max_pending_bytes, help="request bodies held in memory at once (bytes)"
     )
     args = ap.parse_args(argv)
-    for name in ("timeout", "connect_timeout", "client_timeout", "max_body", "max_connections", "max_pending_bytes"):
+    for name in (
+        "timeout",
+        "connect_timeout",
+        "client_timeout",
+        "header_timeout",
+        "max_body",
+        "max_connections",
+        "max_per_client",
+        "max_pending_bytes",
+    ):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.max_body > args.max_pending_bytes:
@@ -569,8 +792,10 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         connect_timeout=args.connect_timeout,
         client_timeout=args.client_timeout,
+        header_timeout=args.header_timeout,
         max_body=args.max_body,
         max_connections=args.max_connections,
+        max_per_client=args.max_per_client,
         max_pending_bytes=args.max_pending_bytes,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pd_proxy %(levelname)s %(message)s")

@@ -512,15 +512,38 @@ def test_an_oversized_head_is_a_431(live, fresh):
     _works_end_to_end(live, fresh)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "Authorization: Bearer k\r\n x\r\n",  # a folded forwarded header (before: sent on to both engines folded)
+        "X-Note: a\r\n\tb\r\n",  # folded with a tab
+        " X-Lead: a\r\n",  # the first header line folded onto the request line
+        "Content-Type : application/json\r\n",  # a space before the colon
+        "not a header line\r\n",
+    ],
+    ids=["folded-forwarded", "folded-tab", "folded-first", "space-before-colon", "no-colon"],
+)
+def test_folded_or_malformed_header_lines_are_a_400_and_reach_no_engine(live, fresh, extra):
+    prefill, decode = fresh
+    message = _error(_exchange(live, _request("POST", "/v1/completions", COMPLETION, extra=extra)), 400)
+    assert "folded header line" in message or "name: value" in message, message
+    assert prefill.requests == [] and decode.requests == []
+    # Control: spaces and tabs inside a value are a value's own
+    assert _exchange(live, _request("POST", "/v1/completions", COMPLETION, extra="X-Note: a b\t c\r\n"))[0] == 200
+    _works_end_to_end(live, fresh)
+
+
 # --- clients that stall or trickle -------------------------------------------------
 
 
 @needs_proc
 def test_stalled_clients_hold_at_most_max_connections_threads(engines):
     """The attack: 300 clients that connect and send nothing once held 301 threads, for
-    ever. With --max-connections 8 the proxy keeps 8 handler threads (the positive
-    control: the stalls do hold them), answers the other 292 with an immediate 503
-    from the accepting thread, and drops the 8 with a 408 at --client-timeout."""
+    ever. With --max-connections 8 the proxy keeps 8 handler threads for them (the
+    positive control: the stalls do hold them); each connection over the cap takes the
+    slot of the oldest stalled one, which gets an immediate 503 (before round 3: the
+    new one got the 503, so stalled sockets locked everyone out until they timed out),
+    and the last 8 get a 408 at --client-timeout."""
     cap, client_timeout, n = 8, 2.0, 300
     flags = ("--max-connections", str(cap), "--client-timeout", str(client_timeout))
     with _proxy(*(e.url for e in engines), *flags) as (proc, port):
@@ -532,19 +555,135 @@ def test_stalled_clients_hold_at_most_max_connections_threads(engines):
                 peak = max(peak, _proc_status(proc.pid, "Threads"))
                 time.sleep(0.05)
             assert cap < peak <= cap + 3, f"{peak} threads for {n} stalled clients, cap {cap}"
-            # A well-formed request while the slots are full: refused at once, no thread.
-            assert "--max-connections" in _error(_exchange(port, _request("POST", "/v1/completions", COMPLETION)), 503)
             answers = _read_all(stalled, client_timeout + 8)
         finally:
             for s in stalled:
                 s.close()
         statuses = [_parse(raw)[0] for raw, _ in answers]
-        assert statuses.count(503) == n - cap and statuses.count(408) == cap, sorted(set(statuses))
+        assert statuses == [503] * (n - cap) + [408] * cap, sorted(set(statuses))  # the oldest are shed
+        assert "had not sent its whole request" in _error(_parse(answers[0][0]), 503)
         late = [t for (raw, t), status in zip(answers, statuses) if status == 408]
         assert all(client_timeout - 0.5 < t - started < client_timeout + 6 for t in late), late
-        assert "--client-timeout" in _error(_parse(answers[statuses.index(408)][0]), 408)
+        assert "--client-timeout" in _error(_parse(answers[-1][0]), 408)
         assert _proc_status(proc.pid, "Threads") <= cap + 1
         _works_end_to_end(port, engines)  # the control: the proxy serves again
+
+
+def _from(address: str, port: int) -> socket.socket:
+    """A connection to the proxy from ``address`` (any 127.x.y.z is this host)."""
+    s = socket.socket()
+    try:
+        s.bind((address, 0))
+    except OSError as err:
+        s.close()
+        pytest.skip(f"cannot bind {address}: {err}")
+    s.settimeout(10)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def _exchange_from(address: str, port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    with _from(address, port) as s:
+        s.sendall(data)
+        return _parse(_read_to_eof(s, timeout)[0])
+
+
+@needs_proc
+def test_stalled_sockets_from_many_addresses_do_not_lock_out_a_client(engines):
+    """The slowloris finding: 256 sockets that connect and send nothing (32 from each of
+    8 addresses) took every --max-connections slot of a default proxy, and every other
+    client got 503 for 30 s (--client-timeout). Now a client's request is served at
+    once: it takes the slot of the oldest stalled socket, which gets a 503. Positive
+    control: the stalled sockets do hold 256 handler threads."""
+    n, sources = 256, [f"127.0.0.{10 + i}" for i in range(8)]
+    with _proxy(*(e.url for e in engines)) as (proc, port):  # the defaults: 256 connections, 64 per client
+        stalled = [_from(sources[i % len(sources)], port) for i in range(n)]
+        try:
+            deadline = time.monotonic() + 10
+            while _proc_status(proc.pid, "Threads") < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _proc_status(proc.pid, "Threads") >= n, "the stalled sockets do not hold the slots"
+            for _ in range(3):
+                t = time.monotonic()
+                status, _, body = _exchange_from("127.0.0.200", port, _request("POST", "/v1/completions", COMPLETION))
+                took = time.monotonic() - t
+                assert status == 200 and json.loads(body)["max_tokens"] == 5, (status, body[:200])
+                assert took < 2, f"served after {took:.1f} s"
+            answers = _read_all(stalled[:2], 1.0)
+        finally:
+            for s in stalled:
+                s.close()
+        # the first request took the oldest stalled socket's slot (503); the next ones the slot it freed
+        assert _parse(answers[0][0])[0] == 503 and answers[1] == (b"", float("inf"))
+
+
+def test_one_address_holds_at_most_max_per_client_connections(engines):
+    """--max-per-client 4: a fifth connection from one address gets an immediate 503
+    naming the flag (before round 3: no such bound, one address could take every
+    slot); another address is served meanwhile (the control)."""
+    with _proxy(*(e.url for e in engines), "--max-per-client", "4", "--client-timeout", "5") as (_, port):
+        held = [_from("127.0.0.1", port) for _ in range(4)]
+        try:
+            time.sleep(0.2)
+            t = time.monotonic()
+            answer = _exchange_from("127.0.0.1", port, _request("POST", "/v1/completions", COMPLETION))
+            assert "--max-per-client (4)" in _error(answer, 503) and answer[1]["retry-after"] == "1"
+            assert time.monotonic() - t < 1
+            assert _exchange_from("127.0.0.2", port, _request("POST", "/v1/completions", COMPLETION))[0] == 200
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.2)  # the four are released as the proxy sees them close
+        assert _exchange_from("127.0.0.1", port, _request("POST", "/v1/completions", COMPLETION))[0] == 200
+
+
+def test_connections_past_their_request_are_never_shed():
+    """Negative control for shedding: when every slot holds a request waiting on an
+    engine, a new connection gets an immediate 503 (--max-connections) and the
+    requests in progress are answered in full."""
+    hold = threading.Event()
+    with _engine(hold=hold) as prefill, _engine() as decode:
+        with _proxy(prefill.url, decode.url, "--max-connections", "2", "--client-timeout", "20") as (_, port):
+            busy = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(2)]
+            try:
+                for s in busy:
+                    s.sendall(_request("POST", "/v1/completions", COMPLETION))
+                deadline = time.monotonic() + 10
+                while len(prefill.requests) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert len(prefill.requests) == 2, "the requests never reached the prefill engine"
+                answer = _exchange(port, _request("GET", "/health"), timeout=5)
+                assert "--max-connections (2)" in _error(answer, 503)
+                hold.set()
+                assert [_parse(_read_to_eof(s, 10)[0])[0] for s in busy] == [200, 200]
+            finally:
+                hold.set()
+                for s in busy:
+                    s.close()
+
+
+def test_a_stalled_head_is_cut_at_the_header_timeout(engines):
+    """--header-timeout 1 with --client-timeout 30: a socket that sends nothing gets a
+    408 naming --header-timeout after about 1 s (before round 3: only the 30 s
+    whole-request deadline). Control: a head sent at once with its body 1.5 s later
+    is served (the header timeout is the head's only)."""
+    flags = ("--header-timeout", "1", "--client-timeout", "30")
+    with _proxy(*(e.url for e in engines), *flags) as (_, port):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            t = time.monotonic()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: p\r\n")  # and never the end of the head
+            raw, closed = _read_to_eof(s, 5)
+            took = time.monotonic() - t
+        assert "--header-timeout" in _error(_parse(raw), 408) and closed
+        assert 0.8 < took < 2.5, took
+        request = _request("POST", "/v1/completions", COMPLETION)
+        head, body = request[: -len(COMPLETION)], request[-len(COMPLETION) :]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(head)
+            time.sleep(1.5)
+            s.sendall(body)
+            status, _, answer = _parse(_read_to_eof(s, 10)[0])
+        assert status == 200 and json.loads(answer)["max_tokens"] == 5
 
 
 def _read_all(socks: list[socket.socket], timeout: float) -> list[tuple[bytes, float]]:

@@ -29,8 +29,10 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   subscribes to the server's keyspace notifications (``eviction_events``); names
   under this tier's ``prefix`` that are chunk keys and that the server no longer
   holds (checked with ``EXISTS``: anyone may publish on those channels) become
-  :meth:`~lmcache_core.backend.StorageBackend.evicted` calls, at most
-  ``max_key_events_per_s`` checked a second; any other name is ignored (counted).
+  :meth:`~lmcache_core.backend.StorageBackend.evicted` calls; any other name is
+  ignored (counted). The watcher reads at most ``max_key_events_per_s`` names in any
+  second and pauses its subscription for the rest of a second that brings more (a
+  flood: bounded work, and what it drops costs later misses, never wrong KV).
 """
 
 from __future__ import annotations
@@ -77,26 +79,6 @@ _HIT = _Judged(Verdict.OK)
 _MISS = _Judged(None)
 
 
-class TokenBucket:
-    """At most ``rate`` units a second on average, bursts up to ``rate``. Thread-safe."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = float(rate)
-        self._tokens = float(rate)
-        self._at = time.monotonic()
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> int:
-        """Take up to ``n`` units; returns how many were granted."""
-        with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
-            self._at = now
-            granted = min(n, int(self._tokens))
-            self._tokens -= granted
-            return granted
-
-
 def _join(header: bytes, payload: memoryview) -> memoryview:
     """The frame as one buffer, built with a single copy of the payload."""
     buf = bytearray(len(header) + payload.nbytes)
@@ -130,7 +112,6 @@ class RedisBackend(StorageBackend):
         self._client_lock = threading.Lock()
         self._stats = BackendStats(self.name, extra={"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0})
         self._last_log: dict[str, float] = {}  # _log_due: when each kind of warning was last logged
-        self._event_bucket = TokenBucket(cfg.max_key_events_per_s)
         self._closed = False
         self.watcher: KeyEventWatcher | None = None
         self.client: Client | None = client
@@ -156,13 +137,20 @@ class RedisBackend(StorageBackend):
         to the server's keyspace notifications (``eviction_events``)."""
         super().subscribe_evictions(callback)
         if self.cfg.eviction_events and self.watcher is None and not self._closed:
-            self.watcher = KeyEventWatcher(self.cfg, self._password, self._key_events, retry_s=max(self.cfg.down_cooldown_s, 1.0))
+            self.watcher = KeyEventWatcher(
+                self.cfg,
+                self._password,
+                self._key_events,
+                retry_s=max(self.cfg.down_cooldown_s, 1.0),
+                on_flood=self._flood_warning,
+            )
             # Subscribed before the first store can be evicted (bounded: a server down now is read once it answers).
-            self.watcher.subscribed.wait(min(self.cfg.socket_timeout_s, 2.0))
+            self.watcher.settled.wait(min(self.cfg.socket_timeout_s, 2.0))
 
     def _key_events(self, batch: list[tuple[bytes, str]]) -> None:
-        """One wake-up's names from the key-event channels: ours (prefix, chunk key),
-        within the rate limit, and gone from the server are reported as evicted."""
+        """One wake-up's names from the key-event channels (at most
+        ``max_key_events_per_s`` a second, the watcher's bound): ours (prefix, chunk
+        key) and gone from the server are reported as evicted."""
         prefix = self.cfg.prefix.encode()
         ours: list[tuple[ChunkKey, str]] = []
         foreign = 0
@@ -176,11 +164,6 @@ class RedisBackend(StorageBackend):
                 foreign += 1
         if foreign:
             self._add(foreign_key_events=foreign)
-        allowed = self._event_bucket.take(len(ours))
-        if allowed < len(ours):
-            self._add(key_events_dropped=len(ours) - allowed)
-            self._flood_warning(len(ours) - allowed)
-            ours = ours[:allowed]
         if not ours:
             return
         try:
@@ -210,14 +193,17 @@ class RedisBackend(StorageBackend):
             self._last_log[kind] = now
             return True
 
-    def _flood_warning(self, dropped: int) -> None:
+    def _flood_warning(self) -> None:
+        """The watcher read more than ``max_key_events_per_s`` names in one second and
+        pauses until it ends (logged at most once a minute)."""
         if self._log_due("flood"):
             log.warning(
-                "redis tier: more than %d key events a second on %s (%d dropped now): a flood of keyspace "
-                "notifications, possibly forged by another client; evictions may go unreported",
+                "redis tier: more than %d key events in one second on %s: a flood of keyspace notifications "
+                "(possibly forged by another client); the subscription pauses for the rest of each such second and "
+                "what the server publishes meanwhile is dropped (evictions may go unreported: later misses, never "
+                "wrong KV; extra['key_event_pauses'] counts the pauses)",
                 self.cfg.max_key_events_per_s,
                 self.target,
-                dropped,
             )
 
     # -- bookkeeping ----------------------------------------------------------------
@@ -534,6 +520,8 @@ class RedisBackend(StorageBackend):
         if self.watcher is not None:
             s.extra["key_events"] = self.watcher.state
             s.extra["key_event_reconnects"] = self.watcher.reconnects
+            s.extra["key_event_pauses"] = self.watcher.pauses
+            s.extra["key_event_cpu_s"] = round(self.watcher.cpu_s, 3)
         return s
 
     def close(self) -> None:

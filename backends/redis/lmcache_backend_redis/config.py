@@ -83,15 +83,21 @@ class RedisConfig(StrictModel):
     verify_on_start: Flag = Field(True, description="PING the server(s) when the tier is created")
     delete_corrupt: Flag = Field(False, description="delete values that fail their checksum or key check")
     max_key_events_per_s: int = Field(
-        100_000,
+        1000,
         ge=1,
         le=10**7,
-        description="key-event names checked (EXISTS) and reported a second at most; more are dropped and counted",
+        description="key-event messages read (and names checked with EXISTS) in any one second at most; past it the "
+        "subscription pauses for the rest of that second (what the server publishes meanwhile is dropped, counted)",
     )
     eviction_events: Flag = Field(
         True,
         description="with KV events on, report keys the server evicts or expires (keyspace notifications; "
-        "turns notify-keyspace-events' E, x, e flags on when missing)",
+        "turns notify-keyspace-events' E, x, e flags on when missing, see configure_keyspace_events)",
+    )
+    configure_keyspace_events: bool = Field(
+        True,
+        description="add the E, x, e flags to the server's notify-keyspace-events when missing (CONFIG SET, the "
+        "server's own flags kept); false: never change it (events only where the operator set them)",
     )
 
     @field_validator("url")

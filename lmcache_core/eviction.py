@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import abc
 from collections import OrderedDict, deque
-from typing import Callable, ClassVar, Hashable
+from typing import Callable, ClassVar, Hashable, Sequence
 
 Key = Hashable
 
@@ -78,6 +78,20 @@ class EvictionPolicy(abc.ABC):
 
     def miss(self, key: Key) -> None:
         """A read did not find ``key`` (frequency-based policies count it)."""
+
+    # -- optional hints (a tier that has them passes them on; defaults: ignored) --------
+    def chain(self, keys: Sequence[Key]) -> None:
+        """Hint: ``keys`` are one request's prompt chunks, head first. Each key's chunk
+        extends the previous one's prefix, so the request can use ``keys[i]`` only
+        together with all of ``keys[:i]``: a chunk is worthless once the one before it is
+        gone. The tier passes it on at lookup, before the request's reads (:meth:`hit`)
+        and stores (:meth:`insert`) of these keys; any of them may be resident or not.
+        The policy may keep a reference to ``keys`` (the caller does not change it)."""
+
+    def partial(self, key: Key) -> None:
+        """Hint: resident ``key``, just inserted, holds a partial chunk (a prompt's last,
+        shorter than the chunk size): only a prompt with exactly its tokens can hit it,
+        so it is worth less than a whole chunk."""
 
     def __len__(self) -> int:  # resident keys the policy tracks
         return 0

@@ -192,6 +192,16 @@ class LocalCpuBackend(StorageBackend):
             self.policy.keep(key, self._entries[key].size)
         return freed
 
+    # -- hints for the policy ---------------------------------------------------------
+    def hint_chain(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            self.policy.chain(keys)
+
+    def hint_partial(self, key: ChunkKey) -> None:
+        with self._lock:
+            if key in self._entries:
+                self.policy.partial(key)
+
     # -- pinning --------------------------------------------------------------------
     def pin(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ from .keys import ChunkKey
 from .memory import MemoryBuffer, MemoryPool
 
 
-DEFAULT_EVICTION = "tinylfu"
+DEFAULT_EVICTION = "adaptive"
 
 
 class LocalCpuConfig(StrictModel):

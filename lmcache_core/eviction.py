@@ -562,6 +562,8 @@ class _Segments:
         self.wbytes = self.pbytes = self.tbytes = 0
         self.samples = 0
         self.halve_at = 1000
+        #: whether a victim has been asked for (the tier has been full)
+        self.evicting = False
         # open chains: id -> keys, and their last key -> id (the access that closes it)
         self.chains: OrderedDict[int, Sequence[Key]] = OrderedDict()
         self.chain_end: dict[Key, int] = {}
@@ -668,10 +670,13 @@ class _Segments:
         self.samples += 1
         if self.samples >= self.halve_at:
             self.halve()
-        if seg is self.window:
+        if seg is self.window and not self.evicting:
             budget = self.WINDOW * self.capacity
             if self.wbytes > budget and len(seg) > 1:
-                # while the main area has room (the tier is filling), window overflow moves on
+                # while the tier fills (no victim asked for yet), window overflow moves on
+                # to probation; after that it is the next victim's duel that admits it (a
+                # tier makes room before it stores, so the main area always has room for
+                # one more just then: moving it here would admit every newcomer)
                 main = self.capacity - budget
                 while self.wbytes > budget and len(seg) > 1:
                     old, orec = next(iter(seg.items()))
@@ -706,6 +711,7 @@ class _Segments:
 
     def pop(self) -> tuple[Key, int] | None:
         """Detach the next victim: ``(key, size)``, or None when nothing is resident."""
+        self.evicting = True
         if self.tbytes > self.share * self.capacity:
             self._trim()
         window = self.window
@@ -794,8 +800,8 @@ class _Segments:
     def apply(self, keys: Sequence[Key]) -> None:
         """Queue the chain's resident prefix again, tail first (the head most recent).
         Its chunks still in the window (the last ones stored) join probation here while
-        the main area has room (the tier is filling); when it is full they wait for their
-        admission duel and, if they win it, join probation behind the chain's head."""
+        the tier fills; once it has been full they wait for their admission duel and, if
+        they win it, join probation behind the chain's head."""
         info = self.info
         recs = []
         for k in keys:
@@ -808,7 +814,7 @@ class _Segments:
         main = self.capacity - self.WINDOW * self.capacity
         for i in range(len(recs) - 1, -1, -1):
             rec = recs[i]
-            if rec.seg is window and self.pbytes + self.tbytes + rec.size <= main:
+            if rec.seg is window and not self.evicting and self.pbytes + self.tbytes + rec.size <= main:
                 self._move(keys[i], rec, probation)
             else:
                 rec.seg.move_to_end(keys[i])

@@ -242,6 +242,22 @@ def test_first_pass_over_documents_keeps_the_first_ones_whole() -> None:
     assert sum(serve(LruPolicy(cap), docs + docs, cap)[len(docs) :]) == 0
 
 
+@pytest.mark.parametrize("chunks", [200, 203])
+def test_a_cycle_larger_than_the_tier_keeps_what_fits(chunks: int) -> None:
+    """100 prompts of 8 chunks in a cycle through a tier of 200 chunks (a budget whose
+    1% window and 99% main area are whole chunks: right after a victim the main area
+    has room for exactly one more, so a newcomer must still win the duel to get in)
+    and of 203: the first prompts stay and hit on every later pass; LRU, the control,
+    evicts each prompt just before it comes back."""
+    prompts = [prompt(f"p{i}-", 8) for i in range(100)]
+    stream = prompts * 4
+    p = AdaptivePolicy(chunks)
+    hits = serve(p, stream, chunks)
+    assert p.mode == FREQUENCY
+    assert sum(hits[100:]) >= 0.9 * 3 * (chunks // 8) * 8
+    assert sum(serve(LruPolicy(chunks), stream, chunks)) == 0
+
+
 def _conversations(users: int = 200, turns: int = 6, new: int = 3, seed: int = 0) -> list[list[Any]]:
     """Multi-turn chats in random order: each turn is the user's history plus new chunks."""
     rng = random.Random(seed)

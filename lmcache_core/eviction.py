@@ -688,8 +688,11 @@ class _Segments:
 
     def hit(self, key: Key) -> None:
         rec = self.info.get(key)
-        if not isinstance(rec, _Rec):
-            return
+        if isinstance(rec, _Rec):
+            self.hit_rec(key, rec)
+
+    def hit_rec(self, key: Key, rec: _Rec) -> None:
+        """:meth:`hit` for a resident key whose record the caller holds."""
         if rec.sampled:
             self.observe(key, rec.size, True)
         if rec.count < self.MAX_COUNT:
@@ -719,7 +722,14 @@ class _Segments:
             cand, crec = next(iter(window.items()))
             main = self.probation or self.protected
             if not main or crec.count <= next(iter(main.values())).count:
-                return cand, self.detach(cand)  # a tie keeps the resident
+                window.popitem(last=False)  # a tie keeps the resident: the newcomer leaves
+                self.wbytes -= crec.size
+                self.resident -= 1
+                if crec.count:
+                    self.info[cand] = crec.count
+                else:
+                    del self.info[cand]
+                return cand, crec.size
             # the newcomer earned its place: it enters probation, the victim leaves
             self._move(cand, crec, self.probation)
         seg = self.probation or self.protected or window
@@ -851,8 +861,9 @@ class _Shadow:
     def access(self, key: Key, size: int) -> int:
         """A read of ``key`` that stores it on a miss, as the engine does; 1 on a hit."""
         seg = self.seg
-        if isinstance(seg.info.get(key), _Rec):
-            seg.hit(key)
+        rec = seg.info.get(key)
+        if isinstance(rec, _Rec):
+            seg.hit_rec(key, rec)
             return 1
         if size > self.budget:
             return 0
@@ -892,7 +903,7 @@ class AdaptivePolicy(_Segments, EvictionPolicy):
     name = "adaptive"
     #: the orders the shadows compare: (mode, protected share; None: the mode's default)
     CONFIGS: ClassVar[tuple[tuple[str, float | None], ...]] = ((FREQUENCY, None), (RECENCY, None))
-    SAMPLE = 16384
+    SAMPLE = 4096
     HALF_LIFE = 4.0
     Z = 3.0
     MARGIN = 4.0

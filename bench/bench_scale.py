@@ -603,7 +603,9 @@ def main() -> int:
     ap.add_argument("--fill-only", action="store_true", help="write the disk directories under --dir and stop")
     ap.add_argument("--lock", default=None, help="a file to flock exclusively during each measured phase")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the bar is missed")
-    ap.add_argument("--eviction", default="tinylfu", help="the CPU tier's eviction policy (default tinylfu, the default)")
+    ap.add_argument(
+        "--eviction", default="tinylfu", help="the CPU tier's eviction policy (default tinylfu, the one the targets were set for)"
+    )
     ap.add_argument(
         "--cpu-tier",
         action="store_true",

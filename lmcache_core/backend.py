@@ -265,6 +265,18 @@ class StorageBackend(abc.ABC):
         keys are now retained. Default: the tier takes no hints (0)."""
         return 0
 
+    # -- optional: hints for a tier's eviction order ---------------------------------
+    def hint_chain(self, keys: Sequence[ChunkKey]) -> None:
+        """Hint: ``keys`` are one request's prompt chunks, head first (each chunk
+        extends the previous one's prefix), about to be read and stored. The engine
+        calls it on every lookup of a prompt. A tier with an eviction policy passes it
+        on (:meth:`~lmcache_core.eviction.EvictionPolicy.chain`). Default: ignored."""
+
+    def hint_partial(self, key: ChunkKey) -> None:
+        """Hint: ``key``, just stored, holds a partial chunk (a prompt's last, fewer
+        tokens than the chunk size). Passed on like :meth:`hint_chain`
+        (:meth:`~lmcache_core.eviction.EvictionPolicy.partial`). Default: ignored."""
+
 
 def _overrides_on_evicted(cls: type[StorageBackend]) -> bool:
     """Whether ``cls`` or a base below :class:`StorageBackend` defines ``on_evicted``."""

@@ -348,9 +348,24 @@ class CacheEngine:
                     break
             if not advanced:
                 break
+        if not add_pins:
+            self._hint(lambda tier: tier.hint_chain(keys))
         if record:
             self.record_lookup(total, pos)
         return runs
+
+    def _hint(self, call: Callable[[StorageBackend], None], tiers: Sequence[StorageBackend] | None = None) -> None:
+        """Pass an eviction-order hint (``StorageBackend.hint_chain`` / ``hint_partial``)
+        to the tiers: the prompt's chain at every lookup, so a prefix-aware policy evicts
+        a prompt from its tail; a partial chunk when it is stored. A tier that fails is
+        counted and otherwise ignored (a hint, not a request)."""
+        for tier in self.tiers if tiers is None else tiers:
+            if self._out(tier):
+                continue
+            try:
+                call(tier)
+            except Exception as err:
+                self._tier_error(tier, "hint", err)
 
     def predict_read_seconds(self, level: int, nbytes: int) -> float | None:
         """Predicted seconds to read one chunk of ``nbytes`` from tier ``level`` (from
@@ -457,7 +472,10 @@ class CacheEngine:
                 if self._writers:
                     self._write_behind(key, data)
             return 0
-        for key, data in zip(self.keys(hashes), chunks):
+        # the call's last chunk is partial (a prompt's last, fewer tokens than chunk_size)
+        cs = self.chunk_size
+        partial = n_tokens is not None and (len(hashes) - 1) * cs < n_tokens < len(hashes) * cs
+        for i, (key, data) in enumerate(zip(self.keys(hashes), chunks)):
             try:
                 if tier0.contains([key]):
                     continue  # already cached (another request stored it): no rewrite
@@ -474,7 +492,10 @@ class CacheEngine:
             else:
                 buf, owned = None, False
             try:
-                stored += self._put_tier0(tier0, key, data if buf is None else buf)
+                ok = self._put_tier0(tier0, key, data if buf is None else buf)
+                stored += ok
+                if ok and partial and i == len(hashes) - 1:
+                    self._hint(lambda tier: tier.hint_partial(key), (tier0,))
                 if self._writers:
                     self._write_behind(key, data if buf is None else buf)
             finally:

@@ -12,7 +12,11 @@ disk tier's index later) drives one through the same calls:
   bytes are free. ``pop_victim`` detaches the key from the policy; the tier then
   evicts it, or, if it is pinned (an in-flight load), hands it back with
   ``keep(key, size)``: pins win over every policy. A tier asks for at most as many
-  victims as it holds keys per eviction, so a fully pinned tier stops.
+  victims as it holds keys per eviction, so a fully pinned tier stops;
+- optional hints, ignored by default: ``chain(keys)``, one request's prompt chunks
+  head first (the engine's lookup: a chunk is worthless without the ones before it),
+  and ``partial(key)`` after storing a partial chunk (only an identical prompt can hit
+  it). The CPU tier passes both on (``StorageBackend.hint_chain`` / ``hint_partial``).
 
 Policies here (selected per tier with ``eviction:`` in YAML; plugins add more through
 the ``register_eviction_policies`` hook):
@@ -31,13 +35,24 @@ the ``register_eviction_policies`` hook):
   counts that are halved every ``10 x`` resident-keys accesses. A cycle larger than
   the tier keeps the part that fits from its second pass on; a scan never displaces
   a hot set.
+- ``adaptive`` (the default): prefix-aware, in one of two orders. A prompt leaves the
+  tier from its tail (its chunks are queued again tail first when it is served) and a
+  partial chunk goes first; the order is a segmented LRU (recency: every stored chunk
+  gets its turn, 30% protected for chunks read again) or W-TinyLFU as above
+  (frequency: a scan or a cycle larger than the tier keeps what it holds), whichever
+  of two miniature shadow tiers (sampled keys, Waldspurger et al., ATC 2017) served
+  more hits lately. It starts in frequency order when nothing told them apart before
+  the tier filled (a first pass over documents keeps the first ones whole) and goes
+  to recency when stored chunks come back within the tier's reach (conversations).
+  See :class:`AdaptivePolicy` and docs/eviction.md for measurements.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from collections import OrderedDict, deque
-from typing import Callable, ClassVar, Hashable
+from typing import Callable, ClassVar, Hashable, Sequence
 
 Key = Hashable
 
@@ -78,6 +93,20 @@ class EvictionPolicy(abc.ABC):
 
     def miss(self, key: Key) -> None:
         """A read did not find ``key`` (frequency-based policies count it)."""
+
+    # -- optional hints (a tier that has them passes them on; defaults: ignored) --------
+    def chain(self, keys: Sequence[Key]) -> None:
+        """Hint: ``keys`` are one request's prompt chunks, head first. Each key's chunk
+        extends the previous one's prefix, so the request can use ``keys[i]`` only
+        together with all of ``keys[:i]``: a chunk is worthless once the one before it is
+        gone. The tier passes it on at lookup, before the request's reads (:meth:`hit`)
+        and stores (:meth:`insert`) of these keys; any of them may be resident or not.
+        The policy may keep a reference to ``keys`` (the caller does not change it)."""
+
+    def partial(self, key: Key) -> None:
+        """Hint: resident ``key``, just inserted, holds a partial chunk (a prompt's last,
+        shorter than the chunk size): only a prompt with exactly its tokens can hit it,
+        so it is worth less than a whole chunk."""
 
     def __len__(self) -> int:  # resident keys the policy tracks
         return 0
@@ -458,8 +487,575 @@ class TinyLfuPolicy(EvictionPolicy):
         return n[1] + n[2] + n[3]
 
 
+#: the two orders :class:`_Segments` runs in (see :class:`AdaptivePolicy`)
+RECENCY, FREQUENCY = "recency", "frequency"
+
+
+class _Rec:
+    """A resident key's record in :class:`_Segments` (in ``info`` and as its value in
+    its segment): the segment, the size, the access count, whether the key is sampled
+    for the shadows, whether an open chain ends with it."""
+
+    __slots__ = ("seg", "size", "count", "sampled", "ends")
+
+    def __init__(self, seg: OrderedDict[Key, _Rec], size: int, count: int, sampled: bool) -> None:
+        self.seg = seg
+        self.size = size
+        self.count = count
+        self.sampled = sampled
+        self.ends = False
+
+
+class _Segments:
+    """The order behind :class:`AdaptivePolicy` and its shadow caches: a window for
+    newcomers, a probation LRU and a protected LRU (keys hit since they came in), each
+    an ordered dict (first item = least recent), in one of two modes:
+
+    - :data:`RECENCY`: segmented LRU. A newcomer enters probation; a hit there promotes
+      it to protected, which keeps at most :data:`PROTECTED_RECENCY` of the bytes (its
+      least recent go back to probation); the victim is probation's least recent. No
+      admission test: a stored chunk stays until it is the oldest.
+    - :data:`FREQUENCY`: W-TinyLFU as in :class:`TinyLfuPolicy` (a window of
+      :data:`WINDOW` of the bytes, protected :data:`PROTECTED_FREQUENCY` of the main
+      area): the window's oldest duels probation's victim on access counts and a tie
+      keeps the resident, so a cycle or scan larger than the tier keeps what it holds.
+
+    In both, the prefix structure orders the chunks: when a request's chain
+    (:meth:`chain`) has been served (its last chunk stored or read), its resident
+    chunks are queued again tail first, so its deepest chunk is the least recent and a
+    prompt is evicted from its end, never from its head (a head-first touch, as plain
+    LRU does it, leaves the head the least recent and evicts it first, which orphans
+    the rest). Protected is trimmed back to its share only then (or at the next
+    victim), so a prompt read head first is demoted tail first too. A partial chunk
+    (:meth:`partial`) goes to the front of its queue: it is the next victim. Two
+    exceptions, bounded by the window (1% of the bytes): in frequency mode, a full
+    tier's chunks still in the window when their chain is served join probation, if
+    admitted, behind the chain's head; at a switch to recency the window's chunks join
+    probation as its newest.
+
+    ``info`` maps a resident key to its record (:class:`_Rec`, also its value in its
+    segment) and a key that left to its access count; counts are halved every 10 x
+    resident-keys accesses (TinyLFU's reset), which drops the keys that left with a
+    count of one. An access hashes its key two to four times."""
+
+    WINDOW = 0.01
+    PROTECTED_FREQUENCY = 0.8
+    PROTECTED_RECENCY = 0.3
+    MAX_COUNT = 15
+    #: requests whose chain waits for its last key (beyond: the oldest is applied as is)
+    OPEN_CHAINS = 64
+    #: set by :class:`AdaptivePolicy`: a key whose mixed hash is below it when it is
+    #: stored is sampled; its accesses also go to :meth:`observe` (0: none)
+    threshold = 0
+    _MIX = 0x9E3779B1  # Fibonacci hashing: the low 32 bits of hash x this are uniform
+
+    def __init__(self, capacity: int, mode: str, share: float | None = None) -> None:
+        self.capacity = max(0, int(capacity))
+        self.mode = mode
+        #: protected's share of the bytes (at most)
+        self.share = self._share(mode, share)
+        self.window: OrderedDict[Key, _Rec] = OrderedDict()
+        self.probation: OrderedDict[Key, _Rec] = OrderedDict()
+        self.protected: OrderedDict[Key, _Rec] = OrderedDict()
+        self.info: dict[Key, _Rec | int] = {}
+        self.resident = 0
+        self.wbytes = self.pbytes = self.tbytes = 0
+        self.samples = 0
+        self.halve_at = 1000
+        #: whether a victim has been asked for (the tier has been full)
+        self.evicting = False
+        # open chains: id -> keys, and their last key -> id (the access that closes it)
+        self.chains: OrderedDict[int, Sequence[Key]] = OrderedDict()
+        self.chain_end: dict[Key, int] = {}
+        self.next_chain = 0
+
+    def observe(self, key: Key, size: int, hit: bool) -> None:
+        """A sampled access (see ``threshold``), a hit or a store."""
+
+    def applied(self, keys: list[Key]) -> None:
+        """The sampled keys of a chain just applied (:meth:`apply`), head first."""
+
+    def count(self, key: Key) -> int:
+        v = self.info.get(key, 0)
+        return v.count if isinstance(v, _Rec) else v
+
+    def halve(self) -> None:
+        """TinyLFU's reset: every count halved; keys that left with nothing dropped."""
+        self.samples = 0
+        info: dict[Key, _Rec | int] = {}
+        for k, v in self.info.items():
+            if isinstance(v, _Rec):
+                v.count >>= 1
+                info[k] = v
+            elif v > 1:
+                info[k] = v >> 1
+        self.info = info
+        self.halve_at = max(1000, 10 * self.resident)
+
+    def miss(self, key: Key) -> None:
+        v = self.info.get(key, 0)
+        if not isinstance(v, _Rec):
+            self.info[key] = min(v + 1, self.MAX_COUNT)
+            self.samples += 1
+            if self.samples >= self.halve_at:
+                self.halve()
+
+    def _share(self, mode: str, share: float | None) -> float:
+        if share is not None:
+            return share
+        return self.PROTECTED_FREQUENCY * (1 - self.WINDOW) if mode is FREQUENCY else self.PROTECTED_RECENCY
+
+    def set_mode(self, mode: str, share: float | None = None) -> None:
+        self.share = self._share(mode, share)
+        if mode is not self.mode:
+            self.mode = mode
+            if mode is RECENCY:  # no window in recency mode: its keys join probation
+                probation = self.probation
+                for k, rec in self.window.items():
+                    probation[k] = rec
+                    rec.seg = probation
+                self.pbytes += self.wbytes
+                self.window.clear()
+                self.wbytes = 0
+        self._trim()
+
+    def _trim(self) -> None:
+        """Protected back within its share: its least recent go to probation."""
+        protected, limit = self.protected, self.share * self.capacity
+        while self.tbytes > limit and len(protected) > 1:
+            old, orec = next(iter(protected.items()))
+            self._move(old, orec, self.probation)
+
+    def _move(self, key: Key, rec: _Rec, seg: OrderedDict[Key, _Rec]) -> None:
+        """Resident ``key`` to the end of ``seg``, from the segment it is in."""
+        old = rec.seg
+        del old[key]
+        size = rec.size
+        if old is self.probation:
+            self.pbytes -= size
+        elif old is self.protected:
+            self.tbytes -= size
+        else:
+            self.wbytes -= size
+        seg[key] = rec
+        rec.seg = seg
+        if seg is self.probation:
+            self.pbytes += size
+        elif seg is self.protected:
+            self.tbytes += size
+        else:
+            self.wbytes += size
+
+    # insert, hit and pop are the per-access path
+    def insert(self, key: Key, size: int) -> None:
+        info = self.info
+        v = info.get(key, 0)
+        if isinstance(v, _Rec):  # stored again while resident: it starts over
+            self.detach(key)
+            v = v.count
+        t = self.threshold
+        sampled = t > 0 and hash(key) * self._MIX & 0xFFFFFFFF < t
+        if sampled:
+            self.observe(key, size, False)
+        if self.mode is RECENCY:
+            seg = self.probation
+            self.pbytes += size
+        else:
+            seg = self.window
+            self.wbytes += size
+        rec = _Rec(seg, size, v + 1 if v < self.MAX_COUNT else v, sampled)
+        info[key] = rec
+        seg[key] = rec
+        self.resident += 1
+        self.samples += 1
+        if self.samples >= self.halve_at:
+            self.halve()
+        if seg is self.window and not self.evicting:
+            budget = self.WINDOW * self.capacity
+            if self.wbytes > budget and len(seg) > 1:
+                # while the tier fills (no victim asked for yet), window overflow moves on
+                # to probation; after that it is the next victim's duel that admits it (a
+                # tier makes room before it stores, so the main area always has room for
+                # one more just then: moving it here would admit every newcomer)
+                main = self.capacity - budget
+                while self.wbytes > budget and len(seg) > 1:
+                    old, orec = next(iter(seg.items()))
+                    if self.pbytes + self.tbytes + orec.size > main:
+                        break
+                    self._move(old, orec, self.probation)
+        if self.chain_end and key in self.chain_end:
+            self.close(key)
+
+    def hit(self, key: Key) -> None:
+        rec = self.info.get(key)
+        if isinstance(rec, _Rec):
+            self.hit_rec(key, rec)
+
+    def hit_rec(self, key: Key, rec: _Rec) -> None:
+        """:meth:`hit` for a resident key whose record the caller holds."""
+        if rec.sampled:
+            self.observe(key, rec.size, True)
+        if rec.count < self.MAX_COUNT:
+            rec.count += 1
+        self.samples += 1
+        if self.samples >= self.halve_at:
+            self.halve()
+        seg = rec.seg
+        if seg is self.probation:
+            # seen again in probation: promoted. Protected is trimmed back to its share
+            # when the chain is applied or at the next victim, not here: a prompt is read
+            # head first, so trimming now would demote its head first.
+            self._move(key, rec, self.protected)
+        else:
+            seg.move_to_end(key)
+        if rec.ends:
+            rec.ends = False
+            self.close(key)
+
+    def pop(self) -> tuple[Key, int] | None:
+        """Detach the next victim: ``(key, size)``, or None when nothing is resident."""
+        self.evicting = True
+        if self.tbytes > self.share * self.capacity:
+            self._trim()
+        window = self.window
+        if self.mode is FREQUENCY and window and self.wbytes > self.WINDOW * self.capacity:
+            cand, crec = next(iter(window.items()))
+            main = self.probation or self.protected
+            if not main or crec.count <= next(iter(main.values())).count:
+                window.popitem(last=False)  # a tie keeps the resident: the newcomer leaves
+                self.wbytes -= crec.size
+                self.resident -= 1
+                if crec.count:
+                    self.info[cand] = crec.count
+                else:
+                    del self.info[cand]
+                return cand, crec.size
+            # the newcomer earned its place: it enters probation, the victim leaves
+            self._move(cand, crec, self.probation)
+        seg = self.probation or self.protected or window
+        if not seg:
+            return None
+        key, rec = seg.popitem(last=False)
+        size: int = rec.size
+        if seg is self.probation:
+            self.pbytes -= size
+        elif seg is self.protected:
+            self.tbytes -= size
+        else:
+            self.wbytes -= size
+        self.resident -= 1
+        if rec.count:
+            self.info[key] = rec.count
+        else:
+            del self.info[key]
+        return key, size
+
+    def detach(self, key: Key) -> int:
+        """Drop resident ``key`` (its count stays); its size, 0 if it was not resident."""
+        rec = self.info.get(key)
+        if not isinstance(rec, _Rec):
+            return 0
+        seg = rec.seg
+        del seg[key]
+        size: int = rec.size
+        if seg is self.probation:
+            self.pbytes -= size
+        elif seg is self.protected:
+            self.tbytes -= size
+        else:
+            self.wbytes -= size
+        self.resident -= 1
+        if rec.count:
+            self.info[key] = rec.count
+        else:
+            del self.info[key]
+        return size
+
+    def keep(self, key: Key, size: int) -> None:
+        v = self.info.get(key, 0)
+        if not isinstance(v, _Rec):
+            rec = _Rec(self.probation, size, v, False)
+            self.info[key] = rec
+            self.probation[key] = rec
+            self.pbytes += size
+            self.resident += 1
+
+    # -- prefix structure ------------------------------------------------------------
+    def chain(self, keys: Sequence[Key]) -> None:
+        if not keys:
+            return
+        cid = self.next_chain
+        self.next_chain += 1
+        end = keys[-1]
+        old = self.chain_end.get(end)
+        if old is not None:  # the same prompt again before its stores ended: one chain
+            self.chains.pop(old, None)
+        self.chains[cid] = keys
+        self.chain_end[end] = cid
+        rec = self.info.get(end)
+        if isinstance(rec, _Rec):  # resident already: a hit on it closes the chain
+            rec.ends = True
+        if len(self.chains) > self.OPEN_CHAINS:
+            oid, okeys = self.chains.popitem(last=False)
+            if self.chain_end.get(okeys[-1]) == oid:
+                del self.chain_end[okeys[-1]]
+            self.apply(okeys)
+
+    def close(self, end: Key) -> None:
+        cid = self.chain_end.pop(end, None)
+        keys = self.chains.pop(cid, None) if cid is not None else None
+        if keys is not None:
+            self.apply(keys)
+
+    def apply(self, keys: Sequence[Key]) -> None:
+        """Queue the chain's resident prefix again, tail first (the head most recent).
+        Its chunks still in the window (the last ones stored) join probation here while
+        the tier fills; once it has been full they wait for their admission duel and, if
+        they win it, join probation behind the chain's head."""
+        info = self.info
+        recs = []
+        for k in keys:
+            rec = info.get(k)
+            if not isinstance(rec, _Rec):
+                break  # a gap: what follows can not be hit until it is filled
+            recs.append(rec)
+        sampled = []
+        window, probation = self.window, self.probation
+        main = self.capacity - self.WINDOW * self.capacity
+        for i in range(len(recs) - 1, -1, -1):
+            rec = recs[i]
+            if rec.seg is window and not self.evicting and self.pbytes + self.tbytes + rec.size <= main:
+                self._move(keys[i], rec, probation)
+            else:
+                rec.seg.move_to_end(keys[i])
+            if rec.sampled:
+                sampled.append(keys[i])
+        if self.tbytes > self.share * self.capacity:
+            self._trim()
+        if sampled:
+            sampled.reverse()
+            self.applied(sampled)
+
+    def partial(self, key: Key) -> None:
+        rec = self.info.get(key)
+        if isinstance(rec, _Rec) and rec.seg is not self.protected:
+            rec.seg.move_to_end(key, last=False)
+            if rec.sampled:
+                self.applied_partial(key)
+
+    def applied_partial(self, key: Key) -> None:
+        """A sampled key just marked partial (:meth:`partial`)."""
+
+
+class _Shadow:
+    """A miniature tier: a :class:`_Segments` in a fixed mode over the sampled keys,
+    with its own byte budget."""
+
+    __slots__ = ("seg", "budget", "used")
+
+    def __init__(self, budget: int, mode: str, share: float | None) -> None:
+        self.seg = _Segments(budget, mode, share)
+        self.budget = budget
+        self.used = 0
+
+    def access(self, key: Key, size: int) -> int:
+        """A read of ``key`` that stores it on a miss, as the engine does; 1 on a hit."""
+        seg = self.seg
+        rec = seg.info.get(key)
+        if isinstance(rec, _Rec):
+            seg.hit_rec(key, rec)
+            return 1
+        if size > self.budget:
+            return 0
+        while self.used + size > self.budget:
+            victim = seg.pop()
+            if victim is None:
+                break
+            self.used -= victim[1]
+        seg.insert(key, size)
+        self.used += size
+        return 0
+
+
+class AdaptivePolicy(_Segments, EvictionPolicy):
+    """Prefix-aware and adaptive: the order of :class:`_Segments` (chains evicted from
+    the tail, partial chunks first), in recency or frequency mode, whichever of two
+    shadow caches served more hits lately.
+
+    The shadows are miniature tiers (Waldspurger et al., "Cache Modeling and
+    Optimization using Miniature Simulations", USENIX ATC 2017): the keys whose hash
+    falls below a threshold, about :data:`SAMPLE` chunks' worth, with the budget scaled
+    by the same rate (whole chunks of the first size stored); one per entry of
+    :data:`CONFIGS` (frequency, recency), all fed the tier's sampled reads and stores
+    and the chain order of its requests. The tier switches to another order when that
+    order's shadow leads the current one's by more than :data:`Z` standard deviations
+    plus :data:`MARGIN` hits (counting the accesses where exactly one of the two hit,
+    decayed with a half-life of :data:`HALF_LIFE` x the shadows' chunks: old evidence
+    fades, a phase is followed).
+
+    Until the tier is first full the two modes cannot differ at its size; a second pair
+    of shadows at :data:`PRIOR_SCALE` of it fills earlier and picks the starting mode:
+    frequency when they found no difference at all (nothing read twice yet, e.g. a
+    first pass over documents: keep the first ones whole rather than cycle through
+    them) or when frequency did significantly better; recency otherwise. They are
+    dropped when the tier fills."""
+
+    name = "adaptive"
+    #: the orders the shadows compare: (mode, protected share; None: the mode's default)
+    CONFIGS: ClassVar[tuple[tuple[str, float | None], ...]] = ((FREQUENCY, None), (RECENCY, None))
+    SAMPLE = 4096
+    HALF_LIFE = 4.0
+    Z = 3.0
+    MARGIN = 4.0
+    PRIOR_SCALE = 0.5
+
+    def __init__(self, capacity: int) -> None:
+        _Segments.__init__(self, capacity, FREQUENCY)
+        self.threshold = 1 << 32  # every key, until the first insert sets the sampling rate
+        self._main: list[_Shadow] = []  # one per config, the tier's size (scaled)
+        self._prior: list[_Shadow] = []  # one per config, PRIOR_SCALE of that, until the tier fills
+        n = len(self.CONFIGS)
+        # per pair i < j of shadows: hits of j minus hits of i, and the accesses where they
+        # differ, decayed (each new access weighs 1/decay more; divided when read)
+        self._lead = [[0.0] * n for _ in range(n)]
+        self._spread = [[0.0] * n for _ in range(n)]
+        self._weight = 1.0
+        self._grow = 1.0
+        # the same for the half-size shadows, not decayed
+        self._prior_lead = [[0.0] * n for _ in range(n)]
+        self._prior_spread = [[0.0] * n for _ in range(n)]
+        #: the index in CONFIGS of the order in use
+        self.config = 0
+        #: whether the tier has been full (the starting order is chosen then)
+        self.full = False
+        #: order switches so far
+        self.switches = 0
+
+    def _start(self, size: int) -> None:
+        """Size the shadows from the first chunk stored (a tier's chunks are alike)."""
+        size = max(1, size)
+        rate = min(1.0, self.SAMPLE * size / max(1, self.capacity))
+        self.threshold = max(1, int(rate * (1 << 32)))
+        chunks = int(rate * self.capacity / size)  # whole chunks of this size in the shadows
+        self._main = [_Shadow(chunks * size, mode, share) for mode, share in self.CONFIGS]
+        self._prior = [_Shadow(int(chunks * self.PRIOR_SCALE) * size, mode, share) for mode, share in self.CONFIGS]
+        self._grow = 2.0 ** (1.0 / max(1.0, self.HALF_LIFE * chunks))
+
+    @staticmethod
+    def _tally(shadows: list[_Shadow], key: Key, size: int, lead: list[list[float]], spread: list[list[float]], w: float) -> bool:
+        """Feed one access to ``shadows`` and add, per pair, the difference of their
+        outcomes with weight ``w``; whether any differed."""
+        hits = [s.access(key, size) for s in shadows]
+        if min(hits) == max(hits):
+            return False
+        for i in range(len(hits)):
+            for j in range(i + 1, len(hits)):
+                d = hits[j] - hits[i]
+                if d:
+                    lead[i][j] += d * w
+                    spread[i][j] += w
+        return True
+
+    def _better(self, lead: list[list[float]], spread: list[list[float]], c: int, scale: float) -> int:
+        """The config whose shadow leads config ``c``'s by more than :data:`Z` standard
+        deviations plus :data:`MARGIN` hits (the largest such lead), else ``c``."""
+        best, best_lead = c, 0.0
+        for j in range(len(self.CONFIGS)):
+            if j == c:
+                continue
+            i, k, sign = (c, j, 1.0) if c < j else (j, c, -1.0)
+            d = sign * lead[i][k] * scale
+            if d > self.Z * math.sqrt(spread[i][k] * scale) + self.MARGIN and d > best_lead:
+                best, best_lead = j, d
+        return best
+
+    def observe(self, key: Key, size: int, hit: bool) -> None:
+        """One sampled access, fed to the shadows; switch order on a clear lead."""
+        if not self._main:  # the first insert: size the shadows, then sample as they say
+            self._start(size)
+            if hash(key) * self._MIX & 0xFFFFFFFF >= self.threshold:
+                return
+        w = self._weight = self._weight * self._grow
+        if self._tally(self._main, key, size, self._lead, self._spread, w) and self.full:
+            best = self._better(self._lead, self._spread, self.config, 1.0 / w)
+            if best != self.config:
+                self._use(best)
+                self.switches += 1
+        if w > 1e100:  # renormalize (the ratios are what matter)
+            for rows in (self._lead, self._spread):
+                for row in rows:
+                    row[:] = [x / w for x in row]
+            self._weight = 1.0
+        if self._prior:
+            self._tally(self._prior, key, size, self._prior_lead, self._prior_spread, 1.0)
+
+    def _use(self, i: int) -> None:
+        self.config = i
+        mode, share = self.CONFIGS[i]
+        self.set_mode(mode, share)
+
+    def _fill(self) -> None:
+        """The tier is full for the first time: the starting order (see the class doc):
+        the first config (frequency) when its half-size shadow and the second's saw no
+        difference, else the second unless another one did significantly better."""
+        self.full = True
+        if len(self.CONFIGS) < 2 or self._prior_spread[0][1] < self.MARGIN:
+            start = 0
+        else:
+            start = self._better(self._prior_lead, self._prior_spread, 1, 1.0)
+        self._use(start)
+        self._prior = []
+        n = len(self.CONFIGS)
+        self._lead = [[0.0] * n for _ in range(n)]
+        self._spread = [[0.0] * n for _ in range(n)]
+        self._weight = 1.0
+
+    def _shadows(self) -> list[_Shadow]:
+        return self._main + self._prior
+
+    def applied(self, keys: list[Key]) -> None:
+        for shadow in self._shadows():
+            shadow.seg.apply(keys)
+
+    def applied_partial(self, key: Key) -> None:
+        for shadow in self._shadows():
+            shadow.seg.partial(key)
+
+    # -- the policy contract (insert, hit, chain and partial: _Segments') ------------
+    def remove(self, key: Key) -> None:
+        self.detach(key)
+
+    def pop_victim(self) -> Key | None:
+        if not self.full:
+            self._fill()
+        victim = self.pop()
+        return None if victim is None else victim[0]
+
+    def keep(self, key: Key, size: int) -> None:
+        _Segments.keep(self, key, size)
+
+    def miss(self, key: Key) -> None:
+        _Segments.miss(self, key)
+
+    def chain(self, keys: Sequence[Key]) -> None:
+        _Segments.chain(self, keys)
+
+    def partial(self, key: Key) -> None:
+        _Segments.partial(self, key)
+
+    def frequency(self, key: Key) -> int:
+        return self.count(key)
+
+    def __len__(self) -> int:
+        return self.resident
+
+
 BUILTIN_POLICIES: dict[str, tuple[PolicyFactory, str]] = {
     "lru": (LruPolicy, "least recently used first"),
     "s3fifo": (S3FifoPolicy, "S3-FIFO, Yang et al., SOSP 2023: scan-resistant FIFO queues"),
     "tinylfu": (TinyLfuPolicy, "W-TinyLFU, Einziger et al., ACM ToS 2017: frequency admission, loop- and scan-resistant"),
+    "adaptive": (
+        AdaptivePolicy,
+        "prefix-aware; segmented LRU or W-TinyLFU, whichever of two sampled shadow caches hits more",
+    ),
 }

@@ -19,7 +19,7 @@ from .memory import MemoryBuffer, MemoryPool
 from .retention import Retention
 
 
-DEFAULT_EVICTION = "tinylfu"
+DEFAULT_EVICTION = "adaptive"
 
 
 class LocalCpuConfig(StrictModel):
@@ -211,6 +211,16 @@ class LocalCpuBackend(StorageBackend):
 
         with self._lock:
             return self.retention.add(keys, seconds, priority, size_of)
+
+    # -- hints for the policy ---------------------------------------------------------
+    def hint_chain(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            self.policy.chain(keys)
+
+    def hint_partial(self, key: ChunkKey) -> None:
+        with self._lock:
+            if key in self._entries:
+                self.policy.partial(key)
 
     # -- pinning --------------------------------------------------------------------
     def pin(self, keys: Sequence[ChunkKey]) -> None:

@@ -1,5 +1,6 @@
 """Eviction policies as plugins, selected per tier in YAML; conformance of the built-in
-ones (LRU is the negative control of the scan/cycle tests)."""
+ones (LRU is the negative control of the scan/cycle tests). The default policy's own
+behaviour (prefix order, hints, order switching): test_eviction_adaptive.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from lmcache_core.config import ConfigError, load_config
 from lmcache_core.engine import CacheEngine
-from lmcache_core.eviction import EvictionPolicy, LruPolicy, S3FifoPolicy, TinyLfuPolicy
+from lmcache_core.eviction import AdaptivePolicy, EvictionPolicy, LruPolicy, S3FifoPolicy, TinyLfuPolicy
 from lmcache_core.hookspecs import hookimpl
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.local_cpu import DEFAULT_EVICTION, LocalCpuBackend
@@ -43,6 +44,11 @@ class TestTinyLfu(EvictionPolicyConformance):
         return TinyLfuPolicy(capacity)
 
 
+class TestAdaptive(EvictionPolicyConformance):
+    def make_policy(self, capacity: int) -> EvictionPolicy:
+        return AdaptivePolicy(capacity)
+
+
 def _tier(policy: EvictionPolicy, n: int) -> LocalCpuBackend:
     from lmcache_core.memory import MemoryPool
 
@@ -56,6 +62,7 @@ def test_negative_controls_lru_loses_the_hot_set_and_every_cycle() -> None:
     assert cycle_hits(_tier(S3FifoPolicy(50 * CHUNK_BYTES), 50)) < 0.25 * 300
     assert scan_kept(_tier(S3FifoPolicy(100 * CHUNK_BYTES), 100)) >= 18
     assert cycle_hits(_tier(TinyLfuPolicy(50 * CHUNK_BYTES), 50)) >= 0.25 * 300
+    assert cycle_hits(_tier(AdaptivePolicy(50 * CHUNK_BYTES), 50)) >= 0.25 * 300
 
 
 def _engine(tmp_path: Path, section: str, plugins: PluginManager | None = None) -> CacheEngine:
@@ -64,7 +71,7 @@ def _engine(tmp_path: Path, section: str, plugins: PluginManager | None = None) 
     return CacheEngine(load_config(cfg, env={}), namespace=KeyNamespace(model="m"), plugins=plugins)
 
 
-@pytest.mark.parametrize("name", ["lru", "s3fifo", "tinylfu"])
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "tinylfu", "adaptive"])
 def test_policy_selected_per_tier_in_yaml(tmp_path: Path, name: str) -> None:
     with _engine(tmp_path, f"    eviction: {name}\n") as eng:
         tier = eng.tiers[0]
@@ -73,15 +80,15 @@ def test_policy_selected_per_tier_in_yaml(tmp_path: Path, name: str) -> None:
         assert eng.stats()["tiers"][0]["extra"]["eviction"] == name
 
 
-def test_default_policy_is_the_scan_resistant_one(tmp_path: Path) -> None:
+def test_default_policy_is_the_adaptive_one(tmp_path: Path) -> None:
     with _engine(tmp_path, "") as eng:
-        assert eng.tiers[0].policy.name == DEFAULT_EVICTION == "tinylfu"  # type: ignore[attr-defined]
+        assert eng.tiers[0].policy.name == DEFAULT_EVICTION == "adaptive"  # type: ignore[attr-defined]
 
 
 def test_unknown_policy_names_key_source_and_choices(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError,
-        match=r"backends\[0\]\.eviction: unknown eviction policy 'lfru' \(from .*c\.yaml\); installed policies: lru, s3fifo, tinylfu",
+        match=r"backends\[0\]\.eviction: unknown eviction policy 'lfru' \(from .*c\.yaml\); installed policies: adaptive, lru, s3fifo, tinylfu",
     ):
         _engine(tmp_path, "    eviction: lfru\n")
 
@@ -126,11 +133,11 @@ def test_factory_must_return_a_policy(tmp_path: Path) -> None:
 
 
 def test_engine_sweep_bars_quick() -> None:
-    """The engine-level sweep (bench/bench_eviction.py --quick): tinylfu serves >= 40%
-    of warm doc-QA tokens at 50% of the working set where LRU serves 0, and never
-    fewer chat tokens than LRU."""
+    """The engine-level sweep (bench/bench_eviction.py --quick): the default policy
+    serves >= 40% of warm doc-QA tokens at 50% of the working set where LRU serves 0,
+    and never fewer chat tokens than LRU."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_eviction.py"), "--quick", "--no-traces", "--policies", "lru,tinylfu"],
+        [sys.executable, str(ROOT / "bench" / "bench_eviction.py"), "--quick", "--no-traces", "--policies", "lru,adaptive"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -145,7 +152,7 @@ def test_engine_sweep_bars_quick() -> None:
 def test_cli_lists_eviction_policies() -> None:
     proc = subprocess.run([sys.executable, "-m", "lmcache_core.cli", "plugins"], capture_output=True, text=True, timeout=60)
     rows = [line.split() for line in proc.stdout.splitlines()]
-    assert {r[1] for r in rows if r and r[0] == "eviction"} >= {"lru", "s3fifo", "tinylfu"}
+    assert {r[1] for r in rows if r and r[0] == "eviction"} >= {"lru", "s3fifo", "tinylfu", "adaptive"}
 
 
 def test_suite_prints_the_bars_from_sweep_points() -> None:

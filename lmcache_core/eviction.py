@@ -736,19 +736,7 @@ class _Segments:
         if not seg:
             return None
         key, rec = seg.popitem(last=False)
-        size: int = rec.size
-        if seg is self.probation:
-            self.pbytes -= size
-        elif seg is self.protected:
-            self.tbytes -= size
-        else:
-            self.wbytes -= size
-        self.resident -= 1
-        if rec.count:
-            self.info[key] = rec.count
-        else:
-            del self.info[key]
-        return key, size
+        return key, self._left(key, rec, seg)
 
     def detach(self, key: Key) -> int:
         """Drop resident ``key`` (its count stays); its size, 0 if it was not resident."""
@@ -757,6 +745,11 @@ class _Segments:
             return 0
         seg = rec.seg
         del seg[key]
+        return self._left(key, rec, seg)
+
+    def _left(self, key: Key, rec: _Rec, seg: OrderedDict[Key, _Rec]) -> int:
+        """``key`` (record ``rec``) was taken out of ``seg``: the byte counts follow, its
+        count stays; its size."""
         size: int = rec.size
         if seg is self.probation:
             self.pbytes -= size

@@ -609,12 +609,16 @@ def test_stalled_sockets_from_many_addresses_do_not_lock_out_a_client(engines):
                 took = time.monotonic() - t
                 assert status == 200 and json.loads(body)["max_tokens"] == 5, (status, body[:200])
                 assert took < 2, f"served after {took:.1f} s"
-            answers = _read_all(stalled[:2], 1.0)
+            answers = _read_all(stalled[:4], 1.0)
         finally:
             for s in stalled:
                 s.close()
-        # the first request took the oldest stalled socket's slot (503); the next ones the slot it freed
-        assert _parse(answers[0][0])[0] == 503 and answers[1] == (b"", float("inf"))
+        # the first request took the oldest stalled socket's slot (503); the next ones took
+        # the slot it freed or, when that was not free yet (a loaded machine), the next
+        # oldest's: at most one stalled socket shed per request, oldest first
+        shed = [i for i, (raw, _) in enumerate(answers) if raw]
+        assert shed and shed == list(range(len(shed))) and len(shed) <= 3, answers
+        assert all(_parse(answers[i][0])[0] == 503 for i in shed) and answers[3] == (b"", float("inf"))
 
 
 def test_one_address_holds_at_most_max_per_client_connections(engines):

@@ -6,8 +6,9 @@ with one ``local_cpu`` tier of that capacity and policy (or, with ``--config``, 
 tiers of a config file), driven request by request the way the vLLM connector drives
 it: look the prompt's chunks up (pinned under the request's id; the hit is the
 longest resident prefix), load the hit with ``iter_chunks``, unpin, then store each
-chunk after the hit with ``allocate`` + ``store_hashes``. The hit ratio is prompt
-blocks loaded from the cache over prompt blocks.
+chunk after the hit with ``allocate`` + ``store_hashes`` (a prompt's partial last
+block with its token count: :func:`tail_tokens`). The hit ratio is prompt blocks
+loaded from the cache over prompt blocks.
 
 Blocks become chunk keys through the trace's prefix tree (:mod:`lmcache_core.traces`):
 a node's key is a keyed BLAKE2b of its parent's key and its block id, so a request's
@@ -278,11 +279,18 @@ def replay_engine(
     label: str = "",
     plugins: PluginManager | None = None,
     progress: Progress | None = None,
+    partial_tails: bool = True,
 ) -> PointResult:
     """Replay ``trace`` through a fresh engine built from ``config``, as the connector
     drives one: per request, ``lookup_runs`` (pinned under the request's id; the same
     call ``lookup_hashes`` makes), ``iter_chunks`` over the hit, ``unpin``, then per
-    chunk after the hit ``allocate`` + ``store_hashes``. With slower tiers the
+    chunk after the hit ``allocate`` + ``store_hashes``. A prompt's last block when
+    its ``input_length`` ends inside it (:func:`tail_tokens`) is stored with its
+    token count, as the default connector stores a prompt's tail (its whole engine
+    blocks past the last whole chunk, ``sub_chunk_hits``, or the partial chunk
+    itself, ``save_unfull_chunk``): a partial chunk, which the engine passes on to
+    the policy as such (``hint_partial``); ``partial_tails=False`` stores every
+    block as a whole chunk (a model without that hint). With slower tiers the
     write-behind is drained after each request (``flush``): at real request rates it
     keeps up, and a replay runs far faster than real time."""
     loaded_cfg = config if isinstance(config, LoadedConfig) else LoadedConfig(config)
@@ -300,6 +308,7 @@ def replay_engine(
         slower = len(eng.tiers) > 1
         shapes = [shape] * (trace.max_path() + 1)
         n_tokens = eng.chunk_size
+        tails = tail_tokens(trace, n_tokens) if partial_tails else array("q", bytes(8 * n_req))
         for i in range(n_req):
             hs = [keys[n] for n in flat[offsets[i] : offsets[i + 1]]]
             rid = f"replay-{i}"
@@ -324,13 +333,15 @@ def replay_engine(
                 tier_hits[level] += take
                 left -= take
             hits += loaded
-            for h in hs[loaded:]:
+            last = len(hs) - 1
+            for j in range(loaded, len(hs)):
                 out = eng.allocate(shape, dtype)
                 if out is None:  # the pool is exhausted by chunks in flight: a future miss
                     skipped += 1
                     break
                 try:
-                    eng.store_hashes([h], [out], n_tokens=n_tokens)
+                    tokens = tails[i] if j == last and tails[i] else n_tokens
+                    eng.store_hashes([hs[j]], [out], n_tokens=tokens)
                 finally:
                     out.release()
             if slower:
@@ -351,6 +362,20 @@ def replay_engine(
     capacity = sum(_tier_blocks(s) for s in loaded_cfg.config.backends)
     policy = str(loaded_cfg.config.backends[0].options().get("eviction", "")) or label
     return PointResult(policy, capacity, hits, blocks, time.perf_counter() - t0, tiers, load_errors, skipped)
+
+
+def tail_tokens(trace: Trace, block_tokens: int) -> array:
+    """Per request: the tokens of its last block when ``input_length`` ends inside
+    that block (a prompt's partial tail), else 0. A request whose id count is not
+    ``ceil(input_length / block_tokens)`` gets 0: its last block is taken as whole."""
+    out = array("q", bytes(8 * trace.requests))
+    offsets, lengths = trace.offsets, trace.input_lengths
+    for i in range(trace.requests):
+        n = offsets[i + 1] - offsets[i]
+        rest = lengths[i] - (n - 1) * block_tokens
+        if n and 0 < rest < block_tokens:
+            out[i] = rest
+    return out
 
 
 def _tier_blocks(section: Any) -> int:

@@ -29,6 +29,7 @@ from lmcache_core.replay import (
     optimum_run,
     parse_sizes,
     replay_engine,
+    tail_tokens,
 )
 from lmcache_core.traces import TraceError, load_trace
 
@@ -197,6 +198,31 @@ def test_hand_built_trace_lru_hits(tmp_path: Path) -> None:
     assert replay_engine(t, keys, cpu_config(t, 4, "lru", 512)).hits == 9
     assert optimum_hits(t, 3) == 8 and optimum_hits(t, 4) == 9 == ceiling_hits(t)
     assert full_capacity(t) == 4
+
+
+def test_tail_tokens_follow_input_length(tmp_path: Path) -> None:
+    lines = [req([1, 2, 3], input_length=2 * 512 + 100), req([4], input_length=512), req([5, 6], input_length=700), req([7, 8])]
+    lines.append(req([9], input_length=2000))  # 1 id for 2000 tokens: not the trace's block size, taken as whole
+    t = load_trace(write(tmp_path, lines))
+    assert list(tail_tokens(t, 512)) == [100, 0, 188, 412, 0]
+    assert list(tail_tokens(t, 256)) == [0, 0, 0, 0, 0]  # every length is off a 256-token grid's last block here
+
+
+# A prompt's partial tail is stored as a partial chunk, as the default connector stores
+# it, and the policy hears it (the next victim: only the same prompt could hit it). A
+# small trace where that changes adaptive's hits at capacity 4 (found by a search over
+# small traces): (ids, input_length); a length below the ids' 512s ends in a partial block.
+TAILS = [([4], 412), ([2, 1], 924), ([3], 512), ([3, 4, 3], 1536), ([4, 3], 924), ([2, 3], 924)]
+
+
+def test_partial_tails_reach_the_policy(tmp_path: Path) -> None:
+    t = load_trace(write(tmp_path, [req(ids, input_length=n) for ids, n in TAILS]))
+    keys = chain_keys(t)
+    hits = {}
+    for policy, tails in itertools.product(("adaptive", "lru"), (True, False)):
+        hits[policy, tails] = replay_engine(t, keys, cpu_config(t, 4, policy, 512), partial_tails=tails).hits
+    assert hits["adaptive", True] == 3 and hits["adaptive", False] == 2  # the negative control: no hint, one hit fewer
+    assert hits["lru", True] == hits["lru", False]  # lru has no use for the hint
 
 
 # -- the optimum --------------------------------------------------------------------------

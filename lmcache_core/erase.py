@@ -13,7 +13,9 @@ Each ``backends:`` entry of the config is opened as its own tier, in this proces
 
 Chunk keys carry a namespace id (``v1-<namespace>-<hash>``, the hash of the model,
 KV layout, dtype, rank and tenant salt, see :class:`~lmcache_core.keys.KeyNamespace`),
-never the model's or tenant's name: ``--namespace`` takes the id.
+never the model's or tenant's name: ``--namespace`` takes the id (each engine logs
+its own at start, ``key namespace <ID>``); ``--model`` and ``--tenant`` are refused
+with that explanation until tiers keep a record of namespaces.
 """
 
 from __future__ import annotations
@@ -64,11 +66,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a namespace id, 32 hex digits (the middle part of every key: v1-<namespace>-<hash>); repeatable",
     )
     which.add_argument("--all", action="store_true", help="every chunk key of every tier")
+    which.add_argument("--model", metavar="M", help="not supported yet: keys carry a hash, not the model (use --namespace)")
+    which.add_argument("--tenant", metavar="T", help="not supported yet: keys carry a hash, not the tenant (use --namespace)")
     p.add_argument("--dry-run", action="store_true", help="count what would be erased; delete nothing")
 
 
 def parse_match(args: argparse.Namespace) -> EraseMatch:
     """The match the arguments ask for; ValueError with the message for ``error:``."""
+    for flag in ("model", "tenant"):
+        if getattr(args, flag) is not None:
+            raise ValueError(
+                f"--{flag}: chunk keys carry only a hash of the namespace (model, layout, dtype, rank, tenant salt), "
+                "so a name cannot be matched yet; erase by --namespace ID (each engine logs its id at start: "
+                "'key namespace <ID>')"
+            )
     if args.all:
         return EraseMatch(None)
     if not args.namespace:

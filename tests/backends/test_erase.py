@@ -217,6 +217,8 @@ def test_erase_peer_tier_cannot_list(tmp_path: Path, pm: PluginManager, capsys: 
         ["--namespace", "abc"],
         ["--namespace", "AB" * 16],
         ["--namespace", "00" * 16, "--all"],
+        ["--model", "m"],
+        ["--tenant", "t"],
     ],
 )
 def test_erase_bad_arguments(tmp_path: Path, args: list[str], pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,6 +231,19 @@ def test_erase_bad_arguments(tmp_path: Path, args: list[str], pm: PluginManager,
     assert rc == 2
     assert len([line for line in err.splitlines() if "error:" in line]) == 1, err
     assert not (tmp_path / "disk").exists() or not any((tmp_path / "disk").glob("??/*"))
+
+
+def test_engine_logs_its_namespace_id(tmp_path: Path, pm: PluginManager, caplog: pytest.LogCaptureFixture) -> None:
+    """What an operator gives --namespace: the id each engine logs at start."""
+    from lmcache_core.config import CoreConfig
+    from lmcache_core.engine import CacheEngine
+
+    ns = KeyNamespace(model="model-a", layout="test", dtype="float16")
+    cfg = CoreConfig(chunk_size=16, backends=[BackendSection(name="local_cpu", max_size="4MiB")], staging_size="4MiB")
+    with caplog.at_level("INFO", logger="lmcache_core.engine"):
+        engine = CacheEngine(cfg, namespace=ns, plugins=pm)
+        engine.close()
+    assert f"key namespace {ns.id.hex()} (model model-a, rank 0 of 1, tenant salt none)" in caplog.text
 
 
 def test_erase_bad_config(tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:

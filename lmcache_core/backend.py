@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence, T
 
 import torch
 
-from .keys import ChunkKey
+from .keys import KEY_FORMAT_VERSION, ChunkKey
 
 if TYPE_CHECKING:
     from .config import CoreConfig
@@ -41,6 +41,29 @@ log = logging.getLogger(__name__)
 
 class BackendError(Exception):
     """A backend failed in a way its caller should treat as a miss."""
+
+
+class EraseUnsupported(BackendError):
+    """The tier cannot erase by match (it cannot list its chunks): what
+    :meth:`StorageBackend.erase` raises unless the tier implements it."""
+
+
+@dataclass(frozen=True)
+class EraseMatch:
+    """Which chunks :meth:`StorageBackend.erase` takes: those whose key's namespace
+    id is in ``namespaces``, or every chunk key of the tier (``namespaces=None``)."""
+
+    namespaces: frozenset[bytes] | None = None
+
+    def __call__(self, key: ChunkKey) -> bool:
+        return self.namespaces is None or key.namespace in self.namespaces
+
+    def name_prefixes(self) -> list[str]:
+        """Prefixes of the string forms (``str(key)``) of the matching keys, for tiers
+        that list names by prefix (every key's form starts with one of them)."""
+        if self.namespaces is None:
+            return [f"v{KEY_FORMAT_VERSION}-"]
+        return sorted(f"v{KEY_FORMAT_VERSION}-{ns.hex()}-" for ns in self.namespaces)
 
 
 def prefix_count(keys: Sequence[ChunkKey], present: Container[ChunkKey]) -> int:
@@ -237,6 +260,18 @@ class StorageBackend(abc.ABC):
 
     def close(self) -> None:
         """Release resources (threads, sockets, files). Idempotent."""
+
+    # -- optional: erase by namespace (``lmcache-core erase``) ---------------------------
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """Delete every chunk of this tier whose key ``match`` takes (including chunks
+        other processes wrote, for a shared tier); how many were deleted (with
+        ``dry_run``: how many would be, deleting nothing). ``progress``,
+        if given, is called now and then with the count so far. Every request stays
+        bounded by the tier's own per-call timeouts. Raises (:class:`BackendError` or
+        the client's error) when the tier cannot be listed or a deletion fails, never
+        returning a count that hides a chunk left behind. Default: the tier cannot
+        list its chunks (:class:`EraseUnsupported`)."""
+        raise EraseUnsupported(f"tier {self.name} cannot list its chunks, so it cannot erase by namespace")
 
     # -- optional: ZERO_COPY ------------------------------------------------------
     def get_buffer(self, key: ChunkKey) -> "MemoryBuffer | None":

@@ -13,6 +13,9 @@ Subcommands:
   eviction policy and size (or through the tiers of a config file), next to the
   offline optimum and the never-evicting ceiling; ``--sweep`` draws hit ratio
   against size as a PNG and plans the capacity (:mod:`lmcache_core.replay`).
+- ``erase``: delete every chunk of some namespaces (``--namespace ID``) or all
+  (``--all``) from every tier of a config that it can reach, a count per tier, exit
+  status 1 on a partial erase (:mod:`lmcache_core.erase`).
 - anything plugins add through the ``register_commands`` hook (for example ``demo``
   from the vLLM connector's distribution, ``serve`` from the peer tier's). The core
   knows them only by what they registered: the parser lists their names and help,
@@ -32,6 +35,8 @@ from typing import Sequence, TextIO
 import yaml
 
 from .config import MERGED_SECTIONS, ConfigError, load_config
+from .erase import add_arguments as add_erase_arguments
+from .erase import cmd_erase
 from .hookspecs import Command
 from .plugins import BUILTIN_COMMANDS, PluginManager
 from .quarantine import UnsafeDirError, cli_owners, default_dir, open_private_dir, printable, scan_control_files
@@ -195,6 +200,15 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     )
     add_replay_arguments(p)
     p.set_defaults(func=lambda args: cmd_replay(args, pm))
+    p = sub.add_parser(
+        "erase",
+        help="delete every chunk of some namespaces (or all) from every tier of a config; a count per tier",
+        description="Delete every chunk whose key is in one of the given namespaces (or every chunk) from each tier "
+        "of the config that this command can reach, and print a count per tier. Exit status 1 when a tier is down "
+        "or cannot list or delete its chunks (a partial erase), 2 on bad arguments or config.",
+    )
+    add_erase_arguments(p)
+    p.set_defaults(func=lambda args: cmd_erase(args, pm))
     for name, info in sorted(pm.commands().items()):
         sub.add_parser(name, help=info.help or f"(from {info.origin.distribution})", add_help=False)
     return parser

@@ -168,6 +168,15 @@ class CacheEngine:
             namespace = dataclasses.replace(namespace, salt=cfg.tenant_salt)
         self.namespace = namespace
         self._ns_id = namespace.id
+        # the id to give `lmcache-core erase --namespace` (keys carry only this hash)
+        log.info(
+            "key namespace %s (model %s, rank %d of %d, tenant salt %s)",
+            self._ns_id.hex(),
+            namespace.model,
+            namespace.rank,
+            namespace.world_size,
+            "set" if namespace.salt is not None else "none",
+        )
         self.plugins = plugins or get_plugin_manager()
         codecs: Mapping[str, Codec] = self.plugins.codec_map()
         codec: Codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))

@@ -58,7 +58,7 @@ class Origin:
 
 _COMMAND_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 #: Subcommands of ``lmcache-core`` itself; a plugin cannot take these names.
-BUILTIN_COMMANDS = frozenset({"plugins", "config", "quarantine", "replay"})
+BUILTIN_COMMANDS = frozenset({"plugins", "config", "quarantine", "replay", "erase"})
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendContext, BackendStats
+from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendContext, BackendError, BackendStats, EraseMatch
 from lmcache_core.config import validate_section
 from lmcache_core.eviction import EvictionPolicy
 from lmcache_core.keys import ChunkKey
@@ -66,7 +66,7 @@ from lmcache_core.frames import Codec, FrameWriter
 from .access import _ShardRefused
 from .chunkio import ChunkIO
 from .config import DiskConfig
-from .directory import TierDirectory
+from .directory import FANOUT, TierDirectory, open_dir, parse_chunk_name
 from .owners import TempJudge, untrack
 
 log = logging.getLogger(__name__)
@@ -249,6 +249,48 @@ class DiskBackend(ChunkIO):
         with self._lock:
             self._forget(key)
         return self._unlink_counted(key) > 0
+
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """List every shard (the directory is the truth, whichever process wrote the
+        files) and remove each chunk file ``match`` takes, as :meth:`remove` does
+        (index and shared byte count too). A second listing checks that none is left:
+        one that could not be removed now (the byte-count lock stayed busy) raises."""
+        if self._closed or self._root_fd is None:
+            raise BackendError(f"disk tier {self.root}: the directory is not open")
+        keys = self._chunks_matching(match)
+        if dry_run:
+            return len(keys)
+        n = 0
+        for key in keys:
+            if self.remove(key):
+                n += 1
+                if progress is not None and n % 1000 == 0:
+                    progress(n)
+        left = sum(1 for _ in self._chunks_matching(match))
+        if left:
+            raise BackendError(f"disk tier {self.root}: {left} matching chunk file(s) could not be removed ({n} were)")
+        return n
+
+    def _chunks_matching(self, match: EraseMatch) -> list[ChunkKey]:
+        """The keys of the chunk files ``match`` takes, from a listing of every shard
+        (opened without following links; a shard that is not a directory is skipped)."""
+        found: list[ChunkKey] = []
+        for shard in FANOUT:
+            try:
+                fd = open_dir(shard, self._root_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                raise BackendError(f"disk tier {self.root}: cannot list shard {shard}: {err.strerror}") from None
+            try:
+                names = os.listdir(fd)
+            finally:
+                os.close(fd)
+            for name in names:
+                key = parse_chunk_name(shard, name)
+                if key is not None and match(key):
+                    found.append(key)
+        return found
 
     def stats(self) -> BackendStats:
         with self._lock:

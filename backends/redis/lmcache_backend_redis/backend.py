@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import redis
 import torch
 
-from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend
+from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, EraseMatch, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
@@ -58,6 +58,15 @@ from .wire import pipelined, read_ranges, set_command
 log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 60.0
+
+
+#: names per SCAN step and per pipeline of DELs in :meth:`RedisBackend.erase`
+ERASE_BATCH = 500
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis glob pattern (SCAN's MATCH)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def max_frame_bytes(out: torch.Tensor) -> int:
@@ -501,6 +510,56 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"redis remove {self._name(key)}: {describe(err)}") from None
         self.mark_available()
         return bool(n)
+
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """SCAN (every primary of a cluster) for this tier's names under each of
+        ``match``'s prefixes and DEL the chunk keys found, in pipelines of
+        :data:`ERASE_BATCH`; each SCAN step and each pipeline runs under
+        ``call_timeout_s``. Any failure raises (down, denied, a timeout)."""
+        if self._closed:
+            raise BackendError(f"redis erase on {self.target}: the tier is closed")
+        head = self.cfg.prefix.encode()
+        n = 0
+        try:
+            for prefix in match.name_prefixes():
+                pattern = _glob_escape(self.cfg.prefix + prefix) + "*"
+                with self._deadline():
+                    it = iter(self._conn().scan_iter(match=pattern, count=ERASE_BATCH))
+                batch: list[bytes] = []
+                while True:
+                    with self._deadline():
+                        name = next(it, None)
+                    if name is not None:
+                        raw = name if isinstance(name, bytes) else str(name).encode()
+                        try:
+                            key = ChunkKey.parse(raw[len(head) :].decode("ascii")) if raw.startswith(head) else None
+                        except (ValueError, UnicodeDecodeError):
+                            key = None
+                        if key is not None and match(key):
+                            batch.append(raw)
+                    if batch and (name is None or len(batch) >= ERASE_BATCH):
+                        n += len(batch) if dry_run else self._delete_names(batch)
+                        batch = []
+                        if progress is not None:
+                            progress(n)
+                    if name is None:
+                        break
+        except BackendError:
+            raise
+        except Exception as err:
+            self._failed("erase", err)  # raises unless the server is away
+            raise BackendError(f"redis erase on {self.target}: {describe(err)}") from None
+        self.mark_available()
+        return n
+
+    def _delete_names(self, names: list[bytes]) -> int:
+        """DEL each name (one key per command: a cluster's keys live in many slots);
+        how many existed."""
+        with self._deadline():
+            pipe = self._pipeline()
+            for name in names:
+                pipe.delete(name)
+            return sum(int(r) for r in pipe.execute())
 
     # -- housekeeping ---------------------------------------------------------------
     def ping(self) -> None:

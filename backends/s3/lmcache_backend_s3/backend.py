@@ -24,12 +24,21 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from botocore.exceptions import ClientError
 
-from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, StorageBackend, prefix_count
+from lmcache_core.backend import (
+    BATCHED,
+    PERSISTENT,
+    SHARED,
+    BackendError,
+    BackendStats,
+    EraseMatch,
+    StorageBackend,
+    prefix_count,
+)
 from lmcache_core.keys import ChunkKey
 from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
@@ -243,6 +252,75 @@ class S3Backend(StorageBackend):
             self._raise("remove", key, err)
         self._gate.succeeded()
         return removed
+
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """List the objects under each of ``match``'s name prefixes (ListObjectsV2,
+        1000 names a page) and delete the chunk keys among them (DeleteObjects, up
+        to 1000 a request); each request runs under ``op_deadline_s``. Any failure
+        raises: an unavailable endpoint, a denied request, or a key the server says it
+        did not delete."""
+        if self._closed:
+            raise BackendError(f"s3 erase in bucket {self.bucket!r}: the tier is closed")
+        n = 0
+        try:
+            for prefix in match.name_prefixes():
+                token: str | None = None
+                while True:
+                    page = run_bounded(self._ops, self._deadline(), "erase (list)", self._list_page, prefix, token)
+                    keys = []
+                    for item in page.get("Contents", []):
+                        key = self._key_of(str(item["Key"]))
+                        if key is not None and match(key):
+                            keys.append(key)
+                    if keys and dry_run:
+                        n += len(keys)
+                    elif keys:
+                        for k in keys:
+                            self._present.discard(k)
+                        run_bounded(self._ops, self._deadline(), "erase (delete)", self._delete_batch, keys)
+                        n += len(keys)
+                        if progress is not None:
+                            progress(n)
+                    if not page.get("IsTruncated"):
+                        break
+                    token = str(page["NextContinuationToken"])
+        except BackendError:
+            raise
+        except Exception as err:
+            if classify(err) is Failure.UNAVAILABLE:
+                self.mark_unavailable("erase", err)
+                raise BackendError(f"s3 erase in bucket {self.bucket!r} at {self.endpoint}: {describe(err)}") from None
+            self._raise("erase", None, err)
+        self._gate.succeeded()
+        return n
+
+    def _key_of(self, name: str) -> ChunkKey | None:
+        """The chunk key an object name of this tier stands for, or None."""
+        head = self.cfg.object_name("")
+        if not name.startswith(head):
+            return None
+        try:
+            return ChunkKey.parse(name[len(head) :])
+        except ValueError:
+            return None
+
+    def _list_page(self, prefix: str, token: str | None) -> Any:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.cfg.object_name(prefix), "MaxKeys": 1000}
+        if token is not None:
+            kw["ContinuationToken"] = token
+        return self.client.list_objects_v2(**kw)
+
+    def _delete_batch(self, keys: list[ChunkKey]) -> None:
+        reply = self.client.delete_objects(
+            Bucket=self.bucket, Delete={"Objects": [{"Key": self._object(k)} for k in keys], "Quiet": True}
+        )
+        errors = reply.get("Errors") or []
+        if errors:
+            first = errors[0]
+            raise BackendError(
+                f"s3 erase in bucket {self.bucket!r}: {len(errors)} object(s) not deleted, "
+                f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}".rstrip()
+            )
 
     # -- reads ----------------------------------------------------------------------
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:

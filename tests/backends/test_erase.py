@@ -1,0 +1,255 @@
+"""``lmcache-core erase`` against real tiers: a disk tier in tmp_path, S3 on moto's
+server on loopback, a redis-server on loopback. Chunks of two namespaces are stored,
+one namespace is erased, and a fresh tier of each kind then misses every erased
+chunk and still serves every chunk of the other (the negative control); a stopped
+server makes the erase partial: exit status 1 and the tier named."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from redis_server import RedisServer, redis_server  # noqa: E402,F401 - fixtures
+from s3_server import MotoS3, s3_server  # noqa: E402,F401 - fixtures
+
+from lmcache_core import cli  # noqa: E402
+from lmcache_core.keys import ChunkKey, KeyNamespace  # noqa: E402
+from lmcache_core.plugins import PluginManager  # noqa: E402
+from lmcache_core.backend import BackendContext, StorageBackend  # noqa: E402
+from lmcache_core.config import BackendSection  # noqa: E402
+from lmcache_core.testing import make_context, random_chunk  # noqa: E402
+
+N = 5  # chunks per namespace
+SHAPE = (2, 16)
+
+
+@pytest.fixture(scope="module")
+def pm() -> PluginManager:
+    return PluginManager()
+
+
+@pytest.fixture
+def bucket(s3_server: MotoS3) -> str:
+    return s3_server.make_bucket()
+
+
+def sections(tmp_path: Path, s3: MotoS3, bucket: str, redis_url: str, prefix: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "local_cpu", "max_size": "16MiB"},
+        {"name": "disk", "path": str(tmp_path / "disk"), "max_size": "64MiB"},
+        s3.section(bucket),
+        {"name": "redis", "url": redis_url, "prefix": prefix},
+    ]
+
+
+def write_config(tmp_path: Path, backends: list[dict[str, Any]]) -> Path:
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(yaml.safe_dump({"chunk_size": 16, "serde": "raw", "backends": backends}))
+    return path
+
+
+def open_tier(pm: PluginManager, section: dict[str, Any], i: int) -> StorageBackend:
+    ctx: BackendContext = make_context(key_path=f"backends[{i}]")
+    return pm.create_backend(BackendSection(**section), ctx)
+
+
+def fill(pm: PluginManager, backends: list[dict[str, Any]], keys: list[ChunkKey]) -> dict[ChunkKey, torch.Tensor]:
+    data = {k: random_chunk(SHAPE, seed=i) for i, k in enumerate(keys)}
+    for i, section in enumerate(backends[1:], 1):
+        tier = open_tier(pm, section, i)
+        try:
+            for k, t in data.items():
+                assert tier.put(k, t), (section["name"], k)
+            assert tier.contains(keys) == len(keys)
+        finally:
+            tier.close()
+    return data
+
+
+def held(pm: PluginManager, section: dict[str, Any], i: int, data: dict[ChunkKey, torch.Tensor]) -> int:
+    """How many of ``data``'s chunks a fresh tier of ``section`` serves, byte for byte."""
+    tier = open_tier(pm, section, i)
+    try:
+        n = 0
+        for k, t in data.items():
+            out = torch.empty_like(t)
+            if tier.contains([k]) == 1 and tier.get(k, out) and torch.equal(out, t):
+                n += 1
+        return n
+    finally:
+        tier.close()
+
+
+def two_namespaces() -> tuple[KeyNamespace, KeyNamespace, list[ChunkKey], list[ChunkKey]]:
+    a = KeyNamespace(model="model-a", layout="test", dtype="float16")
+    b = KeyNamespace(model="model-b", layout="test", dtype="float16")
+    hashes = [bytes([i]) * 16 for i in range(N)]  # the same hashes: only the namespace differs
+    return a, b, a.keys(hashes), b.keys(hashes)
+
+
+def counts(out: str) -> dict[str, str]:
+    """backends[i] (name) -> 'RESULT CHUNKS' from the report."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("backends["):
+            where, rest = line.split(")", 1)
+            rows[where + ")"] = " ".join(rest.split()[:2])
+    return rows
+
+
+@pytest.fixture
+def tiers(
+    tmp_path: Path, s3_server: MotoS3, bucket: str, redis_server: RedisServer, request: pytest.FixtureRequest
+) -> Iterator[list[dict[str, Any]]]:
+    yield sections(tmp_path, s3_server, bucket, redis_server.url, f"erase:{request.node.name}:")
+
+
+def test_erase_one_namespace_from_every_tier(
+    tmp_path: Path, tiers: list[dict[str, Any]], pm: PluginManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, keys_a, keys_b = two_namespaces()
+    data = fill(pm, tiers, keys_a + keys_b)
+    data_a = {k: data[k] for k in keys_a}
+    data_b = {k: data[k] for k in keys_b}
+    cfg = write_config(tmp_path, tiers)
+
+    rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex(), "--dry-run"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = counts(out)
+    for i in (1, 2, 3):
+        assert rows[f"backends[{i}] ({tiers[i]['name']})"] == f"would-erase {N}", out
+    for i in (1, 2, 3):  # a dry run deletes nothing
+        assert held(pm, tiers[i], i, data) == 2 * N
+
+    rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex()], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = counts(out)
+    assert rows["backends[0] (local_cpu)"] == "unreachable -", out
+    for i in (1, 2, 3):
+        assert rows[f"backends[{i}] ({tiers[i]['name']})"] == f"erased {N}", out
+        assert held(pm, tiers[i], i, data_a) == 0, tiers[i]["name"]  # every erased chunk misses
+        assert held(pm, tiers[i], i, data_b) == N, tiers[i]["name"]  # the other model's all hit
+    assert "PARTIAL" not in out
+
+    # again: nothing of a is left to erase, and b is still whole
+    rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex()], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert all(rows == "erased 0" for where, rows in counts(out).items() if "local_cpu" not in where), out
+
+    rc = cli.main(["erase", "--config", str(cfg), "--all"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for i in (1, 2, 3):
+        assert counts(out)[f"backends[{i}] ({tiers[i]['name']})"] == f"erased {N}", out
+        assert held(pm, tiers[i], i, data_b) == 0
+
+
+def test_erase_keeps_foreign_names(
+    tmp_path: Path, tiers: list[dict[str, Any]], pm: PluginManager, redis_server: RedisServer
+) -> None:
+    """--all takes chunk keys only: other names under the redis prefix stay."""
+    prefix = tiers[3]["prefix"]
+    c = redis_server.client()
+    c.set(prefix + "not-a-chunk", b"x")
+    c.set(prefix + "v1-zz", b"x")
+    cfg = write_config(tmp_path, tiers)
+    assert cli.main(["erase", "--config", str(cfg), "--all"], plugin_manager=pm) == 0
+    assert c.get(prefix + "not-a-chunk") == b"x" and c.get(prefix + "v1-zz") == b"x"
+
+
+def test_erase_with_servers_down_is_partial(
+    tmp_path: Path, s3_server: MotoS3, bucket: str, pm: PluginManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, keys_a, keys_b = two_namespaces()
+    down_redis = RedisServer()
+    down_s3 = MotoS3()
+    try:
+        down_bucket = down_s3.make_bucket()
+        backends = sections(tmp_path, down_s3, down_bucket, down_redis.url, "erase:down:")
+        data = fill(pm, backends, keys_a + keys_b)
+        down_redis.stop()
+        down_s3.stop()
+        cfg = write_config(tmp_path, backends)
+        rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex()], plugin_manager=pm)
+        out = capsys.readouterr().out
+        assert rc == 1, out
+        rows = counts(out)
+        assert rows["backends[1] (disk)"] == f"erased {N}", out  # the tier that answers is erased
+        assert rows["backends[2] (s3)"].startswith("FAILED"), out
+        assert rows["backends[3] (redis)"].startswith("FAILED"), out
+        partial = [line for line in out.splitlines() if line.startswith("PARTIAL")]
+        assert partial and "backends[2] (s3)" in partial[0] and "backends[3] (redis)" in partial[0], out
+        assert held(pm, backends[1], 1, {k: data[k] for k in keys_a}) == 0
+        assert held(pm, backends[1], 1, {k: data[k] for k in keys_b}) == N
+    finally:
+        down_redis.stop()
+        down_s3.stop()
+
+
+def test_erase_peer_tier_cannot_list(tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tier without erase (here the peer tier, whose node has no listing) fails the
+    erase honestly instead of counting 0."""
+    backends = [
+        {"name": "disk", "path": str(tmp_path / "disk")},
+        {"name": "peer", "peers": ["127.0.0.1:9"], "secret": "s" * 32, "max_size": 0},
+    ]
+    cfg = write_config(tmp_path, backends)
+    rc = cli.main(["erase", "--config", str(cfg), "--all"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert counts(out)["backends[1] (peer)"].startswith("FAILED"), out
+    assert "PARTIAL: not erased from backends[1] (peer)" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--namespace", "abc"],
+        ["--namespace", "AB" * 16],
+        ["--namespace", "00" * 16, "--all"],
+        ["--model", "m"],
+        ["--tenant", "t"],
+    ],
+)
+def test_erase_bad_arguments(tmp_path: Path, args: list[str], pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path, [{"name": "disk", "path": str(tmp_path / "disk")}])
+    try:
+        rc = cli.main(["erase", "--config", str(cfg), *args], plugin_manager=pm)
+    except SystemExit as e:  # argparse: usage, then one error line
+        rc = int(e.code or 0)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1, err
+    assert not (tmp_path / "disk").exists() or not any((tmp_path / "disk").glob("??/*"))
+
+
+def test_engine_logs_its_namespace_id(tmp_path: Path, pm: PluginManager, caplog: pytest.LogCaptureFixture) -> None:
+    """What an operator gives --namespace: the id each engine logs at start."""
+    from lmcache_core.config import CoreConfig
+    from lmcache_core.engine import CacheEngine
+
+    ns = KeyNamespace(model="model-a", layout="test", dtype="float16")
+    cfg = CoreConfig(chunk_size=16, backends=[BackendSection(name="local_cpu", max_size="4MiB")], staging_size="4MiB")
+    with caplog.at_level("INFO", logger="lmcache_core.engine"):
+        engine = CacheEngine(cfg, namespace=ns, plugins=pm)
+        engine.close()
+    assert f"key namespace {ns.id.hex()} (model model-a, rank 0 of 1, tenant salt none)" in caplog.text
+
+
+def test_erase_bad_config(tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("backends: [{name: nosuchtier}]\n")
+    rc = cli.main(["erase", "--config", str(cfg), "--all"], plugin_manager=pm)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err

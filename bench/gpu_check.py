@@ -698,7 +698,11 @@ def profile() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="where gpu_check.json goes")
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT", str(ROOT / "bench" / "results")),
+        help="where gpu_check.json goes (default $OUT, else bench/results/, which git ignores)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--pytest-timeout", type=float, default=300)
     p.add_argument("--skip-pytest", action="store_true")

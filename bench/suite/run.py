@@ -510,7 +510,9 @@ def plan(quick: bool, vocab: int) -> tuple[list[Workload], Workload, list[float]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1k-2k token documents, fewer requests (a few minutes)")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<quick|full>-<time>)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="results folder (default bench/results/<quick|full>-<time>, which git ignores)"
+    )
     ap.add_argument(
         "--repeats", type=int, default=None, help="runs per system and workload, order rotated; medians per request (default 1)"
     )
@@ -528,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1408, vocab_size=4096
     )
     repeats = args.repeats or 1
-    out = args.out or Path("bench/results") / f"{'quick' if args.quick else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = args.out or HERE.parent / "results" / f"{'quick' if args.quick else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(wanted) - {s.name for s in SYSTEMS}

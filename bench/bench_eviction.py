@@ -11,6 +11,10 @@ of every other policy at every size (the conversation trace's 10% and 25% and th
 synthetic trace's 5-50% are the issue's); goal: 0.9 of the optimum on the
 conversation trace at 10%. ``--quick`` replays each trace's first 3,000 requests.
 
+**Cost** (``--no-cost`` skips it): microseconds per policy call at 100,000 resident
+chunks (20,000 with ``--quick``) in a CPU tier's call order; bar: the default at most
+2 us per call above ``lru``.
+
 Replays the suite's request streams (``bench/suite/run.py``: round-robin doc QA,
 multi-round chat) against a real :class:`~lmcache_core.engine.CacheEngine` with one
 CPU tier, exactly as the connector drives it (lookup, load the hit prefix, store
@@ -197,6 +201,80 @@ def trace_report(name: str, points: list[dict[str, Any]], policies: list[str], d
     return "\n".join(lines), bars
 
 
+COST_BAR_US = 2.0
+
+
+def policy_cost(policies: list[str], n: int, rounds: int = 3) -> dict[str, float]:
+    """Microseconds per policy call at ``n`` resident chunks, in the order a CPU tier
+    makes them: per request a chain hint, then per chunk a hit (resident) or a miss,
+    the victims' pops and an insert (admitted or not). Requests of 8 chunks: half
+    repeat an earlier prompt's first 4 chunks then go their own way, half are new.
+    The same request stream for every policy, rounds interleaved, the fastest kept."""
+    import random
+    import time
+
+    from lmcache_core.eviction import BUILTIN_POLICIES
+    from lmcache_core.keys import KeyNamespace
+
+    ns = KeyNamespace(model="bench-eviction-cost")
+    size, per = 256, 8
+    rng = random.Random(7)
+    fresh = iter(range(1 << 40))
+    prompts = [[ns.key(next(fresh).to_bytes(16, "little")) for _ in range(per)] for _ in range(n // per)]
+    stream = []
+    for _ in range(n // per):
+        if rng.random() < 0.5:
+            head = prompts[int(len(prompts) * rng.random() ** 2)][:4]  # recent prompts more often
+            stream.append(head + [ns.key(next(fresh).to_bytes(16, "little")) for _ in range(per - 4)])
+        else:
+            stream.append([ns.key(next(fresh).to_bytes(16, "little")) for _ in range(per)])
+    best = {p: float("inf") for p in policies}
+    for _ in range(rounds):
+        for name in policies:
+            pol = BUILTIN_POLICIES[name][0](n * size)
+            resident: set[object] = set()
+            for keys in prompts:  # fill: n resident chunks
+                pol.chain(keys)
+                for k in keys:
+                    pol.insert(k, size)
+                    resident.add(k)
+            calls = 0
+            t0 = time.perf_counter()
+            for keys in stream:
+                pol.chain(keys)
+                calls += 1
+                for k in keys:
+                    if k in resident:
+                        pol.hit(k)
+                        calls += 1
+                        continue
+                    pol.miss(k)
+                    calls += 1
+                    if not pol.admit(k, size):
+                        calls += 1
+                        continue
+                    v = pol.pop_victim()
+                    resident.discard(v)
+                    pol.insert(k, size)
+                    resident.add(k)
+                    calls += 3
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def cost_report(cost: dict[str, float], policy: str, n: int) -> tuple[str, list[str]]:
+    base = cost.get("lru")
+    lines = [f"\npolicy cost at {n:,} resident chunks (us per call, fastest of 3 interleaved rounds):"]
+    lines += [f"  {p}: {us:.2f} us" + (f" ({us - base:+.2f} vs lru)" if base is not None else "") for p, us in cost.items()]
+    if base is None or policy not in cost:
+        return "\n".join(lines), []
+    extra = cost[policy] - base
+    ok = extra <= COST_BAR_US
+    return "\n".join(lines), [
+        f"{'PASS' if ok else 'FAIL'} cost: {policy} {extra:+.2f} us per call vs lru at {n:,} chunks (bar <= {COST_BAR_US} us)"
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bar-policy", default=DEFAULT_EVICTION, help="the policy the bars are checked for (the default)")
     ap.add_argument("--traces", nargs="*", type=Path, default=None, help="Mooncake-format traces (default: ../shared/traces)")
     ap.add_argument("--no-traces", action="store_true", help="the suite's workloads only")
+    ap.add_argument("--no-cost", action="store_true", help="skip the per-call cost of each policy")
     args = ap.parse_args(argv)
     if args.policies:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -223,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         text, tbars = trace_report(name, points, policies, args.bar_policy)
         print(text, flush=True)
         bars += tbars
+    if not args.no_cost:
+        n = 20_000 if args.quick else 100_000
+        text, cbars = cost_report(policy_cost(policies if "lru" in policies else ["lru", *policies], n), args.bar_policy, n)
+        print(text, flush=True)
+        bars += cbars
     points = sweep(args.quick, policies)
     print("\nthe suite's workloads (bench/suite/run.py):")
     print(table(points))

@@ -423,14 +423,16 @@ async def complete(session: Any, base: str, model: str, prompt: str, max_tokens:
                 if msg.get("usage"):
                     r.output_tokens = msg["usage"].get("completion_tokens", r.output_tokens)
                 for ch in msg.get("choices", []):
-                    if ch.get("text"):
-                        now = time.perf_counter()
-                        if not r.text and r.ttft == 0.0:
-                            r.ttft = now - t0
-                        else:
-                            r.itl.append(now - last)
-                        last = now
-                        r.text += ch["text"]
+                    # a choice is a token, even one whose text is empty (the detokenizer
+                    # holds back a partial character, or the token has no text): the
+                    # first one ends the TTFT, whatever it says
+                    now = time.perf_counter()
+                    if r.ttft == 0.0:
+                        r.ttft = now - t0
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+                    r.text += ch.get("text") or ""
     except Exception as err:  # a failed request is counted, never fatal
         r.error = f"{type(err).__name__}: {err}"
     r.latency = time.perf_counter() - t0
@@ -491,7 +493,7 @@ def pct(xs: list[float], q: float) -> float:
 def summarize(results: list[Result], wall: float) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     itl = [x for r in ok for x in r.itl]
-    ttft = [r.ttft for r in ok]
+    ttft = [r.ttft for r in ok if r.ttft > 0]  # a request that streamed no token has none
     return {
         "requests": len(results),
         "failed": len(results) - len(ok),

@@ -203,6 +203,12 @@ class MemoryTier(StorageBackend):
         return len(doomed)
 
     # -- for tests ------------------------------------------------------------------
+    def count(self, **counts: int) -> None:
+        """Add to the tier's stats (``BackendStats.add``): a subclass's own counters
+        (a fault it injected) land in ``stats().extra``."""
+        with self.lock:
+            self._stats.add(**counts)
+
     def plant(self, key: ChunkKey, value: torch.Tensor | bytes) -> None:
         """Store ``value`` (a tensor, or a frame with a codec) for ``key`` as is,
         bypassing the tier: no copy, no check, no eviction, not counted as a put (what

@@ -19,8 +19,9 @@ from lmcache_core import CacheEngine, KeyNamespace
 from lmcache_core.config import load_config
 from lmcache_core.local_cpu import LocalCpuBackend
 from lmcache_core.plugins import PluginManager
+from lmcache_core.testing import MemoryTier
 
-from .helpers import DictTier, TierPlugin
+from .helpers import TierPlugin
 
 NS = KeyNamespace(model="promotion-test")
 WANT = (2, 8)
@@ -28,23 +29,23 @@ STALE = (4, 8)
 
 
 @pytest.fixture
-def three_tiers() -> Iterator[tuple[CacheEngine, LocalCpuBackend, DictTier, DictTier]]:
+def three_tiers() -> Iterator[tuple[CacheEngine, LocalCpuBackend, MemoryTier, MemoryTier]]:
     plugin = TierPlugin()
     pm = PluginManager(load_entry_points=False)
     pm.register(plugin, name="promotion-tiers")
     backends = [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}, {"name": "dict_tier"}]
     with CacheEngine(load_config(env={}, overrides={"chunk_size": 16, "backends": backends}), namespace=NS, plugins=pm) as eng:
         tier0, mid, slow = eng.tiers
-        assert isinstance(tier0, LocalCpuBackend) and isinstance(mid, DictTier) and isinstance(slow, DictTier)
+        assert isinstance(tier0, LocalCpuBackend) and isinstance(mid, MemoryTier) and isinstance(slow, MemoryTier)
         yield eng, tier0, mid, slow
 
 
-def _setup(eng: CacheEngine, tier0: LocalCpuBackend, slow: DictTier, seed: int) -> tuple[bytes, torch.Tensor]:
+def _setup(eng: CacheEngine, tier0: LocalCpuBackend, slow: MemoryTier, seed: int) -> tuple[bytes, torch.Tensor]:
     h = bytes([seed]) * 16
     key = eng.keys([h])[0]
     assert tier0.put(key, torch.full(STALE, 7, dtype=torch.float16))
     good = torch.randn(WANT, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
-    slow.data[key] = good.clone()
+    slow.plant(key, good.clone())
     return h, good
 
 

@@ -14,9 +14,10 @@ import torch
 from lmcache_core import metrics as m
 from lmcache_core.cli import main as cli_main
 from lmcache_core.quarantine import RECHECK_S, MismatchWindow, Quarantine, list_control_files
+from lmcache_core.testing import MemoryTier
 from lmcache_core.testing.tokens import lookup_tokens, store_tokens, token_hashes
 
-from .helpers import DictTier, TierPlugin
+from .helpers import TierPlugin
 from .test_engine import SHAPE, engine, prepared
 
 
@@ -146,12 +147,12 @@ def test_engine_with_a_refused_dir_quarantines_in_memory(tmp_path: Path) -> None
         assert os.listdir(d) == []
 
 
-def _lie(tier: DictTier) -> None:
+def _lie(tier: MemoryTier) -> None:
     """Make every object in ``tier`` another key's object (a valid, wrong chunk)."""
     keys = list(tier.data)
     vals = [tier.data[k] for k in keys]
     for k, v in zip(keys, vals[1:] + vals[:1]):
-        tier.data[k] = v
+        tier.plant(k, v)
 
 
 def _exact(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, str]:
@@ -194,10 +195,10 @@ def test_engine_verify_charges_origin_replaces_and_quarantines(tmp_path: Path) -
         assert eng.lookup_hashes(hashes[2:]) == 0
         assert eng.retrieve_hashes(hashes[2:], [out]) == 0
         # no writes to it
-        puts = tier1.puts
+        puts = tier1.stats().puts
         toks2, chunks2, _ = prepared(eng, 2, 2)
         store_tokens(eng, toks2, chunks2)
-        assert eng.flush(10) and tier1.puts == puts
+        assert eng.flush(10) and tier1.stats().puts == puts
         assert lookup_tokens(eng, toks2) == len(toks2)  # tier 0 still serves
         # released by an operator (control file deleted)
         for f in list_control_files(tmp_path):

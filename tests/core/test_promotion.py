@@ -1,11 +1,12 @@
-"""When tier 0 holds a key with another shape, the chunk read from a slower tier is what
-gets promoted, never tier 0's (already released) buffer.
+"""Promotion: a chunk read from a slower tier is promoted to the faster tiers as read,
+whatever tier 0 holds under the same key. When tier 0 holds the key with another
+shape, the caller gets the slower tier's chunk, tier 1 receives exactly that tensor
+(never tier 0's, already released, buffer), and the pool's bytes in use return to
+what tier 0 holds (no leaked or doubly released buffer); through ``retrieve_hashes``
+and through ``retrieve_buffer``.
 
-Three real tiers: the CPU tier and two in-memory tiers. Tier 0 holds the key as a
-float16 [4, 8] chunk of sevens; tier 2 holds the [2, 8] chunk the caller asks for.
-Figures: the caller gets tier 2's data, tier 1 receives exactly that [2, 8] tensor
-(not the [4, 8] sevens), and the pool's bytes in use return to what tier 0 holds
-(no leaked or doubly released buffer).
+Three real tiers: the CPU tier and two reference in-memory tiers; tier 0 holds the key
+as a float16 [4, 8] chunk of sevens, tier 2 the [2, 8] chunk the caller asks for.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 
     python bench/bench_load_policy.py [--delay-ms 40] [--lengths 256,512,...] [--reps 2]
 
-The tier is a plugin tier with injected latency: an in-memory store whose every get
-sleeps ``--delay-ms`` (a remote store far away; chunks are 256 tokens). One engine;
-for each prompt, back to back so that all three see the same machine load:
+The tier is a plugin tier with injected latency: the in-memory reference tier
+(``lmcache_core.testing.MemoryTier``), every get sleeping ``--delay-ms`` (a remote
+store far away; chunks are 256 tokens). One engine; for each prompt, back to back so that all three see the same machine load:
 ``recompute`` (a fresh prompt of the same length with ``lmcache.skip_save``: vLLM
 computes it all, nothing is stored), the prompt cold (stores it, not timed), then
 warm with ``always`` (every chunk loaded from the slow tier)
@@ -27,75 +27,26 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import torch  # noqa: E402
 
-from lmcache_core.backend import BackendContext, BackendStats, StorageBackend, prefix_count  # noqa: E402
-from lmcache_core.config import StrictModel, validate_section  # noqa: E402
-from lmcache_core.hookspecs import hookimpl  # noqa: E402
-from lmcache_core.keys import ChunkKey  # noqa: E402
+from lmcache_core.testing import MemoryTierPlugin  # noqa: E402
 
 CHUNK = 256
 FASTER = "faster_than_recompute"
 MARGIN = 0.2  # load_margin's default: within it both sides are acceptable
 
 
-class _DelayedConfig(StrictModel):
-    get_delay_ms: float = 40.0
-
-
-class DelayedTier(StorageBackend):
-    """In-memory chunks behind an injected read latency."""
-
-    name = "delayed"
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-        self.data: dict[ChunkKey, torch.Tensor] = {}
-        self.lock = threading.Lock()
-        self.s = BackendStats(self.name)
-
-    def contains(self, keys: Sequence[ChunkKey]) -> int:
-        with self.lock:
-            return prefix_count(keys, self.data)
-
-    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        with self.lock:
-            self.data[key] = data.clone()
-        return True
-
-    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        time.sleep(self.delay_s)
-        with self.lock:
-            d = self.data.get(key)
-        if d is None or d.shape != out.shape or d.dtype != out.dtype:
-            return False
-        out.copy_(d)
-        return True
-
-    def remove(self, key: ChunkKey) -> bool:
-        with self.lock:
-            return self.data.pop(key, None) is not None
-
-    def stats(self) -> BackendStats:
-        return self.s
-
-
-class DelayedPlugin:
-    @hookimpl
-    def register_backends(self, register: Any) -> None:
-        def create(section: Mapping[str, Any], ctx: BackendContext) -> DelayedTier:
-            return DelayedTier(validate_section(_DelayedConfig, section, ctx.key_path, ctx.source).get_delay_ms / 1000)
-
-        register("delayed", create)
+def delayed_tier() -> MemoryTierPlugin:
+    """``delayed``: the in-memory reference tier, every get sleeping the entry's
+    ``get_delay_ms`` (40 by default); no budget to speak of (nothing evicted)."""
+    return MemoryTierPlugin("delayed", get_delay_s=0.040, max_size=1 << 40)
 
 
 def make_llm(model: Path, max_len: int, mode: str, delay_ms: float) -> Any:
@@ -237,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_model(Path.home() / ".cache" / "lmcache-core" / spec.tag(), spec)
     lengths = [int(x) + 10 for x in args.lengths.split(",")]  # +10: a partial chunk vLLM computes
     t0 = time.perf_counter()
-    with get_plugin_manager().registered(DelayedPlugin(), name="bench-delayed"):
+    with get_plugin_manager().registered(delayed_tier(), name="bench-delayed"):
         results = run_all(model, lengths, args.reps, args.delay_ms, spec.vocab_size)
     md, ok = report(results, args.delay_ms)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -27,6 +27,10 @@ or the mixins you want, and supply the fixtures; pytest runs the rest::
         def plant(self, backend):                  # required for a tier storing frames
             return lambda key, frame: write_raw_bytes(backend, key, frame)
 
+A test or benchmark that needs a tier of its own uses the in-memory reference tier,
+:class:`~lmcache_core.testing.memory.MemoryTier` (registered for an engine by
+:class:`~lmcache_core.testing.memory.MemoryTierPlugin`), rather than writing one.
+
 Eviction policies have their own suite, :class:`EvictionPolicyConformance`
 (implement ``make_policy(capacity)``). :mod:`lmcache_core.testing.tokens` drives a
 :class:`~lmcache_core.engine.CacheEngine` by token ids (store, look up, retrieve a
@@ -58,6 +62,7 @@ from .conformance import (
     random_chunk,
     random_key,
 )
+from .memory import MemoryTier, MemoryTierConfig, MemoryTierPlugin
 from .policies import EvictionPolicyConformance
 
 __all__ = [
@@ -74,6 +79,9 @@ __all__ = [
     "IndexTests",
     "IntegrityTests",
     "LifecycleTests",
+    "MemoryTier",
+    "MemoryTierConfig",
+    "MemoryTierPlugin",
     "PinningTests",
     "Plant",
     "ReplaceWith",

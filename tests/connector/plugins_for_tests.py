@@ -1,51 +1,29 @@
 """Backends registered through the real plugin path for the length of one test:
-``tamper`` serves altered KV (negative control), ``flaky`` fails loads (fault
-injection: corrupt frames or exceptions), ``slowget`` sleeps in every get (a tier
-slower than recomputing, for load_policy), ``liar`` answers with another key's chunk in
-a frame re-made for the key asked for (checksum and key valid: only the canary can
-catch it)."""
+``slowget`` sleeps in every get (a tier slower than recomputing, for load_policy: the
+reference tier with a read delay), and three faulty tiers built on the reference tier,
+each keeping a fault it must not have: ``tamper`` serves altered KV (negative
+control), ``flaky`` fails loads (fault injection: corrupt frames or exceptions),
+``liar`` answers with another key's chunk in a frame re-made for the key asked for
+(checksum and key valid: only the canary can catch it)."""
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
 from lmcache_core import serde
-from lmcache_core.backend import BackendContext, BackendError, BackendStats, StorageBackend, prefix_count
+from lmcache_core.backend import BackendContext, BackendError
 from lmcache_core.config import StrictModel, validate_section
 from lmcache_core.hookspecs import hookimpl
 from lmcache_core.keys import ChunkKey
+from lmcache_core.testing import MemoryTier, MemoryTierPlugin
 
 
-class _DictBackend(StorageBackend):
-    def __init__(self) -> None:
-        self.data: dict[ChunkKey, Any] = {}
-        self.lock = threading.Lock()
-        self.s = BackendStats(self.name)
+class TamperBackend(MemoryTier):
+    """Stores honestly; every hit is answered with the same random tensor."""
 
-    def contains(self, keys: Sequence[ChunkKey]) -> int:
-        with self.lock:
-            return prefix_count(keys, self.data)
-
-    def remove(self, key: ChunkKey) -> bool:
-        with self.lock:
-            return self.data.pop(key, None) is not None
-
-    def stats(self) -> BackendStats:
-        self.s.chunks = len(self.data)
-        return self.s
-
-
-class TamperBackend(_DictBackend):
     name = "tamper"
-
-    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        with self.lock:
-            self.data[key] = data.clone()
-            self.s.puts += 1
-        return True
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
         with self.lock:
@@ -61,28 +39,16 @@ class _FlakyConfig(StrictModel):
     mode: str = "corrupt"
 
 
-class _FrameBackend(_DictBackend):
-    """Keeps each chunk as the frame the engine's codec makes of it."""
+class FlakyBackend(MemoryTier):
+    """Keeps the frames of the engine's codec; ``mode: corrupt`` reads each with one
+    bit flipped (counted in ``corrupt_reads``), ``mode: raise`` raises on every get."""
 
-    def __init__(self, ctx: BackendContext) -> None:
-        super().__init__()
-        self.ctx = ctx
-
-    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        frame = serde.encode(key, data, self.ctx.codec)
-        with self.lock:
-            self.data[key] = frame
-            self.s.puts += 1
-        return True
-
-
-class FlakyBackend(_FrameBackend):
     name = "flaky"
 
     def __init__(self, ctx: BackendContext, mode: str) -> None:
-        super().__init__(ctx)
+        super().__init__(codec=ctx.codec, codecs=ctx.codecs)
         self.mode = mode
-        self.s.extra["corrupt_reads"] = 0
+        self.count(corrupt_reads=0)
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
         if self.mode == "raise":
@@ -93,9 +59,9 @@ class FlakyBackend(_FrameBackend):
             return False
         bad = bytearray(frame)
         bad[len(bad) // 2] ^= 0x40  # one flipped bit in the payload
-        got, reason = serde.try_decode(bytes(bad), dict(self.ctx.codecs), expect_key=key, out=out)
+        got, reason = serde.try_decode(bytes(bad), self.codecs or {}, expect_key=key, out=out)
         if got is None:
-            self.s.extra["corrupt_reads"] += 1
+            self.count(corrupt_reads=1)
             return False
         return True
 
@@ -116,49 +82,13 @@ class FlakyPlugin:
         register("flaky", create)
 
 
-class _SlowGetConfig(StrictModel):
-    get_delay_ms: float = 300.0
+def SlowGetPlugin() -> MemoryTierPlugin:
+    """``slowget``: a far-away tier, storing instantly, every get taking the entry's
+    ``get_delay_ms`` (300 unless given)."""
+    return MemoryTierPlugin("slowget", get_delay_s=0.3)
 
 
-class SlowGetBackend(_DictBackend):
-    """A far-away tier: stores instantly, every ``get`` takes ``get_delay_ms``."""
-
-    name = "slowget"
-
-    def __init__(self, delay_s: float) -> None:
-        super().__init__()
-        self.delay_s = delay_s
-
-    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        with self.lock:
-            self.data[key] = data.clone()
-            self.s.puts += 1
-        return True
-
-    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        import time
-
-        time.sleep(self.delay_s)
-        with self.lock:
-            data = self.data.get(key)
-            self.s.hits += data is not None
-        if data is None or data.shape != out.shape or data.dtype != out.dtype:
-            return False
-        out.copy_(data)
-        return True
-
-
-class SlowGetPlugin:
-    @hookimpl
-    def register_backends(self, register: Any) -> None:
-        def create(section: Mapping[str, Any], ctx: BackendContext) -> SlowGetBackend:
-            cfg = validate_section(_SlowGetConfig, section, ctx.key_path, ctx.source)
-            return SlowGetBackend(cfg.get_delay_ms / 1000)
-
-        register("slowget", create)
-
-
-class LiarBackend(_FrameBackend):
+class LiarBackend(MemoryTier):
     """Stores frames honestly; every ``get`` answers with the payload of another key
     of the same size, re-framed under the requested key, so the frame's key and
     checksum are right and the data is wrong (a namespace or index bug)."""
@@ -166,8 +96,9 @@ class LiarBackend(_FrameBackend):
     name = "liar"
 
     def __init__(self, ctx: BackendContext) -> None:
-        super().__init__(ctx)
-        self.s.extra["lies"] = 0
+        super().__init__(codec=ctx.codec, codecs=ctx.codecs)
+        self.ctx = ctx
+        self.count(lies=0)
 
     def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
         with self.lock:
@@ -178,7 +109,7 @@ class LiarBackend(_FrameBackend):
         if others:
             wrong = serde.decode(others[0], dict(self.ctx.codecs))
             own = serde.encode(key, wrong, self.ctx.codec)  # a valid frame for ``key``
-            self.s.extra["lies"] += 1
+            self.count(lies=1)
         got, _ = serde.try_decode(own, dict(self.ctx.codecs), expect_key=key, out=out)
         return got is not None
 

@@ -1,73 +1,23 @@
-"""Real components the core tests share: an in-memory tier and fake-but-real
-installed distributions (dist-info directories on sys.path)."""
+"""Real components the core tests share: the reference in-memory tier registered as
+``dict_tier`` and ``broken``, and fake-but-real installed distributions (dist-info
+directories on sys.path)."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
-import torch
-
-from lmcache_core.backend import BackendContext, BackendStats, StorageBackend, prefix_count
+from lmcache_core.backend import BackendContext, StorageBackend
 from lmcache_core.hookspecs import RegisterBackend, hookimpl
-from lmcache_core.keys import ChunkKey
-
-
-class DictTier(StorageBackend):
-    """A plain in-memory tier holding tensor copies. ``gate`` (an Event) makes ``put``
-    wait until it is set: a tier that is slow for as long as a test wants."""
-
-    name = "dict_tier"
-
-    def __init__(self, gate: threading.Event | None = None) -> None:
-        self.data: dict[ChunkKey, torch.Tensor] = {}
-        self.gate = gate
-        self.puts = 0
-        self._lock = threading.Lock()
-
-    def contains(self, keys: Sequence[ChunkKey]) -> int:
-        with self._lock:
-            return prefix_count(keys, self.data)
-
-    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        if self.gate is not None:
-            self.gate.wait()
-        with self._lock:
-            self.data[key] = data.clone()
-            self.puts += 1
-        return True
-
-    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        with self._lock:
-            t = self.data.get(key)
-        if t is None or t.shape != out.shape or t.dtype != out.dtype:
-            return False
-        out.copy_(t)
-        return True
-
-    def remove(self, key: ChunkKey) -> bool:
-        with self._lock:
-            return self.data.pop(key, None) is not None
-
-    def stats(self) -> BackendStats:
-        with self._lock:
-            return BackendStats(self.name, chunks=len(self.data), puts=self.puts)
-
-
-class BrokenTier(StorageBackend):
-    """Raises on every call, as a tier whose server is down would."""
-
-    name = "broken"
-
-    def _fail(self, *args: Any) -> Any:
-        raise ConnectionError("backend is down")
-
-    contains = put = get = remove = stats = close = _fail  # type: ignore[assignment]
+from lmcache_core.testing import MemoryTier
 
 
 class TierPlugin:
-    """A plugin registering ``dict_tier`` and ``broken``; keeps what it built."""
+    """A plugin registering two reference tiers (:class:`MemoryTier`): ``dict_tier``,
+    whose writes wait for ``gate`` when given (a tier as slow as a test wants), and
+    ``broken``, which raises from every call (a tier whose server is down); keeps
+    what it built."""
 
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.gate = gate
@@ -83,8 +33,8 @@ class TierPlugin:
 
     @hookimpl
     def register_backends(self, register: RegisterBackend) -> None:
-        register("dict_tier", self._make(lambda: DictTier(self.gate)))
-        register("broken", self._make(BrokenTier))
+        register("dict_tier", self._make(lambda: MemoryTier(name="dict_tier", put_gate=self.gate)))
+        register("broken", self._make(lambda: MemoryTier(name="broken", down=True)))
 
 
 def make_distribution(root: Path, dist: str, version: str, entry_points: Mapping[str, str], modules: Mapping[str, str]) -> None:

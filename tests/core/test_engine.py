@@ -21,9 +21,10 @@ from lmcache_core.config import load_config
 from lmcache_core.hookspecs import hookimpl
 from lmcache_core.local_cpu import LocalCpuBackend
 from lmcache_core.plugins import PluginManager
+from lmcache_core.testing import MemoryTier
 from lmcache_core.testing.tokens import lookup_tokens, retrieve_tokens, store_tokens, token_hashes
 
-from .helpers import DictTier, TierPlugin
+from .helpers import TierPlugin
 
 CS = 16
 SHAPE = (2, 2, CS, 32)  # [layers, k/v, tokens, hidden], float16: 4 KiB per chunk
@@ -63,11 +64,11 @@ def engine(backends: list[dict[str, Any]], plugin: TierPlugin | None = None, **c
 
 
 @pytest.fixture
-def two_tiers() -> Iterator[tuple[CacheEngine, LocalCpuBackend, DictTier]]:
+def two_tiers() -> Iterator[tuple[CacheEngine, LocalCpuBackend, MemoryTier]]:
     plugin = TierPlugin()
     with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}], plugin) as eng:
         tier0, tier1 = eng.tiers
-        assert isinstance(tier0, LocalCpuBackend) and isinstance(tier1, DictTier)
+        assert isinstance(tier0, LocalCpuBackend) and isinstance(tier1, MemoryTier)
         yield eng, tier0, tier1
 
 
@@ -146,7 +147,7 @@ def test_slow_tier_never_blocks_store_and_flush_waits() -> None:
     plugin = TierPlugin(gate)
     with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}], plugin) as eng:
         slow = plugin.created[0]
-        assert isinstance(slow, DictTier)
+        assert isinstance(slow, MemoryTier)
         toks = prompt(7, 3)
         t = threading.Thread(target=store_tokens, args=(eng, toks, chunks_for(toks)))
         t.start()
@@ -179,7 +180,7 @@ def test_full_write_queue_drops_instead_of_blocking() -> None:
         assert lookup_tokens(eng, toks) == 8 * CS
         gate.set()
         assert eng.flush(10)
-        assert len(slow.data) == 8 - dropped  # type: ignore[attr-defined]
+        assert len(slow.data) == 8 - dropped
 
 
 def test_pins_protect_chunks_between_lookup_and_load() -> None:
@@ -273,7 +274,7 @@ def test_write_behind_survives_a_cpu_tier_smaller_than_the_writes() -> None:
         assert all(torch.equal(a, b) for a, b in zip(outs, chunks))
 
 
-class _ConcurrentTier(DictTier):
+class _ConcurrentTier(MemoryTier):
     """Declares 4 concurrent writes; records how many puts overlap."""
 
     name = "concurrent_tier"
@@ -285,11 +286,11 @@ class _ConcurrentTier(DictTier):
         self.max_active = 0
 
     def put(self, key: Any, data: torch.Tensor) -> bool:
-        with self._lock:
+        with self.lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
         time.sleep(0.2)  # a round trip
-        with self._lock:
+        with self.lock:
             self.active -= 1
         return super().put(key, data)
 
@@ -327,7 +328,7 @@ def test_write_behind_uses_the_declared_write_concurrency(declared: int, monkeyp
         for i, chunk in enumerate(chunks):
             store_tokens(eng, toks, [chunk], start_chunk=i)
             deadline = time.monotonic() + 5
-            while tier.active == 0 and tier.puts <= i and time.monotonic() < deadline:
+            while tier.active == 0 and tier.stats().puts <= i and time.monotonic() < deadline:
                 time.sleep(0.001)
         assert eng.flush(timeout=30)
         assert tier.contains(eng.keys(token_hashes(eng, toks))) == 12
@@ -378,7 +379,7 @@ def test_an_engine_without_shared_writes_reads_shared_tiers_but_never_writes_the
     the others only read them, and still fill their own CPU tier."""
     from lmcache_core.backend import SHARED
 
-    class SharedDict(DictTier):
+    class SharedDict(MemoryTier):
         name = "shared_dict"
         capabilities = frozenset({SHARED})
 
@@ -401,15 +402,15 @@ def test_an_engine_without_shared_writes_reads_shared_tiers_but_never_writes_the
     reader, writer = make(False), make(True)
     try:
         assert store_tokens(reader, a, chunks_for(a)) == 2  # its own CPU tier
-        assert reader.flush(10) and shared.puts == 0
+        assert reader.flush(10) and shared.stats().puts == 0
         assert store_tokens(writer, a, chunks_for(a)) == 2
-        assert writer.flush(10) and shared.puts == 2
+        assert writer.flush(10) and shared.stats().puts == 2
         fresh = make(False)
         try:
             outs = empty_outs(2)
             assert retrieve_tokens(fresh, a, outs) == 2  # read from the shared tier, promoted locally
             assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(a)))
-            assert fresh.flush(10) and shared.puts == 2
+            assert fresh.flush(10) and shared.stats().puts == 2
             assert fresh.tiers[0].contains(fresh.keys(token_hashes(fresh, a))) == 2
         finally:
             fresh.close()

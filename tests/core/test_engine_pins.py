@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from lmcache_core.keys import chunk_hashes
 from lmcache_core.local_cpu import LocalCpuBackend
+from lmcache_core.testing import MemoryTier
 
-from .helpers import DictTier, TierPlugin
+from .helpers import TierPlugin
 from .test_engine import CS, chunks_for, engine, prompt
 
 
@@ -50,7 +51,7 @@ def test_keep_pinned_counts_positions_across_tiers() -> None:
     plugin = TierPlugin()
     with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}], plugin) as eng:
         tier0, tier1 = eng.tiers
-        assert isinstance(tier0, LocalCpuBackend) and isinstance(tier1, DictTier)
+        assert isinstance(tier0, LocalCpuBackend) and isinstance(tier1, MemoryTier)
         a = prompt(3, 4)
         ha = chunk_hashes(a, CS)
         assert eng.store_hashes(ha, chunks_for(a)) == 4

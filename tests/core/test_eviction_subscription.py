@@ -5,7 +5,7 @@ used to set keeps working for one release, with a ``DeprecationWarning``: for co
 sets it, and for a plugin class that overrides it (its setter still gets the engine's
 callback, so a watcher it starts there still starts).
 
-Real engines over real in-memory tiers (tests/core/helpers.py's ``DictTier``)."""
+Real engines over real in-memory tiers (the reference ``MemoryTier``)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from lmcache_core.keys import ChunkKey
 from lmcache_core.plugins import PluginManager
 from lmcache_core.testing import random_key
 
-from .helpers import DictTier
+from lmcache_core.testing import MemoryTier
 
 NS = KeyNamespace(model="eviction-subscription", layout="test", dtype="float16")
 
 
-class WatchingTier(DictTier):
+class WatchingTier(MemoryTier):
     """A tier that learns of evictions from elsewhere: it starts its 'watcher' (counted)
     when the engine subscribes, as the Redis and peer tiers do."""
 
@@ -42,11 +42,11 @@ class WatchingTier(DictTier):
         self.watchers_started += 1
 
 
-def _legacy_property_tier() -> type[DictTier]:
+def _legacy_property_tier() -> type[MemoryTier]:
     """A plugin written before subscribe_evictions, the way the Redis tier was: a
     property whose setter (called by the old engine) starts the watcher."""
 
-    class LegacyTier(DictTier):
+    class LegacyTier(MemoryTier):
         name = "legacy"
 
         def __init__(self) -> None:
@@ -67,10 +67,10 @@ def _legacy_property_tier() -> type[DictTier]:
     return LegacyTier
 
 
-def _legacy_attribute_tier() -> type[DictTier]:
+def _legacy_attribute_tier() -> type[MemoryTier]:
     """A plugin that declared the attribute itself."""
 
-    class PlainLegacyTier(DictTier):
+    class PlainLegacyTier(MemoryTier):
         name = "plain_legacy"
         on_evicted: Callable[[ChunkKey], None] | None = None
 
@@ -78,13 +78,13 @@ def _legacy_attribute_tier() -> type[DictTier]:
 
 
 class _Plugin:
-    def __init__(self, cls: type[DictTier]) -> None:
+    def __init__(self, cls: type[MemoryTier]) -> None:
         self.cls = cls
-        self.created: list[DictTier] = []
+        self.created: list[MemoryTier] = []
 
     @hookimpl
     def register_backends(self, register: Any) -> None:
-        def factory(section: Any, ctx: Any) -> DictTier:
+        def factory(section: Any, ctx: Any) -> MemoryTier:
             tier = self.cls()
             self.created.append(tier)
             return tier
@@ -92,7 +92,7 @@ class _Plugin:
         register(self.cls.name, factory)
 
 
-def engine_over(cls: type[DictTier]) -> tuple[CacheEngine, DictTier]:
+def engine_over(cls: type[MemoryTier]) -> tuple[CacheEngine, MemoryTier]:
     pm = PluginManager(load_entry_points=False)
     plugin = _Plugin(cls)
     pm.register(plugin, name=f"tiers-{cls.name}")
@@ -139,7 +139,7 @@ def test_setting_on_evicted_is_deprecated_and_still_subscribes() -> None:
 
 
 @pytest.mark.parametrize("make", [_legacy_property_tier, _legacy_attribute_tier], ids=["property", "attribute"])
-def test_a_plugin_overriding_on_evicted_warns_and_still_gets_the_engines_callback(make: Callable[[], type[DictTier]]) -> None:
+def test_a_plugin_overriding_on_evicted_warns_and_still_gets_the_engines_callback(make: Callable[[], type[MemoryTier]]) -> None:
     with pytest.warns(DeprecationWarning, match="overrides StorageBackend.on_evicted"):
         cls = make()
     eng, tier = engine_over(cls)
@@ -156,11 +156,11 @@ def test_a_plugin_overriding_on_evicted_warns_and_still_gets_the_engines_callbac
 def test_a_tier_without_overrides_needs_no_deprecated_name(no_deprecations: None) -> None:
     """Positive control for the warnings above: the default path (the CPU tier's real
     evictions and a plain tier's reports) raises no DeprecationWarning."""
-    eng, tier = engine_over(DictTier)
+    eng, tier = engine_over(MemoryTier)
     with eng:
         events: list[TierEvent] = []
         eng.add_listener(events.append)
         key = random_key()
         tier.evicted(key)
         eng.tiers[0].evicted(key)
-        assert events == [TierEvent("evicted", "dict_tier", key), TierEvent("evicted", "local_cpu", key)]
+        assert events == [TierEvent("evicted", "memory", key), TierEvent("evicted", "local_cpu", key)]

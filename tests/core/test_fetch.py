@@ -16,14 +16,15 @@ import torch
 from lmcache_core import fetch
 from lmcache_core.engine import CacheEngine
 from lmcache_core.local_cpu import LocalCpuBackend
+from lmcache_core.testing import MemoryTier
 from lmcache_core.testing.tokens import token_hashes
 
-from .helpers import DictTier, TierPlugin
+from .helpers import TierPlugin
 from .test_engine import CHUNK_BYTES, SHAPE, chunks_for, engine, prompt
 
 
-class CountingTier(DictTier):
-    """A DictTier that counts batch calls (what one round trip each would cost)."""
+class CountingTier(MemoryTier):
+    """The reference tier that counts batch calls (what one round trip each would cost)."""
 
     name = "counting"
 

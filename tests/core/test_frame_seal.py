@@ -13,16 +13,13 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import pytest
 import torch
 
 from lmcache_core import CacheEngine, KeyNamespace
-from lmcache_core.backend import SHARED, BackendContext, BackendStats, StorageBackend, prefix_count
 from lmcache_core.config import ConfigError, load_config, read_frame_secret
-from lmcache_core.hookspecs import RegisterBackend, hookimpl
-from lmcache_core.keys import ChunkKey
 from lmcache_core import serde
 from lmcache_core.plugins import PluginManager
 from lmcache_core.serde import (
@@ -43,7 +40,7 @@ from lmcache_core.serde import (
     seal_of,
     try_decode,
 )
-from lmcache_core.testing import random_chunk, random_key
+from lmcache_core.testing import MemoryTierPlugin, random_chunk, random_key
 from lmcache_core.testing.tokens import retrieve_tokens, store_tokens, token_hashes
 
 SECRET = "a-deployment-secret-of-32-bytes!"
@@ -378,67 +375,21 @@ def test_frames_are_checked_with_compare_digest(monkeypatch: pytest.MonkeyPatch)
 # -- the engine --------------------------------------------------------------------
 
 
-class SharedFrameTier(StorageBackend):
-    """A shared byte store written the way every plugin tier writes: serde frames from
-    ``ctx.codec``, read back with ``ctx.codecs``."""
-
-    name = "shared_frames"
-    capabilities = frozenset({SHARED})
-
-    def __init__(self, ctx: BackendContext) -> None:
-        self.codec, self.codecs = ctx.codec, dict(ctx.codecs)
-        self.frames: dict[ChunkKey, bytes] = {}
-        self.misses = 0
-        self._lock = threading.Lock()
-
-    def contains(self, keys: Sequence[ChunkKey]) -> int:
-        with self._lock:
-            return prefix_count(keys, self.frames)
-
-    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        frame = encode(key, data, self.codec)
-        with self._lock:
-            self.frames[key] = frame
-        return True
-
-    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        with self._lock:
-            frame = self.frames.get(key)
-        got, _ = try_decode(frame, self.codecs, expect_key=key, out=out)
-        if got is None:
-            self.misses += 1
-        return got is not None
-
-    def remove(self, key: ChunkKey) -> bool:
-        with self._lock:
-            return self.frames.pop(key, None) is not None
-
-    def stats(self) -> BackendStats:
-        return BackendStats(self.name, chunks=len(self.frames), misses=self.misses)
+def shared_frames() -> MemoryTierPlugin:
+    """The reference tier as a shared byte store written the way every plugin tier
+    writes: serde frames from ``ctx.codec``, read back with ``ctx.codecs``."""
+    return MemoryTierPlugin("shared_frames", shared=True)
 
 
-class SharedPlugin:
-    def __init__(self) -> None:
-        self.tiers: list[SharedFrameTier] = []
-
-    @hookimpl
-    def register_backends(self, register: RegisterBackend) -> None:
-        def make(section: Mapping[str, Any], ctx: BackendContext) -> SharedFrameTier:
-            self.tiers.append(SharedFrameTier(ctx))
-            return self.tiers[-1]
-
-        register("shared_frames", make)
-
-
-def _engine(plugin: SharedPlugin, **cfg: Any) -> CacheEngine:
+def _engine(plugin: MemoryTierPlugin, **cfg: Any) -> CacheEngine:
     pm = PluginManager(load_entry_points=False)
     pm.register(plugin, name="shared-frames")
-    backends = [{"name": "local_cpu", "max_size": "4MiB"}, {"name": "shared_frames"}]
+    backends = [{"name": "local_cpu", "max_size": "4MiB"}, {"name": "shared_frames", "frames": True}]
     loaded = load_config(env={}, overrides={"chunk_size": 16, "backends": backends, **cfg})
     return CacheEngine(loaded, namespace=KeyNamespace(model="seal-test"), plugins=pm)
 
 
-def _plant_and_retrieve(eng: CacheEngine, plugin: SharedPlugin) -> tuple[int, torch.Tensor]:
+def _plant_and_retrieve(eng: CacheEngine, plugin: MemoryTierPlugin) -> tuple[int, torch.Tensor]:
     """Store two chunks, drop them from the CPU tier, plant a plain frame (valid
     checksum, all 666.0) for the second in the shared tier; retrieve both."""
     tokens = list(range(32))
@@ -447,8 +398,8 @@ def _plant_and_retrieve(eng: CacheEngine, plugin: SharedPlugin) -> tuple[int, to
     assert store_tokens(eng, tokens, chunks) == 2 and eng.flush(10)
     for k in keys:
         eng.tiers[0].remove(k)
-    tier = plugin.tiers[-1]
-    tier.frames[keys[1]] = encode(keys[1], torch.full_like(chunks[1], 666.0), RawCodec())
+    tier = plugin.created[-1]
+    tier.plant(keys[1], encode(keys[1], torch.full_like(chunks[1], 666.0), RawCodec()))
     outs = [torch.zeros_like(c) for c in chunks]
     n = retrieve_tokens(eng, tokens, outs)
     assert torch.equal(outs[0], chunks[0])
@@ -456,7 +407,7 @@ def _plant_and_retrieve(eng: CacheEngine, plugin: SharedPlugin) -> tuple[int, to
 
 
 def test_engine_with_a_secret_serves_no_planted_frame(caplog: pytest.LogCaptureFixture) -> None:
-    plugin = SharedPlugin()
+    plugin = shared_frames()
     # negative control: without the secret the planted frame is served (the attack works),
     # and the engine said so at start-up
     with caplog.at_level(logging.WARNING, logger="lmcache_core.engine"):
@@ -470,7 +421,7 @@ def test_engine_with_a_secret_serves_no_planted_frame(caplog: pytest.LogCaptureF
             assert eng.seal == FrameSeal(SECRET)
             n, _ = _plant_and_retrieve(eng, plugin)
     assert n == 1, "the planted chunk was served"
-    assert plugin.tiers[-1].misses >= 1
+    assert plugin.created[-1].stats().misses >= 1
     assert "frame_secret is not set" not in caplog.text and FrameSeal(SECRET).key_id in caplog.text
     assert SECRET not in caplog.text
 
@@ -480,7 +431,7 @@ def test_a_shared_tier_unsealed_warns_unless_the_config_says_frame_secret_none(c
     ``frame_secret: none`` the engine starts with a warning that names that key; with
     it, the start is warning-free (an info line says it was chosen, and where) and the
     tier is unsealed, as chosen."""
-    plugin = SharedPlugin()
+    plugin = shared_frames()
     with caplog.at_level(logging.INFO, logger="lmcache_core.engine"):
         with _engine(plugin):
             pass

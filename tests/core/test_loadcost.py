@@ -6,20 +6,16 @@ reports which tier holds each run of a hit."""
 from __future__ import annotations
 
 import random
-import threading
-import time
-from typing import Any, Sequence
 
 import pytest
 import torch
 
-from lmcache_core.backend import BackendStats, StorageBackend, prefix_count
 from lmcache_core.config import CoreConfig
 from lmcache_core.engine import CacheEngine
-from lmcache_core.hookspecs import hookimpl
 from lmcache_core.keys import ChunkKey, KeyNamespace
 from lmcache_core.loadcost import LinearFit, TierReadModel
 from lmcache_core.plugins import PluginManager
+from lmcache_core.testing import MemoryTierPlugin
 from lmcache_core.testing.tokens import token_hashes
 
 
@@ -51,49 +47,9 @@ def test_fit_with_one_size_predicts_the_mean_and_stays_non_negative() -> None:
     assert f.count == 3  # bad samples ignored
 
 
-class _SlowTier(StorageBackend):
-    name = "slowread"
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.data: dict[ChunkKey, torch.Tensor] = {}
-        self.lock = threading.Lock()
-
-    def contains(self, keys: Sequence[ChunkKey]) -> int:
-        with self.lock:
-            return prefix_count(keys, self.data)
-
-    def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        with self.lock:
-            self.data[key] = data.clone()
-        return True
-
-    def get(self, key: ChunkKey, out: torch.Tensor) -> bool:
-        time.sleep(self.delay)
-        with self.lock:
-            d = self.data.get(key)
-        if d is None:
-            return False
-        out.copy_(d)
-        return True
-
-    def remove(self, key: ChunkKey) -> bool:
-        with self.lock:
-            return self.data.pop(key, None) is not None
-
-    def stats(self) -> BackendStats:
-        return BackendStats(self.name)
-
-
-class _SlowPlugin:
-    @hookimpl
-    def register_backends(self, register: Any) -> None:
-        register("slowread", lambda section, ctx: _SlowTier(0.03))
-
-
 def test_engine_measures_each_tier_and_reports_where_hits_are() -> None:
     pm = PluginManager(load_entry_points=False)
-    with pm.registered(_SlowPlugin(), name="slow"):
+    with pm.registered(MemoryTierPlugin("slowread", get_delay_s=0.03), name="slow"):
         cfg = CoreConfig(
             chunk_size=4, staging_size="4MiB", backends=[{"name": "local_cpu", "max_size": "1MiB"}, {"name": "slowread"}]
         )

@@ -22,7 +22,8 @@ NS = KeyNamespace(model="lookup-scale")
 
 class CountingTier(StorageBackend):
     """Holds a set of keys; counts every key its ``contains`` reads. ``batched``
-    reads every key it is handed first (as Redis/Mooncake pipelines do)."""
+    reads every key it is handed first (as Redis/Mooncake pipelines do). Not the
+    reference tier: its lookup cost (every key, stopping early or not) is the subject."""
 
     def __init__(self, name: str, batched: bool) -> None:
         self.name = name

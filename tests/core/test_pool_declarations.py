@@ -19,6 +19,8 @@ from .helpers import make_distribution
 
 # A zero-copy tier as a third party would write it: chunks stay in the engine's pool
 # (put_buffer adopts the buffer), a byte budget, nothing ever evicted.
+# Not the reference tier: it must be installed as a distribution's own code and be
+# zero-copy, which the reference tier is not.
 ZERO_COPY_TIER_SRC = """
 import threading
 from lmcache_core.backend import ZERO_COPY, BackendStats, StorageBackend, prefix_count

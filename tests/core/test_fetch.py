@@ -108,7 +108,9 @@ def test_windows_are_read_ahead_in_order(tiers: Any) -> None:
         return real(keys, outs)
 
     tier1.get_many = spy  # type: ignore[method-assign]
-    chunks = fetch.fetch_run(eng, hashes, [SHAPE] * 10, torch.float16, window_bytes=3 * CHUNK_BYTES, pool=eng._fetch_pool)
+    chunks = fetch.fetch_run(
+        eng.stack, eng.keys(hashes), [SHAPE] * 10, torch.float16, window_bytes=3 * CHUNK_BYTES, pool=eng._fetch_pool
+    )
     got = []
     for buf in chunks:
         got.append(buf.tensor.clone())
@@ -124,7 +126,9 @@ def test_stopping_early_leaves_no_pool_memory(tiers: Any) -> None:
     eng, tier0, tier1 = tiers
     hashes, data = _only_in_tier1(eng, tier1, 4, 8)
     free = eng.pool.free_bytes
-    chunks = fetch.fetch_run(eng, hashes, [SHAPE] * 8, torch.float16, window_bytes=2 * CHUNK_BYTES, pool=eng._fetch_pool)
+    chunks = fetch.fetch_run(
+        eng.stack, eng.keys(hashes), [SHAPE] * 8, torch.float16, window_bytes=2 * CHUNK_BYTES, pool=eng._fetch_pool
+    )
     first = next(chunks)
     assert torch.equal(first.tensor, data[0])
     first.release()

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generator, Iterator, Mapping, Sequence, overload
+from typing import Callable, Generator, Iterator, Mapping, Sequence, overload
 
 import torch
 
@@ -173,17 +173,12 @@ class CacheEngine:
         self._ns_id = namespace.id
         _log_namespace(namespace)
         self.plugins = plugins or get_plugin_manager()
-        codecs: Mapping[str, Codec] = self.plugins.codec_map()
-        codec: Codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
         secret = read_frame_secret(cfg)
         #: the deployment's frame key (``frame_secret``); tiers get it through
-        #: ``codec`` / ``codecs`` below, so every frame they write is sealed and
-        #: every frame they read must be
+        #: ``codec`` / ``codecs``, so every frame they write is sealed and every
+        #: frame they read must be
         self.seal = FrameSeal(secret) if secret is not None else None
-        if self.seal is not None:
-            codec, codecs = SealedCodec(codec, self.seal), SealedCodecs(codecs, self.seal)
-        self.codecs = codecs
-        self.codec = codec
+        self.codec, self.codecs = self._sealed_codecs(loaded)
         #: each tier's codec (its section's ``serde``, else the top-level one); a
         #: lossy codec's frames satisfy only the tiers configured with it
         self.tier_codecs: list[Codec] = []
@@ -199,16 +194,7 @@ class CacheEngine:
             use_background_cores(None if cfg.background_cores == "none" else cfg.background_cores)
         nice = functools.partial(enter_background, cfg.background_nice)
         #: the tiers as this engine serves them: reads, writes, promotion, write-behind
-        self.stack = TierStack(
-            self.tiers,
-            self.tier_codecs,
-            [shared_writes or SHARED not in t.capabilities for t in self.tiers],
-            pool=self.pool,
-            quarantine=self.quarantine,
-            counters=self.counters,
-            write_queue_size=cfg.write_queue_size,
-            on_writer_start=nice,
-        )
+        self.stack = self._serve_tiers(shared_writes, nice)
         #: the correctness canary: compares recomputed chunks with the tiers' copies
         self.canary = Canary(self.stack, namespace.id)
         self.stack.watch_promotions(self.canary.promoted)
@@ -224,6 +210,28 @@ class CacheEngine:
         budget = min(PREFETCH_BYTES, int(self.pool.capacity * PREFETCH_POOL_SHARE))
         self.prefetcher = Prefetcher(budget, PREFETCH_WAIT_S, initializer=nice)
         self._closed = False
+
+    def _serve_tiers(self, shared_writes: bool, on_writer_start: Callable[[], None]) -> TierStack:
+        """The stack over the open tiers (see ``shared_writes`` in :meth:`__init__`)."""
+        return TierStack(
+            self.tiers,
+            self.tier_codecs,
+            [shared_writes or SHARED not in t.capabilities for t in self.tiers],
+            pool=self.pool,
+            quarantine=self.quarantine,
+            counters=self.counters,
+            write_queue_size=self.config.write_queue_size,
+            on_writer_start=on_writer_start,
+        )
+
+    def _sealed_codecs(self, loaded: LoadedConfig) -> tuple[Codec, Mapping[str, Codec]]:
+        """The top-level codec (``serde``) and every codec by name, sealed with
+        :attr:`seal` when there is one."""
+        codecs: Mapping[str, Codec] = self.plugins.codec_map()
+        codec: Codec = self.plugins.get_codec(loaded.config.serde, source=loaded.source_of("serde"))
+        if self.seal is not None:
+            codec, codecs = SealedCodec(codec, self.seal), SealedCodecs(codecs, self.seal)
+        return codec, codecs
 
     def _open_tiers(self, loaded: LoadedConfig) -> None:
         """Create every configured tier with its codec (``tiers``, ``tier_codecs``);
@@ -331,10 +339,8 @@ class CacheEngine:
                 stop = total if w is None else min(total, pos + w)
                 if not tier.in_service:
                     continue
-                try:
-                    n = min(tier.backend.contains(KeyWindow(keys, pos, stop)), stop - pos)
-                except Exception as err:
-                    tier.error("contains", err)
+                n = tier.contains(KeyWindow(keys, pos, stop))
+                if n is None:
                     continue
                 windows[tier.level] = LOOKUP_WINDOW if n < stop - pos else (None if w is None else w * 4)
                 if n > 0:
@@ -371,20 +377,14 @@ class CacheEngine:
         metrics.LOAD_ERRORS.inc(n_chunks)
 
     def _pin(self, tier: Tier, pin_id: str, keys: list[ChunkKey], pos: int) -> None:
-        try:
-            tier.backend.pin(keys)
-        except Exception as err:
-            tier.error("pin", err)
+        if not tier.pin(keys):
             return
         with self._pin_lock:
             self._pins.setdefault(pin_id, []).append((tier, keys, pos))
 
     def _unpin_all(self, pinned: Sequence[tuple[Tier, list[ChunkKey], int]]) -> None:
         for tier, keys, _ in pinned:
-            try:
-                tier.backend.unpin(keys)
-            except Exception as err:
-                tier.error("unpin", err)
+            tier.unpin(keys)
 
     def unpin(self, pin_id: str) -> None:
         """Release the pins taken by a lookup under ``pin_id`` (only in the tiers that
@@ -402,10 +402,8 @@ class CacheEngine:
         keys = self.keys(hashes)
         n = -1
         for tier in self.stack:
-            try:
-                got = tier.backend.retain(keys, seconds, priority)
-            except Exception as err:
-                tier.error("retain", err)
+            got = tier.retain(keys, seconds, priority)
+            if got is None:
                 continue
             n = got if n < 0 else n
         return max(n, 0)
@@ -456,11 +454,8 @@ class CacheEngine:
         cs = self.chunk_size
         partial = n_tokens is not None and (len(hashes) - 1) * cs < n_tokens < len(hashes) * cs
         for i, (key, data) in enumerate(zip(self.keys(hashes), chunks)):
-            try:
-                if tier0.backend.contains([key]):
-                    continue  # already cached (another request stored it): no rewrite
-            except Exception as err:
-                tier0.error("contains", err)
+            if tier0.contains([key]):
+                continue  # already cached (another request stored it): no rewrite
             buf: MemoryBuffer | None
             if isinstance(data, MemoryBuffer):
                 buf, owned = data, False

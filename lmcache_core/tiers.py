@@ -8,7 +8,9 @@ metrics. Every chunk the engine, the batched fetch (:mod:`lmcache_core.fetch`) a
 the canary (:mod:`lmcache_core.canary`) read or write goes through one of its
 methods: :meth:`Tier.lend` (a zero-copy tier's own buffer), :meth:`Tier.read_many`
 (copied into the caller's tensors), :meth:`Tier.put`, :meth:`Tier.put_many` (the
-background writers' batches) and :meth:`Tier.replace`.
+background writers' batches) and :meth:`Tier.replace`; lookups, pins and hints go
+through :meth:`Tier.contains`, :meth:`Tier.pin` / :meth:`Tier.unpin`,
+:meth:`Tier.retain` and :meth:`Tier.attempt`.
 
 A :class:`TierStack` is the ordered tiers, fastest first: the one read path
 (:meth:`TierStack.read`: the memory tier lent key by key, every other tier once per
@@ -118,13 +120,34 @@ class Tier:
             return False
         return True
 
-    def holds(self, key: ChunkKey) -> bool:
-        """Whether the tier holds ``key`` (False when asking fails)."""
+    def contains(self, keys: Sequence[ChunkKey]) -> int | None:
+        """How many leading ``keys`` the tier holds (at most ``len(keys)``); None when
+        asking failed."""
         try:
-            return self.backend.contains([key]) > 0
+            return min(self.backend.contains(keys), len(keys))
         except Exception as err:
             self.error("contains", err)
-            return False
+            return None
+
+    def holds(self, key: ChunkKey) -> bool:
+        """Whether the tier holds ``key`` (False when asking fails)."""
+        return bool(self.contains([key]))
+
+    def pin(self, keys: Sequence[ChunkKey]) -> bool:
+        """Pin ``keys`` against eviction; False if the tier failed to."""
+        return self.attempt("pin", lambda b: b.pin(keys))
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        self.attempt("unpin", lambda b: b.unpin(keys))
+
+    def retain(self, keys: Sequence[ChunkKey], seconds: float, priority: int) -> int | None:
+        """A retention hint (:meth:`StorageBackend.retain`): how many of ``keys`` the
+        tier now retains, or None when it failed."""
+        try:
+            return self.backend.retain(keys, seconds, priority)
+        except Exception as err:
+            self.error("retain", err)
+            return None
 
     # -- reads ------------------------------------------------------------------------
     def lend(self, key: ChunkKey, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:

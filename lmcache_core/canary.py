@@ -36,18 +36,15 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from . import metrics
-from .backend import ZERO_COPY, StorageBackend
 from .keys import ChunkKey
 from .memory import MemoryBuffer
 from .serde import is_lossy
-
-if TYPE_CHECKING:
-    from .engine import CacheEngine, ChunkData
+from .tiers import ChunkData, Tier, TierStack
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +131,14 @@ class Canary:
     """The engine's canary: remembers where promoted chunks came from (a wrong
     promoted copy is its origin tier's fault) and judges recomputed chunks against
     the tiers' copies. Part of :class:`~lmcache_core.engine.CacheEngine`
-    (``engine.canary``); it reads and writes the engine's tiers directly, bypassing
-    promotion."""
+    (``engine.canary``); it reads and writes each tier of the engine's stack on its
+    own (:meth:`~lmcache_core.tiers.TierStack.read_from`,
+    :meth:`~lmcache_core.tiers.Tier.replace`), bypassing promotion. ``namespace_id``:
+    the engine's key namespace (:attr:`~lmcache_core.keys.KeyNamespace.id`)."""
 
-    def __init__(self, engine: CacheEngine) -> None:
-        self._engine = engine
+    def __init__(self, stack: TierStack, namespace_id: bytes) -> None:
+        self._stack = stack
+        self._namespace_id = namespace_id
         # chunk -> name of the slower tier it was promoted from; bounded, oldest
         # forgotten first
         self._origin: OrderedDict[ChunkKey, str] = OrderedDict()
@@ -162,60 +162,62 @@ class Canary:
         (``lmcache_core:verify_mismatches_total{tier}``), logged with the key, and the
         stored object is replaced by ``fresh``; ``verify_mismatch_limit`` mismatches
         within ``verify_window_s`` quarantine the charged tier."""
-        (key,) = self._engine.keys([chunk_hash])  # the engine's namespace id, computed once
-        fresh_t = fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh
-        verdicts: list[TierVerdict] = []
-        with self._lock:
-            origin = self._origin.get(key)
-        levels = {t.name: i for i, t in enumerate(self._engine.tiers)}
-        for level, tier in enumerate(self._engine.tiers):
-            if self._engine._out(tier):
-                continue
-            stored = self._read_copy(tier, key, fresh_t)
-            if stored is None:
-                continue
-            blame = origin if origin is not None and levels.get(origin, -1) > level else tier.name
-            try:
-                equal, detail = same(stored.tensor, fresh_t)
-                if not equal:
-                    equal, detail = self._within_codec_bound(levels[blame], stored.tensor, fresh_t, detail)
-            finally:
-                stored.release()
-            verdicts.append(TierVerdict(tier.name, blame, equal, detail))
-        charged: set[str] = set()
-        if verdicts:
+        key = ChunkKey(self._namespace_id, chunk_hash)
+        judged = self._judge(key, fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh, same)
+        if judged:
             metrics.VERIFIED_CHUNKS.inc()
-        for v in verdicts:
-            if v.equal:
+        charged: set[str] = set()
+        for v, _ in judged:
+            if v.equal or v.blame in charged:
                 continue
-            if v.blame not in charged:
-                charged.add(v.blame)
-                self._engine.counters.mismatch(v.blame)
-                metrics.VERIFY_MISMATCHES.labels(v.blame).inc()
-                via = f" (promoted from tier {v.blame})" if v.blame != v.tier else ""
-                log.warning(
-                    "canary: chunk %s from tier %s%s differs from its recomputation (%s); replacing it",
-                    key,
-                    v.tier,
-                    via,
-                    v.detail,
-                )
-                self._engine.quarantine.record_mismatch(v.blame, f"chunk {key}: {v.detail}")
-        for v in verdicts:
+            charged.add(v.blame)
+            self._stack.counters.mismatch(v.blame)
+            metrics.VERIFY_MISMATCHES.labels(v.blame).inc()
+            via = f" (promoted from tier {v.blame})" if v.blame != v.tier else ""
+            log.warning(
+                "canary: chunk %s from tier %s%s differs from its recomputation (%s); replacing it", key, v.tier, via, v.detail
+            )
+            self._stack.quarantine.record_mismatch(v.blame, f"chunk {key}: {v.detail}")
+        for v, tier in judged:
             if not v.equal:
-                self._replace(levels[v.tier], key, fresh)
+                tier.replace(key, fresh)
         if charged:
             with self._lock:
                 self._origin.pop(key, None)
-        self._engine.counters.add(verified_chunks=1 if verdicts else 0)
-        return verdicts
+        self._stack.counters.add(verified_chunks=1 if judged else 0)
+        return [v for v, _ in judged]
 
-    def _within_codec_bound(self, level: int, stored: torch.Tensor, fresh: torch.Tensor, detail: str) -> tuple[bool, str]:
+    def _judge(self, key: ChunkKey, fresh: torch.Tensor, same: Compare) -> list[tuple[TierVerdict, Tier]]:
+        """The verdict on each in-service tier's copy of ``key`` (read from that tier
+        alone), with the tier it came from."""
+        with self._lock:
+            origin = self._origin.get(key)
+        by_name = {t.name: t for t in self._stack}
+        judged: list[tuple[TierVerdict, Tier]] = []
+        for tier in self._stack:
+            if not tier.in_service or not tier.holds(key):
+                continue
+            stored = self._stack.read_from(tier, key, fresh.shape, fresh.dtype)
+            if stored is None:
+                continue
+            charged = tier
+            if origin is not None and origin in by_name and by_name[origin].level > tier.level:
+                charged = by_name[origin]
+            try:
+                equal, detail = same(stored.tensor, fresh)
+                if not equal:
+                    equal, detail = self._within_codec_bound(charged, stored.tensor, fresh, detail)
+            finally:
+                stored.release()
+            judged.append((TierVerdict(tier.name, charged.name, equal, detail), tier))
+        return judged
+
+    def _within_codec_bound(self, tier: Tier, stored: torch.Tensor, fresh: torch.Tensor, detail: str) -> tuple[bool, str]:
         """The canary's verdict on a copy that ``same`` found unequal, when it came
-        from a tier with a lossy codec (``level``: the tier charged): equal if the
+        from a tier with a lossy codec (``tier``: the tier charged): equal if the
         relative error ``||stored - fresh|| / ||fresh||`` (float64) is within the
         codec's declared ``error_bound``; another key's chunk is off by ~100%."""
-        codec = self._engine.tier_codecs[level]
+        codec = tier.codec
         bound = getattr(codec, "error_bound", None)
         if not is_lossy(codec) or not isinstance(bound, float) or not fresh.dtype.is_floating_point:
             return False, detail
@@ -228,40 +230,3 @@ class Canary:
         if rel <= bound:
             return True, f"relative error {rel:.3g} within the {codec.name} codec's bound {bound:g}"
         return False, f"{detail}; relative error {rel:.3g} above the {codec.name} codec's bound {bound:g}"
-
-    def _read_copy(self, tier: StorageBackend, key: ChunkKey, like: torch.Tensor) -> MemoryBuffer | None:
-        """``key``'s object in ``tier`` as a pool buffer (caller releases), or None
-        when the tier does not hold it, fails, or it has another shape."""
-        try:
-            if not tier.contains([key]):
-                return None
-            if ZERO_COPY in tier.capabilities:
-                got = tier.get_buffer(key)
-                if got is not None and (got.tensor.dtype != like.dtype or got.tensor.shape != like.shape):
-                    got.release()
-                    return None
-                return got
-            buf = self._engine.allocate(tuple(like.shape), like.dtype)
-            if buf is None:
-                return None
-            if tier.get(key, buf.tensor):
-                return buf
-            buf.release()
-        except Exception as err:
-            self._engine._tier_error(tier, "get", err)
-        return None
-
-    def _replace(self, level: int, key: ChunkKey, fresh: ChunkData) -> None:
-        """Overwrite ``key`` in tier ``level`` with ``fresh`` (not in a tier now
-        quarantined, nor in a shared tier this engine does not write)."""
-        tier = self._engine.tiers[level]
-        if self._engine._out(tier) or not self._engine._writes[level]:
-            return
-        try:
-            tier.remove(key)
-            if isinstance(fresh, MemoryBuffer) and ZERO_COPY in tier.capabilities:
-                tier.put_buffer(key, fresh)
-            else:
-                tier.put(key, fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh)
-        except Exception as err:
-            self._engine._tier_error(tier, "put", err)

@@ -7,6 +7,9 @@ and slower tiers in the background (write-through, bounded queues: a slow tier d
 writes rather than blocking the caller). Any backend exception is a miss.
 A tier caught serving wrong KV by the correctness canary (:mod:`lmcache_core.canary`)
 is quarantined (:mod:`lmcache_core.quarantine`): every read and write skips it.
+Every chunk read and write goes through the tiers as this engine serves them
+(:mod:`lmcache_core.tiers`: :class:`~lmcache_core.tiers.Tier`,
+:class:`~lmcache_core.tiers.TierStack`), which the batched fetch and the canary share.
 
 Chunks are addressed by prefix hash (the connector's scheduler hashes a prompt once);
 tests and benchmarks that think in token ids use :mod:`lmcache_core.testing.tokens`.
@@ -20,16 +23,15 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Generator, Iterator, Literal, Mapping, NamedTuple, Sequence, overload
+from typing import Callable, Generator, Iterator, Mapping, Sequence, overload
 
 import torch
 
 from . import metrics
-from .backend import PINNING, SHARED, ZERO_COPY, BackendContext, StorageBackend
+from .backend import SHARED, ZERO_COPY, BackendContext, StorageBackend
 from .canary import Canary
 from .config import ConfigError, CoreConfig, LoadedConfig, load_config, read_frame_secret
 from .fetch import fetch_run
-from .loadcost import TierReadModel
 from .keys import ChunkKey, KeyNamespace
 from .memory import MemoryBuffer, MemoryPool, available_memory
 from .plugins import PluginManager, get_plugin_manager
@@ -37,11 +39,12 @@ from .prefetch import Prefetcher
 from .quarantine import Quarantine
 from .serde import Codec, FrameSeal, SealedCodec, SealedCodecs, is_lossy, tier_codecs
 from .threads import enter_background, use_background_cores
-from .writeback import TierWriter
+from .tiers import ChunkData as ChunkData
+from .tiers import Tier, TierStack
+from .tiers import TierEvent as TierEvent
+from .tiers import TierListener as TierListener
 
 log = logging.getLogger(__name__)
-
-ChunkData = torch.Tensor | MemoryBuffer
 
 
 #: keys in a tier's lookup window after it answered short of its window (see lookup_runs)
@@ -95,18 +98,6 @@ class KeyWindow(Sequence[ChunkKey]):
         return f"KeyWindow({self._start}:{self._stop} of {len(self._keys)})"
 
 
-class TierEvent(NamedTuple):
-    """What a tier now holds or dropped: ``stored`` (a chunk reached the tier) or
-    ``evicted`` (the tier dropped it to make room). ``tier`` is the tier's name."""
-
-    kind: Literal["stored", "evicted"]
-    tier: str
-    key: ChunkKey
-
-
-TierListener = Callable[[TierEvent], None]
-
-
 def _quarantine_gauge(tier: str, quarantined: bool) -> None:
     metrics.TIER_QUARANTINED.labels(tier).set(1 if quarantined else 0)
 
@@ -146,6 +137,18 @@ def _make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:
     )
 
 
+def _log_namespace(namespace: KeyNamespace) -> None:
+    # the id to give `lmcache-core erase --namespace` (keys carry only this hash)
+    log.info(
+        "key namespace %s (model %s, rank %d of %d, tenant salt %s)",
+        namespace.id.hex(),
+        namespace.model,
+        namespace.rank,
+        namespace.world_size,
+        "set" if namespace.salt is not None else "none",
+    )
+
+
 class CacheEngine:
     """Stores and retrieves KV chunks by token ids across the configured tiers."""
 
@@ -168,33 +171,72 @@ class CacheEngine:
             namespace = dataclasses.replace(namespace, salt=cfg.tenant_salt)
         self.namespace = namespace
         self._ns_id = namespace.id
-        # the id to give `lmcache-core erase --namespace` (keys carry only this hash)
-        log.info(
-            "key namespace %s (model %s, rank %d of %d, tenant salt %s)",
-            self._ns_id.hex(),
-            namespace.model,
-            namespace.rank,
-            namespace.world_size,
-            "set" if namespace.salt is not None else "none",
-        )
+        _log_namespace(namespace)
         self.plugins = plugins or get_plugin_manager()
-        codecs: Mapping[str, Codec] = self.plugins.codec_map()
-        codec: Codec = self.plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
         secret = read_frame_secret(cfg)
         #: the deployment's frame key (``frame_secret``); tiers get it through
-        #: ``codec`` / ``codecs`` below, so every frame they write is sealed and
-        #: every frame they read must be
+        #: ``codec`` / ``codecs``, so every frame they write is sealed and every
+        #: frame they read must be
         self.seal = FrameSeal(secret) if secret is not None else None
-        if self.seal is not None:
-            codec, codecs = SealedCodec(codec, self.seal), SealedCodecs(codecs, self.seal)
-        self.codecs = codecs
-        self.codec = codec
+        self.codec, self.codecs = self._sealed_codecs(loaded)
         #: each tier's codec (its section's ``serde``, else the top-level one); a
         #: lossy codec's frames satisfy only the tiers configured with it
         self.tier_codecs: list[Codec] = []
         self.pool = _make_pool(loaded, self.plugins)
         self.counters = metrics.EngineCounters()
         self.tiers: list[StorageBackend] = []
+        self._open_tiers(loaded)
+        self._say_how_frames_are_sealed(loaded)
+        self.quarantine = Quarantine(
+            cfg.verify_mismatch_limit, cfg.verify_window_s, cfg.quarantine_dir, on_change=_quarantine_gauge
+        )
+        if cfg.background_cores != "auto":  # auto: the embedding decides (the vLLM connector, from the model's binding)
+            use_background_cores(None if cfg.background_cores == "none" else cfg.background_cores)
+        nice = functools.partial(enter_background, cfg.background_nice)
+        #: the tiers as this engine serves them: reads, writes, promotion, write-behind
+        self.stack = self._serve_tiers(shared_writes, nice)
+        #: the correctness canary: compares recomputed chunks with the tiers' copies
+        self.canary = Canary(self.stack, namespace.id)
+        self.stack.watch_promotions(self.canary.promoted)
+        # read latency/throughput per tier, measured on every successful read (load policies)
+        self.read_models = [t.read_model for t in self.stack]
+        # pin id -> (tier, keys pinned there, position of the first key in the lookup;
+        # -1: an object pinned next to the hit with add_pins)
+        self._pins: dict[str, list[tuple[Tier, list[ChunkKey], int]]] = {}
+        self._pin_lock = threading.Lock()
+        # reads the next window of a long load while the caller copies this one
+        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-fetch", initializer=nice)
+        # prefetches started at lookup (see prefetch), owned by the request's pin id
+        budget = min(PREFETCH_BYTES, int(self.pool.capacity * PREFETCH_POOL_SHARE))
+        self.prefetcher = Prefetcher(budget, PREFETCH_WAIT_S, initializer=nice)
+        self._closed = False
+
+    def _serve_tiers(self, shared_writes: bool, on_writer_start: Callable[[], None]) -> TierStack:
+        """The stack over the open tiers (see ``shared_writes`` in :meth:`__init__`)."""
+        return TierStack(
+            self.tiers,
+            self.tier_codecs,
+            [shared_writes or SHARED not in t.capabilities for t in self.tiers],
+            pool=self.pool,
+            quarantine=self.quarantine,
+            counters=self.counters,
+            write_queue_size=self.config.write_queue_size,
+            on_writer_start=on_writer_start,
+        )
+
+    def _sealed_codecs(self, loaded: LoadedConfig) -> tuple[Codec, Mapping[str, Codec]]:
+        """The top-level codec (``serde``) and every codec by name, sealed with
+        :attr:`seal` when there is one."""
+        codecs: Mapping[str, Codec] = self.plugins.codec_map()
+        codec: Codec = self.plugins.get_codec(loaded.config.serde, source=loaded.source_of("serde"))
+        if self.seal is not None:
+            codec, codecs = SealedCodec(codec, self.seal), SealedCodecs(codecs, self.seal)
+        return codec, codecs
+
+    def _open_tiers(self, loaded: LoadedConfig) -> None:
+        """Create every configured tier with its codec (``tiers``, ``tier_codecs``);
+        if one fails, those already open are closed and the error raised."""
+        cfg = loaded.config
         try:
             for i, section in enumerate(cfg.backends):
                 tier_codec = self._tier_codec(section.serde, f"backends[{i}].serde", loaded.source_of("backends"))
@@ -233,33 +275,6 @@ class CacheEngine:
             for t in self.tiers:
                 t.close()
             raise
-        self._say_how_frames_are_sealed(loaded)
-        self._listeners: list[TierListener] = []
-        self._writes = [shared_writes or SHARED not in t.capabilities for t in self.tiers]
-        self.quarantine = Quarantine(
-            cfg.verify_mismatch_limit, cfg.verify_window_s, cfg.quarantine_dir, on_change=_quarantine_gauge
-        )
-        if cfg.background_cores != "auto":  # auto: the embedding decides (the vLLM connector, from the model's binding)
-            use_background_cores(None if cfg.background_cores == "none" else cfg.background_cores)
-        nice = functools.partial(enter_background, cfg.background_nice)
-        self._writers = [
-            TierWriter(t, cfg.write_queue_size, self.counters, self._stored, functools.partial(self._accepts_writes, t), nice)
-            for t in self.tiers[1:]
-        ]
-        #: the correctness canary: compares recomputed chunks with the tiers' copies
-        self.canary = Canary(self)
-        # read latency/throughput per tier, measured on every successful read (load policies)
-        self.read_models = [TierReadModel() for _ in self.tiers]
-        # pin id -> (tier, keys pinned there, position of the first key in the lookup;
-        # -1: an object pinned next to the hit with add_pins)
-        self._pins: dict[str, list[tuple[StorageBackend, list[ChunkKey], int]]] = {}
-        self._pin_lock = threading.Lock()
-        # reads the next window of a long load while the caller copies this one
-        self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-fetch", initializer=nice)
-        # prefetches started at lookup (see prefetch), owned by the request's pin id
-        budget = min(PREFETCH_BYTES, int(self.pool.capacity * PREFETCH_POOL_SHARE))
-        self.prefetcher = Prefetcher(budget, PREFETCH_WAIT_S, initializer=nice)
-        self._closed = False
 
     # -- listeners --------------------------------------------------------------------
     def add_listener(self, listener: TierListener) -> None:
@@ -271,25 +286,7 @@ class CacheEngine:
         The first listener subscribes the engine to every tier's evictions
         (:meth:`~lmcache_core.backend.StorageBackend.subscribe_evictions`): a tier that
         watches a server or polls nodes for them starts doing so only then."""
-        first = not self._listeners
-        self._listeners.append(listener)
-        if first:
-            for tier in self.tiers:
-                tier.subscribe_evictions(functools.partial(self._evicted, tier))
-
-    def _evicted(self, tier: StorageBackend, key: ChunkKey) -> None:
-        self._emit(TierEvent("evicted", tier.name, key))
-
-    def _stored(self, tier: StorageBackend, key: ChunkKey) -> None:
-        if self._listeners:
-            self._emit(TierEvent("stored", tier.name, key))
-
-    def _emit(self, event: TierEvent) -> None:
-        for fn in self._listeners:
-            try:
-                fn(event)
-            except Exception as err:
-                log.warning("tier listener failed on %s: %s: %s", event.kind, type(err).__name__, err)
+        self.stack.add_listener(listener)
 
     # -- keys -------------------------------------------------------------------------
     @property
@@ -337,44 +334,29 @@ class CacheEngine:
         pos = 0
         while pos < total:
             advanced = False
-            for level, tier in enumerate(self.tiers):
-                w = windows[level]
+            for tier in self.stack:
+                w = windows[tier.level]
                 stop = total if w is None else min(total, pos + w)
-                if self._out(tier):
+                if not tier.in_service:
                     continue
-                try:
-                    n = min(tier.contains(KeyWindow(keys, pos, stop)), stop - pos)
-                except Exception as err:
-                    self._tier_error(tier, "contains", err)
+                n = tier.contains(KeyWindow(keys, pos, stop))
+                if n is None:
                     continue
-                windows[level] = LOOKUP_WINDOW if n < stop - pos else (None if w is None else w * 4)
+                windows[tier.level] = LOOKUP_WINDOW if n < stop - pos else (None if w is None else w * 4)
                 if n > 0:
-                    if pin_id is not None and PINNING in tier.capabilities:
+                    if pin_id is not None and tier.pinning:
                         self._pin(tier, pin_id, keys[pos : pos + n], -1 if add_pins else pos)
                     pos += n
-                    runs.append((level, n))
+                    runs.append((tier.level, n))
                     advanced = True
                     break
             if not advanced:
                 break
         if not add_pins:
-            self._hint(lambda tier: tier.hint_chain(keys))
+            self.stack.hint(lambda tier: tier.hint_chain(keys))
         if record:
             self.record_lookup(total, pos)
         return runs
-
-    def _hint(self, call: Callable[[StorageBackend], None], tiers: Sequence[StorageBackend] | None = None) -> None:
-        """Pass an eviction-order hint (``StorageBackend.hint_chain`` / ``hint_partial``)
-        to the tiers: the prompt's chain at every lookup, so a prefix-aware policy evicts
-        a prompt from its tail; a partial chunk when it is stored. A tier that fails is
-        counted and otherwise ignored (a hint, not a request)."""
-        for tier in self.tiers if tiers is None else tiers:
-            if self._out(tier):
-                continue
-            try:
-                call(tier)
-            except Exception as err:
-                self._tier_error(tier, "hint", err)
 
     def predict_read_seconds(self, level: int, nbytes: int) -> float | None:
         """Predicted seconds to read one chunk of ``nbytes`` from tier ``level`` (from
@@ -394,21 +376,15 @@ class CacheEngine:
         self.counters.add(load_errors=n_chunks)
         metrics.LOAD_ERRORS.inc(n_chunks)
 
-    def _pin(self, tier: StorageBackend, pin_id: str, keys: list[ChunkKey], pos: int) -> None:
-        try:
-            tier.pin(keys)
-        except Exception as err:
-            self._tier_error(tier, "pin", err)
+    def _pin(self, tier: Tier, pin_id: str, keys: list[ChunkKey], pos: int) -> None:
+        if not tier.pin(keys):
             return
         with self._pin_lock:
             self._pins.setdefault(pin_id, []).append((tier, keys, pos))
 
-    def _unpin_all(self, pinned: Sequence[tuple[StorageBackend, list[ChunkKey], int]]) -> None:
+    def _unpin_all(self, pinned: Sequence[tuple[Tier, list[ChunkKey], int]]) -> None:
         for tier, keys, _ in pinned:
-            try:
-                tier.unpin(keys)
-            except Exception as err:
-                self._tier_error(tier, "unpin", err)
+            tier.unpin(keys)
 
     def unpin(self, pin_id: str) -> None:
         """Release the pins taken by a lookup under ``pin_id`` (only in the tiers that
@@ -425,11 +401,9 @@ class CacheEngine:
         such tier now retains."""
         keys = self.keys(hashes)
         n = -1
-        for tier in self.tiers:
-            try:
-                got = tier.retain(keys, seconds, priority)
-            except Exception as err:
-                self._tier_error(tier, "retain", err)
+        for tier in self.stack:
+            got = tier.retain(keys, seconds, priority)
+            if got is None:
                 continue
             n = got if n < 0 else n
         return max(n, 0)
@@ -443,7 +417,7 @@ class CacheEngine:
         """Keep only the first ``n_chunks`` chunks of ``pin_id``'s last lookup pinned
         (the prefix a caller decided to load, without a second lookup); the rest are
         released. Objects pinned next to the hit with ``add_pins`` stay pinned."""
-        drop: list[tuple[StorageBackend, list[ChunkKey], int]] = []
+        drop: list[tuple[Tier, list[ChunkKey], int]] = []
         with self._pin_lock:
             pinned = self._pins.pop(pin_id, [])
             keep = []
@@ -460,40 +434,32 @@ class CacheEngine:
     # -- memory -----------------------------------------------------------------------
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
         """A pool buffer for a chunk (evicting from the CPU tier if needed)."""
-        buf = self.pool.allocate(shape, dtype)
-        if buf is None and self.tiers and ZERO_COPY in self.tiers[0].capabilities:
-            tier = self.tiers[0]
-            while buf is None and tier.evict_for(1):
-                buf = self.pool.allocate(shape, dtype)
-        return buf
+        return self.stack.allocate(shape, dtype)
 
     # -- store ------------------------------------------------------------------------
     def store_hashes(self, hashes: Sequence[bytes], chunks: Sequence[ChunkData], *, n_tokens: int | None = None) -> int:
         """Store chunks by prefix hash; returns how many new chunks reached the first
         tier. A chunk tier 0 already holds is skipped entirely, slower tiers included
         (a write a slow tier dropped earlier is not retried: it is a cache)."""
-        if not self.tiers:
+        tier0 = self.stack.top
+        if tier0 is None:
             return 0
         stored = 0
-        tier0 = self.tiers[0]
-        if self._out(tier0):
+        if not tier0.in_service:
             for key, data in zip(self.keys(hashes), chunks):
-                if self._writers:
-                    self._write_behind(key, data)
+                if self.stack.writers:
+                    self.stack.write_behind(key, data)
             return 0
         # the call's last chunk is partial (a prompt's last, fewer tokens than chunk_size)
         cs = self.chunk_size
         partial = n_tokens is not None and (len(hashes) - 1) * cs < n_tokens < len(hashes) * cs
         for i, (key, data) in enumerate(zip(self.keys(hashes), chunks)):
-            try:
-                if tier0.contains([key]):
-                    continue  # already cached (another request stored it): no rewrite
-            except Exception as err:
-                self._tier_error(tier0, "contains", err)
+            if tier0.contains([key]):
+                continue  # already cached (another request stored it): no rewrite
             buf: MemoryBuffer | None
             if isinstance(data, MemoryBuffer):
                 buf, owned = data, False
-            elif ZERO_COPY in tier0.capabilities:
+            elif tier0.zero_copy:
                 # Copy once into the pool: tier 0 adopts the buffer, write-behind shares it.
                 buf, owned = self.allocate(tuple(data.shape), data.dtype), True
                 if buf is not None:
@@ -501,12 +467,12 @@ class CacheEngine:
             else:
                 buf, owned = None, False
             try:
-                ok = self._put_tier0(tier0, key, data if buf is None else buf)
+                ok = tier0.put(key, data if buf is None else buf)
                 stored += ok
                 if ok and partial and i == len(hashes) - 1:
-                    self._hint(lambda tier: tier.hint_partial(key), (tier0,))
-                if self._writers:
-                    self._write_behind(key, data if buf is None else buf)
+                    self.stack.hint(lambda tier: tier.hint_partial(key), (tier0,))
+                if self.stack.writers:
+                    self.stack.write_behind(key, data if buf is None else buf)
             finally:
                 if owned and buf is not None:
                     buf.release()
@@ -515,80 +481,38 @@ class CacheEngine:
         metrics.STORED_TOKENS.inc(toks)
         return stored
 
-    def _put_tier0(self, tier0: StorageBackend, key: ChunkKey, data: ChunkData) -> int:
-        """Put one chunk into tier 0 (adopting a pool buffer where it can); 1 if stored."""
-        if not self._writes[0]:
-            return 0
-        t0 = time.perf_counter()
-        try:
-            if isinstance(data, MemoryBuffer) and ZERO_COPY in tier0.capabilities:
-                ok = tier0.put_buffer(key, data)
-            else:
-                ok = tier0.put(key, data.tensor if isinstance(data, MemoryBuffer) else data)
-        except Exception as err:
-            self._tier_error(tier0, "put", err)
-            ok = False
-        metrics.labeled(metrics.TIER_LATENCY, tier0.name, "put").observe(time.perf_counter() - t0)
-        if not ok:
-            return 0
-        self._stored(tier0, key)
-        metrics.labeled(metrics.TIER_BYTES, tier0.name, "put").inc(data.nbytes)
-        return 1
-
-    def _write_behind(self, key: ChunkKey, data: ChunkData, upto: int | None = None, source: int | None = None) -> None:
-        """Queue ``data`` for the slower tiers (all, or those above tier ``upto``;
-        for a promotion from tier ``source``, those that may take its chunk)."""
-        buf: MemoryBuffer | None
-        if isinstance(data, MemoryBuffer):
-            buf = data.retain()
-        else:
-            buf = self.allocate(tuple(data.shape), data.dtype)
-            if buf is None:
-                self.counters.add(dropped_writes=len(self._writers))
-                return
-            buf.tensor.copy_(data)
-        try:
-            for i, w in enumerate(self._writers, start=1):
-                if (upto is None or i < upto) and self._writes[i] and not self._out(w.tier):
-                    if source is not None and not self._takes_from(i, source):
-                        continue
-                    w.submit(key, buf)
-        finally:
-            buf.release()
-
     # -- retrieve ---------------------------------------------------------------------
     def retrieve_hashes(self, hashes: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
+        """Fill ``outs[i]`` with chunk ``hashes[i]`` for the leading chunks some tier
+        holds; how many. Read through :meth:`iter_chunks`, the connector's read path
+        (every ``outs[i]`` has the first one's dtype: ``ValueError`` otherwise)."""
+        want = min(len(hashes), len(outs))
+        if want and any(o.dtype != outs[0].dtype for o in outs[:want]):
+            raise ValueError(f"retrieve_hashes: outs of several dtypes {sorted({str(o.dtype) for o in outs[:want]})}")
         n = 0
-        for key, out in zip(self.keys(hashes), outs):
-            if not self._retrieve_one(key, out):
-                break
-            n += 1
-        self.counters.add(retrieved_chunks=n)
-        if n < min(len(hashes), len(outs)):
-            self.record_load_errors(min(len(hashes), len(outs)) - n)
+        if want:
+            chunks = self.iter_chunks(hashes[:want], [tuple(o.shape) for o in outs[:want]], outs[0].dtype)
+            try:
+                for out, buf in zip(outs, chunks):
+                    try:
+                        out.copy_(buf.tensor)
+                    finally:
+                        buf.release()
+                    n += 1
+            finally:
+                chunks.close()
+        if n < want:
+            self.record_load_errors(want - n)
         return n
 
     def retrieve_buffer(self, chunk_hash: bytes, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None:
         """One chunk as a pool buffer (the caller owns one reference), or ``None``
-        on a miss. Zero-copy when the first tier keeps chunks in the pool."""
-        key = ChunkKey(self._ns_id, chunk_hash)
-        shape = tuple(shape)
-        tier0 = self.tiers[0] if self.tiers else None
-        start = 0
-        if tier0 is not None and ZERO_COPY in tier0.capabilities and not self._out(tier0):
-            start = 1
-            got = self._tier0_buffer(tier0, key, shape, dtype)
-            if got is not None:
-                self.counters.add(retrieved_chunks=1)
-                return got
-        buf = self.allocate(shape, dtype)
-        if buf is None:
-            return None
-        if self._retrieve_one(key, buf.tensor, start=start, buf=buf):
+        on a miss: the read of one window of :meth:`iter_chunks` (zero-copy when the
+        first tier keeps chunks in the pool)."""
+        (buf,) = self.stack.read(self.keys([chunk_hash]), [tuple(shape)], dtype)
+        if buf is not None:
             self.counters.add(retrieved_chunks=1)
-            return buf
-        buf.release()
-        return None
+        return buf
 
     def iter_chunks(
         self, hashes: Sequence[bytes], shapes: Sequence[Sequence[int]], dtype: torch.dtype
@@ -599,7 +523,7 @@ class CacheEngine:
         ``BATCHED`` tiers), the next window read while the caller copies this one.
         See :mod:`lmcache_core.fetch`."""
         self._await_prefetch(hashes)
-        return fetch_run(self, hashes, shapes, dtype, pool=self._fetch_pool)
+        return fetch_run(self.stack, self.keys(hashes), shapes, dtype, pool=self._fetch_pool)
 
     def prefetch(
         self, hashes: Sequence[bytes], shapes: Sequence[Sequence[int]], dtype: torch.dtype, owner: str | None = None
@@ -612,16 +536,16 @@ class CacheEngine:
         :meth:`iter_chunks` of the same run waits for it if it is reading (bounded)
         instead of reading the chunks a second time, and cancels it if it is still
         queued (see :mod:`lmcache_core.prefetch`)."""
-        tier0 = self.tiers[0] if self.tiers else None
-        if not hashes or tier0 is None or ZERO_COPY not in tier0.capabilities or self._closed:
+        tier0 = self.stack.top
+        if not hashes or tier0 is None or not tier0.zero_copy or self._closed:
             return False
         item = torch.empty((), dtype=dtype).element_size()
         nbytes = sum(item * int(torch.Size(s).numel()) for s in shapes)
-        hashes, shapes = list(hashes), list(shapes)
+        keys, shapes = self.keys(hashes), list(shapes)
 
         def read() -> Iterator[None]:
             with torch.inference_mode():
-                for buf in fetch_run(self, hashes, shapes, dtype):
+                for buf in fetch_run(self.stack, keys, shapes, dtype):
                     buf.release()  # promoted into the memory tier by the read
                     yield None
 
@@ -633,65 +557,6 @@ class CacheEngine:
     def _await_prefetch(self, hashes: Sequence[bytes]) -> None:
         if hashes:
             self.prefetcher.await_run(bytes(hashes[0]))
-
-    def _tier0_buffer(
-        self, tier0: StorageBackend, key: ChunkKey, shape: Sequence[int], dtype: torch.dtype
-    ) -> MemoryBuffer | None:
-        """The zero-copy first tier's own buffer for ``key`` (one reference for the
-        caller), or None on a miss or a chunk of another shape (counted as an error)."""
-        t0 = time.perf_counter()
-        try:
-            buf = tier0.get_buffer(key)
-        except Exception as err:
-            self._tier_error(tier0, "get", err)
-            return None
-        if buf is None:
-            return None
-        if buf.dtype == dtype and buf.shape == tuple(shape):
-            self.read_models[0].record(buf.nbytes, time.perf_counter() - t0)
-            metrics.labeled(metrics.TIER_BYTES, tier0.name, "get").inc(buf.nbytes)
-            return buf
-        buf.release()
-        self._tier_error(tier0, "get", ValueError(f"stored chunk has shape {list(buf.shape)}, expected {list(shape)}"))
-        return None
-
-    def _retrieve_one(self, key: ChunkKey, out: torch.Tensor, *, start: int = 0, buf: MemoryBuffer | None = None) -> bool:
-        """Fill ``out`` from the fastest tier holding ``key`` and promote it. ``buf``
-        is the caller's pool buffer whose tensor is ``out`` (promoted without a copy);
-        a zero-copy tier's own buffer is released right after the copy into ``out`` and
-        never promoted (it may hold another shape, and its memory may be reused)."""
-        for level, tier in enumerate(self.tiers):
-            if level < start or self._out(tier):
-                continue
-            t0 = time.perf_counter()
-            try:
-                if ZERO_COPY in tier.capabilities:
-                    got = tier.get_buffer(key)
-                    ok = False
-                    if got is not None:
-                        try:
-                            if got.dtype != out.dtype or got.shape != tuple(out.shape):
-                                raise ValueError(
-                                    f"stored chunk is {got.dtype}{list(got.shape)}, expected {out.dtype}{list(out.shape)}"
-                                )
-                            out.copy_(got.tensor)
-                            ok = True
-                        finally:
-                            got.release()
-                else:
-                    ok = tier.get(key, out)
-            except Exception as err:
-                self._tier_error(tier, "get", err)
-                ok = False
-            dt = time.perf_counter() - t0
-            metrics.labeled(metrics.TIER_LATENCY, tier.name, "get").observe(dt)
-            if ok:
-                self.read_models[level].record(out.nbytes, dt)
-                metrics.labeled(metrics.TIER_BYTES, tier.name, "get").inc(out.nbytes)
-                if level > 0:
-                    self._promote(key, buf if buf is not None else out, level)
-                return True
-        return False
 
     def _say_how_frames_are_sealed(self, loaded: LoadedConfig) -> None:
         """At start: a warning when a ``SHARED`` tier's frames are not sealed and the
@@ -722,40 +587,10 @@ class CacheEngine:
         codec = self.plugins.get_codec(name, key_path=key_path, source=source)
         return SealedCodec(codec, self.seal) if self.seal is not None else codec
 
-    def _takes_from(self, dest: int, level: int) -> bool:
-        """Whether a chunk read from tier ``level`` may be promoted into tier
-        ``dest``. A lossy tier's chunk is an approximation: it goes only into tiers
-        with that same codec, and into tier 0 when that is this engine's own memory
-        (not shared), never into a lossless tier other readers take for exact KV."""
-        codec = self.tier_codecs[level]
-        if not is_lossy(codec) or self.tier_codecs[dest].name == codec.name:
-            return True
-        return dest == 0 and SHARED not in self.tiers[0].capabilities
-
-    def _promote(self, key: ChunkKey, data: ChunkData, level: int) -> None:
-        self.canary.promoted(key, self.tiers[level].name)
-        if not self._out(self.tiers[0]) and self._takes_from(0, level):
-            self._put_tier0(self.tiers[0], key, data)
-        if level > 1:
-            self._write_behind(key, data, upto=level, source=level)
-
-    # -- correctness canary -----------------------------------------------------------
-    def _out(self, tier: StorageBackend) -> bool:
-        """Whether ``tier`` is quarantined (no reads, no writes)."""
-        return self.quarantine.is_quarantined(tier.name)
-
-    def _accepts_writes(self, tier: StorageBackend) -> bool:
-        return not self._out(tier)
-
     # -- housekeeping -----------------------------------------------------------------
-    def _tier_error(self, tier: StorageBackend, op: str, err: BaseException) -> None:
-        log.warning("tier %s: %s failed, treated as a miss: %s: %s", tier.name, op, type(err).__name__, err)
-        self.counters.error(tier.name)
-        metrics.labeled(metrics.TIER_ERRORS, tier.name, op).inc()
-
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until background writes are done; False on timeout."""
-        return all(w.flush(timeout) for w in self._writers)
+        return self.stack.flush(timeout)
 
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = dict(self.counters.snapshot())
@@ -784,13 +619,7 @@ class CacheEngine:
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.pool.stop_populate()
         self.quarantine.close()
-        for w in self._writers:
-            w.stop(timeout=max(0.1, deadline - time.monotonic()))
-        for t in self.tiers:
-            try:
-                t.close()
-            except Exception as err:
-                log.warning("tier %s: close failed: %s", t.name, err)
+        self.stack.close(deadline)
 
     def __enter__(self) -> "CacheEngine":
         return self

@@ -2,10 +2,11 @@
 about one round trip per tier instead of one per chunk.
 
 :func:`fetch_run` reads chunks ``0..n`` of a request in windows of at most
-``window_bytes``: the memory tier (zero copy) is probed key by key, every other tier
-is asked once per window for the chunks still missing (``get_many``; one round trip
-on tiers that declare ``BATCHED``), fastest tier first, and what a slower tier served
-is promoted as a single read would. While the caller copies one window into vLLM's
+``window_bytes``, each window through the stack's one read path
+(:meth:`~lmcache_core.tiers.TierStack.read`): the memory tier (zero copy) is probed
+key by key, every other tier is asked once per window for the chunks still missing
+(``get_many``; one round trip on tiers that declare ``BATCHED``), fastest tier first,
+and what a slower tier served is promoted. While the caller copies one window into vLLM's
 blocks, the next window is read on a helper thread, so a long load costs about one
 round trip plus its bytes over the link. The run stops at the first chunk no tier
 could provide (the rest is recomputed); nothing after it is read or kept.
@@ -13,19 +14,14 @@ could provide (the rest is recomputed); nothing after it is read or kept.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Generator, Sequence
+from typing import Generator, Sequence
 
 import torch
 
-from . import metrics
-from .backend import ZERO_COPY
 from .keys import ChunkKey
 from .memory import MemoryBuffer
-
-if TYPE_CHECKING:
-    from .engine import CacheEngine
+from .tiers import TierStack
 
 #: bytes of chunks one window asks the slower tiers for (and holds in the pool)
 WINDOW_BYTES = 64 << 20
@@ -44,82 +40,9 @@ def _windows(sizes: Sequence[int], window_bytes: int) -> list[range]:
     return out
 
 
-def read_window(
-    engine: "CacheEngine", keys: Sequence[ChunkKey], shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
-) -> list[MemoryBuffer | None]:
-    """Chunk ``keys[i]`` as a pool buffer (the caller owns one reference), or None
-    where no tier holds it (or the pool is full)."""
-    n = len(keys)
-    got: list[MemoryBuffer | None] = [None] * n
-    start = 0
-    tier0 = engine.tiers[0] if engine.tiers else None
-    if tier0 is not None and ZERO_COPY in tier0.capabilities and not engine._out(tier0):
-        start = 1
-        for i, key in enumerate(keys):
-            got[i] = engine._tier0_buffer(tier0, key, shapes[i], dtype)
-    missing = [i for i in range(n) if got[i] is None]
-    if not missing:
-        return got
-    spare: dict[int, MemoryBuffer] = {}
-    for i in missing:
-        buf = engine.allocate(shapes[i], dtype)
-        if buf is None:  # the pool is full: what follows is recomputed
-            break
-        spare[i] = buf
-    missing = [i for i in missing if i in spare]
-    level_of: dict[int, int] = {}
-    try:
-        for level, tier in enumerate(engine.tiers):
-            if level < start or not missing or engine._out(tier):
-                continue
-            ks = [keys[i] for i in missing]
-            outs = [spare[i].tensor for i in missing]
-            t0 = time.perf_counter()
-            try:
-                ok = tier.get_many(ks, outs)
-                if len(ok) != len(ks):
-                    raise ValueError(f"get_many answered {len(ok)} results for {len(ks)} keys")
-            except Exception as err:
-                engine._tier_error(tier, "get", err)
-                ok = [False] * len(ks)
-            dt = time.perf_counter() - t0
-            metrics.labeled(metrics.TIER_LATENCY, tier.name, "get").observe(dt)
-            hit_bytes = sum(o.nbytes for o, h in zip(outs, ok) if h)
-            if hit_bytes:
-                engine.read_models[level].record(hit_bytes, dt)
-                metrics.labeled(metrics.TIER_BYTES, tier.name, "get").inc(hit_bytes)
-            still = []
-            for i, hit in zip(missing, ok):
-                if hit:
-                    got[i] = spare.pop(i)
-                    level_of[i] = level
-                else:
-                    still.append(i)
-            missing = still
-    finally:
-        for buf in spare.values():
-            buf.release()
-    # Only the leading run is usable (keys chain: a chunk after a gap can never be
-    # looked up without it); it is promoted, what follows the gap is dropped.
-    lead = 0
-    while lead < n and got[lead] is not None:
-        lead += 1
-    for i in range(lead, n):
-        buf = got[i]
-        if buf is not None:
-            buf.release()
-            got[i] = None
-    for i in range(lead):
-        level = level_of.get(i, 0)
-        buf = got[i]
-        if level > 0 and buf is not None:
-            engine._promote(keys[i], buf, level)
-    return got
-
-
 def fetch_run(
-    engine: "CacheEngine",
-    hashes: Sequence[bytes],
+    stack: TierStack,
+    keys: Sequence[ChunkKey],
     shapes: Sequence[Sequence[int]],
     dtype: torch.dtype,
     *,
@@ -130,7 +53,6 @@ def fetch_run(
     holds; the caller releases each buffer it gets. With ``pool``, window ``k + 1`` is
     read while the caller uses window ``k``. Closing the generator early releases what
     it holds."""
-    keys = [ChunkKey(engine._ns_id, h) for h in hashes]
     shapes_t = [tuple(s) for s in shapes]
     item = torch.empty((), dtype=dtype).element_size()
     sizes = [item * int(torch.Size(s).numel()) for s in shapes_t]
@@ -140,7 +62,7 @@ def fetch_run(
         # Pool views made under an engine's inference mode are inference tensors: the
         # helper thread writes them in inference mode too.
         with torch.inference_mode():
-            return read_window(engine, keys[w.start : w.stop], shapes_t[w.start : w.stop], dtype)
+            return stack.read(keys[w.start : w.stop], shapes_t[w.start : w.stop], dtype)
 
     pending: Future[list[MemoryBuffer | None]] | None = None
     current: list[MemoryBuffer | None] = []
@@ -157,7 +79,7 @@ def fetch_run(
                     return
                 current[j] = None  # handed over: the caller releases it
                 yielded += 1
-                engine.counters.add(retrieved_chunks=1)
+                stack.counters.add(retrieved_chunks=1)
                 yield buf
             if not complete:
                 return

@@ -265,7 +265,11 @@ class MemoryPool:
         typed = self._typed.get(dtype)
         if typed is None:
             es = element_size(dtype)
-            typed = self._typed[dtype] = self._data[: self.capacity // es * es].view(dtype)
+            # Cached for every later call, so made outside inference mode: a view made
+            # under it would turn every later buffer of this dtype into one that
+            # cannot be written outside inference mode (a store after a load).
+            with torch.inference_mode(False):
+                typed = self._typed[dtype] = self._data[: self.capacity // es * es].view(dtype)
         strides = self._strides.get(shape)
         if strides is None:
             acc, out = 1, []

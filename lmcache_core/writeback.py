@@ -8,18 +8,14 @@ the tiers are a cache."""
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from . import metrics
-from .backend import StorageBackend
 from .keys import ChunkKey
 from .memory import MemoryBuffer
-
-log = logging.getLogger(__name__)
 
 #: chunks one background write hands a slower tier at most (``put_many``)
 BATCH_WRITES = 16
@@ -31,25 +27,26 @@ class TierWriter:
 
     def __init__(
         self,
-        tier: StorageBackend,
+        name: str,
+        concurrency: int,
         maxsize: int,
         counters: metrics.EngineCounters,
-        stored: Callable[[StorageBackend, ChunkKey], None],
-        in_service: Callable[[], bool] = lambda: True,
+        write: Callable[[Sequence[tuple[ChunkKey, MemoryBuffer]]], None],
         on_thread_start: Callable[[], None] = lambda: None,
     ) -> None:
-        """``on_thread_start`` runs first on each writer thread (its priority)."""
-        self.tier = tier
+        """``write(batch)`` stores one batch in the tier (it owns the tier's error
+        accounting and metrics: :meth:`lmcache_core.tiers.Tier.put_many`);
+        ``on_thread_start`` runs first on each writer thread (its priority)."""
+        self.name = name
         self.on_thread_start = on_thread_start
         self.counters = counters
-        self.stored = stored
-        self.in_service = in_service
+        self.write = write
         self.q: queue.Queue[tuple[ChunkKey, MemoryBuffer] | None] = queue.Queue(maxsize=maxsize)
         self._pending = 0
         self._cv = threading.Condition()
         self._stopping = threading.Event()
-        n = max(1, int(tier.write_concurrency))
-        self.threads = [threading.Thread(target=self._run, name=f"lmcache-write-{tier.name}-{i}", daemon=True) for i in range(n)]
+        n = max(1, int(concurrency))
+        self.threads = [threading.Thread(target=self._run, name=f"lmcache-write-{name}-{i}", daemon=True) for i in range(n)]
         for t in self.threads:
             t.start()
 
@@ -64,7 +61,7 @@ class TierWriter:
             buf.release()
             self._done()
             self.counters.add(dropped_writes=1)
-            metrics.labeled(metrics.TIER_DROPPED, self.tier.name).inc()
+            metrics.labeled(metrics.TIER_DROPPED, self.name).inc()
             return False
 
     def _done(self) -> None:
@@ -96,25 +93,9 @@ class TierWriter:
             self._write(batch)
 
     def _write(self, batch: list[tuple[ChunkKey, MemoryBuffer]]) -> None:
-        t0 = time.perf_counter()
         try:
-            if not self.in_service():  # quarantined while the writes were queued
-                return
-            ok = self.tier.put_many([(key, buf.tensor) for key, buf in batch])
-            if len(ok) != len(batch):
-                raise ValueError(f"put_many answered {len(ok)} results for {len(batch)} chunks")
-            for (key, buf), stored in zip(batch, ok):
-                if stored:
-                    metrics.labeled(metrics.TIER_BYTES, self.tier.name, "put").inc(buf.nbytes)
-                    self.stored(self.tier, key)
-                else:
-                    metrics.labeled(metrics.TIER_DROPPED, self.tier.name).inc()
-        except Exception as err:
-            log.warning("tier %s: background put of %d chunks failed: %s", self.tier.name, len(batch), err)
-            self.counters.error(self.tier.name)
-            metrics.labeled(metrics.TIER_ERRORS, self.tier.name, "put").inc()
+            self.write(batch)
         finally:
-            metrics.labeled(metrics.TIER_LATENCY, self.tier.name, "put").observe(time.perf_counter() - t0)
             for _, buf in batch:
                 buf.release()
                 self._done()

@@ -98,6 +98,7 @@ def retrieve_tokens(
 ) -> int:
     """Fill ``outs[i]`` with chunk ``start_chunk + i`` of ``tokens``; returns how many
     leading chunks were retrieved (the rest must be recomputed). A partial last chunk
-    is always hashed, so it loads if it was stored (:meth:`CacheEngine.retrieve_hashes`)."""
+    is always hashed, so it loads if it was stored (:meth:`CacheEngine.retrieve_hashes`,
+    which reads through :meth:`CacheEngine.iter_chunks`, the connector's read path)."""
     hashes = token_hashes(engine, tokens, tags=tags, extras=extras, include_partial=True)
     return engine.retrieve_hashes(hashes[start_chunk : start_chunk + len(outs)], outs)

@@ -109,7 +109,9 @@ def test_windows_are_read_ahead_in_order(tiers: Any) -> None:
         return real(keys, outs)
 
     tier1.get_many = spy  # type: ignore[method-assign]
-    chunks = fetch.fetch_run(eng, hashes, [SHAPE] * 10, torch.float16, window_bytes=3 * CHUNK_BYTES, pool=eng._fetch_pool)
+    chunks = fetch.fetch_run(
+        eng.stack, eng.keys(hashes), [SHAPE] * 10, torch.float16, window_bytes=3 * CHUNK_BYTES, pool=eng._fetch_pool
+    )
     got = []
     for buf in chunks:
         got.append(buf.tensor.clone())
@@ -125,7 +127,9 @@ def test_stopping_early_leaves_no_pool_memory(tiers: Any) -> None:
     eng, tier0, tier1 = tiers
     hashes, data = _only_in_tier1(eng, tier1, 4, 8)
     free = eng.pool.free_bytes
-    chunks = fetch.fetch_run(eng, hashes, [SHAPE] * 8, torch.float16, window_bytes=2 * CHUNK_BYTES, pool=eng._fetch_pool)
+    chunks = fetch.fetch_run(
+        eng.stack, eng.keys(hashes), [SHAPE] * 8, torch.float16, window_bytes=2 * CHUNK_BYTES, pool=eng._fetch_pool
+    )
     first = next(chunks)
     assert torch.equal(first.tensor, data[0])
     first.release()
@@ -297,3 +301,15 @@ def test_close_is_bounded_behind_a_slow_tier(tiers: Any) -> None:
     assert took <= 1.5 * DELAY + 0.5, f"close took {took:.2f} s"
     assert len(tier1.batches) <= 1
     print(f"\nclose behind 7 prefetches on a {1.5 * DELAY} s tier: {took:.2f} s")
+
+
+def test_a_store_after_the_first_load_writes_the_pool_outside_inference_mode(tiers: Any) -> None:
+    """The first load of a dtype reads into the pool under inference mode (the fetch
+    does); a later store by a caller outside it (a test, a benchmark) still copies
+    into pool buffers of that dtype."""
+    eng, tier0, tier1 = tiers
+    hashes, data = _only_in_tier1(eng, tier1, 5, 2)
+    assert len(_take(eng, hashes)) == 2  # the pool's first float16 buffers
+    toks = prompt(6, 2)
+    assert not torch.is_inference_mode_enabled()
+    assert eng.store_hashes(token_hashes(eng, toks), chunks_for(toks)) == 2

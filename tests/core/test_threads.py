@@ -64,7 +64,7 @@ def test_engine_background_threads_run_at_background_nice(nice: int) -> None:
     ) as eng:
         assert eng._fetch_pool.submit(_own_nice).result(10) == min(19, base + nice)
         assert _on_prefetch_thread(eng, _own_nice) == min(19, base + nice)
-        writer_tids = [t.native_id for w in eng._writers for t in w.threads]
+        writer_tids = [t.native_id for w in eng.stack.writers for t in w.threads]
         assert writer_tids
         deadline = time.monotonic() + 10
         want = min(19, base + nice)
@@ -135,7 +135,7 @@ def test_engine_background_threads_run_on_background_cores(cores: str, no_backgr
     ) as eng:
         assert eng._fetch_pool.submit(os.sched_getaffinity, 0).result(10) == want
         assert _on_prefetch_thread(eng, lambda: os.sched_getaffinity(0)) == want
-        writer_tids = [t.native_id for w in eng._writers for t in w.threads]
+        writer_tids = [t.native_id for w in eng.stack.writers for t in w.threads]
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(t and _thread_cores(t) != want for t in writer_tids):
             time.sleep(0.01)

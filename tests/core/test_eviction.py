@@ -137,7 +137,15 @@ def test_engine_sweep_bars_quick() -> None:
     serves >= 40% of warm doc-QA tokens at 50% of the working set where LRU serves 0,
     and never fewer chat tokens than LRU."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_eviction.py"), "--quick", "--no-traces", "--policies", "lru,adaptive"],
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_eviction.py"),
+            "--quick",
+            "--no-traces",
+            "--no-cost",
+            "--policies",
+            "lru,adaptive",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

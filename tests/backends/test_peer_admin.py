@@ -19,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +29,7 @@ import torch
 
 from lmcache_backend_peer import PeerClient
 from lmcache_backend_peer.admin import MAX_BODY
+from lmcache_backend_peer.shm import SHM_SUPPORTED
 from lmcache_core.keys import ChunkKey
 from lmcache_core.serde import RawCodec, encode
 
@@ -199,6 +201,27 @@ def test_erase_across_tenants(tmp_path: Path) -> None:
         a.stop()
 
 
+@pytest.mark.skipif(not SHM_SUPPORTED, reason="no shared-memory fast path on this host")
+def test_erase_from_shared_memory_arenas(tmp_path: Path) -> None:
+    sock = Path(tempfile.mkdtemp(prefix="adm", dir="/tmp")) / "node.sock"  # short: AF_UNIX paths are bounded
+    a = Admin(tmp_path, ["--max-size", "16MiB", "--unix-socket", str(sock)])
+    c = client(a)
+    try:
+        status = a.request("GET", "/status")[1]
+        assert status["tiers"][0]["kind"] == "shared-memory arenas"
+        for ns in (NS_A, NS_B):
+            for i in range(N):
+                assert c.put(key(ns, i), frame(key(ns, i)))
+        assert a.request("POST", "/erase", {"namespaces": [NS_B.hex()]})[1]["erased"] == N
+        assert c.lookup([key(NS_B, i) for i in range(N)]) == 0
+        assert c.lookup([key(NS_A, i) for i in range(N)]) == N
+        assert a.request("GET", "/status")[1]["tiers"][0]["chunks"] == N
+    finally:
+        c.close()
+        a.stop()
+        shutil.rmtree(sock.parent, ignore_errors=True)
+
+
 def start_fails(tmp_path: Path, options: list[str]) -> str:
     """Start a node that must refuse to start: its stderr."""
     secret = private_file(tmp_path / "peer.secret", SECRET + "\n")
@@ -233,6 +256,8 @@ def test_admin_without_a_token_is_refused(tmp_path: Path) -> None:
     assert "--admin needs --admin-token-file" in err and "not loopback" in err
     # loopback too: every local user reaches it
     assert "--admin needs --admin-token-file" in start_fails(tmp_path, ["--admin", "127.0.0.1:0"])
+    token = private_file(tmp_path / "token", TOKEN)
+    assert "need --admin HOST:PORT" in start_fails(tmp_path, ["--admin-token-file", str(token)])
 
 
 def test_oversize_body_gets_413_unread(admin: Admin) -> None:

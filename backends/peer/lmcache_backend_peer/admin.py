@@ -394,9 +394,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._timer.daemon = True
         self._timer.start()
         self._raw.settimeout(admin.timeout)
-        if admin.tls is not None:  # the handshake runs here, under the same deadline
-            self.request = admin.tls.wrap_socket(self._raw, server_side=True)
-        super().setup()
+        try:
+            if admin.tls is not None:  # the handshake runs here, under the same deadline
+                self.request = admin.tls.wrap_socket(self._raw, server_side=True)
+            super().setup()
+        except BaseException:
+            self._timer.cancel()  # finish() does not run when setup() fails
+            raise
 
     def _cut(self) -> None:
         """The request did not arrive in time: drop the connection whatever it is doing."""

@@ -24,7 +24,7 @@ from lmcache_core.config import HOUR, ConfigError, CoreConfig, check_seconds, ms
 from lmcache_core.frames import FrameSeal
 
 from .admin import DEFAULT_TIMEOUT_S as ADMIN_TIMEOUT_S
-from .admin import AdminConfigError, AdminServer, check_listen, read_token, tls_context
+from .admin import AdminConfigError, AdminServer, check_listen, is_loopback, read_token, tls_context
 from .client import format_address
 from .config import check_secret, parse_address
 from .evictions import DEFAULT_CAPACITY, MAX_CAPACITY, EvictionLog
@@ -248,9 +248,16 @@ def _admin_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     except AdminConfigError as err:
         parser.error(f"--admin-token-file: {err}")
     try:
-        return token, tls_context(args.admin_cert, args.admin_key)
+        tls = tls_context(args.admin_cert, args.admin_key)
     except AdminConfigError as err:
         parser.error(str(err))
+    if tls is None and not is_loopback(args.admin[0]):
+        print(
+            f"{parser.prog}: warning: the admin API on {format_address(args.admin)} is not loopback and has no TLS: "
+            "the token crosses the network in clear (give --admin-cert and --admin-key)",
+            file=sys.stderr,
+        )
+    return token, tls
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

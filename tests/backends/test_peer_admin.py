@@ -120,6 +120,13 @@ def test_status_needs_the_right_token(admin: Admin) -> None:
     conn.request("GET", "/status", headers={"Authorization": f"Basic {TOKEN}"})
     assert conn.getresponse().status == 401
     conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", admin.port, timeout=10)
+    conn.putrequest("GET", "/status")
+    conn.putheader("Authorization", f"Bearer {TOKEN}")
+    conn.putheader("Authorization", f"Bearer {TOKEN}")  # two: refused, whichever is right
+    conn.endheaders()
+    assert conn.getresponse().status == 401
+    conn.close()
     # an unknown path is not told apart without the token
     assert admin.request("GET", "/nope", token=None)[0] == 401
     assert admin.request("GET", "/nope")[0] == 404

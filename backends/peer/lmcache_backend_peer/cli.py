@@ -18,11 +18,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from lmcache_core.config import HOUR, ConfigError, CoreConfig, check_seconds, ms_to_seconds, parse_size, read_frame_secret
 from lmcache_core.frames import FrameSeal
 
+from .admin import DEFAULT_TIMEOUT_S as ADMIN_TIMEOUT_S
+from .admin import AdminConfigError, AdminServer, check_listen, is_loopback, read_token, tls_context
 from .client import format_address
 from .config import check_secret, parse_address
 from .evictions import DEFAULT_CAPACITY, MAX_CAPACITY, EvictionLog
@@ -120,6 +122,27 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "sealed frames unchecked and the engines check them)",
     )
     p.add_argument(
+        "--admin",
+        type=_address,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the admin HTTP API (status, erase, lookup) here, e.g. 127.0.0.1:9001; needs --admin-token-file",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="file with the admin API's bearer token: owned by this user, mode 0600 or stricter (else the node refuses to start)",
+    )
+    p.add_argument("--admin-cert", type=Path, default=None, help="serve the admin API over TLS with this certificate (PEM)")
+    p.add_argument("--admin-key", type=Path, default=None, help="the private key of --admin-cert (PEM)")
+    p.add_argument(
+        "--admin-timeout-s",
+        type=float,
+        default=ADMIN_TIMEOUT_S,
+        help=f"an admin request, TLS handshake included, must arrive within this (default {ADMIN_TIMEOUT_S:g})",
+    )
+    p.add_argument(
         "--no-shm",
         action="store_true",
         help="keep frames in private memory: engines on --unix-socket get them over the socket",
@@ -205,6 +228,38 @@ def seconds_flag(args: argparse.Namespace, parser: argparse.ArgumentParser, name
         parser.error(f"--{name}-s: {err}")
 
 
+def _admin_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[bytes | None, Any]:
+    """The admin token and TLS context, checked before the node starts (None, None
+    without ``--admin``); every problem is a usage error that names the flag."""
+    if args.admin is None:
+        if args.admin_token_file or args.admin_cert or args.admin_key:
+            parser.error("--admin-token-file, --admin-cert and --admin-key need --admin HOST:PORT")
+        return None, None
+    try:
+        check_seconds(args.admin_timeout_s, max_s=600.0)
+    except ValueError as err:
+        parser.error(f"--admin-timeout-s: {err}")
+    try:
+        check_listen(args.admin[0], args.admin_token_file)
+    except AdminConfigError as err:
+        parser.error(str(err))
+    try:
+        token = read_token(args.admin_token_file)
+    except AdminConfigError as err:
+        parser.error(f"--admin-token-file: {err}")
+    try:
+        tls = tls_context(args.admin_cert, args.admin_key)
+    except AdminConfigError as err:
+        parser.error(str(err))
+    if tls is None and not is_loopback(args.admin[0]):
+        print(
+            f"{parser.prog}: warning: the admin API on {format_address(args.admin)} is not loopback and has no TLS: "
+            "the token crosses the network in clear (give --admin-cert and --admin-key)",
+            file=sys.stderr,
+        )
+    return token, tls
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     timeout = seconds_flag(args, parser, "timeout", DEFAULT_TIMEOUT_S)
     handshake_timeout = seconds_flag(args, parser, "handshake-timeout", DEFAULT_HANDSHAKE_TIMEOUT_S)
@@ -213,6 +268,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.eviction_log <= MAX_CAPACITY:
         parser.error(f"--eviction-log must be 0..{MAX_CAPACITY}")
+    admin_token, admin_tls = _admin_options(args, parser)
     tenants = None
     if args.tenants_file is not None:
         try:
@@ -262,6 +318,18 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         where = format_address(args.listen) + (f" and {args.unix_socket}" if args.unix_socket is not None else "")
         print(f"{parser.prog}: cannot listen on {where}: {err.strerror or err}", file=sys.stderr)
         return 2
+    admin = None
+    if args.admin is not None and admin_token is not None:
+        try:
+            admin = AdminServer(
+                server, store, args.admin, admin_token, tenants=tenants, timeout=args.admin_timeout_s, tls=admin_tls
+            )
+        except OSError as err:
+            server.close()
+            print(
+                f"{parser.prog}: --admin: cannot listen on {format_address(args.admin)}: {err.strerror or err}", file=sys.stderr
+            )
+            return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -269,10 +337,14 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         shm = "shared memory" if isinstance(store, ArenaStore) else "no shared memory"
         print(f"local socket {args.unix_socket} ({shm})", flush=True)
     print(f"listening on {format_address(server.address)}", flush=True)
+    if admin is not None:
+        print(f"admin API on {admin.url}", flush=True)
     try:
         while not stop.wait(1.0):
             pass
     finally:
+        if admin is not None:
+            admin.close()
         server.close()
         if isinstance(store, ArenaStore):
             store.close()

@@ -164,6 +164,13 @@ class PeerServer:
             "evicted_unauthenticated": 0,
             "handshake_timeouts": 0,
             "busy": 0,
+            # keys asked and held (LOOKUP: the held prefix; GET, LOCATE: each key)
+            "lookup_keys": 0,
+            "lookup_hits": 0,
+            "get_keys": 0,
+            "get_hits": 0,
+            "locate_keys": 0,
+            "locate_hits": 0,
         }
         self._lock = threading.Lock()
         self._conns: set[Connection] = set()
@@ -262,6 +269,11 @@ class PeerServer:
     def _count(self, stat: str) -> None:
         with self._lock:
             self.stats[stat] += 1
+
+    def _count_hits(self, kind: str, asked: int, held: int) -> None:
+        with self._lock:
+            self.stats[f"{kind}_keys"] += asked
+            self.stats[f"{kind}_hits"] += held
 
     def _serve(self, conn: Connection, slot: Slot) -> None:
         try:
@@ -371,9 +383,13 @@ class PeerServer:
         msg = parse_body(mtype, body)
         try:
             if mtype == LOOKUP and isinstance(msg, KeysRequest):
-                conn.send(LOOKUP_OK, rid, [u32(source.contains(msg.keys))], deadline)
+                held = source.contains(msg.keys)
+                self._count_hits("lookup", len(msg.keys), held)
+                conn.send(LOOKUP_OK, rid, [u32(held)], deadline)
             elif mtype == GET and isinstance(msg, KeysRequest):
-                conn.send(GET_OK, rid, encode_get_reply_parts(self._frames_for(msg, source)), deadline)
+                frames = self._frames_for(msg, source)
+                self._count_hits("get", len(msg.keys), sum(f is not None for f in frames))
+                conn.send(GET_OK, rid, encode_get_reply_parts(frames), deadline)
             elif mtype == PUT and isinstance(msg, PutRequest):
                 if not self.writable:
                     conn.send(ERROR, rid, [b"this peer is read-only"], deadline)
@@ -384,6 +400,7 @@ class PeerServer:
                     conn.send(ERROR, rid, [b"LOCATE needs shared memory (the node's Unix socket, arenas on)"], deadline)
                 else:
                     locs = source.locate(msg.keys)
+                    self._count_hits("locate", len(msg.keys), sum(x is not None for x in locs))
                     entries = [(0, 0, 0) if x is None else (x.offset, x.length, x.generation) for x in locs]
                     conn.send(LOCATE_OK, rid, [encode_locate_reply(entries)], deadline)
             elif mtype == SHM_ATTACH:

@@ -49,6 +49,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from lmcache_core.backend import EraseMatch
 from lmcache_core.keys import ChunkKey
 from lmcache_core.frames import Codec, FrameError, FrameHeader, FrameReader
 
@@ -268,6 +269,19 @@ class Arena:
     def __len__(self) -> int:
         return len(self._slots)
 
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """Drop every slot whose key ``match`` takes (keys here are the principal's own);
+        how many went. As :meth:`~lmcache_backend_peer.store.FrameStore.erase`."""
+        with self._lock:
+            keys = [k for k in self._slots if match.namespaces is None or k.namespace in match.namespaces]
+        n = 0
+        for k in keys:
+            if dry_run or self.remove(k):
+                n += 1
+                if progress is not None:
+                    progress(n)
+        return n
+
     def close(self) -> None:
         """Unmap and close the node's fd (engines' mappings stay valid until they drop them)."""
         with self._lock:
@@ -327,6 +341,10 @@ class ArenaStore:
 
     def __len__(self) -> int:
         return sum(len(a) for a in self.arenas.values())
+
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """Erase ``match`` from every principal's arena; how many slots went."""
+        return sum(a.erase(match, progress, dry_run=dry_run) for a in self.arenas.values())
 
     @property
     def bytes_used(self) -> int:

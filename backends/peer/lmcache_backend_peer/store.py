@@ -10,6 +10,8 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Protocol, Sequence
 
+from lmcache_core.backend import EraseMatch
+from lmcache_core.frames import FrameError, FrameHeader
 from lmcache_core.keys import ChunkKey
 
 
@@ -92,9 +94,39 @@ class FrameStore:
             self._frames.clear()
             self._bytes = 0
 
+    def entries(self) -> list[tuple[ChunkKey, bytes]]:
+        """A snapshot of ``(stored key, frame)`` pairs, least recently used first."""
+        with self._lock:
+            return list(self._frames.items())
+
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """Drop every frame whose client key ``match`` takes (the backend ``erase()``
+        contract, :meth:`lmcache_core.backend.StorageBackend.erase`); how many went.
+        The client key is the one the frame names (the node checked it on PUT; under
+        tenants the stored key is a keyed hash of it, :mod:`.tenants`). Dropped
+        frames are reported to ``on_drop`` like evictions, so engines see them go."""
+        n = 0
+        for stored, frame in self.entries():
+            if match.namespaces is not None and client_key(stored, frame).namespace not in match.namespaces:
+                continue
+            if dry_run or self.remove(stored):
+                n += 1
+                if progress is not None:
+                    progress(n)
+        return n
+
     def __len__(self) -> int:
         return len(self._frames)
 
     @property
     def bytes_used(self) -> int:
         return self._bytes
+
+
+def client_key(stored: ChunkKey, frame: bytes | memoryview) -> ChunkKey:
+    """The key a client sent for a stored frame: the one its header names, else (a
+    frame put straight into the store, not through the server) ``stored``."""
+    try:
+        return ChunkKey.parse(FrameHeader.parse(frame).key)
+    except (FrameError, ValueError):
+        return stored

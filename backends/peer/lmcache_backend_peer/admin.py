@@ -1,0 +1,528 @@
+"""The node's admin HTTP API: ``lmcache-core serve --admin HOST:PORT --admin-token-file F``.
+
+JSON over HTTP/1.1 (HTTPS with ``--admin-cert``/``--admin-key``), one request per
+connection, standard library only (:mod:`http.server`):
+
+- ``GET /status``: the node's store (bytes, chunks, evictions, budget), lookup/get/locate
+  hit counts, connection counters, per-tenant usage on a node with tenants.
+- ``POST /erase``: ``{"namespaces": ["<32 hex>", ...]}`` or ``{"all": true}``, optional
+  ``"dry_run": true``: drops the matching chunks from the node's memory (the backend
+  ``erase()`` contract, :class:`~lmcache_core.backend.EraseMatch`), whichever
+  principal wrote them; answers how many went.
+- ``GET /lookup?keys=K1,K2,...[&tenant=T]``: for chunk keys (``v1-<ns>-<hash>``, as
+  engines name them), which the node holds for that principal (the shared secret's
+  without ``tenant``). Read-only: it counts no hit and moves nothing in the LRU.
+
+Secure by default. Every request must carry ``Authorization: Bearer <token>``, the
+token read at start from ``--admin-token-file``: a regular file (no symbolic link)
+owned by the node's user that group and others cannot access; anything else stops
+the node with an error, and so does ``--admin`` without a token file, on loopback too
+(every local user and every container sharing the network namespace reaches a
+loopback port). A request with a missing or wrong token gets 401 before its body is
+read or its path looked at; tokens are compared with :func:`hmac.compare_digest`.
+Bounded: a request line of 64 KiB and 100 header lines (:mod:`http.server`'s own
+limits), a body of :data:`MAX_BODY` (413 above it, never read), no chunked bodies
+(411), :data:`MAX_CONNECTIONS` connections at once (more are closed at once), and the
+whole request, TLS handshake included, must arrive within ``timeout`` seconds of the
+connection (a slow client is cut off then, whatever it has sent). No endpoint reads a
+path or runs anything the client sends; each request is logged on stderr with the
+client address, what it asked and the outcome.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+import socket
+import ssl
+import stat
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from socketserver import TCPServer
+from typing import Any, Mapping
+from urllib.parse import parse_qs, urlsplit
+
+from lmcache_core.backend import EraseMatch
+from lmcache_core.keys import HASH_BYTES, ChunkKey
+
+from .client import format_address
+from .store import FrameStore, client_key
+from .tenants import TenantSource, tenant_key
+
+MAX_BODY = 64 << 10
+"""Largest request body (an erase of a few hundred namespaces fits many times)."""
+MAX_CONNECTIONS = 16
+"""Admin connections served at once; one more is closed without an answer."""
+MAX_LOOKUP_KEYS = 512
+TOKEN_MIN_CHARS = 16
+TOKEN_MAX_BYTES = 4096
+DEFAULT_TIMEOUT_S = 5.0
+LINGER_S = 1.0
+LINGER_BYTES = 1 << 20
+SHARED = "(shared secret)"
+"""The label of the shared secret's principal in per-tenant usage."""
+
+
+class AdminConfigError(ValueError):
+    """The admin options cannot be used (the node does not start)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(path: Path) -> bytes:
+    """The bearer token in ``path``: a regular file of this user that group and others
+    cannot access, holding one token of at least :data:`TOKEN_MIN_CHARS` printable
+    ASCII characters (surrounding whitespace is dropped). AdminConfigError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise AdminConfigError(f"cannot open {path}: {err.strerror or err} (a symbolic link is refused)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AdminConfigError(f"{path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise AdminConfigError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise AdminConfigError(
+                f"{path} has mode {mode:04o}: group or others can access it; make it private (chmod 600 {path})"
+            )
+        data = os.read(fd, TOKEN_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > TOKEN_MAX_BYTES:
+        raise AdminConfigError(f"{path} is larger than {TOKEN_MAX_BYTES} bytes: not a token file")
+    token = data.strip()
+    if len(token) < TOKEN_MIN_CHARS or any(b <= 0x20 or b >= 0x7F for b in token):
+        raise AdminConfigError(
+            f"{path}: the token must be one word of at least {TOKEN_MIN_CHARS} printable ASCII characters "
+            "(e.g. head -c 32 /dev/urandom | base64 > FILE)"
+        )
+    return token
+
+
+def check_listen(host: str, token_file: Path | None) -> None:
+    """AdminConfigError unless the admin API may listen on ``host`` with these options."""
+    if token_file is None:
+        where = "a loopback address is reachable by every local user" if is_loopback(host) else f"{host} is not loopback"
+        raise AdminConfigError(f"--admin needs --admin-token-file ({where}; every request must carry the token)")
+
+
+def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """A server context for ``--admin-cert``/``--admin-key`` (both or neither), TLS 1.2+."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise AdminConfigError("give both --admin-cert and --admin-key, or neither")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as err:
+        raise AdminConfigError(f"cannot load --admin-cert {cert} / --admin-key {key}: {err}") from None
+    return ctx
+
+
+class _Refused(Exception):
+    """A request answered with an error status (code, message)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AdminServer:
+    """The admin API of ``node`` (a :class:`~lmcache_backend_peer.server.PeerServer`)
+    serving ``store``, on ``listen``, for requests bearing ``token``."""
+
+    def __init__(
+        self,
+        node: Any,
+        store: Any,
+        listen: tuple[str, int],
+        token: bytes,
+        *,
+        tenants: Mapping[str, bytes] | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        tls: ssl.SSLContext | None = None,
+        log: Any = None,
+    ) -> None:
+        if not token:
+            raise ValueError("the admin token must not be empty")
+        self.node = node
+        self.store = store
+        self.tenants = tuple(tenants or ())
+        self._expected = b"Bearer " + token
+        self.timeout = timeout
+        self.tls = tls
+        self.out = log if log is not None else sys.stderr
+        self.started = time.monotonic()
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.counts = {"requests": 0, "unauthorized": 0, "refused_busy": 0, "timeouts": 0, "erased_chunks": 0}
+        self._lock = threading.Lock()
+        self.httpd = _HTTPServer(listen, self)
+        self.address: tuple[str, int] = self.httpd.server_address[:2]  # type: ignore[assignment]
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="lmcache-node-admin", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{format_address(self.address)}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[what] += n
+
+    def audit(self, line: str) -> None:
+        try:
+            self.out.write(f"admin: {line}\n")
+            self.out.flush()
+        except (OSError, ValueError):
+            pass
+
+    def authorized(self, values: list[str]) -> bool:
+        if len(values) != 1:
+            return False
+        try:
+            given = values[0].strip().encode("latin-1")
+        except UnicodeEncodeError:
+            return False
+        return hmac.compare_digest(given, self._expected)
+
+    # -- endpoints ------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        node, store = self.node, self.store
+        with node._lock:
+            stats = dict(node.stats)
+        hits = {}
+        for kind in ("lookup", "get", "locate"):
+            asked, held = stats.pop(f"{kind}_keys", 0), stats.pop(f"{kind}_hits", 0)
+            hits[kind] = {"keys": asked, "hits": held, "hit_rate": round(held / asked, 4) if asked else None}
+        with self._lock:
+            admin = dict(self.counts)
+        return {
+            "node": {
+                "listen": format_address(node.address),
+                "unix_socket": node.unix_socket,
+                "writable": node.writable,
+                "uptime_s": round(time.monotonic() - self.started, 1),
+                "tenants": len(self.tenants),
+            },
+            "tiers": [
+                {
+                    "name": "node",
+                    "kind": "shared-memory arenas" if hasattr(store, "arenas") else "memory",
+                    "max_bytes": store.max_size,
+                    "bytes": store.bytes_used,
+                    "chunks": len(store),
+                    "evictions": store.evictions,
+                }
+            ],
+            "hits": hits,
+            "connections": stats,
+            "tenants": self.tenant_usage(),
+            "quarantine": None,
+            "admin": admin,
+        }
+
+    def tenant_usage(self) -> dict[str, dict[str, int]] | None:
+        """Chunks and bytes per principal (None on a node without tenants). On a store
+        partitioned by keyed hashes each frame is attributed by hashing its client key
+        once per principal: O(chunks x tenants), on demand."""
+        if not self.tenants:
+            return None
+        arenas = getattr(self.store, "arenas", None)
+        if arenas is not None:
+            return {SHARED if p is None else p: {"chunks": len(a), "bytes": a.bytes_used} for p, a in arenas.items()}
+        usage = {SHARED if p is None else p: {"chunks": 0, "bytes": 0} for p in (None, *self.tenants)}
+        unattributed = {"chunks": 0, "bytes": 0}
+        assert isinstance(self.store, FrameStore)
+        for stored, frame in self.store.entries():
+            key = client_key(stored, frame)
+            row = unattributed
+            for p in (None, *self.tenants):
+                if tenant_key(p, key) == stored:
+                    row = usage[SHARED if p is None else p]
+                    break
+            row["chunks"] += 1
+            row["bytes"] += len(frame)
+        if unattributed["chunks"]:
+            usage["(unattributed)"] = unattributed
+        return usage
+
+    def erase(self, body: Any) -> tuple[dict[str, Any], str]:
+        if not isinstance(body, dict) or not set(body) <= {"namespaces", "all", "dry_run"}:
+            raise _Refused(400, 'expected {"namespaces": ["<id>", ...]} or {"all": true}, optional "dry_run"')
+        dry_run = body.get("dry_run", False)
+        every = body.get("all", False)
+        names = body.get("namespaces")
+        if not isinstance(dry_run, bool) or not isinstance(every, bool):
+            raise _Refused(400, '"all" and "dry_run" must be true or false')
+        if every == (names is not None):
+            raise _Refused(400, 'give exactly one of "namespaces" (a list of ids) and "all": true')
+        if every:
+            match = EraseMatch(None)
+        else:
+            if not isinstance(names, list) or not names or len(names) > 1024:
+                raise _Refused(400, '"namespaces" must be a list of 1 to 1024 namespace ids')
+            ids = set()
+            for text in names:
+                ns = _namespace(text)
+                if ns is None:
+                    raise _Refused(400, f"not a namespace id ({2 * HASH_BYTES} lowercase hex digits): {str(text)[:80]!r}")
+                ids.add(ns)
+            match = EraseMatch(frozenset(ids))
+        n = self.store.erase(match, dry_run=dry_run)
+        if not dry_run:
+            self.count("erased_chunks", n)
+        what = "all" if match.namespaces is None else ",".join(sorted(x.hex() for x in match.namespaces))
+        return (
+            {"erased" if not dry_run else "would_erase": n, "dry_run": dry_run, "tier": "node"},
+            f"erase {what}{' (dry run)' if dry_run else ''}: {n} chunks",
+        )
+
+    def lookup(self, query: str) -> dict[str, Any]:
+        try:
+            q = parse_qs(query, strict_parsing=True, max_num_fields=4)
+        except ValueError:
+            raise _Refused(400, "bad query string") from None
+        if not set(q) <= {"keys", "tenant"} or len(q.get("keys", [])) != 1 or len(q.get("tenant", [])) > 1:
+            raise _Refused(400, "expected ?keys=K1,K2,... and at most one &tenant=NAME")
+        texts = q["keys"][0].split(",")
+        if len(texts) > MAX_LOOKUP_KEYS:
+            raise _Refused(400, f"at most {MAX_LOOKUP_KEYS} keys per lookup")
+        try:
+            keys = [ChunkKey.parse(t) for t in texts]
+        except ValueError:
+            raise _Refused(400, "keys must be chunk keys, v1-<namespace>-<hash>") from None
+        tenant = q["tenant"][0] if "tenant" in q else None
+        if tenant is not None and tenant not in self.tenants:
+            raise _Refused(404, "no such tenant on this node")
+        source: Any
+        if hasattr(self.store, "arena_for"):
+            source = self.store.arena_for(tenant)
+            if source is None:
+                raise _Refused(404, "this node keeps no chunks for the shared secret (tenants only)")
+        elif self.tenants:
+            source = TenantSource(self.store, tenant)
+        else:
+            source = self.store
+        held = [bool(source.contains([k])) for k in keys]
+        return {"keys": len(keys), "held": held, "prefix_held": int(source.contains(keys)), "tenant": tenant}
+
+
+def _namespace(text: object) -> bytes | None:
+    if not isinstance(text, str) or len(text) != 2 * HASH_BYTES:
+        return None
+    try:
+        ns = bytes.fromhex(text)
+    except ValueError:
+        return None
+    return ns if text == ns.hex() else None
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = MAX_CONNECTIONS
+
+    def __init__(self, listen: tuple[str, int], admin: AdminServer) -> None:
+        self.admin = admin
+        self.address_family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+        super().__init__(listen, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind asks DNS for the host's name; nothing here needs it.
+        TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.admin.slots.acquire(blocking=False):
+            self.admin.count("refused_busy")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.admin.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.admin.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        err = sys.exc_info()[1]
+        self.admin.audit(f"{client_address[0]}: connection dropped: {type(err).__name__}: {err}")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.1"
+    server_version = "lmcache-node-admin"
+    sys_version = ""
+    error_content_type = "application/json"
+    error_message_format = '{"error": "%(message)s", "status": %(code)d}\n'
+
+    def setup(self) -> None:
+        admin = self.server.admin
+        self._raw: socket.socket = self.request
+        self._cut_off = False
+        self._timer = threading.Timer(admin.timeout, self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+        self._raw.settimeout(admin.timeout)
+        try:
+            if admin.tls is not None:  # the handshake runs here, under the same deadline
+                self.request = admin.tls.wrap_socket(self._raw, server_side=True)
+            super().setup()
+        except BaseException:
+            self._timer.cancel()  # finish() does not run when setup() fails
+            raise
+
+    def _cut(self) -> None:
+        """The request did not arrive in time: drop the connection whatever it is doing."""
+        self._cut_off = True
+        self.server.admin.count("timeouts")
+        try:
+            self._raw.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def finish(self) -> None:
+        self._timer.cancel()
+        try:
+            super().finish()
+            if self.server.admin.tls is None and not self._cut_off:
+                self._linger()
+        except OSError:
+            pass
+
+    def _linger(self) -> None:
+        """Half-close, then read what the client still sends (a body refused unread),
+        at most :data:`LINGER_BYTES` for :data:`LINGER_S`: closing with unread bytes
+        would reset the connection, and the client could lose the answer with it."""
+        self._raw.shutdown(socket.SHUT_WR)
+        self._raw.settimeout(LINGER_S)
+        end, left = time.monotonic() + LINGER_S, LINGER_BYTES
+        while left > 0 and time.monotonic() < end:
+            data = self._raw.recv(min(left, 65536))
+            if not data:
+                return
+            left -= len(data)
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self.handle_one_request()
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass  # each answer is logged by _answer (or log_message, for http.server's own)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        self.server.admin.audit(f"{self.client_address[0]}: {(format % args)[:300]!r}")
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    def do_POST(self) -> None:
+        self._dispatch()
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_GET
+
+    # -- one request ----------------------------------------------------------------
+    def _dispatch(self) -> None:
+        admin = self.server.admin
+        admin.count("requests")
+        what = f"{self.command} {self.path[:200]!r}"
+        if self._cut_off:
+            return
+        if not admin.authorized(self.headers.get_all("Authorization") or []):
+            admin.count("unauthorized")
+            self._timer.cancel()
+            self._answer(401, {"error": "unauthorized"}, what, "refused: no or wrong bearer token")
+            return
+        try:
+            body = self._body()
+            self._timer.cancel()
+            if self._cut_off:
+                return
+            url = urlsplit(self.path)
+            if (self.command, url.path) == ("GET", "/status"):
+                self._answer(200, admin.status(), what, "ok")
+            elif (self.command, url.path) == ("POST", "/erase"):
+                reply, done = admin.erase(body)
+                self._answer(200, reply, what, done)
+            elif (self.command, url.path) == ("GET", "/lookup"):
+                reply = admin.lookup(url.query)
+                self._answer(200, reply, what, f"{reply['keys']} keys, {sum(reply['held'])} held")
+            elif url.path in ("/status", "/erase", "/lookup"):
+                raise _Refused(405, "method not allowed")
+            else:
+                raise _Refused(404, "no such endpoint (GET /status, POST /erase, GET /lookup)")
+        except _Refused as r:
+            self._timer.cancel()
+            self._answer(r.code, {"error": str(r)}, what, f"refused: {r}")
+        except Exception as err:  # a bug costs this request, not the node
+            self._answer(500, {"error": "internal error"}, what, f"FAILED: {type(err).__name__}: {err}")
+
+    def _body(self) -> Any:
+        """The JSON body (None when empty), read within the limits."""
+        if "Transfer-Encoding" in self.headers:
+            raise _Refused(411, "send a Content-Length, not a chunked body")
+        values = self.headers.get_all("Content-Length") or []
+        if len(values) > 1:
+            raise _Refused(400, "more than one Content-Length")
+        text = values[0].strip() if values else "0"
+        if not text.isdigit():
+            raise _Refused(400, "bad Content-Length")
+        length = int(text)
+        if length > MAX_BODY:
+            raise _Refused(413, f"body larger than {MAX_BODY} bytes")
+        if length == 0:
+            return None
+        data = self.rfile.read(length)
+        if len(data) != length:
+            raise _Refused(400, "body shorter than its Content-Length")
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError):
+            raise _Refused(400, "body is not JSON") from None
+
+    def _answer(self, code: int, obj: Any, what: str, outcome: str) -> None:
+        self.server.admin.audit(f"{self.client_address[0]}: {what} -> {code} {outcome}")
+        data = (json.dumps(obj, indent=1) + "\n").encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            if code == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="lmcache-node"')
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            pass

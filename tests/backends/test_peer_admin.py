@@ -1,0 +1,358 @@
+"""The node's admin HTTP API (``lmcache-core serve --admin``), on a real node in a
+child process, asked with a real HTTP client (:mod:`http.client`) on loopback.
+
+Status answers with the token and 401 without it or with a wrong one; a token file
+others can read, or ``--admin`` without a token file (loopback or not), stops the
+node at start. An erase of one namespace through the API removes its chunks from the
+node (a peer client's lookup then misses) while another namespace still hits, also
+across tenants. A body over the limit gets 413 unread; a client that trickles its
+request is cut off at the deadline; garbage requests never take the node down.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from lmcache_backend_peer import PeerClient
+from lmcache_backend_peer.admin import MAX_BODY
+from lmcache_backend_peer.shm import SHM_SUPPORTED
+from lmcache_core.keys import ChunkKey
+from lmcache_core.serde import RawCodec, encode
+
+from peer_node import PeerNode, first_line
+
+SECRET = "admin-test-secret-0123456789"
+TOKEN = "admin-token-0123456789abcdefXYZ"
+TIMEOUT_S = 1.0
+N = 4  # chunks per namespace
+NS_A, NS_B = bytes(range(16)), bytes(range(16, 32))
+
+
+def key(ns: bytes, i: int) -> ChunkKey:
+    return ChunkKey(ns, i.to_bytes(16, "big"))
+
+
+def frame(k: ChunkKey) -> bytes:
+    return encode(k, torch.full((2, 16, 8), 1.0, dtype=torch.float16), RawCodec())
+
+
+def private_file(path: Path, text: str, mode: int = 0o600) -> Path:
+    path.write_text(text)
+    os.chmod(path, mode)
+    return path
+
+
+class Admin:
+    """A node started with ``--admin 127.0.0.1:0``, its admin port and a client."""
+
+    def __init__(self, tmp: Path, options: list[str] = (), secret: bool = True, tls: tuple[Path, Path] | None = None) -> None:  # type: ignore[assignment]
+        token = private_file(tmp / "admin.token", TOKEN + "\n")
+        opts = [*options, "--admin", "127.0.0.1:0", "--admin-token-file", str(token), "--admin-timeout-s", str(TIMEOUT_S)]
+        if tls is not None:
+            opts += ["--admin-cert", str(tls[0]), "--admin-key", str(tls[1])]
+        self.node = PeerNode(opts, private_file(tmp / "peer.secret", SECRET + "\n") if secret else None)
+        assert self.node.proc is not None
+        line = first_line(self.node.proc, "admin API on ", timeout=10)
+        assert line is not None, "the node did not announce its admin API"
+        self.url = line.split()[-1]
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.tls = tls
+
+    def request(
+        self, method: str, path: str, body: Any = None, token: str | None = TOKEN, raw: bytes | None = None
+    ) -> tuple[int, Any]:
+        if self.tls is not None:
+            ctx = ssl.create_default_context(cafile=str(self.tls[0]))
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=10, context=ctx)
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            payload = resp.read()
+            return resp.status, json.loads(payload) if payload else None
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.node.stop()
+
+
+@pytest.fixture(scope="module")
+def admin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Admin]:
+    a = Admin(tmp_path_factory.mktemp("admin"), ["--max-size", "16MiB"])
+    yield a
+    a.stop()
+
+
+def client(a: Admin, secret: str = SECRET, tenant: str | None = None) -> PeerClient:
+    return PeerClient(("127.0.0.1", a.node.port), secret.encode(), timeout=5.0, tenant=tenant)
+
+
+def test_status_needs_the_right_token(admin: Admin) -> None:
+    code, body = admin.request("GET", "/status")
+    assert code == 200
+    tier = body["tiers"][0]
+    assert {"bytes", "chunks", "max_bytes", "evictions"} <= set(tier) and tier["max_bytes"] == 16 << 20
+    assert {"lookup", "get", "locate"} == set(body["hits"])
+    # negative controls: no token, a wrong one of the same length, another scheme
+    assert admin.request("GET", "/status", token=None) == (401, {"error": "unauthorized"})
+    assert admin.request("GET", "/status", token=TOKEN[:-1] + "Q")[0] == 401
+    conn = http.client.HTTPConnection("127.0.0.1", admin.port, timeout=10)
+    conn.request("GET", "/status", headers={"Authorization": f"Basic {TOKEN}"})
+    assert conn.getresponse().status == 401
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", admin.port, timeout=10)
+    conn.putrequest("GET", "/status")
+    conn.putheader("Authorization", f"Bearer {TOKEN}")
+    conn.putheader("Authorization", f"Bearer {TOKEN}")  # two: refused, whichever is right
+    conn.endheaders()
+    assert conn.getresponse().status == 401
+    conn.close()
+    # an unknown path is not told apart without the token
+    assert admin.request("GET", "/nope", token=None)[0] == 401
+    assert admin.request("GET", "/nope")[0] == 404
+
+
+def test_erase_one_namespace_through_the_api(admin: Admin) -> None:
+    c = client(admin)
+    try:
+        for ns in (NS_A, NS_B):
+            for i in range(N):
+                assert c.put(key(ns, i), frame(key(ns, i)))
+        keys_a, keys_b = [key(NS_A, i) for i in range(N)], [key(NS_B, i) for i in range(N)]
+        assert c.lookup(keys_a) == N and c.lookup(keys_b) == N
+        code, body = admin.request("GET", "/lookup?keys=" + ",".join(str(k) for k in keys_a))
+        assert code == 200 and body["held"] == [True] * N and body["prefix_held"] == N
+        assert admin.request("POST", "/erase", {"namespaces": [NS_A.hex()], "dry_run": True}) == (
+            200,
+            {"would_erase": N, "dry_run": True, "tier": "node"},
+        )
+        assert c.lookup(keys_a) == N  # a dry run deletes nothing
+        code, body = admin.request("POST", "/erase", {"namespaces": [NS_A.hex()]})
+        assert code == 200 and body["erased"] == N
+        assert c.lookup(keys_a) == 0 and c.get(keys_a) == [None] * N  # erased: misses
+        assert c.lookup(keys_b) == N  # the other namespace still hits
+        assert [bytes(f) if f is not None else None for f in c.get(keys_b)] == [frame(k) for k in keys_b]
+        code, body = admin.request("GET", "/status")
+        assert body["tiers"][0]["chunks"] == N and body["admin"]["erased_chunks"] == N
+        assert body["hits"]["lookup"]["hits"] >= 3 * N  # the lookups above were counted
+        code, body = admin.request("GET", "/lookup?keys=" + ",".join(str(k) for k in keys_a + keys_b))
+        assert body["held"] == [False] * N + [True] * N and body["prefix_held"] == 0
+        assert admin.request("POST", "/erase", {"all": True})[1]["erased"] == N
+        assert c.lookup(keys_b) == 0
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"namespaces": ["xyz"]},
+        {"namespaces": [NS_A.hex().upper()]},
+        {"namespaces": [], "all": True},
+        {"all": True, "path": "/etc"},
+        {"all": "yes"},
+        [1, 2],
+    ],
+)
+def test_erase_refuses_bad_bodies(admin: Admin, body: Any) -> None:
+    code, reply = admin.request("POST", "/erase", body)
+    assert code == 400 and "error" in reply
+
+
+def test_erase_across_tenants(tmp_path: Path) -> None:
+    tenants = private_file(tmp_path / "tenants", "alice alice-secret-0123456789\nbob bob-secret-0123456789abc\n")
+    a = Admin(tmp_path, ["--max-size", "16MiB", "--tenants-file", str(tenants)], secret=False)
+    alice = client(a, "alice-secret-0123456789", "alice")
+    bob = client(a, "bob-secret-0123456789abc", "bob")
+    try:
+        for c, spaces in ((alice, (NS_A, NS_B)), (bob, (NS_A,))):
+            for ns in spaces:
+                for i in range(N):
+                    assert c.put(key(ns, i), frame(key(ns, i)))
+        usage = a.request("GET", "/status")[1]["tenants"]
+        assert usage["alice"]["chunks"] == 2 * N and usage["bob"]["chunks"] == N
+        code, body = a.request("GET", f"/lookup?keys={key(NS_B, 0)}&tenant=bob")
+        assert code == 200 and body["held"] == [False]  # bob never wrote NS_B
+        assert a.request("GET", f"/lookup?keys={key(NS_B, 0)}&tenant=alice")[1]["held"] == [True]
+        assert a.request("GET", f"/lookup?keys={key(NS_B, 0)}&tenant=eve")[0] == 404
+        assert a.request("POST", "/erase", {"namespaces": [NS_A.hex()]})[1]["erased"] == 2 * N
+        keys_a, keys_b = [key(NS_A, i) for i in range(N)], [key(NS_B, i) for i in range(N)]
+        assert alice.lookup(keys_a) == 0 and bob.lookup(keys_a) == 0
+        assert alice.lookup(keys_b) == N
+        usage = a.request("GET", "/status")[1]["tenants"]
+        assert usage["alice"]["chunks"] == N and usage["bob"]["chunks"] == 0
+    finally:
+        alice.close()
+        bob.close()
+        a.stop()
+
+
+@pytest.mark.skipif(not SHM_SUPPORTED, reason="no shared-memory fast path on this host")
+def test_erase_from_shared_memory_arenas(tmp_path: Path) -> None:
+    sock = Path(tempfile.mkdtemp(prefix="adm", dir="/tmp")) / "node.sock"  # short: AF_UNIX paths are bounded
+    a = Admin(tmp_path, ["--max-size", "16MiB", "--unix-socket", str(sock)])
+    c = client(a)
+    try:
+        status = a.request("GET", "/status")[1]
+        assert status["tiers"][0]["kind"] == "shared-memory arenas"
+        for ns in (NS_A, NS_B):
+            for i in range(N):
+                assert c.put(key(ns, i), frame(key(ns, i)))
+        assert a.request("POST", "/erase", {"namespaces": [NS_B.hex()]})[1]["erased"] == N
+        assert c.lookup([key(NS_B, i) for i in range(N)]) == 0
+        assert c.lookup([key(NS_A, i) for i in range(N)]) == N
+        assert a.request("GET", "/status")[1]["tiers"][0]["chunks"] == N
+    finally:
+        c.close()
+        a.stop()
+        shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+def start_fails(tmp_path: Path, options: list[str]) -> str:
+    """Start a node that must refuse to start: its stderr."""
+    secret = private_file(tmp_path / "peer.secret", SECRET + "\n")
+    exe = shutil.which("lmcache-core", path=os.path.dirname(sys.executable))
+    assert exe, "install the core (pip install -e .) for its console script"
+    proc = subprocess.run(
+        [exe, "serve", "--listen", "127.0.0.1:0", "--secret-file", str(secret), *options],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "listening on" not in proc.stdout
+    return proc.stderr
+
+
+def test_token_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    token = private_file(tmp_path / "token", TOKEN + "\n", mode=0o644)
+    err = start_fails(tmp_path, ["--admin", "127.0.0.1:0", "--admin-token-file", str(token)])
+    assert "mode 0644" in err and "chmod 600" in err
+    os.chmod(token, 0o640)
+    assert "mode 0640" in start_fails(tmp_path, ["--admin", "127.0.0.1:0", "--admin-token-file", str(token)])
+    short = private_file(tmp_path / "short", "abc\n")
+    assert "at least 16" in start_fails(tmp_path, ["--admin", "127.0.0.1:0", "--admin-token-file", str(short)])
+    link = tmp_path / "link"
+    link.symlink_to(private_file(tmp_path / "good", TOKEN))
+    assert "symbolic link" in start_fails(tmp_path, ["--admin", "127.0.0.1:0", "--admin-token-file", str(link)])
+
+
+def test_admin_without_a_token_is_refused(tmp_path: Path) -> None:
+    err = start_fails(tmp_path, ["--admin", "0.0.0.0:0"])
+    assert "--admin needs --admin-token-file" in err and "not loopback" in err
+    # loopback too: every local user reaches it
+    assert "--admin needs --admin-token-file" in start_fails(tmp_path, ["--admin", "127.0.0.1:0"])
+    token = private_file(tmp_path / "token", TOKEN)
+    assert "need --admin HOST:PORT" in start_fails(tmp_path, ["--admin-token-file", str(token)])
+
+
+def test_oversize_body_gets_413_unread(admin: Admin) -> None:
+    code, body = admin.request("POST", "/erase", raw=b"{" + b" " * MAX_BODY + b"}")
+    assert code == 413 and "larger" in body["error"]
+    assert admin.request("POST", "/erase", raw=b" " * (MAX_BODY + 1), token=None)[0] == 401
+    assert admin.request("POST", "/erase", raw=b'{"all": true, "dry_run": true}')[0] == 200  # at the limit: fine
+
+
+def test_slow_client_is_cut_off(admin: Admin) -> None:
+    sock = socket.create_connection(("127.0.0.1", admin.port), timeout=10)
+    start = time.monotonic()
+    closed_after = None
+    try:
+        sock.sendall(b"GET /status HTTP/1.1\r\n")
+        # a header line every 0.2 s: each read completes well within the timeout
+        while time.monotonic() - start < TIMEOUT_S + 4:
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                closed_after = time.monotonic() - start
+                break
+            sock.settimeout(0.2)
+            try:
+                if sock.recv(4096) == b"":
+                    closed_after = time.monotonic() - start
+                    break
+            except socket.timeout:
+                pass
+            except OSError:
+                closed_after = time.monotonic() - start
+                break
+    finally:
+        sock.close()
+    print(f"slow client cut off after {closed_after} s (timeout {TIMEOUT_S} s)")
+    assert closed_after is not None and TIMEOUT_S - 0.1 <= closed_after <= TIMEOUT_S + 1.5
+    assert admin.request("GET", "/status")[0] == 200  # the node goes on
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x16\x03\x01\x00\xff garbage\r\n\r\n",
+        b"GET /status HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: -5\r\n\r\n",
+        b"POST /erase HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n",
+        b"GET /lookup?keys=%ff%00&keys=2 HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n",
+        b"GET /../../etc/passwd HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n",
+        b"POST /erase HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 9\r\n\r\n[[[[[[[[[",
+    ],
+)
+def test_garbage_requests_never_take_the_node_down(admin: Admin, raw: bytes) -> None:
+    sock = socket.create_connection(("127.0.0.1", admin.port), timeout=10)
+    try:
+        sock.sendall(raw)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    except OSError:
+        reply = b""
+    finally:
+        sock.close()
+    assert not reply.startswith(b"HTTP/1.1 200") and not reply.startswith(b"HTTP/1.0 200")
+    assert b"root:" not in reply
+    assert admin.request("GET", "/status")[0] == 200
+
+
+def test_tls(tmp_path: Path) -> None:
+    cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    try:
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+            + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key_file), "-out", str(cert)],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.CalledProcessError) as err:
+        pytest.skip(f"cannot make a test certificate with openssl: {err}")
+    a = Admin(tmp_path, ["--max-size", "1MiB"], tls=(cert, key_file))
+    try:
+        assert a.url.startswith("https://")
+        assert a.request("GET", "/status")[0] == 200
+        assert a.request("GET", "/status", token="wrong-token-0123456789")[0] == 401
+        plain = http.client.HTTPConnection("127.0.0.1", a.port, timeout=10)  # no TLS: no answer
+        with pytest.raises((http.client.HTTPException, OSError)):
+            plain.request("GET", "/status", headers={"Authorization": f"Bearer {TOKEN}"})
+            plain.getresponse()
+        plain.close()
+    finally:
+        a.stop()

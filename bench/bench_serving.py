@@ -697,6 +697,19 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
 
 
 # -- report -------------------------------------------------------------------------------
+def json_seconds(merged: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
+    """TTFT p50 and p90 of every arm and workload@concurrency, the figures
+    ``--json`` writes (seconds; a run with no TTFT is left out)."""
+    out: dict[str, float] = {}
+    for arm, runs in merged.items():
+        for key, s in runs.items():
+            for f in ("ttft_p50", "ttft_p90"):
+                v = s.get(f)
+                if isinstance(v, (int, float)) and v == v:
+                    out[f"{arm} {key} {f}"] = float(v)
+    return out
+
+
 def merge(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """arm -> workload@c -> the median over rounds of each figure (outputs from round 1)."""
     by: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -885,6 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="fewer, shorter requests; concurrency 1 and 4")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"))
+    p.add_argument("--json", type=Path, default=None, help="also write TTFT p50/p90 per arm and workload (seconds) here")
     a = p.parse_args(argv)
     bad = [kv for kv in a.server_env if "=" not in kv]
     if bad:
@@ -943,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.md").write_text("\n".join(lines))
     (out / "results.json").write_text(json.dumps({"args": vars(a), "rounds": rounds}, default=str, indent=1))
     plot(merged, out)
+    if a.json is not None:  # for bench/tools/before_after.py
+        a.json.write_text(json.dumps({"seconds": json_seconds(merged)}, indent=1))
     log("\n".join(lines))
     return 0
 

@@ -7,6 +7,7 @@ from another day.
 
     python bench/tools/before_after.py --base a3410f9^ --rounds 2 bench_connector.py --quick
     python bench/tools/before_after.py --base a3410f9^ bench_burst.py --quick
+    python bench/tools/before_after.py --base a3410f9^ bench_serving.py --quick --arms lmc-cpu --workloads docqa
 
 ``REV`` is checked out into a temporary git worktree. Both sides run *this* tree's
 ``bench/BENCH`` (so the measurement is the same) with ``--json PATH`` appended, in a
@@ -76,7 +77,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the revision measured as 'before' (anything git rev-parse takes)")
     ap.add_argument("--rounds", type=int, default=2, help="runs per side, alternating the order (default 2)")
-    ap.add_argument("bench", help="a script in bench/ that takes --json PATH (bench_connector.py, bench_burst.py)")
+    ap.add_argument(
+        "bench", help="a script in bench/ that takes --json PATH (bench_connector.py, bench_burst.py, bench_serving.py)"
+    )
     ap.add_argument("bench_args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     base = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", a.base], capture_output=True, text=True, check=True)

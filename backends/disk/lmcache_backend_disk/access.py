@@ -33,7 +33,7 @@ from .owners import Owners, TempJudge
 log = logging.getLogger("lmcache_backend_disk.backend")
 
 
-class _ShardRefused(Exception):
+class ShardRefused(Exception):
     """The shard directory is a symbolic link or not a directory: never entered."""
 
 
@@ -161,7 +161,7 @@ class DirAccess(StorageBackend):
     @contextmanager
     def _shard(self, key: ChunkKey, *, create: bool = False) -> Iterator[int]:
         """The key's shard directory as a descriptor, opened without following a
-        link; raises :class:`_ShardRefused` for a link (logged once per shard) and
+        link; raises :class:`ShardRefused` for a link (logged once per shard) and
         FileNotFoundError for a missing shard (``create`` makes it)."""
         name = shard_name(key)
         if self._root_fd is None:
@@ -178,7 +178,7 @@ class DirAccess(StorageBackend):
             fd = self._open_shard_or_refuse(name)
         except OSError as err:
             self._refuse_shard(name, err)
-            raise _ShardRefused(name) from None
+            raise ShardRefused(name) from None
         try:
             yield fd
         finally:
@@ -189,7 +189,7 @@ class DirAccess(StorageBackend):
             return open_dir(name, self._root_fd)
         except OSError as err:
             self._refuse_shard(name, err)
-            raise _ShardRefused(name) from None
+            raise ShardRefused(name) from None
 
     def _refuse_shard(self, name: str, err: OSError) -> None:
         with self._lock:

@@ -63,7 +63,7 @@ from lmcache_core.keys import ChunkKey
 from lmcache_core.plugins import get_plugin_manager
 from lmcache_core.frames import Codec, FrameWriter
 
-from .access import _ShardRefused
+from .access import ShardRefused
 from .chunkio import ChunkIO
 from .config import DiskConfig
 from .directory import FANOUT, TierDirectory, open_dir, parse_chunk_name
@@ -171,7 +171,7 @@ class DiskBackend(ChunkIO):
         try:
             with self._shard(key, create=True) as dfd:
                 return self._put_in(key, data, dfd)
-        except _ShardRefused:
+        except ShardRefused:
             with self._lock:
                 self._stats.skipped += 1
             return False
@@ -242,7 +242,7 @@ class DiskBackend(ChunkIO):
         try:
             with self._shard(key) as dfd:
                 return self._get_in(key, out, dfd)
-        except (FileNotFoundError, NotADirectoryError, _ShardRefused):
+        except (FileNotFoundError, NotADirectoryError, ShardRefused):
             return self._miss(key)
 
     def remove(self, key: ChunkKey) -> bool:

@@ -20,7 +20,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 from lmcache_core.keys import ChunkKey
 
-from .access import _ShardRefused
+from .access import ShardRefused
 from .budget import DirBudget
 from .catalog import Catalog
 from .directory import FANOUT, shard_name, temp_name
@@ -133,7 +133,7 @@ class BudgetKeeper(Catalog):
                 return st.st_size
         except FileNotFoundError:
             return 0
-        except (OSError, _ShardRefused) as err:
+        except (OSError, ShardRefused) as err:
             log.warning("disk tier: cannot remove %s: %s", self.root / shard_name(key) / name, err)
             return 0
 

@@ -240,70 +240,85 @@ class PluginManager:
             ):
                 return
             self._ensure_entry_points()
-            backends: dict[str, BackendInfo] = {}
-            codecs: dict[str, CodecInfo] = {}
-            # Call each implementation separately so every registration is attributed
-            # to the plugin (and distribution) that made it. Later-registered plugins
-            # come first in pluggy's order; iterate in registration order instead.
-            for impl in reversed(self._pm.hook.register_backends.get_hookimpls()):
-                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
-
-                def reg_backend(
-                    name: str,
-                    factory: Union[BackendFactory, str],
-                    *,
-                    description: str = "",
-                    pool_bytes: Union[PoolBytes, str, None] = None,
-                    _o: Origin = origin,
-                ) -> None:
-                    if not isinstance(name, str) or not name.isidentifier():
-                        raise ValueError(f"plugin {_o.plugin}: backend name {name!r} must be an identifier")
-                    for what, ref in (("factory", factory), ("pool_bytes", pool_bytes)):
-                        if isinstance(ref, str):
-                            check_ref(ref)
-                        elif not callable(ref) and not (what == "pool_bytes" and ref is None):
-                            raise ValueError(
-                                f"plugin {_o.plugin}: backend {name!r}: {what} {ref!r} is neither callable nor a dotted path"
-                            )
-                    _put(backends, "backend", BackendInfo(name, factory, _o, description, pool_bytes))
-
-                self._call_impl(impl, reg_backend)
-            for impl in reversed(self._pm.hook.register_codecs.get_hookimpls()):
-                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
-
-                def reg_codec(codec: Codec, *, description: str = "", _o: Origin = origin) -> None:
-                    codecs[codec.name] = CodecInfo(codec, _o, description)
-
-                self._call_impl(impl, reg_codec)
-            policies: dict[str, PolicyInfo] = {}
-            for impl in reversed(self._pm.hook.register_eviction_policies.get_hookimpls()):
-                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
-
-                def reg_policy(name: str, factory: PolicyFactory, *, description: str = "", _o: Origin = origin) -> None:
-                    if not isinstance(name, str) or not name.isidentifier():
-                        raise ValueError(f"plugin {_o.plugin}: eviction policy name {name!r} must be an identifier")
-                    _put(policies, "eviction policy", PolicyInfo(name, factory, _o, description))
-
-                self._call_impl(impl, reg_policy)
-            commands: dict[str, CommandInfo] = {}
-            for impl in reversed(self._pm.hook.register_commands.get_hookimpls()):
-                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
-
-                def reg_command(name: str, setup: Union[CommandSetup, str], *, help: str = "", _o: Origin = origin) -> None:
-                    if not isinstance(name, str) or not _COMMAND_NAME.match(name):
-                        raise ValueError(f"plugin {_o.plugin}: command name {name!r} must be lower-case letters, digits and '-'")
-                    if name in BUILTIN_COMMANDS:
-                        raise ValueError(f"plugin {_o.plugin}: command name {name!r} is taken by lmcache-core itself")
-                    if isinstance(setup, str):
-                        check_ref(setup)
-                    elif not callable(setup):
-                        raise ValueError(
-                            f"plugin {_o.plugin}: command {name!r}: setup {setup!r} is neither callable nor a dotted path"
-                        )
-                    _put(commands, "command", CommandInfo(name, setup, _o, help))
-
-                self._call_impl(impl, reg_command)
+            backends, codecs = self._collect_backends(), self._collect_codecs()
+            policies, commands = self._collect_policies(), self._collect_commands()
             self._backends, self._codecs, self._policies, self._commands = backends, codecs, policies, commands
+
+    def _impls(self, hook: pluggy.HookCaller) -> Iterator[tuple[pluggy.HookImpl, Origin]]:
+        """``hook``'s implementations in registration order, each with its plugin's
+        origin. Each is called on its own, so every registration is attributed to the
+        plugin (and distribution) that made it; pluggy's own order puts the
+        later-registered plugins first."""
+        for impl in reversed(hook.get_hookimpls()):
+            yield impl, self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
+
+    def _collect_backends(self) -> dict[str, BackendInfo]:
+        backends: dict[str, BackendInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_backends):
+
+            def reg_backend(
+                name: str,
+                factory: Union[BackendFactory, str],
+                *,
+                description: str = "",
+                pool_bytes: Union[PoolBytes, str, None] = None,
+                _o: Origin = origin,
+            ) -> None:
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise ValueError(f"plugin {_o.plugin}: backend name {name!r} must be an identifier")
+                for what, ref in (("factory", factory), ("pool_bytes", pool_bytes)):
+                    if isinstance(ref, str):
+                        check_ref(ref)
+                    elif not callable(ref) and not (what == "pool_bytes" and ref is None):
+                        raise ValueError(
+                            f"plugin {_o.plugin}: backend {name!r}: {what} {ref!r} is neither callable nor a dotted path"
+                        )
+                _put(backends, "backend", BackendInfo(name, factory, _o, description, pool_bytes))
+
+            self._call_impl(impl, reg_backend)
+        return backends
+
+    def _collect_codecs(self) -> dict[str, CodecInfo]:
+        codecs: dict[str, CodecInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_codecs):
+
+            def reg_codec(codec: Codec, *, description: str = "", _o: Origin = origin) -> None:
+                codecs[codec.name] = CodecInfo(codec, _o, description)
+
+            self._call_impl(impl, reg_codec)
+        return codecs
+
+    def _collect_policies(self) -> dict[str, PolicyInfo]:
+        policies: dict[str, PolicyInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_eviction_policies):
+
+            def reg_policy(name: str, factory: PolicyFactory, *, description: str = "", _o: Origin = origin) -> None:
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise ValueError(f"plugin {_o.plugin}: eviction policy name {name!r} must be an identifier")
+                _put(policies, "eviction policy", PolicyInfo(name, factory, _o, description))
+
+            self._call_impl(impl, reg_policy)
+        return policies
+
+    def _collect_commands(self) -> dict[str, CommandInfo]:
+        commands: dict[str, CommandInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_commands):
+
+            def reg_command(name: str, setup: Union[CommandSetup, str], *, help: str = "", _o: Origin = origin) -> None:
+                if not isinstance(name, str) or not _COMMAND_NAME.match(name):
+                    raise ValueError(f"plugin {_o.plugin}: command name {name!r} must be lower-case letters, digits and '-'")
+                if name in BUILTIN_COMMANDS:
+                    raise ValueError(f"plugin {_o.plugin}: command name {name!r} is taken by lmcache-core itself")
+                if isinstance(setup, str):
+                    check_ref(setup)
+                elif not callable(setup):
+                    raise ValueError(
+                        f"plugin {_o.plugin}: command {name!r}: setup {setup!r} is neither callable nor a dotted path"
+                    )
+                _put(commands, "command", CommandInfo(name, setup, _o, help))
+
+            self._call_impl(impl, reg_command)
+        return commands
 
     def _call_impl(self, impl: pluggy.HookImpl, register: Any) -> None:
         try:

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Union
 import pluggy
 
 from .backend import BackendContext, BackendFactory, StorageBackend
-from .config import ENV_BLOCK_PLUGINS, BackendSection, ConfigError
+from .config import ENV_BLOCK_PLUGINS, BackendSection, ConfigError, CoreConfig, StrictModel, config_model
 from .eviction import EvictionPolicy, PolicyFactory
 from .hookspecs import PROJECT, Command, CommandSetup, PoolBytes, Spec
 from .lazy import check_ref, resolve_ref
@@ -93,6 +93,14 @@ class CommandInfo:
         if not callable(command):
             raise TypeError(f"command {self.name!r} from {self.origin.distribution}: setup returned {command!r}, not a callable")
         return command
+
+
+@dataclass(frozen=True)
+class SectionInfo:
+    name: str
+    model: type[StrictModel]
+    origin: Origin
+    description: str = ""
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,7 @@ class PluginManager:
         self._codecs: dict[str, CodecInfo] | None = None
         self._policies: dict[str, PolicyInfo] | None = None
         self._commands: dict[str, CommandInfo] | None = None
+        self._sections: dict[str, SectionInfo] | None = None
         self.load_errors: list[str] = []
         env = os.environ if env is None else env
         self.blocked = {n.strip() for n in env.get(ENV_BLOCK_PLUGINS, "").split(",") if n.strip()}
@@ -179,7 +188,7 @@ class PluginManager:
         with self._lock:
             self._register_checked(plugin, name)
             self._origins[name] = origin or Origin(name, "(registered in code)", "")
-            self._backends = self._codecs = self._policies = self._commands = None
+            self._backends = self._codecs = self._policies = self._commands = self._sections = None
 
     def _register_checked(self, plugin: object, name: str) -> None:
         try:
@@ -197,7 +206,7 @@ class PluginManager:
         with self._lock:
             self._pm.unregister(name=name)
             self._origins.pop(name, None)
-            self._backends = self._codecs = self._policies = self._commands = None
+            self._backends = self._codecs = self._policies = self._commands = self._sections = None
 
     @contextmanager
     def registered(self, plugin: object, *, name: str) -> Iterator[None]:
@@ -237,11 +246,13 @@ class PluginManager:
                 and self._codecs is not None
                 and self._policies is not None
                 and self._commands is not None
+                and self._sections is not None
             ):
                 return
             self._ensure_entry_points()
             backends, codecs = self._collect_backends(), self._collect_codecs()
             policies, commands = self._collect_policies(), self._collect_commands()
+            self._sections = self._collect_sections()
             self._backends, self._codecs, self._policies, self._commands = backends, codecs, policies, commands
 
     def _impls(self, hook: pluggy.HookCaller) -> Iterator[tuple[pluggy.HookImpl, Origin]]:
@@ -320,6 +331,22 @@ class PluginManager:
             self._call_impl(impl, reg_command)
         return commands
 
+    def _collect_sections(self) -> dict[str, SectionInfo]:
+        sections: dict[str, SectionInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_config_sections):
+
+            def reg_section(name: str, model: type[StrictModel], *, description: str = "", _o: Origin = origin) -> None:
+                if not isinstance(name, str) or not name.isidentifier() or "_" in name:
+                    raise ValueError(f"plugin {_o.plugin}: config section name {name!r} must be a word (letters, digits)")
+                if name in CoreConfig.model_fields:
+                    raise ValueError(f"plugin {_o.plugin}: config section {name!r} is a key of lmcache-core itself")
+                if not (isinstance(model, type) and issubclass(model, StrictModel)):
+                    raise ValueError(f"plugin {_o.plugin}: config section {name!r}: {model!r} is not a StrictModel class")
+                _put(sections, "config section", SectionInfo(name, model, _o, description))
+
+            self._call_impl(impl, reg_section)
+        return sections
+
     def _call_impl(self, impl: pluggy.HookImpl, register: Any) -> None:
         try:
             impl.function(**({"register": register} if "register" in impl.argnames else {}))
@@ -345,6 +372,18 @@ class PluginManager:
         self._collect()
         assert self._commands is not None
         return dict(self._commands)
+
+    def config_sections(self) -> dict[str, SectionInfo]:
+        """Top-level config sections plugins add (the vLLM connector's ``connector``)."""
+        self._collect()
+        assert self._sections is not None
+        return dict(self._sections)
+
+    def config_model(self) -> type[CoreConfig]:
+        """The config's model with the installed plugins' sections: what
+        :func:`~lmcache_core.config.load_config` takes as ``model`` wherever a user's
+        config is read (``lmcache-core config``, ``erase``, ``replay``)."""
+        return config_model({n: (s.model, s.description) for n, s in self.config_sections().items()})
 
     def eviction_policies(self) -> dict[str, PolicyInfo]:
         self._collect()

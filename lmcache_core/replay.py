@@ -709,14 +709,16 @@ def _run_config(
     for k, policy in enumerate(runs, start=1):
         tmp = tempfile.mkdtemp(prefix="lmcache-replay-")
         try:
-            sections, tiers = _config_sections(args.config, report.block_bytes, policy or None, tmp)
+            sections, tiers = _config_sections(args.config, report.block_bytes, policy or None, tmp, pm.config_model())
             overrides = {
                 "backends": sections,
                 "chunk_size": report.block_tokens,
                 "staging_size": _staging(trace, len(sections)),
                 "write_queue_size": max(256, trace.max_path() + 1),
             }
-            loaded = load_config(args.config, overrides=overrides, overrides_source="lmcache-core replay")
+            loaded = load_config(
+                args.config, overrides=overrides, overrides_source="lmcache-core replay", model=pm.config_model()
+            )
             name = policy or str(sections[0].get("eviction", "tinylfu" if sections[0]["name"] == "local_cpu" else "config"))
             if not report.rows:
                 total = sum(b for _, b in tiers)
@@ -730,14 +732,14 @@ def _run_config(
 
 
 def _config_sections(
-    path: str, block_bytes: int, policy: str | None, tmp: str
+    path: str, block_bytes: int, policy: str | None, tmp: str, model: type[CoreConfig]
 ) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
     """The config's ``backends:`` rewritten for a replay: sizes in simulated blocks,
     a disk tier in a private temporary directory (never the real cache's: its byte
     budget would evict real chunks) without fsync; ``policy`` for every CPU tier."""
     from .local_cpu import DEFAULT_EVICTION, LocalCpuConfig
 
-    loaded = load_config(path)
+    loaded = load_config(path, model=model)
     source = loaded.source_of("backends")
     out: list[dict[str, Any]] = []
     tiers: list[tuple[str, int]] = []

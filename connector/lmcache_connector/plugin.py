@@ -1,10 +1,18 @@
 """Entry point ``connector`` in the group ``lmcache_core.backends``: the
 ``lmcache-core demo`` and ``warm`` commands, by dotted path (nothing of vLLM is imported until the
-demo runs)."""
+demo runs), and the ``connector:`` section of the config (:mod:`lmcache_connector.settings`,
+which imports nothing of vLLM either)."""
 
 from __future__ import annotations
 
-from lmcache_core.hookspecs import RegisterCommand, hookimpl
+from lmcache_core.hookspecs import RegisterCommand, RegisterConfigSection, hookimpl
+
+from .settings import SECTION_DESCRIPTION, ConnectorSection
+
+
+@hookimpl
+def register_config_sections(register: RegisterConfigSection) -> None:
+    register("connector", ConnectorSection, description=SECTION_DESCRIPTION)
 
 
 @hookimpl

@@ -70,7 +70,7 @@ class RegisterEvictionPolicy(Protocol):
 
 
 class RegisterConfigSection(Protocol):
-    def __call__(self, name: str, model: type[StrictModel], *, description: str = "") -> None: ...
+    def __call__(self, name: str, model: Union[type[StrictModel], str], *, description: str = "") -> None: ...
 
 
 class Spec:
@@ -101,7 +101,8 @@ class Spec:
     def register_config_sections(self, register: RegisterConfigSection) -> None:
         """Call ``register(name, model, description=...)`` once per top-level section
         this plugin reads from the config (the vLLM connector: ``connector``).
-        ``model`` (a :class:`~lmcache_core.config.StrictModel`) validates it; its keys
+        ``model`` (a :class:`~lmcache_core.config.StrictModel` class, or its dotted
+        path, imported when a config is loaded with the section) validates it; its keys
         merge one by one across sources (file, ``LMCACHE_CORE_<NAME>_<KEY>`` env vars,
         overrides) and ``lmcache-core config`` shows them. The core never reads them:
         the plugin gets them as ``loaded.config.<name>`` from a config loaded with

@@ -98,9 +98,24 @@ class CommandInfo:
 @dataclass(frozen=True)
 class SectionInfo:
     name: str
-    model: type[StrictModel]
+    model: Union[type[StrictModel], str]  # a class, or a dotted path imported on first use
     origin: Origin
     description: str = ""
+
+    def load_model(self) -> type[StrictModel]:
+        """The section's model, importing it now when it was registered by dotted path."""
+        try:
+            model = resolve_ref(self.model) if isinstance(self.model, str) else self.model
+        except (ImportError, AttributeError) as err:
+            raise PluginError(
+                f"config section {self.name!r} from {self.origin.distribution} {self.origin.version} failed to load: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        if not (isinstance(model, type) and issubclass(model, StrictModel)):
+            raise PluginError(
+                f"config section {self.name!r} from {self.origin.distribution}: {model!r} is not a StrictModel class"
+            )
+        return model
 
 
 @dataclass(frozen=True)
@@ -335,12 +350,16 @@ class PluginManager:
         sections: dict[str, SectionInfo] = {}
         for impl, origin in self._impls(self._pm.hook.register_config_sections):
 
-            def reg_section(name: str, model: type[StrictModel], *, description: str = "", _o: Origin = origin) -> None:
+            def reg_section(
+                name: str, model: Union[type[StrictModel], str], *, description: str = "", _o: Origin = origin
+            ) -> None:
                 if not isinstance(name, str) or not name.isidentifier() or "_" in name:
                     raise ValueError(f"plugin {_o.plugin}: config section name {name!r} must be a word (letters, digits)")
                 if name in CoreConfig.model_fields:
                     raise ValueError(f"plugin {_o.plugin}: config section {name!r} is a key of lmcache-core itself")
-                if not (isinstance(model, type) and issubclass(model, StrictModel)):
+                if isinstance(model, str):
+                    check_ref(model)
+                elif not (isinstance(model, type) and issubclass(model, StrictModel)):
                     raise ValueError(f"plugin {_o.plugin}: config section {name!r}: {model!r} is not a StrictModel class")
                 _put(sections, "config section", SectionInfo(name, model, _o, description))
 
@@ -383,7 +402,7 @@ class PluginManager:
         """The config's model with the installed plugins' sections: what
         :func:`~lmcache_core.config.load_config` takes as ``model`` wherever a user's
         config is read (``lmcache-core config``, ``erase``, ``replay``)."""
-        return config_model({n: (s.model, s.description) for n, s in self.config_sections().items()})
+        return config_model({n: (s.load_model(), s.description) for n, s in self.config_sections().items()})
 
     def eviction_policies(self) -> dict[str, PolicyInfo]:
         self._collect()

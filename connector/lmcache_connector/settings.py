@@ -19,6 +19,8 @@ from pydantic import BeforeValidator, Field, StrictStr
 
 from lmcache_core.config import MINUTE, ByteSize, CoreConfig, Flag, StrictModel, seconds, true_false_or
 
+from .plugin import SECTION_DESCRIPTION
+
 #: connector.async_loads: in the background only when a tier slower than memory serves the
 #: hit; connector.async_saves: in the background where the engine connector says its host
 #: has cores to spare for them (vLLM-CPU's server)
@@ -110,10 +112,6 @@ class ConnectorSection(StrictModel):
         "load_policy",
         "load_margin",
     )
-
-
-#: the section's description, in ``lmcache-core config`` and the config's model
-SECTION_DESCRIPTION = "the connector's policy: what it saves and loads, and how (merged key by key across sources)"
 
 
 class ConnectorConfig(CoreConfig):

@@ -310,7 +310,7 @@ def test_the_installed_connector_registers_its_section() -> None:
 
     pm = PluginManager(env={})
     info = pm.config_sections()["connector"]
-    assert info.model is ConnectorSection and info.origin.distribution == "lmcache-connector-vllm"
+    assert info.load_model() is ConnectorSection and info.origin.distribution == "lmcache-connector-vllm"
     model = pm.config_model()
     assert model.model_fields.keys() == ConnectorConfig.model_fields.keys() and model.moved_keys == ConnectorConfig.moved_keys
     assert model.model_fields["connector"].description == ConnectorConfig.model_fields["connector"].description

@@ -14,7 +14,7 @@ from pydantic import Field
 from lmcache_core import cli
 from lmcache_core.config import ConfigError, CoreConfig, Flag, StrictModel, config_model, load_config
 from lmcache_core.hookspecs import RegisterConfigSection, hookimpl
-from lmcache_core.plugins import PluginManager
+from lmcache_core.plugins import PluginError, PluginManager
 
 
 class ProbeSection(StrictModel):
@@ -76,6 +76,21 @@ def test_a_known_plugins_section_without_the_plugin_says_what_to_install(tmp_pat
         load_config(p, env={})
     with pytest.raises(ConfigError, match=r"LMCACHE_CORE_CONNECTOR_ASYNC_LOADS: .*pip install 'lmcache-core\[vllm\]'"):
         load_config(None, env={"LMCACHE_CORE_CONNECTOR_ASYNC_LOADS": "true"})
+
+
+def test_a_section_registered_by_dotted_path_is_imported_when_a_config_needs_it() -> None:
+    class Lazy:
+        @hookimpl
+        def register_config_sections(self, register: RegisterConfigSection) -> None:
+            register("probe", f"{__name__}:ProbeSection")
+            register("gone", f"{__name__}:NoSuchSection")
+
+    pm = PluginManager(load_entry_points=False, env={})
+    pm.register(Lazy(), name="lazy")
+    assert pm.config_sections()["probe"].model == f"{__name__}:ProbeSection"
+    assert pm.config_sections()["probe"].load_model() is ProbeSection
+    with pytest.raises(PluginError, match="config section 'gone' .* failed to load: AttributeError"):
+        pm.config_model()
 
 
 @pytest.mark.parametrize("name", ["chunk_size", "two_words", "9lives"])

@@ -23,13 +23,13 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, TypeVar
 import yaml
 from pydantic import (
     BaseModel,
-    create_model,
     BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
     ValidationError,
     ValidationInfo,
+    create_model,
     model_validator,
 )
 
@@ -452,8 +452,6 @@ class CoreConfig(StrictModel):
         """``frame_secret: none``: the operator chose to run shared tiers unsealed."""
         return self.frame_secret is not None and self.frame_secret.get_secret_value() == NO_FRAME_SECRET
 
-
-C = TypeVar("C", bound=CoreConfig)
 
 _MODELS: dict[tuple[tuple[str, type[StrictModel], str], ...], type[CoreConfig]] = {}
 

@@ -23,8 +23,8 @@ from .keys import KEY_FORMAT_VERSION, ChunkKey
 
 if TYPE_CHECKING:
     from .config import CoreConfig
+    from .eviction import PolicyRegistry
     from .memory import MemoryBuffer, MemoryPool
-    from .plugins import PluginManager
     from .serde import Codec, FrameSeal
 
 
@@ -133,9 +133,9 @@ class BackendContext:
     pool: "MemoryPool"
     codec: "Codec"
     codecs: Mapping[str, "Codec"]
-    #: the engine's plugin manager (eviction policies and other registries);
+    #: the engine's plugin manager, as far as a tier uses it (its eviction policies);
     #: ``None`` means the process-wide one
-    plugins: "PluginManager | None" = None
+    plugins: "PolicyRegistry | None" = None
 
     @property
     def seal(self) -> "FrameSeal | None":

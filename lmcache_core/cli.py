@@ -6,7 +6,8 @@ Subcommands:
   distribution and version it came from, plus plugins that failed to load (exit
   status 1 if any did).
 - ``config``: the effective configuration (file, env overrides) with the source of
-  each top-level key and of each key of the ``connector:`` section, or the validation error.
+  each top-level key and of each key of a plugin's section (the vLLM connector's
+  ``connector:``, when it is installed), or the validation error.
 - ``quarantine``: tiers that running engines took out of service after the
   correctness canary caught them serving wrong KV (``list``), and ``release``.
 - ``replay``: a request trace (Mooncake JSONL) through real cache engines, one per
@@ -34,7 +35,7 @@ from typing import Sequence, TextIO
 
 import yaml
 
-from .config import MERGED_SECTIONS, ConfigError, load_config
+from .config import ConfigError, load_config
 from .erase import add_arguments as add_erase_arguments
 from .erase import cmd_erase
 from .hookspecs import Command
@@ -76,16 +77,18 @@ def cmd_plugins(args: argparse.Namespace, pm: PluginManager | None = None) -> in
     return 0
 
 
-def cmd_config(args: argparse.Namespace) -> int:
-    """Print the effective configuration as YAML, each key commented with its source."""
+def cmd_config(args: argparse.Namespace, pm: PluginManager | None = None) -> int:
+    """Print the effective configuration as YAML, each key commented with its source
+    (the sections of installed plugins included)."""
+    pm = pm or PluginManager()
     try:
-        loaded = load_config(args.file)
+        loaded = load_config(args.file, model=pm.config_model())
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
     data = loaded.config.model_dump(mode="json")
     for key, value in data.items():
-        if key in MERGED_SECTIONS:  # its keys come from sources of their own
+        if key in pm.config_sections():  # its keys come from sources of their own
             sys.stdout.write(f"{key}:\n")
             for sub, inner in value.items():
                 text = yaml.safe_dump({sub: inner}, sort_keys=False, default_flow_style=False).rstrip()
@@ -97,7 +100,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quarantine(args: argparse.Namespace) -> int:
+def cmd_quarantine(args: argparse.Namespace, pm: PluginManager | None = None) -> int:
     """List quarantined tiers of running engines, or release them (the engines
     notice within a second that their control file is gone).
 
@@ -108,7 +111,7 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     where = args.dir
     if where is None:
         try:
-            where = load_config(args.file).config.quarantine_dir
+            where = load_config(args.file, model=(pm or PluginManager()).config_model()).config.quarantine_dir
         except ConfigError as err:
             sys.stderr.write(f"error: {err}\n")
             return 2
@@ -179,7 +182,7 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="show the effective configuration and the source of each key")
     p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
     p.add_argument("--show", action="store_true", help="print the effective config (the default action)")
-    p.set_defaults(func=cmd_config)
+    p.set_defaults(func=lambda args: cmd_config(args, pm))
     p = sub.add_parser("quarantine", help="list or release tiers the correctness canary quarantined")
     p.add_argument("action", nargs="?", choices=["list", "release"], default="list")
     p.add_argument("tier", nargs="?", help="release: the tier's name (as in backends:)")
@@ -190,7 +193,7 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
         "$XDG_RUNTIME_DIR/lmcache-core-quarantine, else <tmpdir>/lmcache-core-quarantine-<uid>)",
     )
     p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
-    p.set_defaults(func=cmd_quarantine)
+    p.set_defaults(func=lambda args: cmd_quarantine(args, pm))
     p = sub.add_parser(
         "replay",
         help="replay a request trace through each eviction policy and size, next to the offline optimum",

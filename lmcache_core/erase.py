@@ -115,7 +115,7 @@ class _Progress:
 def erase_tiers(config: str | None, match: EraseMatch, *, dry_run: bool, plugins: PluginManager, err: TextIO) -> list[TierResult]:
     """Open each tier of ``config`` in turn, erase ``match`` from it, close it.
     ConfigError when the config itself is invalid."""
-    loaded = load_config(config)
+    loaded = load_config(config, model=plugins.config_model())
     cfg = loaded.config
     source = loaded.source_of("backends")
     secret = read_frame_secret(cfg)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import abc
 import math
 from collections import OrderedDict, deque
-from typing import Callable, ClassVar, Hashable, Sequence
+from typing import Callable, ClassVar, Hashable, Protocol, Sequence
 
 Key = Hashable
 
@@ -113,6 +113,14 @@ class EvictionPolicy(abc.ABC):
 
 
 PolicyFactory = Callable[[int], EvictionPolicy]
+
+
+class PolicyRegistry(Protocol):
+    """What a tier needs to build its eviction policy by name (the engine's plugin
+    manager, ``BackendContext.plugins``): a new policy for ``capacity`` bytes, an
+    unknown name a ``ConfigError`` naming ``key_path`` and ``source``."""
+
+    def create_eviction_policy(self, name: str, capacity: int, *, key_path: str, source: str) -> EvictionPolicy: ...
 
 
 class LruPolicy(EvictionPolicy):

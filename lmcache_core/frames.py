@@ -260,8 +260,8 @@ class FrameReader:
     """Reads frames as one tier: with its ``codecs`` (``BackendContext.codecs``) and
     seal (``seal``, or the one ``codecs`` carries). Cheap; make one per tier.
 
-    Whole frames: :meth:`decode` (never raises; a :class:`serde.Decoded`, with
-    ``.verdict`` and ``.reason``). Header first: :meth:`FrameHeader.parse`, then
+    Whole frames: :meth:`decode` (never raises; a :class:`serde.Decoded`: ``.tensor``,
+    ``.reason``, ``.verdict``). Header first: :meth:`FrameHeader.parse`, then
     :meth:`check` (the key, the caller's tensor, the codec and the seal, before any
     payload work), then the payload through :meth:`verifier` as it arrives (or
     :meth:`verify` once it is all there) and :meth:`decode_unverified` into the
@@ -290,9 +290,9 @@ class FrameReader:
         max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
     ) -> Decoded:
         """Verify a whole frame and decode it into ``out`` (zero-copy for a raw frame
-        into a contiguous CPU tensor); :func:`serde.try_decode`. Unpacks as
-        ``(tensor, None)`` for a hit, ``(None, reason)`` for a miss; ``.verdict``
-        says which kind (MISSING when ``frame`` is None)."""
+        into a contiguous CPU tensor); :func:`serde.try_decode`. ``.tensor`` for a hit,
+        ``.reason`` for a miss; ``.verdict`` says which kind (MISSING when ``frame``
+        is None)."""
         return try_decode(frame, self.codecs, expect_key=key, out=out, max_raw_bytes=max_raw_bytes, seal=self.seal)
 
     def check(

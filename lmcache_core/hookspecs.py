@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, Union
 import pluggy
 
 from .backend import BackendFactory
+from .config import StrictModel
 from .eviction import PolicyFactory
 from .serde import Codec
 
@@ -68,6 +69,10 @@ class RegisterEvictionPolicy(Protocol):
     def __call__(self, name: str, factory: PolicyFactory, *, description: str = "") -> None: ...
 
 
+class RegisterConfigSection(Protocol):
+    def __call__(self, name: str, model: Union[type[StrictModel], str], *, description: str = "") -> None: ...
+
+
 class Spec:
     @hookspec
     def register_backends(self, register: RegisterBackend) -> None:
@@ -91,6 +96,17 @@ class Spec:
     @hookspec
     def register_codecs(self, register: RegisterCodec) -> None:
         """Call ``register(codec)`` once per serde codec this plugin adds."""
+
+    @hookspec
+    def register_config_sections(self, register: RegisterConfigSection) -> None:
+        """Call ``register(name, model, description=...)`` once per top-level section
+        this plugin reads from the config (the vLLM connector: ``connector``).
+        ``model`` (a :class:`~lmcache_core.config.StrictModel` class, or its dotted
+        path, imported when a config is loaded with the section) validates it; its keys
+        merge one by one across sources (file, ``LMCACHE_CORE_<NAME>_<KEY>`` env vars,
+        overrides) and ``lmcache-core config`` shows them. The core never reads them:
+        the plugin gets them as ``loaded.config.<name>`` from a config loaded with
+        ``PluginManager.config_model()`` (or its own model with the section)."""
 
     @hookspec
     def register_eviction_policies(self, register: RegisterEvictionPolicy) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Union
 import pluggy
 
 from .backend import BackendContext, BackendFactory, StorageBackend
-from .config import ENV_BLOCK_PLUGINS, BackendSection, ConfigError
+from .config import ENV_BLOCK_PLUGINS, BackendSection, ConfigError, CoreConfig, StrictModel, config_model
 from .eviction import EvictionPolicy, PolicyFactory
 from .hookspecs import PROJECT, Command, CommandSetup, PoolBytes, Spec
 from .lazy import check_ref, resolve_ref
@@ -93,6 +93,29 @@ class CommandInfo:
         if not callable(command):
             raise TypeError(f"command {self.name!r} from {self.origin.distribution}: setup returned {command!r}, not a callable")
         return command
+
+
+@dataclass(frozen=True)
+class SectionInfo:
+    name: str
+    model: Union[type[StrictModel], str]  # a class, or a dotted path imported on first use
+    origin: Origin
+    description: str = ""
+
+    def load_model(self) -> type[StrictModel]:
+        """The section's model, importing it now when it was registered by dotted path."""
+        try:
+            model = resolve_ref(self.model) if isinstance(self.model, str) else self.model
+        except (ImportError, AttributeError) as err:
+            raise PluginError(
+                f"config section {self.name!r} from {self.origin.distribution} {self.origin.version} failed to load: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        if not (isinstance(model, type) and issubclass(model, StrictModel)):
+            raise PluginError(
+                f"config section {self.name!r} from {self.origin.distribution}: {model!r} is not a StrictModel class"
+            )
+        return model
 
 
 @dataclass(frozen=True)
@@ -162,6 +185,7 @@ class PluginManager:
         self._codecs: dict[str, CodecInfo] | None = None
         self._policies: dict[str, PolicyInfo] | None = None
         self._commands: dict[str, CommandInfo] | None = None
+        self._sections: dict[str, SectionInfo] | None = None
         self.load_errors: list[str] = []
         env = os.environ if env is None else env
         self.blocked = {n.strip() for n in env.get(ENV_BLOCK_PLUGINS, "").split(",") if n.strip()}
@@ -179,7 +203,7 @@ class PluginManager:
         with self._lock:
             self._register_checked(plugin, name)
             self._origins[name] = origin or Origin(name, "(registered in code)", "")
-            self._backends = self._codecs = self._policies = self._commands = None
+            self._backends = self._codecs = self._policies = self._commands = self._sections = None
 
     def _register_checked(self, plugin: object, name: str) -> None:
         try:
@@ -197,7 +221,7 @@ class PluginManager:
         with self._lock:
             self._pm.unregister(name=name)
             self._origins.pop(name, None)
-            self._backends = self._codecs = self._policies = self._commands = None
+            self._backends = self._codecs = self._policies = self._commands = self._sections = None
 
     @contextmanager
     def registered(self, plugin: object, *, name: str) -> Iterator[None]:
@@ -237,73 +261,110 @@ class PluginManager:
                 and self._codecs is not None
                 and self._policies is not None
                 and self._commands is not None
+                and self._sections is not None
             ):
                 return
             self._ensure_entry_points()
-            backends: dict[str, BackendInfo] = {}
-            codecs: dict[str, CodecInfo] = {}
-            # Call each implementation separately so every registration is attributed
-            # to the plugin (and distribution) that made it. Later-registered plugins
-            # come first in pluggy's order; iterate in registration order instead.
-            for impl in reversed(self._pm.hook.register_backends.get_hookimpls()):
-                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
-
-                def reg_backend(
-                    name: str,
-                    factory: Union[BackendFactory, str],
-                    *,
-                    description: str = "",
-                    pool_bytes: Union[PoolBytes, str, None] = None,
-                    _o: Origin = origin,
-                ) -> None:
-                    if not isinstance(name, str) or not name.isidentifier():
-                        raise ValueError(f"plugin {_o.plugin}: backend name {name!r} must be an identifier")
-                    for what, ref in (("factory", factory), ("pool_bytes", pool_bytes)):
-                        if isinstance(ref, str):
-                            check_ref(ref)
-                        elif not callable(ref) and not (what == "pool_bytes" and ref is None):
-                            raise ValueError(
-                                f"plugin {_o.plugin}: backend {name!r}: {what} {ref!r} is neither callable nor a dotted path"
-                            )
-                    _put(backends, "backend", BackendInfo(name, factory, _o, description, pool_bytes))
-
-                self._call_impl(impl, reg_backend)
-            for impl in reversed(self._pm.hook.register_codecs.get_hookimpls()):
-                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
-
-                def reg_codec(codec: Codec, *, description: str = "", _o: Origin = origin) -> None:
-                    codecs[codec.name] = CodecInfo(codec, _o, description)
-
-                self._call_impl(impl, reg_codec)
-            policies: dict[str, PolicyInfo] = {}
-            for impl in reversed(self._pm.hook.register_eviction_policies.get_hookimpls()):
-                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
-
-                def reg_policy(name: str, factory: PolicyFactory, *, description: str = "", _o: Origin = origin) -> None:
-                    if not isinstance(name, str) or not name.isidentifier():
-                        raise ValueError(f"plugin {_o.plugin}: eviction policy name {name!r} must be an identifier")
-                    _put(policies, "eviction policy", PolicyInfo(name, factory, _o, description))
-
-                self._call_impl(impl, reg_policy)
-            commands: dict[str, CommandInfo] = {}
-            for impl in reversed(self._pm.hook.register_commands.get_hookimpls()):
-                origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
-
-                def reg_command(name: str, setup: Union[CommandSetup, str], *, help: str = "", _o: Origin = origin) -> None:
-                    if not isinstance(name, str) or not _COMMAND_NAME.match(name):
-                        raise ValueError(f"plugin {_o.plugin}: command name {name!r} must be lower-case letters, digits and '-'")
-                    if name in BUILTIN_COMMANDS:
-                        raise ValueError(f"plugin {_o.plugin}: command name {name!r} is taken by lmcache-core itself")
-                    if isinstance(setup, str):
-                        check_ref(setup)
-                    elif not callable(setup):
-                        raise ValueError(
-                            f"plugin {_o.plugin}: command {name!r}: setup {setup!r} is neither callable nor a dotted path"
-                        )
-                    _put(commands, "command", CommandInfo(name, setup, _o, help))
-
-                self._call_impl(impl, reg_command)
+            backends, codecs = self._collect_backends(), self._collect_codecs()
+            policies, commands = self._collect_policies(), self._collect_commands()
+            self._sections = self._collect_sections()
             self._backends, self._codecs, self._policies, self._commands = backends, codecs, policies, commands
+
+    def _impls(self, hook: pluggy.HookCaller) -> Iterator[tuple[pluggy.HookImpl, Origin]]:
+        """``hook``'s implementations in registration order, each with its plugin's
+        origin. Each is called on its own, so every registration is attributed to the
+        plugin (and distribution) that made it; pluggy's own order puts the
+        later-registered plugins first."""
+        for impl in reversed(hook.get_hookimpls()):
+            yield impl, self._origins.get(impl.plugin_name, Origin(impl.plugin_name, "?", "?"))
+
+    def _collect_backends(self) -> dict[str, BackendInfo]:
+        backends: dict[str, BackendInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_backends):
+
+            def reg_backend(
+                name: str,
+                factory: Union[BackendFactory, str],
+                *,
+                description: str = "",
+                pool_bytes: Union[PoolBytes, str, None] = None,
+                _o: Origin = origin,
+            ) -> None:
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise ValueError(f"plugin {_o.plugin}: backend name {name!r} must be an identifier")
+                for what, ref in (("factory", factory), ("pool_bytes", pool_bytes)):
+                    if isinstance(ref, str):
+                        check_ref(ref)
+                    elif not callable(ref) and not (what == "pool_bytes" and ref is None):
+                        raise ValueError(
+                            f"plugin {_o.plugin}: backend {name!r}: {what} {ref!r} is neither callable nor a dotted path"
+                        )
+                _put(backends, "backend", BackendInfo(name, factory, _o, description, pool_bytes))
+
+            self._call_impl(impl, reg_backend)
+        return backends
+
+    def _collect_codecs(self) -> dict[str, CodecInfo]:
+        codecs: dict[str, CodecInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_codecs):
+
+            def reg_codec(codec: Codec, *, description: str = "", _o: Origin = origin) -> None:
+                codecs[codec.name] = CodecInfo(codec, _o, description)
+
+            self._call_impl(impl, reg_codec)
+        return codecs
+
+    def _collect_policies(self) -> dict[str, PolicyInfo]:
+        policies: dict[str, PolicyInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_eviction_policies):
+
+            def reg_policy(name: str, factory: PolicyFactory, *, description: str = "", _o: Origin = origin) -> None:
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise ValueError(f"plugin {_o.plugin}: eviction policy name {name!r} must be an identifier")
+                _put(policies, "eviction policy", PolicyInfo(name, factory, _o, description))
+
+            self._call_impl(impl, reg_policy)
+        return policies
+
+    def _collect_commands(self) -> dict[str, CommandInfo]:
+        commands: dict[str, CommandInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_commands):
+
+            def reg_command(name: str, setup: Union[CommandSetup, str], *, help: str = "", _o: Origin = origin) -> None:
+                if not isinstance(name, str) or not _COMMAND_NAME.match(name):
+                    raise ValueError(f"plugin {_o.plugin}: command name {name!r} must be lower-case letters, digits and '-'")
+                if name in BUILTIN_COMMANDS:
+                    raise ValueError(f"plugin {_o.plugin}: command name {name!r} is taken by lmcache-core itself")
+                if isinstance(setup, str):
+                    check_ref(setup)
+                elif not callable(setup):
+                    raise ValueError(
+                        f"plugin {_o.plugin}: command {name!r}: setup {setup!r} is neither callable nor a dotted path"
+                    )
+                _put(commands, "command", CommandInfo(name, setup, _o, help))
+
+            self._call_impl(impl, reg_command)
+        return commands
+
+    def _collect_sections(self) -> dict[str, SectionInfo]:
+        sections: dict[str, SectionInfo] = {}
+        for impl, origin in self._impls(self._pm.hook.register_config_sections):
+
+            def reg_section(
+                name: str, model: Union[type[StrictModel], str], *, description: str = "", _o: Origin = origin
+            ) -> None:
+                if not isinstance(name, str) or not name.isidentifier() or "_" in name:
+                    raise ValueError(f"plugin {_o.plugin}: config section name {name!r} must be a word (letters, digits)")
+                if name in CoreConfig.model_fields:
+                    raise ValueError(f"plugin {_o.plugin}: config section {name!r} is a key of lmcache-core itself")
+                if isinstance(model, str):
+                    check_ref(model)
+                elif not (isinstance(model, type) and issubclass(model, StrictModel)):
+                    raise ValueError(f"plugin {_o.plugin}: config section {name!r}: {model!r} is not a StrictModel class")
+                _put(sections, "config section", SectionInfo(name, model, _o, description))
+
+            self._call_impl(impl, reg_section)
+        return sections
 
     def _call_impl(self, impl: pluggy.HookImpl, register: Any) -> None:
         try:
@@ -330,6 +391,18 @@ class PluginManager:
         self._collect()
         assert self._commands is not None
         return dict(self._commands)
+
+    def config_sections(self) -> dict[str, SectionInfo]:
+        """Top-level config sections plugins add (the vLLM connector's ``connector``)."""
+        self._collect()
+        assert self._sections is not None
+        return dict(self._sections)
+
+    def config_model(self) -> type[CoreConfig]:
+        """The config's model with the installed plugins' sections: what
+        :func:`~lmcache_core.config.load_config` takes as ``model`` wherever a user's
+        config is read (``lmcache-core config``, ``erase``, ``replay``)."""
+        return config_model({n: (s.load_model(), s.description) for n, s in self.config_sections().items()})
 
     def eviction_policies(self) -> dict[str, PolicyInfo]:
         self._collect()

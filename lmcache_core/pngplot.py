@@ -203,9 +203,30 @@ def _log_ticks(lo: float, hi: float) -> list[float]:
     return out
 
 
-def line_chart(chart: Chart, width: int = 960, height: int = 600) -> bytes:
-    """The chart as PNG bytes."""
-    c = Canvas(width, height)
+@dataclass(frozen=True)
+class _Plot:
+    """The plot area of a chart (pixels) and its data ranges: maps data to pixels."""
+
+    left: int
+    top: int
+    pw: int
+    ph: int
+    x_lo: float
+    x_hi: float
+    y_hi: float
+    y_step: float
+    log_x: bool
+
+    def px(self, x: float) -> float:
+        if self.log_x:
+            return self.left + self.pw * (math.log(x) - math.log(self.x_lo)) / (math.log(self.x_hi) - math.log(self.x_lo))
+        return self.left + self.pw * (x - self.x_lo) / (self.x_hi - self.x_lo)
+
+    def py(self, y: float) -> float:
+        return self.top + self.ph - self.ph * y / self.y_hi
+
+
+def _plot_area(chart: Chart, width: int, height: int) -> _Plot:
     left, right, top, bottom = 90, 30, 70, 70
     xs = [x for s in chart.series for x, _ in s.points]
     ys = [y for s in chart.series for _, y in s.points] + [y for y, _ in chart.hlines]
@@ -220,63 +241,71 @@ def line_chart(chart: Chart, width: int = 960, height: int = 600) -> bytes:
         x_hi = x_hi if x_hi > 0 else 1.0
     y_step = _nice_step(max(max(ys), 1e-9), 6)
     y_hi = max(y_step, math.ceil(max(ys) * 1.05 / y_step) * y_step)
-    pw, ph = width - left - right, height - top - bottom
+    return _Plot(left, top, width - left - right, height - top - bottom, x_lo, x_hi, y_hi, y_step, log_x)
 
-    def px(x: float) -> float:
-        if log_x:
-            return left + pw * (math.log(x) - math.log(x_lo)) / (math.log(x_hi) - math.log(x_lo))
-        return left + pw * (x - x_lo) / (x_hi - x_lo)
 
-    def py(y: float) -> float:
-        return top + ph - ph * y / y_hi
+def line_chart(chart: Chart, width: int = 960, height: int = 600) -> bytes:
+    """The chart as PNG bytes."""
+    c = Canvas(width, height)
+    p = _plot_area(chart, width, height)
+    _draw_axes(c, chart, p)
+    _draw_series(c, chart, p)
+    _draw_legend(c, chart, p)
+    c.text(p.left, 18, chart.title, BLACK)
+    c.text(p.left, 44, chart.y_label, AXIS)
+    c.text(p.left + p.pw // 2 - text_width(chart.x_label) // 2, height - 30, chart.x_label, AXIS)
+    return c.png()
 
-    # grid, ticks
-    x_ticks = _log_ticks(x_lo, x_hi) if log_x else [i * _nice_step(x_hi, 8) for i in range(0, 9)]
+
+def _draw_axes(c: Canvas, chart: Chart, p: _Plot) -> None:
+    """Grid, tick labels, the two axes and the reference lines."""
+    left, top, pw, ph = p.left, p.top, p.pw, p.ph
+    x_ticks = _log_ticks(p.x_lo, p.x_hi) if p.log_x else [i * _nice_step(p.x_hi, 8) for i in range(0, 9)]
     for v in x_ticks:
-        if not (x_lo <= v <= x_hi * (1 + 1e-9)):
+        if not (p.x_lo <= v <= p.x_hi * (1 + 1e-9)):
             continue
-        x = round(px(v))
+        x = round(p.px(v))
         c.line(x, top, x, top + ph, GRID)
         label = chart.x_format.format(v)
         c.text(x - text_width(label) // 2, top + ph + 10, label, AXIS)
-    n_y = int(round(y_hi / y_step))
+    n_y = int(round(p.y_hi / p.y_step))
     for i in range(n_y + 1):
-        v = i * y_step
-        y = round(py(v))
+        v = i * p.y_step
+        y = round(p.py(v))
         c.line(left, y, left + pw, y, GRID)
         label = chart.y_format.format(v)
         c.text(left - 10 - text_width(label), y - GLYPH_H, label, AXIS)
     c.line(left, top, left, top + ph, AXIS, 2)
     c.line(left, top + ph, left + pw, top + ph, AXIS, 2)
-    # reference lines
     for y_val, label in chart.hlines:
-        y = round(py(y_val))
+        y = round(p.py(y_val))
         c.line(left, y, left + pw, y, AXIS, 1, dash=3)
         c.text(left + 8, y - 2 * GLYPH_H - 6, label, AXIS)
-    # curves
+
+
+def _draw_series(c: Canvas, chart: Chart, p: _Plot) -> None:
+    """Each series as a line through its points, each point a small square."""
     for k, s in enumerate(chart.series):
         color = s.color or PALETTE[k % len(PALETTE)]
         pts = sorted(s.points)
         for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            c.line(px(x0), py(y0), px(x1), py(y1), color, 3, dash=s.dash)
+            c.line(p.px(x0), p.py(y0), p.px(x1), p.py(y1), color, 3, dash=s.dash)
         for vx, vy in pts:
-            mx, my = round(px(vx)), round(py(vy))
+            mx, my = round(p.px(vx)), round(p.py(vy))
             c.rect(mx - 3, my - 3, mx + 3, my + 3, color)
-    # legend (lower right, inside the plot)
+
+
+def _draw_legend(c: Canvas, chart: Chart, p: _Plot) -> None:
+    """The legend, in the lower right corner inside the plot."""
     rows = len(chart.series)
     lw = max((text_width(s.label) for s in chart.series), default=0) + 60
-    lx, ly = left + pw - lw - 10, top + ph - rows * 24 - 16
+    lx, ly = p.left + p.pw - lw - 10, p.top + p.ph - rows * 24 - 16
     c.rect(lx, ly, lx + lw, ly + rows * 24 + 8, WHITE)
     for k, s in enumerate(chart.series):
         color = s.color or PALETTE[k % len(PALETTE)]
         y = ly + 10 + k * 24
         c.line(lx + 8, y + GLYPH_H, lx + 40, y + GLYPH_H, color, 3, dash=s.dash)
         c.text(lx + 50, y, s.label, BLACK)
-    # titles
-    c.text(left, 18, chart.title, BLACK)
-    c.text(left, 44, chart.y_label, AXIS)
-    c.text(left + pw // 2 - text_width(chart.x_label) // 2, height - 30, chart.x_label, AXIS)
-    return c.png()
 
 
 def check_png(data: bytes) -> tuple[int, int]:

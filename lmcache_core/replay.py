@@ -295,73 +295,94 @@ def replay_engine(
     keeps up, and a replay runs far faster than real time."""
     loaded_cfg = config if isinstance(config, LoadedConfig) else LoadedConfig(config)
     t0 = time.perf_counter()
-    hits = load_errors = skipped = 0
-    flat, offsets = trace.flat, trace.offsets
-    n_req = trace.requests
-    dtype = SIM_DTYPE
-    shape = SIM_SHAPE
-    ns = KeyNamespace(model="lmcache-core-replay", layout=f"sim{SIM_CHUNK_BYTES}", dtype=str(dtype))
+    ns = KeyNamespace(model="lmcache-core-replay", layout=f"sim{SIM_CHUNK_BYTES}", dtype=str(SIM_DTYPE))
     if progress is not None:
-        progress.start(label, n_req)
+        progress.start(label, trace.requests)
     with _engine(loaded_cfg, ns, plugins) as eng:
-        tier_hits = [0] * len(eng.tiers)
-        slower = len(eng.tiers) > 1
-        shapes = [shape] * (trace.max_path() + 1)
-        n_tokens = eng.chunk_size
-        tails = tail_tokens(trace, n_tokens) if partial_tails else array("q", bytes(8 * n_req))
-        for i in range(n_req):
-            hs = [keys[n] for n in flat[offsets[i] : offsets[i + 1]]]
-            rid = f"replay-{i}"
-            runs = eng.lookup_runs(hs, pin_id=rid)
-            n = sum(c for _, c in runs)
-            loaded = 0
-            if n:
-                chunks = eng.iter_chunks(hs[:n], shapes[:n], dtype)
-                try:
-                    for buf in chunks:
-                        buf.release()
-                        loaded += 1
-                finally:
-                    chunks.close()
-            eng.unpin(rid)
-            if loaded < n:
-                eng.record_load_errors(n - loaded)
-                load_errors += n - loaded
-            left = loaded
-            for level, count in runs:
-                take = min(count, left)
-                tier_hits[level] += take
-                left -= take
-            hits += loaded
-            last = len(hs) - 1
-            for j in range(loaded, len(hs)):
-                out = eng.allocate(shape, dtype)
-                if out is None:  # the pool is exhausted by chunks in flight: a future miss
-                    skipped += 1
-                    break
-                try:
-                    tokens = tails[i] if j == last and tails[i] else n_tokens
-                    eng.store_hashes([hs[j]], [out], n_tokens=tokens)
-                finally:
-                    out.release()
-            if slower:
+        counts = _Counts([0] * len(eng.tiers))
+        tails = tail_tokens(trace, eng.chunk_size) if partial_tails else array("q", bytes(8 * trace.requests))
+        shapes = [SIM_SHAPE] * (trace.max_path() + 1)
+        for i in range(trace.requests):
+            hs = [keys[n] for n in trace.path_of(i)]
+            loaded = _load_hit(eng, hs, f"replay-{i}", shapes, counts)
+            if not _store_rest(eng, hs, loaded, tails[i]):
+                counts.skipped_saves += 1
+            if len(eng.tiers) > 1:
                 eng.flush()
             if progress is not None and not i & 127:
                 progress.update(i)
         stats = eng.stats()
     if progress is not None:
         progress.done()
-    tiers = []
     tier_stats: list[dict[str, Any]] = stats["tiers"]  # type: ignore[assignment]
-    for level, ts in enumerate(tier_stats):
-        extra = ts.get("extra") or {}
-        tiers.append(
-            TierResult(str(ts.get("name", level)), tier_hits[level], int(ts.get("evictions", 0)), int(extra.get("rejected", 0)))
+    tiers = [
+        TierResult(
+            str(ts.get("name", level)),
+            counts.tier_hits[level],
+            int(ts.get("evictions", 0)),
+            int((ts.get("extra") or {}).get("rejected", 0)),
         )
-    blocks = len(flat)
+        for level, ts in enumerate(tier_stats)
+    ]
     capacity = sum(_tier_blocks(s) for s in loaded_cfg.config.backends)
     policy = str(loaded_cfg.config.backends[0].options().get("eviction", "")) or label
-    return PointResult(policy, capacity, hits, blocks, time.perf_counter() - t0, tiers, load_errors, skipped)
+    seconds = time.perf_counter() - t0
+    return PointResult(policy, capacity, counts.hits, trace.blocks, seconds, tiers, counts.load_errors, counts.skipped_saves)
+
+
+@dataclass
+class _Counts:
+    """What a replay counts across requests: hits per tier, in all, load errors, and
+    requests whose saves stopped on an exhausted pool."""
+
+    tier_hits: list[int]
+    hits: int = 0
+    load_errors: int = 0
+    skipped_saves: int = 0
+
+
+def _load_hit(eng: CacheEngine, hs: list[bytes], rid: str, shapes: Sequence[tuple[int, ...]], counts: _Counts) -> int:
+    """One request's hit looked up (pinned under ``rid``), read through ``iter_chunks``
+    and unpinned, as the connector does; the chunks read counted per tier in
+    ``counts``, those that failed recorded as load errors. Returns the chunks read."""
+    runs = eng.lookup_runs(hs, pin_id=rid)
+    n = sum(c for _, c in runs)
+    loaded = 0
+    if n:
+        chunks = eng.iter_chunks(hs[:n], shapes[:n], SIM_DTYPE)
+        try:
+            for buf in chunks:
+                buf.release()
+                loaded += 1
+        finally:
+            chunks.close()
+    eng.unpin(rid)
+    if loaded < n:
+        eng.record_load_errors(n - loaded)
+        counts.load_errors += n - loaded
+    left = loaded
+    for level, count in runs:
+        take = min(count, left)
+        counts.tier_hits[level] += take
+        left -= take
+    counts.hits += loaded
+    return loaded
+
+
+def _store_rest(eng: CacheEngine, hs: list[bytes], start: int, tail: int) -> bool:
+    """Store the chunks of ``hs`` from ``start`` on, the last with ``tail`` tokens when
+    ``tail`` (a partial chunk); False when the pool ran out of buffers (chunks in
+    flight) and the rest was not stored: a future miss."""
+    last = len(hs) - 1
+    for j in range(start, len(hs)):
+        out = eng.allocate(SIM_SHAPE, SIM_DTYPE)
+        if out is None:
+            return False
+        try:
+            eng.store_hashes([hs[j]], [out], n_tokens=tail if j == last and tail else eng.chunk_size)
+        finally:
+            out.release()
+    return True
 
 
 def tail_tokens(trace: Trace, block_tokens: int) -> array:
@@ -688,14 +709,16 @@ def _run_config(
     for k, policy in enumerate(runs, start=1):
         tmp = tempfile.mkdtemp(prefix="lmcache-replay-")
         try:
-            sections, tiers = _config_sections(args.config, report.block_bytes, policy or None, tmp)
+            sections, tiers = _config_sections(args.config, report.block_bytes, policy or None, tmp, pm.config_model())
             overrides = {
                 "backends": sections,
                 "chunk_size": report.block_tokens,
                 "staging_size": _staging(trace, len(sections)),
                 "write_queue_size": max(256, trace.max_path() + 1),
             }
-            loaded = load_config(args.config, overrides=overrides, overrides_source="lmcache-core replay")
+            loaded = load_config(
+                args.config, overrides=overrides, overrides_source="lmcache-core replay", model=pm.config_model()
+            )
             name = policy or str(sections[0].get("eviction", "tinylfu" if sections[0]["name"] == "local_cpu" else "config"))
             if not report.rows:
                 total = sum(b for _, b in tiers)
@@ -709,14 +732,14 @@ def _run_config(
 
 
 def _config_sections(
-    path: str, block_bytes: int, policy: str | None, tmp: str
+    path: str, block_bytes: int, policy: str | None, tmp: str, model: type[CoreConfig]
 ) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
     """The config's ``backends:`` rewritten for a replay: sizes in simulated blocks,
     a disk tier in a private temporary directory (never the real cache's: its byte
     budget would evict real chunks) without fsync; ``policy`` for every CPU tier."""
     from .local_cpu import DEFAULT_EVICTION, LocalCpuConfig
 
-    loaded = load_config(path)
+    loaded = load_config(path, model=model)
     source = loaded.source_of("backends")
     out: list[dict[str, Any]] = []
     tiers: list[tuple[str, int]] = []

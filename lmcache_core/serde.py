@@ -28,7 +28,8 @@ corrupt value, keep one of another shape) instead of re-parsing the frame to gue
 
 Backend authors: :mod:`lmcache_core.frames` wraps all of this in
 :class:`~lmcache_core.frames.FrameWriter` / :class:`~lmcache_core.frames.FrameReader`
-(also importable from here); the functions below stay for compatibility.
+(which build on this module; it never imports them); the functions below stay for
+compatibility.
 
 Tiers that hold whole frames use :func:`encode` / :func:`try_decode`. Tiers that move
 header and payload separately (the disk tier writes and reads them with positioned
@@ -49,7 +50,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import blake3
 import numpy as np
@@ -57,12 +58,6 @@ import torch
 import xxhash
 
 from .keys import ChunkKey
-
-if TYPE_CHECKING:
-    from .frames import FrameHeader as FrameHeader
-    from .frames import FrameReader as FrameReader
-    from .frames import FrameVerifier as FrameVerifier
-    from .frames import FrameWriter as FrameWriter
 
 log = logging.getLogger(__name__)
 
@@ -859,28 +854,20 @@ def codec_output(codec: Codec, info: FrameInfo, payload: memoryview, out: torch.
     return out
 
 
-class Decoded(tuple[torch.Tensor | None, str | None]):
-    """:func:`try_decode`'s answer. It unpacks as ``(tensor, reason)``, as it always
-    has: ``(tensor, None)`` for a hit, ``(None, reason)`` for a miss; ``verdict``
-    names the kind of answer (:class:`Verdict`). Compares as that 2-tuple."""
+@dataclass(frozen=True)
+class Decoded:
+    """:func:`try_decode`'s answer: ``tensor`` for a hit (``reason`` None), else
+    ``reason`` for the miss (``tensor`` None); ``verdict`` names the kind of answer
+    (:class:`Verdict`)."""
 
+    tensor: torch.Tensor | None
+    reason: str | None
     verdict: Verdict
 
-    def __new__(cls, tensor: torch.Tensor | None, reason: str | None, verdict: Verdict) -> Decoded:
-        self = super().__new__(cls, (tensor, reason))
-        self.verdict = verdict
-        return self
-
-    def __getnewargs__(self) -> tuple[torch.Tensor | None, str | None, Verdict]:
-        return self[0], self[1], self.verdict
-
     @property
-    def tensor(self) -> torch.Tensor | None:
-        return self[0]
-
-    @property
-    def reason(self) -> str | None:
-        return self[1]
+    def ok(self) -> bool:
+        """A hit: the frame decoded and verified."""
+        return self.verdict is Verdict.OK
 
     def __repr__(self) -> str:
         return f"Decoded({self.verdict.name}, reason={self.reason!r})"
@@ -895,9 +882,9 @@ def try_decode(
     max_raw_bytes: int = MAX_DECODE_RAW_BYTES,
     seal: FrameSeal | None = None,
 ) -> Decoded:
-    """:func:`decode` that answers instead of raising: a :class:`Decoded`, which
-    unpacks as ``(tensor, None)`` or ``(None, reason)`` and carries the
-    :class:`Verdict` (``MISSING`` when ``frame`` is None)."""
+    """:func:`decode` that answers instead of raising: a :class:`Decoded` (the tensor,
+    or the reason for the miss, and the :class:`Verdict`; ``MISSING`` when ``frame``
+    is None)."""
     if frame is None:
         return Decoded(None, "missing", Verdict.MISSING)
     try:
@@ -905,16 +892,3 @@ def try_decode(
     except FrameError as err:
         return Decoded(None, str(err), err.verdict)
     return Decoded(tensor, None, Verdict.OK)
-
-
-_FRAMES_API = frozenset({"FrameHeader", "FrameReader", "FrameVerifier", "FrameWriter"})
-
-
-def __getattr__(name: str) -> Any:
-    """The backend authors' API of :mod:`lmcache_core.frames`, re-exported lazily
-    (that module builds on this one)."""
-    if name in _FRAMES_API:
-        from . import frames
-
-        return getattr(frames, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

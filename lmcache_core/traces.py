@@ -194,56 +194,69 @@ def load_trace(
     :class:`TraceError` naming the file and line, or with ``skip_bad`` skipped and
     counted; so is an unreadable file and a trace with no request."""
     shown = str(path)
-    flat, offsets = array("q"), array("q", [0])
-    parents, block_ids = array("q"), array("q")
-    timestamps, input_lengths = array("d"), array("q")
+    trace = Trace(shown, array("q"), array("q", [0]), array("q"), array("q"), array("d"), array("q"))
     nodes: dict[tuple[int, int], int] = {}
-    trace = Trace(shown, flat, offsets, parents, block_ids, timestamps, input_lengths)
     try:
         f = open(path, "rb")
     except OSError as err:
         raise TraceError(shown, None, f"cannot open: {err.strerror or err}") from None
     with f:
         try:
-            for lineno, line in _lines(f):
-                trace.lines_read = lineno
-                if limit is not None and trace.requests >= limit:
-                    break
-                try:
-                    if line is None:
-                        raise ValueError(f"line is longer than {MAX_LINE_BYTES} bytes")
-                    if not line.strip():
-                        continue
-                    ts, input_length, ids = parse_request(line)
-                except ValueError as err:
-                    bad = TraceError(shown, lineno, str(err))
-                    if not skip_bad:
-                        raise bad from None
-                    trace.skipped_count += 1
-                    if len(trace.skipped) < QUOTED_ERRORS:
-                        trace.skipped.append(bad)
-                    continue
+            for lineno, (ts, input_length, ids) in _requests(f, trace, limit, skip_bad):
                 if len(ids) != math.ceil(input_length / block_tokens):
                     trace.length_mismatches += 1
                     if trace.first_mismatch_line is None:
                         trace.first_mismatch_line = lineno
-                parent = -1
-                get = nodes.get
-                for bid in ids:
-                    key = (parent, bid)
-                    node = get(key)
-                    if node is None:
-                        node = nodes[key] = len(parents)
-                        parents.append(parent)
-                        block_ids.append(bid)
-                    flat.append(node)
-                    parent = node
-                offsets.append(len(flat))
-                timestamps.append(ts)
-                input_lengths.append(input_length)
+                _add_path(trace, nodes, ids)
+                trace.timestamps.append(ts)
+                trace.input_lengths.append(input_length)
         except OSError as err:
             raise TraceError(shown, trace.lines_read or None, f"read failed: {err.strerror or err}") from None
     if trace.requests == 0:
         why = f" ({trace.skipped_count} bad line{'s' if trace.skipped_count != 1 else ''} skipped)" if trace.skipped_count else ""
         raise TraceError(shown, None, f"no requests in the trace{why}")
     return trace
+
+
+def _requests(f: BinaryIO, trace: Trace, limit: int | None, skip_bad: bool) -> Iterator[tuple[int, tuple[float, int, list[int]]]]:
+    """``(line number, parse_request(line))`` for each request line of ``f``, until
+    ``trace`` holds ``limit`` requests; ``trace.lines_read`` follows the reading. A bad
+    line raises its :class:`TraceError`, or with ``skip_bad`` is counted in ``trace``
+    (the first :data:`QUOTED_ERRORS` kept) and passed over; blank lines are skipped."""
+    for lineno, line in _lines(f):
+        trace.lines_read = lineno
+        if limit is not None and trace.requests >= limit:
+            return
+        try:
+            if line is None:
+                raise ValueError(f"line is longer than {MAX_LINE_BYTES} bytes")
+            if not line.strip():
+                continue
+            parsed = parse_request(line)
+        except ValueError as err:
+            bad = TraceError(trace.path, lineno, str(err))
+            if not skip_bad:
+                raise bad from None
+            trace.skipped_count += 1
+            if len(trace.skipped) < QUOTED_ERRORS:
+                trace.skipped.append(bad)
+            continue
+        yield lineno, parsed
+
+
+def _add_path(trace: Trace, nodes: dict[tuple[int, int], int], ids: list[int]) -> None:
+    """Append one request's prompt to ``trace``: its path of prefix-tree nodes, a new
+    node for each ``(parent, block id)`` not seen before (``nodes`` maps them)."""
+    flat, parents, block_ids = trace.flat, trace.parents, trace.block_ids
+    parent = -1
+    get = nodes.get
+    for bid in ids:
+        key = (parent, bid)
+        node = get(key)
+        if node is None:
+            node = nodes[key] = len(parents)
+            parents.append(parent)
+            block_ids.append(bid)
+        flat.append(node)
+        parent = node
+    trace.offsets.append(len(flat))

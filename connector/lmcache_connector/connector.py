@@ -32,8 +32,8 @@ from .protocol.kv_events import EventTranslator, LMCacheCoreKVEvents, event_grou
 from .layouts.groups import GroupPlan, UnsupportedGroupError, describe_groups, effective_chunk_size, state_advice
 from .protocol.lookup_ipc import LookupClient, socket_path
 from .protocol.metadata import LMCacheConnectorMetadata, SaveProgress
-from .options import load_settings
-from .scheduler import DenseScheduler, SchedulerSide, make_scheduler
+from .options import ConnectorSettings, load_settings
+from .scheduler import SchedulerSide, make_scheduler
 from .protocol.stats import LMCacheConnectorStats, LMCachePromMetrics
 from .worker import WorkerSide
 
@@ -74,6 +74,96 @@ def _page_sizes(kv_cache_config: Any, plan: GroupPlan) -> tuple[dict[int, int], 
     return page, real
 
 
+def _fit_chunk_size(settings: ConnectorSettings, plan: GroupPlan) -> ConnectorSettings:
+    """``settings`` with the chunk size this model needs (a multiple of each group's
+    block size), said in a warning when it differs from the configured one."""
+    chunk = effective_chunk_size(settings.core.chunk_size, plan)
+    if chunk == settings.core.chunk_size:
+        return settings
+    log.warning(
+        "lmcache-core: chunk_size %d (from %s) is not a multiple of vLLM's block size %d for this model: using %d",
+        settings.core.chunk_size,
+        settings.loaded.source_of("chunk_size"),
+        plan.token_block_size(),
+        chunk,
+    )
+    return settings.with_chunk_size(chunk)
+
+
+def _replicated(vllm_config: "VllmConfig") -> bool:
+    """MLA: the latent KV is the same on every tensor-parallel rank; stored once."""
+    return vllm_config.parallel_config.world_size > 1 and bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+def _engine_id(vllm_config: "VllmConfig") -> str:
+    ktc = vllm_config.kv_transfer_config
+    return (ktc.engine_id if ktc is not None else None) or "default"
+
+
+def _scheduler_side(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", settings: ConnectorSettings, plan: GroupPlan
+) -> SchedulerSide:
+    """The scheduler role's side: start-up advice logged, lookups to every rank."""
+    # vLLM's scheduler module is loaded in this process already; not in a worker's
+    from .state_scheduler import is_state_scheduler  # noqa: PLC0415
+
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    cfg = settings.core
+    conn = cfg.connector
+    world = vllm_config.parallel_config.world_size
+    state_sched = is_state_scheduler(vllm_config.scheduler_config.scheduler_cls)
+    settles, settle_advice = settle.resolve(
+        conn.save_decode_cache,
+        has_state=plan.has_state,
+        state_scheduler=state_sched,
+        can_load=ktc.is_kv_consumer,
+        can_save=ktc.is_kv_producer,
+    )
+    for advice in (reservation_advice(vllm_config), state_advice(plan, cfg.chunk_size, state_sched), settle_advice):
+        if advice:
+            log.warning("lmcache-core: %s", advice)
+    client = LookupClient([socket_path(_engine_id(vllm_config), r) for r in range(world)], conn.lookup_timeout_s)
+    events = None
+    if events_enabled(vllm_config):
+        events = EventTranslator(
+            chunk_size=cfg.chunk_size,
+            hash_block_size=getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size,
+            writers=[0] if _replicated(vllm_config) else range(world),
+            groups=event_groups(kv_cache_config, plan),
+        )
+    return make_scheduler(
+        settings,
+        block_size=plan.token_block_size(),
+        can_load=ktc.is_kv_consumer,
+        can_save=ktc.is_kv_producer,
+        lookup=client,
+        plan=plan,
+        settle=settles,
+        events=events,
+    )
+
+
+def _worker_side(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", settings: ConnectorSettings, plan: GroupPlan
+) -> WorkerSide:
+    """The worker role's side for this process's rank (its engine starts once vLLM
+    registers the KV caches)."""
+    rank = _rank()
+    return WorkerSide(
+        settings,
+        model_id=settings.model_id or str(vllm_config.model_config.model),
+        block_size=plan.token_block_size(),
+        rank=rank,
+        world_size=vllm_config.parallel_config.world_size,
+        lookup_address=socket_path(_engine_id(vllm_config), rank),
+        plan=plan,
+        pages=_page_sizes(kv_cache_config, plan),
+        kv_events=events_enabled(vllm_config),
+        replicated=_replicated(vllm_config),
+    )
+
+
 class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
     """Supports vLLM's hybrid KV cache manager (``SupportsHMA``): models with
     sliding-window, full-attention and state-space layers keep their per-group
@@ -86,80 +176,20 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         if ktc is None:  # vLLM builds connectors only from a kv_transfer_config
             raise ConfigError("LMCacheCoreConnector: vLLM gave no kv_transfer_config")
-        settings = load_settings(ktc.kv_connector_extra_config)
-        self.settings = settings = settings.for_engine(auto_async_saves(vllm_config))
+        settings = load_settings(ktc.kv_connector_extra_config).for_engine(auto_async_saves(vllm_config))
         try:
             self.plan = plan = describe_groups(kv_cache_config, vllm_config.cache_config.block_size)
         except UnsupportedGroupError as err:
             raise ConfigError(f"LMCacheCoreConnector: {err}") from None
-        block_size = plan.token_block_size()
-        chunk = effective_chunk_size(settings.core.chunk_size, plan)
-        if chunk != settings.core.chunk_size:
-            log.warning(
-                "lmcache-core: chunk_size %d (from %s) is not a multiple of vLLM's block size %d for this model: using %d",
-                settings.core.chunk_size,
-                settings.loaded.source_of("chunk_size"),
-                block_size,
-                chunk,
-            )
-            settings = self.settings = settings.with_chunk_size(chunk)
-        cfg = settings.core
-        if plan.hybrid and cfg.connector.save_unfull_chunk:
+        self.settings = settings = _fit_chunk_size(settings, plan)
+        if plan.hybrid and settings.core.connector.save_unfull_chunk:
             log.info("lmcache-core: save_unfull_chunk has no effect with several KV-cache groups (whole chunks only)")
-        world = vllm_config.parallel_config.world_size
-        engine_id = ktc.engine_id or "default"
-        # MLA: the latent KV is the same on every tensor-parallel rank; stored once.
-        replicated = world > 1 and bool(getattr(vllm_config.model_config, "use_mla", False))
-        kv_events = events_enabled(vllm_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            # vLLM's scheduler module is loaded in this process already; not in a worker's
-            from .state_scheduler import is_state_scheduler  # noqa: PLC0415
-
-            state_sched = is_state_scheduler(vllm_config.scheduler_config.scheduler_cls)
-            settles, settle_advice = settle.resolve(
-                cfg.connector.save_decode_cache,
-                has_state=plan.has_state,
-                state_scheduler=state_sched,
-                can_load=ktc.is_kv_consumer,
-                can_save=ktc.is_kv_producer,
-            )
-            for advice in (reservation_advice(vllm_config), state_advice(plan, cfg.chunk_size, state_sched), settle_advice):
-                if advice:
-                    log.warning("lmcache-core: %s", advice)
-            client = LookupClient([socket_path(engine_id, r) for r in range(world)], cfg.connector.lookup_timeout_s)
-            self._sched = make_scheduler(
-                settings,
-                block_size=block_size,
-                can_load=ktc.is_kv_consumer,
-                can_save=ktc.is_kv_producer,
-                lookup=client,
-                plan=plan,
-                settle=settles,
-                events=EventTranslator(
-                    chunk_size=cfg.chunk_size,
-                    hash_block_size=getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size,
-                    writers=[0] if replicated else range(world),
-                    groups=event_groups(kv_cache_config, plan),
-                )
-                if kv_events
-                else None,
-            )
+            self._sched = _scheduler_side(vllm_config, kv_cache_config, settings, plan)
         else:
-            rank = _rank()
-            self._worker = WorkerSide(
-                settings,
-                model_id=settings.model_id or str(vllm_config.model_config.model),
-                block_size=block_size,
-                rank=rank,
-                world_size=world,
-                lookup_address=socket_path(engine_id, rank),
-                plan=plan,
-                pages=_page_sizes(kv_cache_config, plan),
-                kv_events=kv_events,
-                replicated=replicated,
-            )
+            self._worker = _worker_side(vllm_config, kv_cache_config, settings, plan)
 
     @property
     def worker(self) -> WorkerSide | None:
@@ -317,7 +347,7 @@ class LMCacheCoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched.events is not None and connector_output.kv_cache_events is not None:
             self._sched.events.add(connector_output.kv_cache_events)
         progress = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(progress, SaveProgress) and isinstance(self._sched, DenseScheduler):
+        if isinstance(progress, SaveProgress):
             self._sched.saves_progress(progress.done)
 
     def build_connector_worker_meta(self) -> "SaveProgress | None":

@@ -23,10 +23,11 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from lmcache_core.config import ASYNC_AUTO, ConfigError, CoreConfig, LoadedConfig, load_config, moved_keys
+from lmcache_core.config import ConfigError, LoadedConfig, load_config, moved_keys
 from lmcache_core.retention import MAX_PRIORITY, MAX_SECONDS
 
 from .log import get_logger
+from .settings import ASYNC_AUTO, ConnectorConfig
 
 log = get_logger(__name__)
 
@@ -45,17 +46,27 @@ EXTRA_CONFIG_MOVES = {key: f"connector.{key}" for key in ("model_id", "async_sav
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """The loaded configuration; the connector's own keys are in ``core.connector``
-    (the properties below read the switches from there)."""
+    """The loaded configuration (a :class:`~lmcache_connector.settings.ConnectorConfig`);
+    the connector's own keys are in ``core.connector`` (the properties below read the
+    switches from there)."""
 
     loaded: LoadedConfig
     # ``async_saves: auto`` as resolved for this engine (see ``for_engine``); both roles
     # resolve it from the same vLLM config, so they agree
     auto_saves: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.loaded.config, ConnectorConfig):
+            raise TypeError(
+                f"ConnectorSettings needs a ConnectorConfig (load_config(..., model=ConnectorConfig)), "
+                f"got {type(self.loaded.config).__name__}"
+            )
+
     @property
-    def core(self) -> CoreConfig:
-        return self.loaded.config
+    def core(self) -> ConnectorConfig:
+        cfg = self.loaded.config
+        assert isinstance(cfg, ConnectorConfig)  # __post_init__
+        return cfg
 
     @property
     def model_id(self) -> str | None:
@@ -107,7 +118,7 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
             "(from kv_connector_extra_config)"
         )
     extra = moved_keys(extra, EXTRA_CONFIG_MOVES, "", lambda _path: SOURCE)
-    return ConnectorSettings(load_config(path, overrides=extra, overrides_source=SOURCE))
+    return ConnectorSettings(load_config(path, overrides=extra, overrides_source=SOURCE, model=ConnectorConfig))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,20 @@
 """Entry point ``connector`` in the group ``lmcache_core.backends``: the
-``lmcache-core demo`` and ``warm`` commands, by dotted path (nothing of vLLM is imported until the
-demo runs)."""
+``lmcache-core demo`` and ``warm`` commands, and the ``connector:`` section of the
+config (:mod:`lmcache_connector.settings`), all by dotted path: listing plugins
+imports nothing else of the connector, and nothing of vLLM is imported until the demo
+runs."""
 
 from __future__ import annotations
 
-from lmcache_core.hookspecs import RegisterCommand, hookimpl
+from lmcache_core.hookspecs import RegisterCommand, RegisterConfigSection, hookimpl
+
+#: the ``connector:`` section's description, in ``lmcache-core config`` and the config's model
+SECTION_DESCRIPTION = "the connector's policy: what it saves and loads, and how (merged key by key across sources)"
+
+
+@hookimpl
+def register_config_sections(register: RegisterConfigSection) -> None:
+    register("connector", "lmcache_connector.settings:ConnectorSection", description=SECTION_DESCRIPTION)
 
 
 @hookimpl

@@ -190,6 +190,10 @@ class SchedulerSide:
     def _build_meta(self, so: "SchedulerOutput") -> LMCacheConnectorMetadata:
         raise NotImplementedError
 
+    def saves_progress(self, done: dict[str, int]) -> None:
+        """The workers' latest ``SaveProgress``: save transfers done per request (read
+        where saves run in the background: :class:`DenseScheduler`)."""
+
     def _delay_free(self, st: _Req | None) -> bool:
         """``request_finished``'s answer: whether vLLM holds the request's blocks."""
         return False

@@ -127,7 +127,9 @@ def _tiers_outlive_us(config: Path) -> None:
     would store nothing that outlives the command."""
     from lmcache_core.config import load_config
 
-    names = [sec.name for sec in load_config(config).config.backends]
+    from .settings import ConnectorConfig
+
+    names = [sec.name for sec in load_config(config, model=ConnectorConfig).config.backends]
     if all(n == "local_cpu" for n in names):
         raise CorpusError(
             f"{config}: every tier ({', '.join(names)}) lives in this process's memory: warming it stores nothing "

@@ -147,7 +147,7 @@ class MemoryTier(StorageBackend):
         if value is None:
             ok = False
         elif self.codecs is not None:
-            ok = try_decode(value, self.codecs, expect_key=key, out=out)[0] is not None
+            ok = try_decode(value, self.codecs, expect_key=key, out=out).ok
         elif isinstance(value, torch.Tensor) and value.shape == out.shape and value.dtype == out.dtype:
             out.copy_(value)
             ok = True

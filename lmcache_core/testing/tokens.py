@@ -35,15 +35,14 @@ def token_hashes(
     *,
     tags: Mapping[str, str] | None = None,
     extras: Mapping[int, bytes] | None = None,
-    include_partial: bool | None = None,
+    include_partial: bool = False,
 ) -> list[bytes]:
     """The chained prefix hashes of ``tokens``' chunks under ``engine``'s chunk size:
     the keys the engine stores them under (see :meth:`CacheEngine.keys`). ``tags``
     seed the chain, ``extras`` mix bytes into the chunks they index; a partial last
-    chunk is hashed when ``include_partial`` says so, by default when the engine
-    saves partial chunks (``connector.save_unfull_chunk``)."""
-    partial = engine.config.connector.save_unfull_chunk if include_partial is None else include_partial
-    return chunk_hashes(tokens, engine.chunk_size, seed=chain_seed(tags), extras=extras, include_partial=partial)
+    chunk is hashed when ``include_partial`` (as the connector does with
+    ``connector.save_unfull_chunk``)."""
+    return chunk_hashes(tokens, engine.chunk_size, seed=chain_seed(tags), extras=extras, include_partial=include_partial)
 
 
 def _chunk_tokens(engine: CacheEngine, n_tokens: int, n_chunks: int, start_chunk: int = 0) -> int:

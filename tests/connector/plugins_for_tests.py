@@ -59,7 +59,7 @@ class FlakyBackend(MemoryTier):
             return False
         bad = bytearray(frame)
         bad[len(bad) // 2] ^= 0x40  # one flipped bit in the payload
-        got, reason = serde.try_decode(bytes(bad), self.codecs or {}, expect_key=key, out=out)
+        got = serde.try_decode(bytes(bad), self.codecs or {}, expect_key=key, out=out).tensor
         if got is None:
             self.count(corrupt_reads=1)
             return False
@@ -110,7 +110,7 @@ class LiarBackend(MemoryTier):
             wrong = serde.decode(others[0], dict(self.ctx.codecs))
             own = serde.encode(key, wrong, self.ctx.codec)  # a valid frame for ``key``
             self.count(lies=1)
-        got, _ = serde.try_decode(own, dict(self.ctx.codecs), expect_key=key, out=out)
+        got = serde.try_decode(own, dict(self.ctx.codecs), expect_key=key, out=out).tensor
         return got is not None
 
 

@@ -12,7 +12,8 @@ import zmq
 
 pytest.importorskip("vllm")
 
-from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, LoadedConfig  # noqa: E402
+from lmcache_connector.settings import ConnectorConfig, ConnectorSection  # noqa: E402
+from lmcache_core.config import ConfigError, LoadedConfig  # noqa: E402
 from lmcache_connector.layouts.kv_adapters import BlockLayout, LayoutError, TokenLayout, make_layout  # noqa: E402
 from lmcache_connector.protocol.lookup_ipc import MISS, LookupAnswer, LookupClient, LookupServer  # noqa: E402
 from lmcache_connector.options import ConnectorSettings, load_settings, parse_request_options  # noqa: E402
@@ -100,7 +101,7 @@ def _image(ident, offset, length):
 
 
 def _sched(**cfg):
-    settings = ConnectorSettings(LoadedConfig(CoreConfig(**cfg)))
+    settings = ConnectorSettings(LoadedConfig(ConnectorConfig(**cfg)))
     return make_scheduler(settings, block_size=128, can_load=True, can_save=True, lookup=_NoLookup())
 
 
@@ -116,7 +117,7 @@ def test_one_scheduler_object_per_mode():
     kw = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
     specs = {"dense": [FullAttentionSpec(**kw)], "grouped": [SlidingWindowSpec(sliding_window=40, **kw), FullAttentionSpec(**kw)]}
     connector = ConnectorSection(save_unfull_chunk=True, async_saves=True, async_loads=True)
-    settings = ConnectorSettings(LoadedConfig(CoreConfig(connector=connector)))
+    settings = ConnectorSettings(LoadedConfig(ConnectorConfig(connector=connector)))
     made = {}
     for name, group_specs in specs.items():
         groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(group_specs)]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_connector.settings import ConnectorConfig
 from lmcache_core.config import load_config
 
 from . import doc_blocks as db
@@ -46,7 +47,7 @@ def test_documented_yaml_loads_with_only_absolute_paths_moved(tmp_path: Path):
         expected = expected.replace(old, new)
     assert doc.text == expected  # nothing but those paths changed
     (tmp_path / "lmcache.yaml").write_text(doc.text)
-    cfg = load_config(tmp_path / "lmcache.yaml").config
+    cfg = load_config(tmp_path / "lmcache.yaml", model=ConnectorConfig).config
     assert [b.name for b in cfg.backends] == ["local_cpu", "disk"]
 
 

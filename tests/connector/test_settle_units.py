@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, LoadedConfig, load_config  # noqa: E402
+from lmcache_connector.settings import ConnectorConfig, ConnectorSection  # noqa: E402
+from lmcache_core.config import ConfigError, LoadedConfig, load_config  # noqa: E402
 from lmcache_connector.protocol.lookup_ipc import LookupAnswer  # noqa: E402
 from lmcache_connector.features import settle as settle_module  # noqa: E402
 from lmcache_connector.features.settle import PREFIX, WAIT_S, Settler, resolve  # noqa: E402
@@ -46,7 +47,7 @@ class _Lookup:
 
 
 def _side(settle: bool = True, lookup: _Lookup | None = None, **connector):
-    settings = ConnectorSettings(LoadedConfig(CoreConfig(chunk_size=CS, connector=ConnectorSection(**connector))))
+    settings = ConnectorSettings(LoadedConfig(ConnectorConfig(chunk_size=CS, connector=ConnectorSection(**connector))))
     return make_scheduler(settings, block_size=128, can_load=True, can_save=True, lookup=lookup or _Lookup(), settle=settle)
 
 
@@ -249,14 +250,19 @@ def test_resolve_says_what_is_missing():
 def test_the_config_key_takes_true_false_or_prefill(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("connector: {save_decode_cache: prefill}\n")
-    assert load_config(p, env={}).config.connector.save_decode_cache == "prefill"
+    assert load_config(p, env={}, model=ConnectorConfig).config.connector.save_decode_cache == "prefill"
     env = {"LMCACHE_CORE_CONNECTOR_SAVE_DECODE_CACHE": "prefill"}
-    assert load_config(None, env=env).config.connector.save_decode_cache == "prefill"
-    assert load_config(None, env={"LMCACHE_CORE_CONNECTOR_SAVE_DECODE_CACHE": "true"}).config.connector.save_decode_cache is True
+    assert load_config(None, env=env, model=ConnectorConfig).config.connector.save_decode_cache == "prefill"
+    assert (
+        load_config(
+            None, env={"LMCACHE_CORE_CONNECTOR_SAVE_DECODE_CACHE": "true"}, model=ConnectorConfig
+        ).config.connector.save_decode_cache
+        is True
+    )
     for bad in ("decode", "1", "yes"):
         p.write_text(f"connector: {{save_decode_cache: '{bad}'}}\n")
         with pytest.raises(ConfigError, match="save_decode_cache.*must be true, false or prefill"):
-            load_config(p, env={})
+            load_config(p, env={}, model=ConnectorConfig)
 
 
 # -- the scheduler side ---------------------------------------------------------------------
@@ -375,11 +381,11 @@ def test_an_idle_settle_runs_only_while_its_prompt_is_stored(stored):
 def test_the_settle_when_key_takes_always_or_idle(tmp_path):
     assert ConnectorSection().settle_when == "always"  # what save_decode_cache: prefill did before the key
     env = {"LMCACHE_CORE_CONNECTOR_SETTLE_WHEN": "idle"}
-    assert load_config(None, env=env).config.connector.settle_when == "idle"
+    assert load_config(None, env=env, model=ConnectorConfig).config.connector.settle_when == "idle"
     p = tmp_path / "c.yaml"
     p.write_text("connector: {settle_when: later}\n")
     with pytest.raises(ConfigError, match="settle_when"):
-        load_config(p, env={})
+        load_config(p, env={}, model=ConnectorConfig)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ from typing import Any, Iterator
 import pytest
 from pydantic import BaseModel
 
-from lmcache_core.config import CoreConfig, parse_size
+from lmcache_connector.settings import ConnectorConfig
+from lmcache_core.config import parse_size
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -68,7 +69,7 @@ def missing(model: type[BaseModel], text: str) -> list[str]:
 
 
 def test_every_config_key_has_a_row_with_its_default():
-    assert missing(CoreConfig, DOC.read_text()) == []
+    assert missing(ConnectorConfig, DOC.read_text()) == []
 
 
 @pytest.mark.parametrize("change", ["drop a row", "change a default"])
@@ -78,5 +79,5 @@ def test_the_check_catches_a_stale_reference(change):
     row = next(line for line in text.splitlines() if line.startswith("| `settle_when` |"))
     edited = row.replace("| `always` | with", "| `idle` | with") if change == "change a default" else ""
     assert edited != row
-    found = missing(CoreConfig, text.replace(row, edited))
+    found = missing(ConnectorConfig, text.replace(row, edited))
     assert len(found) == 1 and found[0].startswith("connector.settle_when")

@@ -4,7 +4,7 @@ warning naming the old key, the new key and the converted value. Both spellings 
 one source, or an old value that is not a number, is a ``ConfigError`` naming the key
 path and its source. A key that was never renamed warns about nothing. (The
 connector's keys moved into ``connector:``; the moves are tested in
-test_config_connector_section.py.)"""
+tests/connector/test_connector_settings.py.)"""
 
 from __future__ import annotations
 
@@ -12,10 +12,19 @@ import logging
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from lmcache_core.config import ConfigError, CoreConfig, load_config, ms_to_seconds, renamed_keys
+from lmcache_connector.settings import ConnectorConfig
+from lmcache_core.config import ConfigError, LoadedConfig, ms_to_seconds, renamed_keys
+from lmcache_core.config import load_config as core_load_config
+
+
+def load_config(*args: Any, **kw: Any) -> LoadedConfig:
+    """The config with the connector's section, as the connector (and, where it is
+    installed, every lmcache-core command) loads it."""
+    return core_load_config(*args, model=ConnectorConfig, **kw)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -31,7 +40,7 @@ def test_new_key_is_seconds_and_does_not_warn(tmp_path: Path) -> None:
         loaded = load_config(p, env={})
     assert loaded.config.connector.lookup_timeout_s == 0.25
     assert loaded.source_of("connector.lookup_timeout_s") == str(p)
-    assert CoreConfig().connector.lookup_timeout_s == 2.0  # the default: 2000 ms before
+    assert ConnectorConfig().connector.lookup_timeout_s == 2.0  # the default: 2000 ms before
 
 
 def test_old_key_gives_the_same_value_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -62,7 +71,7 @@ def test_old_key_from_env_and_overrides_is_converted() -> None:
         )
     assert loaded.config.connector.lookup_timeout_s == 2.0
     with pytest.warns(DeprecationWarning):
-        assert CoreConfig(connector={"lookup_timeout_ms": 40}).connector.lookup_timeout_s == 0.04  # type: ignore[arg-type]
+        assert ConnectorConfig(connector={"lookup_timeout_ms": 40}).connector.lookup_timeout_s == 0.04  # type: ignore[arg-type]
 
 
 def test_both_spellings_from_one_source_are_an_error(tmp_path: Path) -> None:

@@ -28,7 +28,9 @@ from lmcache_backend_peer.config import PeerConfig
 from lmcache_backend_redis.config import RedisConfig
 from lmcache_backend_s3.config import S3Config
 from lmcache_connector.options import load_settings
-from lmcache_core.config import ConfigError, CoreConfig, LoadedConfig, load_config, safe_yaml
+from lmcache_connector.settings import ConnectorConfig
+from lmcache_core.config import ConfigError, LoadedConfig, safe_yaml
+from lmcache_core.config import load_config as core_load_config
 from lmcache_core.local_cpu import LocalCpuConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +56,12 @@ WORDS: list[tuple[str, Any]] = [
 ]
 BOOLEAN_KEYS = ["connector.save_unfull_chunk", "connector.layerwise", "connector.sub_chunk_hits", "populate_pool"]
 KEYS = [*BOOLEAN_KEYS, "connector.save_decode_cache", "connector.async_loads", "connector.lookup_timeout_s", "verify_window_s"]
+
+
+def load_config(*args: Any, **kw: Any) -> LoadedConfig:
+    """The config with the connector's section, as the connector (and, where it is
+    installed, every lmcache-core command) loads it."""
+    return core_load_config(*args, model=ConnectorConfig, **kw)
 
 
 def _value(loaded: LoadedConfig, key: str) -> Any:
@@ -124,9 +132,9 @@ def test_yaml_numbers_are_read_as_json_reads_them() -> None:
 
 # -- durations ------------------------------------------------------------------------------
 
-MODELS: list[type[BaseModel]] = [CoreConfig, LocalCpuConfig, DiskConfig, RedisConfig, S3Config, MooncakeConfig, PeerConfig]
+MODELS: list[type[BaseModel]] = [ConnectorConfig, LocalCpuConfig, DiskConfig, RedisConfig, S3Config, MooncakeConfig, PeerConfig]
 DOCS = {
-    CoreConfig: "config.md",
+    ConnectorConfig: "config.md",
     LocalCpuConfig: "config.md",
     DiskConfig: "backends/disk.md",
     RedisConfig: "backends/redis.md",
@@ -172,7 +180,12 @@ def test_the_duration_scan_finds_the_known_keys() -> None:
     """Negative control for the scan below: it sees the keys of every model, and no
     key that is not a duration (a rate in ``*_per_s``, a fraction)."""
     found = [f"{model.__name__}.{key}" for model, key, _ in duration_keys()]
-    known = ["CoreConfig.connector.lookup_timeout_s", "CoreConfig.verify_window_s", "RedisConfig.ttl_s", "S3Config.op_deadline_s"]
+    known = [
+        "ConnectorConfig.connector.lookup_timeout_s",
+        "ConnectorConfig.verify_window_s",
+        "RedisConfig.ttl_s",
+        "S3Config.op_deadline_s",
+    ]
     known += ["MooncakeConfig.quarantine_s", "PeerConfig.eviction_poll_s", "PeerConfig.handshake_timeout_s"]
     assert set(known) <= set(found) and len(found) == 21, found
     assert not [k for k in found if k.endswith(("_per_s", "verify_fraction", "load_margin"))]

@@ -53,7 +53,7 @@ class IgnoresExpectKey(DictBackend):
     def get(self, key, out):
         with self._lock:
             frame = self._frames.get(key)
-        tensor, _ = try_decode(frame, self._codecs, out=out)
+        tensor = try_decode(frame, self._codecs, out=out).tensor
         with self._lock:
             if tensor is None:
                 self._stats.misses += 1

@@ -98,18 +98,19 @@ def test_a_frame_for_the_caller_is_ok(codec: str, seal: str | None) -> None:
 
 def test_no_frame_is_missing() -> None:
     got = try_decode(None, CODECS)
-    assert got.verdict is Verdict.MISSING and got == (None, "missing")
+    assert got.verdict is Verdict.MISSING and got.tensor is None and got.reason == "missing" and not got.ok
 
 
-def test_the_answer_still_unpacks_as_tensor_and_reason() -> None:
-    """Callers written before the verdict (plugins, the golden tests) unpack two values."""
-    tensor, reason = verdict_of(frame_of(), out=out_like())
-    assert reason is None and torch.equal(tensor, DATA)
-    tensor, reason = verdict_of(flip_last_byte(frame_of()), out=out_like())
-    assert tensor is None and reason == "checksum mismatch"
+def test_the_answer_names_tensor_reason_and_verdict() -> None:
+    """A hit has the tensor and no reason, a miss a reason and no tensor; the answer
+    pickles with its verdict."""
+    hit = verdict_of(frame_of(), out=out_like())
+    assert hit.ok and hit.reason is None and torch.equal(hit.tensor, DATA)
+    miss = verdict_of(flip_last_byte(frame_of()), out=out_like())
+    assert not miss.ok and miss.tensor is None and miss.reason == "checksum mismatch"
     refused = verdict_of(frame_of(), out=torch.empty(4, 16, dtype=torch.float16))
-    assert pickle.loads(pickle.dumps(refused)).verdict is Verdict.WRONG_SHAPE
-    assert refused == (None, refused.reason) and "WRONG_SHAPE" in repr(refused)
+    assert pickle.loads(pickle.dumps(refused)) == refused and refused.verdict is Verdict.WRONG_SHAPE
+    assert "WRONG_SHAPE" in repr(refused)
 
 
 # -- WRONG_SHAPE -------------------------------------------------------------------------

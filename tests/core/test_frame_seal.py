@@ -81,23 +81,25 @@ def test_a_plain_frame_with_a_valid_checksum_is_refused_by_a_sealed_reader() -> 
     key, real = random_key(), random_chunk(seed=2)
     planted = encode(key, torch.full_like(real, 666.0), RawCodec())
     # negative control: a plain reader takes it (the attack on an unsealed deployment)
-    got, reason = try_decode(planted, CODECS, expect_key=key, out=torch.empty_like(real))
+    decoded = try_decode(planted, CODECS, expect_key=key, out=torch.empty_like(real))
+    got, reason = decoded.tensor, decoded.reason
     assert reason is None and got is not None and float(got.flatten()[0]) == 666.0
-    got, reason = try_decode(planted, sealed_codecs(), expect_key=key, out=torch.empty_like(real))
+    decoded = try_decode(planted, sealed_codecs(), expect_key=key, out=torch.empty_like(real))
+    got, reason = decoded.tensor, decoded.reason
     assert got is None and reason is not None and "not sealed" in reason
 
 
 def test_frames_sealed_with_another_key_are_refused_and_named() -> None:
     key, data = random_key(), random_chunk(seed=3)
     frame = encode(key, data, RawCodec(), seal=FrameSeal(OTHER))
-    _, reason = try_decode(frame, sealed_codecs(), expect_key=key, out=torch.empty_like(data))
+    reason = try_decode(frame, sealed_codecs(), expect_key=key, out=torch.empty_like(data)).reason
     assert reason is not None and "another key" in reason and FrameSeal(OTHER).key_id in reason
 
 
 def test_a_plain_reader_refuses_sealed_frames_with_a_clear_reason() -> None:
     key, data = random_key(), random_chunk(seed=4)
     frame = encode(key, data, sealed_codecs()["raw"])
-    _, reason = try_decode(frame, CODECS, expect_key=key, out=torch.empty_like(data))
+    reason = try_decode(frame, CODECS, expect_key=key, out=torch.empty_like(data)).reason
     assert reason is not None and "no frame_secret" in reason
 
 
@@ -158,7 +160,7 @@ def test_a_tiers_plain_copy_of_the_codecs_keeps_the_seal() -> None:
     key, data = random_key(), random_chunk(seed=7)
     frame = encode(key, data, copy["lz4"])
     assert decode(frame, copy, expect_key=key).equal(data)
-    _, reason = try_decode(encode(key, data, RawCodec()), copy, expect_key=key)
+    reason = try_decode(encode(key, data, RawCodec()), copy, expect_key=key).reason
     assert reason is not None and "not sealed" in reason
     assert isinstance(copy["raw"], SealedCodec) and copy["lz4"].max_ratio == Lz4Codec.max_ratio  # type: ignore[attr-defined]
 

@@ -147,12 +147,6 @@ def test_header_parse_refuses_what_serde_refuses() -> None:
     assert header.meta == meta and bytes(header.payload(frame)) == bytes(payload)
 
 
-def test_serde_re_exports_the_api() -> None:
-    assert serde.FrameWriter is FrameWriter and serde.FrameReader is FrameReader and serde.FrameHeader is FrameHeader
-    with pytest.raises(AttributeError):
-        serde.NoSuchName  # noqa: B018
-
-
 # -- every backend needs at most six names of the frame API ---------------------------------
 
 

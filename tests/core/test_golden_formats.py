@@ -77,5 +77,6 @@ def test_golden_frames_reject_another_key():
     """Negative control: the checked-in frame is not accepted for a different key."""
     golden = (GOLDEN / "frame_raw_v2.bin").read_bytes()
     other = NS.key(chunk_hashes(TOKENS, 8)[1])
-    got, reason = serde.try_decode(golden, {"raw": serde.RawCodec()}, expect_key=other, out=torch.empty(2, 3))
+    decoded = serde.try_decode(golden, {"raw": serde.RawCodec()}, expect_key=other, out=torch.empty(2, 3))
+    got, reason = decoded.tensor, decoded.reason
     assert got is None and reason

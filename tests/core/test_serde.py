@@ -34,6 +34,7 @@ from lmcache_core import serde
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.serde import (
     DTYPES,
+    Decoded,
     FrameError,
     Lz4Codec,
     RawCodec,
@@ -42,6 +43,7 @@ from lmcache_core.serde import (
     parse_header,
     parse_header_prefix,
     try_decode,
+    Verdict,
 )
 
 CODECS = {"raw": RawCodec(), "lz4": Lz4Codec()}
@@ -91,7 +93,8 @@ frames = st.builds(
 def assert_miss_or_same(frame: bytes, original: torch.Tensor) -> None:
     """The property every corruption test checks: a miss with a reason, or (only if
     the change was immaterial) exactly the original bytes."""
-    got, reason = try_decode(frame, CODECS, expect_key=KEY)
+    decoded = try_decode(frame, CODECS, expect_key=KEY)
+    got, reason = decoded.tensor, decoded.reason
     if got is not None:
         assert raw_bytes(got) == raw_bytes(original) and got.shape == original.shape and got.dtype == original.dtype
     else:
@@ -117,7 +120,7 @@ def test_flipped_bytes_never_decode_to_other_data(item: tuple[torch.Tensor, str,
     positions = data.draw(st.lists(st.integers(0, len(frame) - 1), min_size=n, max_size=n, unique=True), label="pos")
     for pos in positions:
         bad[pos] ^= data.draw(st.integers(1, 255), label="xor")
-    got, _ = try_decode(bytes(bad), CODECS, expect_key=KEY)
+    got = try_decode(bytes(bad), CODECS, expect_key=KEY).tensor
     if got is not None:
         # Only whitespace in the header padding may change without effect.
         lo, hi = padding_span(frame)
@@ -142,7 +145,8 @@ def test_any_single_flip_outside_padding_is_a_miss(item: tuple[torch.Tensor, str
 def test_truncation_anywhere_is_a_miss(item: tuple[torch.Tensor, str, bytes], data: st.DataObject) -> None:
     _, _, frame = item
     cut = data.draw(st.integers(0, len(frame) - 1), label="cut")
-    got, reason = try_decode(frame[:cut], CODECS, expect_key=KEY)
+    decoded = try_decode(frame[:cut], CODECS, expect_key=KEY)
+    got, reason = decoded.tensor, decoded.reason
     assert got is None and reason
 
 
@@ -162,7 +166,7 @@ def test_header_from_another_frame_is_a_miss(seed_a: int, seed_b: int, codec: st
     _, end_a = header_span(fa)
     _, end_b = header_span(fb)
     spliced = fa[:end_a] + fb[end_b:]
-    got, _ = try_decode(spliced, CODECS, expect_key=KEY)
+    got = try_decode(spliced, CODECS, expect_key=KEY).tensor
     if raw_bytes(a) == raw_bytes(b) or fa == fb:
         return
     assert got is None
@@ -173,8 +177,8 @@ def test_wrong_expected_key_is_a_miss(codec: str) -> None:
     frame = encode(KEY, make_tensor(1), CODECS[codec])
     with pytest.raises(FrameError, match="key mismatch"):
         decode(frame, CODECS, expect_key=OTHER_KEY)
-    assert try_decode(frame, CODECS, expect_key=OTHER_KEY)[0] is None
-    assert try_decode(None, CODECS) == (None, "missing")
+    assert try_decode(frame, CODECS, expect_key=OTHER_KEY).tensor is None
+    assert try_decode(None, CODECS) == Decoded(None, "missing", Verdict.MISSING)
 
 
 def _reframe(frame: bytes, edit) -> bytes:  # type: ignore[no-untyped-def]
@@ -412,7 +416,8 @@ BOMB_CHILD = textwrap.dedent(
         ("no_out_within_ratio", bomb2, {}),
     ):
         t0 = time.perf_counter()
-        tensor, reason = try_decode(frame, codecs, expect_key=key, **kwargs)
+        decoded = try_decode(frame, codecs, expect_key=key, **kwargs)
+        tensor, reason = decoded.tensor, decoded.reason
         res[name] = {"s": time.perf_counter() - t0, "reason": reason, "decoded": tensor is not None}
     # The same frame through a real tier: the peer tier's local store (as a frame
     # fetched from a peer would be), then its get into the caller's chunk.
@@ -436,7 +441,8 @@ BOMB_CHILD = textwrap.dedent(
     # Current (not peak) RSS while the decoded tensor is alive: building the control
     # frame may already have set the peak, and the allocator may reuse those pages.
     before = current_rss_mib()
-    tensor, reason = try_decode(frame, codecs, expect_key=key)
+    decoded = try_decode(frame, codecs, expect_key=key)
+    tensor, reason = decoded.tensor, decoded.reason
     res["control_rss_growth_mib"] = current_rss_mib() - before
     res["control_ok"] = reason is None and tensor.numel() == 128 << 20
     print(json.dumps(res))
@@ -471,10 +477,10 @@ def test_lz4_header_claiming_more_than_the_codec_can_expand_is_refused() -> None
     assert torch.equal(decode(frame, CODECS, expect_key=HEADER_KEY), zeros)  # ~254x: accepted
     info, _, _ = parse_header(frame)
     assert info.raw_len / info.payload_len > 250
-    _, reason = try_decode(_rewrite(frame, shape=[300 * info.payload_len], raw_len=300 * info.payload_len), CODECS)
+    reason = try_decode(_rewrite(frame, shape=[300 * info.payload_len], raw_len=300 * info.payload_len), CODECS).reason
     assert reason is not None and "at most 255x" in reason
     raw = encode(HEADER_KEY, zeros[:64], RawCodec())  # raw: the payload is the data, 1x
-    _, reason = try_decode(_rewrite(raw, shape=[200], raw_len=200), CODECS)
+    reason = try_decode(_rewrite(raw, shape=[200], raw_len=200), CODECS).reason
     assert reason is not None and "at most 1x" in reason
 
 
@@ -487,7 +493,7 @@ def test_expected_chunk_is_compared_before_the_payload_is_hashed(monkeypatch: py
     monkeypatch.setattr(serde, "verify_payload", lambda *a: calls.append("hash"))
     monkeypatch.setattr(Lz4Codec, "decode", lambda *a: calls.append("lz4"))
     frame = encode(HEADER_KEY, torch.ones(64, 64, dtype=torch.float16), Lz4Codec())
-    _, reason = try_decode(frame, CODECS, expect_key=HEADER_KEY, out=torch.empty(32, 64, dtype=torch.float16))
+    reason = try_decode(frame, CODECS, expect_key=HEADER_KEY, out=torch.empty(32, 64, dtype=torch.float16)).reason
     assert reason is not None and "caller expects" in reason and calls == []
 
 
@@ -550,7 +556,7 @@ def test_malformed_numbers_in_a_header_are_a_miss(name: str) -> None:
     for parse in (parse_header, lambda f: parse_header_prefix(f, len(f)), lambda f: decode(f, CODECS)):
         with pytest.raises(FrameError):
             parse(frame)
-    assert try_decode(frame, CODECS, out=torch.empty(4, 8, dtype=torch.float16))[0] is None
+    assert try_decode(frame, CODECS, out=torch.empty(4, 8, dtype=torch.float16)).tensor is None
 
 
 json_values = st.recursive(

@@ -134,7 +134,7 @@ class ChunkIO(StartupScan):
             return False
         except OSError as err:
             return self._read_error(path, err)
-        _, reason = FrameReader(self._codecs).decode(buf, key=key, out=out)
+        reason = FrameReader(self._codecs).decode(buf, key=key, out=out).reason
         if reason is not None:
             self._drop_corrupt(key, path, ino, reason)
             return False

@@ -409,7 +409,7 @@ class PeerBackend(StorageBackend):
         return done
 
     def _decode(self, key: ChunkKey, frame: bytes | memoryview, out: torch.Tensor, where: str) -> bool:
-        _, reason = FrameReader(self.codecs).decode(frame, key=key, out=out)
+        reason = FrameReader(self.codecs).decode(frame, key=key, out=out).reason
         with self._lock:
             if reason is None:
                 self._stats.hits += 1

@@ -51,10 +51,9 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
-from lmcache_core.config import SAVE_PREFILL, SETTLE_IDLE
-
 from ..layouts.groups import STATE_SCHEDULER
 from ..log import get_logger
+from ..settings import SAVE_PREFILL, SETTLE_IDLE
 
 log = get_logger(__name__)
 

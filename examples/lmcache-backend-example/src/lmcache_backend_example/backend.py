@@ -16,7 +16,7 @@ from pydantic import Field
 from lmcache_core.backend import BackendContext, BackendStats, StorageBackend, prefix_count
 from lmcache_core.config import StrictModel, validate_section
 from lmcache_core.keys import ChunkKey
-from lmcache_core.frames import Codec, FrameReader, FrameWriter
+from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
 
 class DictBackendConfig(StrictModel):
@@ -71,11 +71,11 @@ class DictBackend(StorageBackend):
         return [self._decode(k, f, o) for k, f, o in zip(keys, frames, outs)]
 
     def _decode(self, key: ChunkKey, frame: bytes | None, out: torch.Tensor) -> bool:
-        tensor, reason = FrameReader(self._codecs).decode(frame, key=key, out=out)
+        decoded = FrameReader(self._codecs).decode(frame, key=key, out=out)
         with self._lock:
-            if tensor is None:
+            if not decoded.ok:
                 self._stats.misses += 1
-                if reason != "missing":
+                if decoded.verdict is not Verdict.MISSING:
                     self._stats.errors += 1
                 return False
             self._stats.hits += 1

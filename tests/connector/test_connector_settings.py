@@ -1,4 +1,5 @@
-"""The connector's keys live in one section, ``connector:``. Each of its keys merges on
+"""The connector's keys live in one section, ``connector:``
+(:mod:`lmcache_connector.settings`, registered with the core). Each of its keys merges on
 its own across the sources (file, env vars ``LMCACHE_CORE_CONNECTOR_<KEY>``,
 overrides such as vLLM's ``kv_connector_extra_config``) and keeps its own source.
 The old top-level spellings (``save_unfull_chunk: true``) still work for one release:
@@ -17,10 +18,18 @@ from typing import Any
 
 import pytest
 
+from lmcache_connector.settings import ConnectorConfig, ConnectorSection
 from lmcache_core import cli
-from lmcache_core.config import ConfigError, ConnectorSection, CoreConfig, load_config, moved_keys, renamed_keys
+from lmcache_core.config import ConfigError, LoadedConfig, moved_keys, renamed_keys
+from lmcache_core.config import load_config as core_load_config
 
 EXTRA = "kv_connector_extra_config"
+
+
+def load_config(*args: Any, **kw: Any) -> LoadedConfig:
+    """The config as the connector loads it (its section registered)."""
+    return core_load_config(*args, model=ConnectorConfig, **kw)
+
 
 #: every key that moved, a value other than its default, and the YAML for it
 MOVED = {
@@ -53,14 +62,14 @@ def load_quietly(*args: Any, **kw: Any) -> Any:
 
 
 def test_the_section_holds_the_connector_keys_with_their_defaults() -> None:
-    c = CoreConfig().connector
+    c = ConnectorConfig().connector
     assert (c.save_unfull_chunk, c.save_decode_cache, c.sub_chunk_hits, c.priority_limit) == (False, False, True, None)
     assert (c.layout, c.lookup_timeout_s, c.load_policy, c.load_margin) == ("auto", 2.0, "always", 0.2)
     assert (c.model_id, c.async_saves, c.async_loads, c.layerwise) == (None, "auto", "auto", False)
     for key in MOVED:  # none of them is a top-level key any more
-        assert key not in CoreConfig.model_fields and key in ConnectorSection.model_fields
+        assert key not in ConnectorConfig.model_fields and key in ConnectorSection.model_fields
     for key in ("tenant_salt", "verify_fraction", "quarantine_dir", "background_nice", "staging_size"):
-        assert key in CoreConfig.model_fields and key not in ConnectorSection.model_fields  # core features stay
+        assert key in ConnectorConfig.model_fields and key not in ConnectorSection.model_fields  # core features stay
 
 
 def test_new_spelling_from_a_file(tmp_path: Path) -> None:
@@ -92,7 +101,7 @@ def test_new_spelling_from_overrides() -> None:
     loaded = load_quietly(None, env={}, overrides={"connector": {"priority_limit": 0}}, overrides_source=EXTRA)
     assert loaded.config.connector.priority_limit == 0
     assert loaded.source_of("connector.priority_limit") == EXTRA
-    assert CoreConfig(connector={"layerwise": True}).connector.layerwise is True  # type: ignore[arg-type]
+    assert ConnectorConfig(connector={"layerwise": True}).connector.layerwise is True  # type: ignore[arg-type]
 
 
 def _old_spelling(tmp_path: Path, where: str, key: str, yaml_value: str) -> tuple[Any, str]:
@@ -139,13 +148,13 @@ def test_old_millisecond_spelling_moves_then_converts(tmp_path: Path) -> None:
     assert loaded.config.connector.lookup_timeout_s == 0.3
     assert loaded.source_of("connector.lookup_timeout_s") == "env var LMCACHE_CORE_LOOKUP_TIMEOUT_MS"
     with pytest.warns(DeprecationWarning):
-        assert CoreConfig(lookup_timeout_ms=40).connector.lookup_timeout_s == 0.04  # type: ignore[call-arg]
+        assert ConnectorConfig(lookup_timeout_ms=40).connector.lookup_timeout_s == 0.04  # type: ignore[call-arg]
 
 
 def test_old_spelling_on_a_model_built_directly() -> None:
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        cfg = CoreConfig(save_unfull_chunk=True, connector={"layerwise": True})  # type: ignore[call-arg, arg-type]
+        cfg = ConnectorConfig(save_unfull_chunk=True, connector={"layerwise": True})  # type: ignore[call-arg, arg-type]
     assert deprecations(record) == ["save_unfull_chunk is deprecated: use connector.save_unfull_chunk"]
     assert cfg.connector.save_unfull_chunk and cfg.connector.layerwise
 
@@ -292,3 +301,16 @@ def test_cli_shows_each_connector_key_with_its_source(
     assert "connector:\n  # from default\n  model_id: null\n" in out
     assert "  # from env var LMCACHE_CORE_CONNECTOR_ASYNC_LOADS\n  async_loads: true\n" in out
     assert f"  # from {p}\n  layout: block\n" in out
+
+
+def test_the_installed_connector_registers_its_section() -> None:
+    """What every lmcache-core command loads where the connector is installed has
+    exactly the connector's own config model's keys (the two cannot drift)."""
+    from lmcache_core.plugins import PluginManager
+
+    pm = PluginManager(env={})
+    info = pm.config_sections()["connector"]
+    assert info.load_model() is ConnectorSection and info.origin.distribution == "lmcache-connector-vllm"
+    model = pm.config_model()
+    assert model.model_fields.keys() == ConnectorConfig.model_fields.keys() and model.moved_keys == ConnectorConfig.moved_keys
+    assert model.model_fields["connector"].description == ConnectorConfig.model_fields["connector"].description

@@ -1,0 +1,171 @@
+"""Structural bars the core keeps, checked on its source (AST), not by importing it:
+
+* no import cycle among ``lmcache_core`` modules: every import counts, those under
+  ``if TYPE_CHECKING:`` and inside functions included (a cycle hidden in a function
+  is still two modules that cannot be understood apart);
+* no function in ``lmcache_core/`` is longer than :data:`MAX_FUNCTION_LINES` lines.
+
+Each bar has a negative control, so a checker that finds nothing is caught."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "lmcache_core"
+MAX_FUNCTION_LINES = 60
+
+Graph = dict[str, set[str]]
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``lmcache_core/serde.py`` -> ``lmcache_core.serde``; a package's ``__init__.py``
+    is the package."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules(package: Path) -> dict[str, Path]:
+    """Every module of ``package`` by dotted name."""
+    return {module_name(p, package.parent): p for p in sorted(package.rglob("*.py"))}
+
+
+def imported(node: ast.Import | ast.ImportFrom, here: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` an import statement in module ``here`` names: ``import
+    X``, ``X``; ``from X import a``, ``X.a`` where that is a module, else ``X``.
+    Relative imports are resolved against ``here``. (Importing ``X.a`` also runs
+    ``X/__init__``: that implicit edge is not counted, as Python's own import order
+    makes it harmless.)"""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names} & known
+    base = node.module or ""
+    if node.level:
+        parts = here.split(".") if is_package else here.split(".")[:-1]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([base] if base else []))
+    return {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names} & known
+
+
+def import_graph(package: Path) -> Graph:
+    """``{module: modules of package it imports}``, every import statement counted."""
+    known = modules(package)
+    graph: Graph = {}
+    for name, path in known.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= imported(node, name, path.name == "__init__.py", set(known))
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: Graph) -> list[str] | None:
+    """One import cycle of ``graph`` (``[a, b, ..., a]``), or ``None``: a depth-first
+    search that reports the first edge back to a module still on its path."""
+    done: set[str] = set()
+    path: list[str] = []
+    on_path: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        path.append(node)
+        on_path.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in on_path:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in done:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        on_path.discard(node)
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def long_functions(package: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name (n lines)`` for each function or method of ``package`` longer
+    than ``limit`` lines (decorators excluded, docstring included)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+# -- no import cycle ------------------------------------------------------------------
+
+
+def test_the_graph_sees_the_core() -> None:
+    graph = import_graph(CORE)
+    assert {"lmcache_core.engine", "lmcache_core.serde", "lmcache_core.testing.memory"} <= set(graph)
+    assert "lmcache_core.keys" in graph["lmcache_core.serde"]
+
+
+def test_no_import_cycle_among_core_modules() -> None:
+    assert find_cycle(import_graph(CORE)) is None
+
+
+def test_the_detector_finds_a_cycle() -> None:
+    """Negative control: a three-module loop is found, a diamond is not."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) is None
+
+
+def test_type_only_function_and_relative_imports_are_edges(tmp_path: Path) -> None:
+    """Negative control on real files: a cycle closed only by an import under
+    ``TYPE_CHECKING``, or only by one inside a function, or through ``from . import``
+    of a subpackage's module, is still a cycle."""
+    pkg = (
+        write(
+            tmp_path,
+            {
+                "pkg/__init__.py": "",
+                "pkg/a.py": "from typing import TYPE_CHECKING\nfrom .b import x\nif TYPE_CHECKING:\n    from .c import y\n",
+                "pkg/b.py": "def f():\n    from . import c\n",
+                "pkg/c.py": "from .sub import d\n",
+                "pkg/sub/__init__.py": "",
+                "pkg/sub/d.py": "from .. import a\n",
+            },
+        )
+        / "pkg"
+    )
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.b", "pkg.c"} and graph["pkg.b"] == {"pkg.c"}
+    assert graph["pkg.c"] == {"pkg.sub.d"} and graph["pkg.sub.d"] == {"pkg.a"}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.sub.d", "pkg.a"]
+
+
+# -- no long function -----------------------------------------------------------------
+
+
+def test_no_function_in_the_core_is_over_the_limit() -> None:
+    assert long_functions(CORE) == []
+
+
+def test_the_length_check_finds_a_long_function(tmp_path: Path) -> None:
+    """Negative control: a method of 61 lines is reported, one of 60 is not."""
+    body = "\n".join(f"        x{i} = {i}" for i in range(59))
+    pkg = write(tmp_path, {"pkg/m.py": f"class C:\n    def long(self):\n{body}\n        return 0\n\n    def ok(self):\n{body}\n"})
+    pkg = pkg / "pkg"
+    assert long_functions(pkg) == ["pkg/m.py:2 long (61 lines)"]

@@ -129,7 +129,7 @@ def run_all(model: Path, lengths: list[int], reps: int, delay_ms: float, vocab: 
                 )
         coef = w.prefill.fit.coefficients()
         models = {
-            "tier_read": w.engine.read_models[0].describe(),
+            "tier_read": w.engine.stack.tiers[0].read_model.describe(),
             "prefill_fit": None if coef is None else [float(c) for c in coef],
         }
         return {m: {"mode": m, "rows": rows[m], **(models if m == FASTER else {})} for m in rows}

@@ -223,6 +223,17 @@ class StorageBackend(abc.ABC):
         a sequence (from the engine, a copy-free window of the prompt's keys):
         stop at the first miss rather than copying it."""
 
+    def first_held(self, keys: Sequence[ChunkKey]) -> int:
+        """The index of the first of ``keys`` present, each key on its own (not a
+        prefix: independent objects in order of preference, e.g. the boundary objects
+        of a hybrid model's hit, longest hit first); -1 when none is. Default: one
+        :meth:`contains` per key until one is present; a remote backend may answer
+        them in one round trip."""
+        for i, key in enumerate(keys):
+            if self.contains([key]):
+                return i
+        return -1
+
     @abc.abstractmethod
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         """Store a copy of ``data`` (a contiguous CPU tensor). False if skipped

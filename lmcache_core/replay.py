@@ -356,7 +356,7 @@ def _load_hit(eng: CacheEngine, hs: list[bytes], rid: str, shapes: Sequence[tupl
                 loaded += 1
         finally:
             chunks.close()
-    eng.unpin(rid)
+    eng.pins.release(rid)
     if loaded < n:
         eng.record_load_errors(n - loaded)
         counts.load_errors += n - loaded

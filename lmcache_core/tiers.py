@@ -42,6 +42,17 @@ log = logging.getLogger(__name__)
 ChunkData = torch.Tensor | MemoryBuffer
 
 
+class ReadEstimate(NamedTuple):
+    """What reading chunks from one tier will cost, as a load is planned."""
+
+    #: the tier keeps chunks in the pool: a load is lent them, nothing is read
+    zero_copy: bool
+    #: predicted seconds to read the bytes asked about (None: never measured)
+    seconds: float | None
+    #: seconds since the measurement behind it was last updated (None: never)
+    age: float | None
+
+
 class TierEvent(NamedTuple):
     """What a tier now holds or dropped: ``stored`` (a chunk reached the tier) or
     ``evicted`` (the tier dropped it to make room). ``tier`` is the tier's name."""
@@ -94,6 +105,10 @@ class Tier:
     def __repr__(self) -> str:
         return f"Tier({self.level}: {self.name})"
 
+    def estimate(self, nbytes: int) -> ReadEstimate:
+        """What reading ``nbytes`` of chunks from this tier will cost (its measured reads)."""
+        return ReadEstimate(self.zero_copy, self.read_model.predict(nbytes), self.read_model.fit.age())
+
     @property
     def in_service(self) -> bool:
         """False while the tier is quarantined: no reads, no writes."""
@@ -128,6 +143,17 @@ class Tier:
         except Exception as err:
             self.error("contains", err)
             return None
+
+    def held(self, keys: Sequence[ChunkKey]) -> int | None:
+        """The index of the first of ``keys`` the tier holds, each key on its own
+        (:meth:`~lmcache_core.backend.StorageBackend.first_held`); None when it holds
+        none or asking failed."""
+        try:
+            i = self.backend.first_held(keys)
+        except Exception as err:
+            self.error("contains", err)
+            return None
+        return i if 0 <= i < len(keys) else None
 
     def holds(self, key: ChunkKey) -> bool:
         """Whether the tier holds ``key`` (False when asking fails)."""
@@ -452,6 +478,50 @@ class TierStack:
                         writer.submit(key, buf)
         finally:
             buf.release()
+
+    def store(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData], partial_last: bool = False) -> int:
+        """Write chunks to the first tier now and queue them for the slower ones; how
+        many new chunks reached the first tier. A chunk the first tier already holds
+        is skipped entirely, slower tiers included (a write a slow tier dropped
+        earlier is not retried: it is a cache). ``partial_last``: the last chunk is a
+        prompt's partial tail (hinted to the first tier's eviction order)."""
+        top = self.top
+        if top is None:
+            return 0
+        if not top.in_service:
+            for key, data in zip(keys, chunks):
+                if self.writers:
+                    self.write_behind(key, data)
+            return 0
+        stored = 0
+        for i, (key, data) in enumerate(zip(keys, chunks)):
+            if top.contains([key]):
+                continue  # already cached (another request stored it): no rewrite
+            buf, owned = self._staged(top, data)
+            try:
+                ok = top.put(key, data if buf is None else buf)
+                stored += ok
+                if ok and partial_last and i == len(keys) - 1:
+                    self.hint(lambda tier: tier.hint_partial(key), (top,))
+                if self.writers:
+                    self.write_behind(key, data if buf is None else buf)
+            finally:
+                if owned and buf is not None:
+                    buf.release()
+        return stored
+
+    def _staged(self, top: Tier, data: ChunkData) -> tuple[MemoryBuffer | None, bool]:
+        """``data`` as a pool buffer when the first tier adopts buffers (copied once
+        into the pool: the first tier adopts it, write-behind shares it), and whether
+        the caller owns that buffer's reference."""
+        if isinstance(data, MemoryBuffer):
+            return data, False
+        if not top.zero_copy:
+            return None, False
+        buf = self.allocate(tuple(data.shape), data.dtype)
+        if buf is not None:
+            buf.tensor.copy_(data)
+        return buf, True
 
     def hint(self, call: Callable[[StorageBackend], None], tiers: Sequence[Tier] | None = None) -> None:
         """Pass an eviction-order hint (``StorageBackend.hint_chain`` /

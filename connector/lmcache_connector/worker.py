@@ -252,12 +252,12 @@ class WorkerSide:
         if self.suspended:  # vLLM's KV memory is released: report every load failed (recompute)
             transfers.fail_all(meta)
             for rid in {t.req_id for t in meta.loads} | set(meta.unpins):  # pins are released asleep too
-                transfers.unpin(rid)
+                transfers.complete_load(rid)
             return
         t_start = time.perf_counter()
         transfers.load_step(meta)
         for rid in meta.unpins:
-            transfers.unpin(rid)
+            transfers.complete_load(rid)
         if self._fwd_start is not None:  # loads are not compute: keep them out of the step's time
             self._step_load_s += time.perf_counter() - t_start
 

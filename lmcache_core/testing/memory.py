@@ -107,6 +107,11 @@ class MemoryTier(StorageBackend):
         with self.lock:
             return prefix_count(keys, self.data)
 
+    def first_held(self, keys: Sequence[ChunkKey]) -> int:
+        self._check_up()
+        with self.lock:
+            return next((i for i, k in enumerate(keys) if k in self.data), -1)
+
     def put(self, key: ChunkKey, data: torch.Tensor) -> bool:
         self._check_up()
         if self.put_gate is not None:

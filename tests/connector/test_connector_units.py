@@ -565,11 +565,11 @@ def test_pins_are_released_while_asleep(tmp_path):
         idle = LMCacheConnectorMetadata(chunk_size=16)
         w.step_started(idle)
         w.start_load_kv(idle)
-        assert w.engine.pinned_ids() == {"asleep-req"}  # control: nothing released it yet
+        assert w.engine.pins.ids() == {"asleep-req"}  # control: nothing released it yet
         done = LMCacheConnectorMetadata(chunk_size=16, unpins=["asleep-req"])  # it finished during sleep
         w.step_started(done)
         w.start_load_kv(done)
-        assert w.engine.pinned_ids() == set(), "a request that finished during sleep kept its pins"
+        assert w.engine.pins.ids() == set(), "a request that finished during sleep kept its pins"
         w.resume()
     finally:
         w.close()
@@ -586,13 +586,13 @@ def test_auto_async_follows_the_tier_and_its_measured_speed(tmp_path):
         assert not w.hits.slow([(0, 3)], 3), "a memory hit left the step"
         assert w.hits.slow([(0, 1), (1, 2)], 3), "an unmeasured disk hit stayed in the step"
         for _ in range(4):
-            w.engine.read_models[1].record(nbytes, 0.050)
-            w.engine.read_models[1].record(nbytes // 3, 0.030)
+            w.engine.stack.tiers[1].read_model.record(nbytes, 0.050)
+            w.engine.stack.tiers[1].read_model.record(nbytes // 3, 0.030)
         assert w.hits.slow([(1, 3)], 3), "a slow tier's hit stayed in the step"
-        w.engine.read_models[1] = type(w.engine.read_models[1])()
+        w.engine.stack.tiers[1].read_model = type(w.engine.stack.tiers[1].read_model)()
         for _ in range(4):
-            w.engine.read_models[1].record(nbytes, 0.0004)
-            w.engine.read_models[1].record(nbytes // 3, 0.0002)
+            w.engine.stack.tiers[1].read_model.record(nbytes, 0.0004)
+            w.engine.stack.tiers[1].read_model.record(nbytes // 3, 0.0002)
         assert not w.hits.slow([(1, 3)], 3), "a fast tier's hit left the step"
         assert not w.hits.slow([(1, 3)], 0), "nothing to load is never slow"
     finally:
@@ -803,5 +803,48 @@ def test_retention_hints_are_parsed_and_reach_the_cpu_tier(tmp_path):
         w.wait_for_save(kept)
         assert tier.stats().extra["retained"] == 1
         assert w.counters()[f"tier_retained_bytes/{tier.name}"] > 0
+    finally:
+        w.close()
+
+
+def test_every_end_of_a_request_releases_its_pins_once(tmp_path):
+    """A lookup pins a request's hit under its id (prepare); the worker releases the
+    pins once wherever the request's load ends: loaded in the step, failed in the
+    step (its chunk gone), loaded on the load thread, or never loaded (finished,
+    aborted or preempted first: the plan's ``unpins``). Control: between the lookup
+    and that end the pins are held."""
+    from collections import Counter
+
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    w = _worker(tmp_path, connector={"async_loads": True})
+    released: Counter[str] = Counter()
+    real = w.engine.pins.release
+    w.engine.pins.release = lambda pin_id: (released.update([pin_id]), real(pin_id))[1]
+    try:
+        data = torch.zeros(w.hits.chunk_shape, dtype=w.hits.chunk_dtype)
+        h = {r: r.encode() * 16 for r in "ABCD"}
+        for r in "ABCD":
+            assert w.engine.store_hashes([h[r]], [data]) == 1
+            assert w.hits.lookup([h[r]], r).chunks == 1
+        assert w.engine.pins.ids() == set("ABCD")  # control: held until each request's end
+        assert released == Counter(), "a lookup released pins it had just taken"
+        w.engine.tiers[0].remove(w.engine.keys([h["B"]])[0])  # B's chunk is gone: its load fails
+        step = LMCacheConnectorMetadata(
+            chunk_size=16,
+            loads=[
+                ChunkTransfer("A", [h["A"]], 0, [16], [9]),
+                ChunkTransfer("B", [h["B"]], 0, [16], [10]),
+                ChunkTransfer("D", [h["D"]], 0, [16], [11], async_load=True),
+            ],
+            unpins=["C"],
+        )
+        w.step_started(step)
+        w.start_load_kv(step)
+        assert w.loads is not None
+        w.loads.drain()
+        assert w.get_block_ids_with_load_errors() == {10}, "B's load did not fail (the failed path was not taken)"
+        assert w.engine.pins.ids() == set()
+        assert released == Counter("ABCD"), released
     finally:
         w.close()

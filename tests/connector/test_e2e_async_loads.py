@@ -67,7 +67,7 @@ def test_async_loads_token_identical_and_really_async(tiny_model, reference, rem
         assert w.loads.submitted >= 6 and w.loads.completed == w.loads.submitted
         assert w.stats()["loaded_tokens"] >= 6 * 3 * CS
         assert _scheduler(llm).connector._sched.async_load_requests >= 6
-        assert w.engine._pins == {}
+        assert w.engine.pins.ids() == set()
         run(llm, [random_prompt(20, 620)])
         free, total = _free_blocks(llm)
         assert free == total - 1  # all but vLLM's null block
@@ -128,7 +128,7 @@ def test_removed_chunk_keeps_the_loaded_prefix(tiny_model, reference, monkeypatc
         assert w.stats()["loaded_tokens"] - before == 2 * CS
         assert [n for _, n in remote_kv_waits] == [2 * CS]  # vLLM kept the prefix that loaded
         assert w.stats()["failed_loads"] == 1 and w.loads.failed == 1
-        assert w.engine._pins == {}
+        assert w.engine.pins.ids() == set()
 
 
 def test_abort_during_async_load(tiny_model, reference, monkeypatch):
@@ -155,7 +155,7 @@ def test_abort_during_async_load(tiny_model, reference, monkeypatch):
         while not entered.is_set():
             assert time.monotonic() < deadline, "the load never reached the load thread"
             eng.step()
-        assert w.engine._pins  # the hit is pinned while its load is in flight
+        assert w.engine.pins.ids()  # the hit is pinned while its load is in flight
         eng.abort_request(["abort-me"])
         for _ in range(3):
             eng.step()  # steps while the load is still held: no crash
@@ -169,7 +169,7 @@ def test_abort_during_async_load(tiny_model, reference, monkeypatch):
         run(llm, [random_prompt(20, 653)])
         free, total = _free_blocks(llm)
         assert free == total - 1
-        assert w.engine._pins == {}
+        assert w.engine.pins.ids() == set()
         assert w.loads.completed == w.loads.submitted
 
 

@@ -32,7 +32,7 @@ def test_layerwise_token_identical_and_layer_by_layer(tiny_model, reference):
         assert st["active"], "vLLM skipped wait_for_layer_load for a layer, or named an unknown one"
         assert st["loaded_chunks"] >= 4 * 3 and st["late_save_layers"] == 0
         assert w.stats()["loaded_tokens"] >= 4 * 3 * CS
-        assert w.engine._pins == {}
+        assert w.engine.pins.ids() == set()
     # negative control: without the switch there is no pipeline, same tokens
     with make_llm(tiny_model, max_num_batched_tokens=1024) as llm:
         assert worker().pipeline is None

@@ -54,7 +54,7 @@ def test_slow_tier_is_bypassed_and_ttft_stays_at_recompute(tiny_model: Path) -> 
             dt, _ = _ttft(llm, probe)
             loaded = w.totals.loaded_tokens
             assert loaded >= 3 * CHUNK and dt >= 0.9
-            assert w.engine.predict_read_seconds(0, w.hits.chunk_bytes) >= 0.25
+            assert w.engine.read_estimate(0, w.hits.chunk_bytes).seconds >= 0.25
 
             cold, warm = [], []
             for i in range(5):

@@ -127,14 +127,14 @@ def test_worker_checks_and_pins_the_offered_chunk(planner):
     got = hits.lookup(ha[:2] + [other], "r1", {2: ha[2]})
     assert (got.chunks, got.tail) == (2, True)
     assert eng.tiers[0].stats().extra["pinned"] == 3  # the hit and the offered chunk
-    eng.unpin("r1")
+    eng.pins.release("r1")
     # absent offer: the plain hit, pinned alone
     got = hits.lookup(ha[:2] + [other], "r2", {2: other})
     assert (got.chunks, got.tail) == (2, False)
     assert eng.tiers[0].stats().extra["pinned"] == 2
-    eng.unpin("r2")
+    eng.pins.release("r2")
     # an offer for a chunk the hit does not end at is not checked
     got = hits.lookup(ha, "r3", {1: ha[2]})
     assert (got.chunks, got.tail) == (3, False)
-    eng.unpin("r3")
+    eng.pins.release("r3")
     assert eng.stats()["lookups"] == 3  # one lookup each, the second probe uncounted

@@ -19,8 +19,10 @@ class TierPlugin:
     ``broken``, which raises from every call (a tier whose server is down); keeps
     what it built."""
 
-    def __init__(self, gate: threading.Event | None = None) -> None:
+    def __init__(self, gate: threading.Event | None = None, factory: type[MemoryTier] = MemoryTier) -> None:
+        """``factory``: the class ``dict_tier`` is made of (a subclass that counts calls)."""
         self.gate = gate
+        self.factory = factory
         self.created: list[StorageBackend] = []
 
     def _make(self, cls: Callable[[], StorageBackend]) -> Callable[[Mapping[str, Any], BackendContext], StorageBackend]:
@@ -33,7 +35,7 @@ class TierPlugin:
 
     @hookimpl
     def register_backends(self, register: RegisterBackend) -> None:
-        register("dict_tier", self._make(lambda: MemoryTier(name="dict_tier", put_gate=self.gate)))
+        register("dict_tier", self._make(lambda: self.factory(name="dict_tier", put_gate=self.gate)))
         register("broken", self._make(lambda: MemoryTier(name="broken", down=True)))
 
 

@@ -197,13 +197,13 @@ def test_pins_protect_chunks_between_lookup_and_load() -> None:
         outs = empty_outs(4)
         assert retrieve_tokens(eng, a, outs) == 4
         assert all(torch.equal(o, c) for o, c in zip(outs, chunks_for(a)))
-        eng.unpin("req-a")
+        eng.pins.release("req-a")
         assert tier0.stats().extra["pinned"] == 0
         for s in range(20, 22):
             other = prompt(s, 2)
             store_tokens(eng, other, chunks_for(other))
         assert lookup_tokens(eng, a) < 4 * CS, "after unpin the chunks are evictable again"
-        eng.unpin("req-a")  # unpinning twice is harmless
+        eng.pins.release("req-a")  # unpinning twice is harmless
 
 
 @pytest.mark.parametrize("order", ["broken-first", "broken-last", "broken-only"])

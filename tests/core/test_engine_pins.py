@@ -28,21 +28,21 @@ def test_keep_pinned_and_add_pins_in_one_tier() -> None:
         assert eng.store_hashes(hb, chunks_for(b)) == 1
         assert eng.lookup_hashes(ha, pin_id="r") == 4
         assert _pinned(tier0) == 4
-        eng.keep_pinned("r", 2)
+        eng.pins.keep("r", 2)
         assert _pinned(tier0) == 2
         assert eng.lookup_hashes(hb, pin_id="r", add_pins=True) == 1
         assert _pinned(tier0) == 3, "an added object is pinned next to the hit"
-        eng.keep_pinned("r", 1)
+        eng.pins.keep("r", 1)
         assert _pinned(tier0) == 2, "keep_pinned cuts the hit, not the added object"
-        eng.unpin("r")
+        eng.pins.release("r")
         assert _pinned(tier0) == 0
         # negative control: without add_pins a lookup replaces the id's pins
         assert eng.lookup_hashes(ha, pin_id="r") == 4
         assert eng.lookup_hashes(hb, pin_id="r") == 1
         assert _pinned(tier0) == 1
-        eng.keep_pinned("r", 0)
+        eng.pins.keep("r", 0)
         assert _pinned(tier0) == 0
-        eng.keep_pinned("unknown", 3)  # an unknown id is ignored
+        eng.pins.keep("unknown", 3)  # an unknown id is ignored
 
 
 def test_keep_pinned_counts_positions_across_tiers() -> None:
@@ -63,8 +63,62 @@ def test_keep_pinned_counts_positions_across_tiers() -> None:
             tier1.remove(k)
         assert eng.lookup_runs(ha, pin_id="r") == [(1, 2), (0, 2)]
         assert _pinned(tier0) == 2
-        eng.keep_pinned("r", 3)
+        eng.pins.keep("r", 3)
         assert _pinned(tier0) == 1
-        eng.keep_pinned("r", 2)
+        eng.pins.keep("r", 2)
         assert _pinned(tier0) == 0
-        eng.unpin("r")
+        eng.pins.release("r")
+
+
+class _CountingTier(MemoryTier):
+    """The reference tier, counting the lookups it answers."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = {"contains": 0, "first_held": 0}
+
+    def contains(self, keys):
+        self.calls["contains"] += 1
+        return super().contains(keys)
+
+    def first_held(self, keys):
+        self.calls["first_held"] += 1
+        return super().first_held(keys)
+
+
+def test_probe_boundary_asks_each_tier_once_and_pins_what_it_finds() -> None:
+    """64 candidate boundary objects, longest hit first: one call finds the first one
+    held (index 5, only in the slower tier; index 9 in both) with one ``first_held``
+    per tier, pins it next to the hit in the CPU tier's copy when the CPU tier holds
+    it, and the id's release frees everything. Control: probing them one lookup at a
+    time, as before, asks the tiers once per candidate."""
+    plugin = TierPlugin(factory=_CountingTier)
+    with engine([{"name": "local_cpu", "max_size": "1MiB"}, {"name": "dict_tier"}], plugin) as eng:
+        tier0, tier1 = eng.tiers
+        assert isinstance(tier0, LocalCpuBackend) and isinstance(tier1, _CountingTier)
+        cands = [bytes([i + 1]) * 16 for i in range(64)]
+        data = chunks_for(prompt(4, 1))
+        assert eng.store_hashes([cands[9]], data) == 1
+        assert eng.flush(10)
+        tier1.put(eng.keys([cands[5]])[0], data[0])
+        tier1.calls.update(contains=0, first_held=0)
+        assert eng.probe_boundary(cands, pin_id="r") == 5
+        assert tier1.calls == {"contains": 0, "first_held": 1}, tier1.calls
+        assert eng.pins.ids() == set(), "the slower tier takes no pins: nothing to hold"
+        tier0.put(eng.keys([cands[5]])[0], data[0])
+        assert eng.probe_boundary(cands, pin_id="r") == 5
+        assert _pinned(tier0) == 1 and eng.pins.held("r") == 1
+        eng.pins.keep("r", 0)
+        assert _pinned(tier0) == 1, "a boundary object is kept with the hit"
+        eng.pins.release("r")
+        eng.pins.release("r")  # a second release does nothing
+        assert _pinned(tier0) == 0 and eng.pins.ids() == set()
+        assert eng.probe_boundary(cands[10:], pin_id="r") == -1 and eng.pins.ids() == set()
+        # control: the old way, one lookup per candidate until one hits
+        tier1.calls.update(contains=0, first_held=0)
+        probed = 0
+        for h in cands:
+            probed += 1
+            if eng.lookup_hashes([h], record=False):
+                break
+        assert probed == 6 and tier1.calls["contains"] == 5, tier1.calls

@@ -110,7 +110,7 @@ def test_windows_are_read_ahead_in_order(tiers: Any) -> None:
 
     tier1.get_many = spy  # type: ignore[method-assign]
     chunks = fetch.fetch_run(
-        eng.stack, eng.keys(hashes), [SHAPE] * 10, torch.float16, window_bytes=3 * CHUNK_BYTES, pool=eng._fetch_pool
+        eng.stack, eng.keys(hashes), [SHAPE] * 10, torch.float16, window_bytes=3 * CHUNK_BYTES, pool=eng.fetch_pool
     )
     got = []
     for buf in chunks:
@@ -128,7 +128,7 @@ def test_stopping_early_leaves_no_pool_memory(tiers: Any) -> None:
     hashes, data = _only_in_tier1(eng, tier1, 4, 8)
     free = eng.pool.free_bytes
     chunks = fetch.fetch_run(
-        eng.stack, eng.keys(hashes), [SHAPE] * 8, torch.float16, window_bytes=2 * CHUNK_BYTES, pool=eng._fetch_pool
+        eng.stack, eng.keys(hashes), [SHAPE] * 8, torch.float16, window_bytes=2 * CHUNK_BYTES, pool=eng.fetch_pool
     )
     first = next(chunks)
     assert torch.equal(first.tensor, data[0])
@@ -232,7 +232,7 @@ def _abandon(eng: CacheEngine, tier1: CountingTier, n: int, unpin: bool) -> None
         hashes, _ = _only_in_tier1(eng, tier1, 100 + i, 2)
         assert eng.prefetch(hashes, [SHAPE] * 2, torch.float16, owner=f"dead-{i}")
         if unpin:
-            eng.unpin(f"dead-{i}")
+            eng.pins.release(f"dead-{i}")
 
 
 @pytest.mark.parametrize("unpin", [True, False], ids=["aborted", "still-pinned"])
@@ -251,9 +251,9 @@ def test_a_load_never_waits_behind_other_requests_prefetches(tiers: Any, unpin: 
     took = time.perf_counter() - t0
     assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, data))
     assert took <= 1.25 * DELAY + 0.2, f"the load took {took:.2f} s behind other requests' prefetches"
-    eng.unpin("live")
+    eng.pins.release("live")
     for i in range(7):
-        eng.unpin(f"dead-{i}")
+        eng.pins.release(f"dead-{i}")
     deadline = time.monotonic() + 3 * DELAY + 2
     while eng.prefetcher.bytes_in_flight and time.monotonic() < deadline:
         time.sleep(0.02)

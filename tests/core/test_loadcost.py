@@ -62,12 +62,12 @@ def test_engine_measures_each_tier_and_reports_where_hits_are() -> None:
             for h in hashes[2:]:
                 eng.tiers[0].remove(ChunkKey(eng.namespace.id, h))  # chunks 2, 3 only in the slow tier
             assert eng.lookup_runs(hashes) == [(0, 2), (1, 2)]
-            assert eng.predict_read_seconds(1, 256) is None  # never read
+            assert eng.read_estimate(1, 256).seconds is None  # never read
             for i, h in enumerate(hashes):
                 buf = eng.retrieve_buffer(h, (64,), torch.float32)
                 assert buf is not None and torch.equal(buf.tensor, data[i])
                 buf.release()
-            slow, fast = eng.predict_read_seconds(1, 256), eng.predict_read_seconds(0, 256)
+            slow, fast = eng.read_estimate(1, 256).seconds, eng.read_estimate(0, 256).seconds
             assert slow is not None and 0.025 <= slow <= 0.2
             assert fast is not None and fast < 0.01
             assert eng.lookup_runs(hashes) == [(0, 4)]  # promoted on read

@@ -12,7 +12,7 @@ import pytest
 from lmcache_core import CacheEngine, KeyNamespace
 from lmcache_core.backend import BackendStats, StorageBackend
 from lmcache_core.config import load_config
-from lmcache_core.engine import KeyWindow
+from lmcache_core.lookup import KeyWindow
 from lmcache_core.hookspecs import hookimpl
 from lmcache_core.keys import ChunkKey
 from lmcache_core.plugins import PluginManager

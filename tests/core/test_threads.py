@@ -62,7 +62,7 @@ def test_engine_background_threads_run_at_background_nice(nice: int) -> None:
     with engine(
         [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "local_cpu", "max_size": "1MiB"}], background_nice=nice
     ) as eng:
-        assert eng._fetch_pool.submit(_own_nice).result(10) == min(19, base + nice)
+        assert eng.fetch_pool.submit(_own_nice).result(10) == min(19, base + nice)
         assert _on_prefetch_thread(eng, _own_nice) == min(19, base + nice)
         writer_tids = [t.native_id for w in eng.stack.writers for t in w.threads]
         assert writer_tids
@@ -133,7 +133,7 @@ def test_engine_background_threads_run_on_background_cores(cores: str, no_backgr
     with engine(
         [{"name": "local_cpu", "max_size": "1MiB"}, {"name": "local_cpu", "max_size": "1MiB"}], background_cores=value
     ) as eng:
-        assert eng._fetch_pool.submit(os.sched_getaffinity, 0).result(10) == want
+        assert eng.fetch_pool.submit(os.sched_getaffinity, 0).result(10) == want
         assert _on_prefetch_thread(eng, lambda: os.sched_getaffinity(0)) == want
         writer_tids = [t.native_id for w in eng.stack.writers for t in w.threads]
         deadline = time.monotonic() + 10

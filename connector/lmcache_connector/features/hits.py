@@ -24,7 +24,6 @@ from typing import Mapping, Sequence
 import torch
 
 from lmcache_core import metrics
-from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 
 from ..layouts.groups import boundary_hash
@@ -111,11 +110,10 @@ class HitPlanner:
                 break
             take = min(count, left)
             left -= take
-            tier = self.engine.tiers[level]
-            if ZERO_COPY in tier.capabilities:
+            cost = self.engine.read_estimate(level, take * self.chunk_bytes)
+            if cost.zero_copy:
                 continue
-            predicted = self.engine.predict_read_seconds(level, take * self.chunk_bytes)
-            if predicted is None or predicted > ASYNC_LOAD_S:
+            if cost.seconds is None or cost.seconds > ASYNC_LOAD_S:
                 return True
         return False
 
@@ -124,14 +122,14 @@ class HitPlanner:
         are unpinned and counted as bypassed."""
         per_chunk: list[float] = []
         for level, count in runs:
-            age = self.engine.read_models[level].fit.age()
-            fresh = age is not None and age <= REPROBE_S
-            s = self.engine.predict_read_seconds(level, self.chunk_bytes) if fresh else None
+            cost = self.engine.read_estimate(level, self.chunk_bytes)
+            fresh = cost.age is not None and cost.age <= REPROBE_S
+            s = cost.seconds if fresh else None
             per_chunk += [s or 0.0] * count  # never read (or not lately): load once to measure
         n = len(per_chunk)
         k = best_prefix(per_chunk, self.chunk_size, self.prefill, self.load_margin)
         if k < n:
-            self.engine.keep_pinned(pin_id, k)  # only what loads stays pinned
+            self.engine.pins.keep(pin_id, k)  # only what loads stays pinned
             tokens = (n - k) * self.chunk_size
             with self._lock:
                 self.bypassed_tokens += tokens
@@ -149,14 +147,15 @@ class HitPlanner:
 
     def _restorable(self, hashes: Sequence[bytes], n: int, pin_id: str | None) -> int:
         """The longest prefix of ``n`` present chunks that also has its boundary object
-        (window pages / states), probing at most ``MAX_BOUNDARY_PROBES`` boundaries
-        from the longest down; that boundary is pinned with the chunks, the chunks
-        past it are released."""
-        for k in range(n, max(0, n - MAX_BOUNDARY_PROBES), -1):
-            if self.engine.lookup_hashes([boundary_hash(hashes[k - 1])], pin_id=pin_id, record=False, add_pins=True):
-                if pin_id is not None:
-                    self.engine.keep_pinned(pin_id, k)
-                return k
+        (window pages / states): the boundaries of the ``MAX_BOUNDARY_PROBES`` longest
+        prefixes probed in one call (:meth:`CacheEngine.probe_boundary`), the one found
+        pinned with the chunks, the chunks past it released."""
+        lengths = list(range(n, max(0, n - MAX_BOUNDARY_PROBES), -1))
+        i = self.engine.probe_boundary([boundary_hash(hashes[k - 1]) for k in lengths], pin_id)
+        if i < 0:
+            if pin_id is not None:
+                self.engine.pins.release(pin_id)
+            return 0
         if pin_id is not None:
-            self.engine.unpin(pin_id)
-        return 0
+            self.engine.pins.keep(pin_id, lengths[i])
+        return lengths[i]

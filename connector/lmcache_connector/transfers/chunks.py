@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -35,7 +34,7 @@ from .async_loads import IDLE_WAIT_S, LoadQueue
 from .async_saves import SaveQueue
 from ..layouts.grouped_layout import GroupedLayout
 from ..layouts.kv_adapters import BlockLayout, TokenLayout
-from .layerwise import LayerPipeline, LoadItem, SaveItem
+from .layerwise import Borrowed, LayerPipeline, LoadItem, SaveItem
 from ..log import get_logger
 from ..protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
 from ..options import ConnectorSettings
@@ -193,7 +192,7 @@ class Transfers:
             self.fail(t, meta, 0)
             return None
         finally:
-            self.unpin(t.req_id)
+            self.complete_load(t.req_id)
 
     def _copy_chunks(
         self,
@@ -254,9 +253,14 @@ class Transfers:
     def finished_loads(self, step_idle: bool) -> tuple[set[str], set[str]]:
         return self.reports.take_finished()
 
-    def unpin(self, req_id: str) -> None:
+    def complete_load(self, req_id: str) -> None:
+        """Release the pins the request's lookup took (:mod:`lmcache_core.pins`): the
+        one place the worker side does, wherever the request's load ends: loaded or
+        failed in the step (``_guarded``), on the load thread (``_load_background``),
+        or never loaded (finished, aborted or preempted first: the plan's ``unpins``).
+        A second call, or one for a request that holds no pins, does nothing."""
         if self.engine is not None:
-            self.engine.unpin(req_id)
+            self.engine.pins.release(req_id)
 
     # -- saves --------------------------------------------------------------------------
     def save_layer(self, layer_name: str, meta: LMCacheConnectorMetadata) -> None:
@@ -388,7 +392,7 @@ class DenseTransfers(Transfers):
             log.warning("request %s: load failed, recomputing: %s: %s", t.req_id, type(err).__name__, err)
             return self.fail(t, meta, 0)
         finally:
-            self.engine.unpin(t.req_id)
+            self.complete_load(t.req_id)
 
     def load(self, t: ChunkTransfer, meta: LMCacheConnectorMetadata) -> set[int]:
         """Copy the chunks into vLLM's blocks: the blocks that failed to load."""
@@ -399,7 +403,7 @@ class DenseTransfers(Transfers):
 
         def copy(chunk: torch.Tensor, lo: int, hi: int) -> None:
             if batch:
-                items.append(LoadItem(SimpleNamespace(tensor=chunk), t.block_ids, lo, hi, t.write_from))
+                items.append(LoadItem(Borrowed(chunk), t.block_ids, lo, hi, t.write_from))
             else:
                 self.layout.load_chunk(chunk, t.block_ids, lo, hi, t.write_from)
 
@@ -467,7 +471,7 @@ class DenseTransfers(Transfers):
             log.warning("layerwise save failed, gathering at the end of the step: %s: %s", type(err).__name__, err)
             for s in pipe.end_saves():
                 s.buf.release()
-            pipe._disable(f"save_kv_layer raised {type(err).__name__}")
+            pipe.disable(f"save_kv_layer raised {type(err).__name__}")
 
     def _plan_saves(self, meta: LMCacheConnectorMetadata) -> list[SaveItem]:
         """layerwise: one pool buffer per chunk this step saves; a transfer whose

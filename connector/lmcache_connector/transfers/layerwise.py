@@ -34,7 +34,7 @@ The module needs torch only (no vLLM), so the GPU check can drive it directly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -45,11 +45,32 @@ log = get_logger(__name__)
 LOOKAHEAD = 3  # layers whose copies are enqueued ahead of the layer being waited for
 
 
+class ChunkBuffer(Protocol):
+    """A chunk's memory as a transfer holds it: a pool buffer
+    (:class:`~lmcache_core.memory.MemoryBuffer`) or a :class:`Borrowed` tensor."""
+
+    @property
+    def tensor(self) -> torch.Tensor: ...
+
+    def release(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    """A tensor a transfer reads but does not own (a chunk the caller releases
+    itself): :meth:`release` does nothing."""
+
+    tensor: torch.Tensor
+
+    def release(self) -> None:
+        pass
+
+
 @dataclass
 class LoadItem:
-    """One chunk to write into vLLM's blocks: ``buf`` has ``.tensor`` and ``.release()``."""
+    """One chunk to write into vLLM's blocks."""
 
-    buf: Any
+    buf: ChunkBuffer
     block_ids: Sequence[int]
     lo: int
     hi: int
@@ -154,7 +175,7 @@ class LayerPipeline:
             return
         i = self.index.get(name)
         if i is None:  # not a layer we registered: wait for everything, then stop pipelining
-            self._disable(f"wait_for_layer_load({name!r}) names no registered KV layer")
+            self.disable(f"wait_for_layer_load({name!r}) names no registered KV layer")
             i = self.num_layers - 1
         if self._items:
             self._enqueue_until(i + (1 if self._after_layer_seen else LOOKAHEAD))
@@ -182,7 +203,7 @@ class LayerPipeline:
             self._load_events = []
             self.layout.cache_indices(False)
         if self._step_loads and self._waited < self.num_layers - 1:
-            self._disable(
+            self.disable(
                 f"the forward pass waited for {self._waited + 1} of {self.num_layers} layers' loads "
                 "(wait_for_layer_load was not called for every layer)"
             )
@@ -241,7 +262,7 @@ class LayerPipeline:
     def pending_saves(self) -> bool:
         return self._saves is not None
 
-    def _disable(self, why: str) -> None:
+    def disable(self, why: str) -> None:
         if not self.disabled:
             log.warning("lmcache-core: layerwise transfers turned off: %s", why)
         self.disabled = True

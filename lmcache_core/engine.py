@@ -22,12 +22,12 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generator, Iterator, Sequence
+from typing import Generator, Iterator, NamedTuple, Sequence
 
 import torch
 
 from . import metrics
-from .backend import SHARED
+from .backend import SHARED, BackendStats
 from .canary import Canary
 from .config import CoreConfig, LoadedConfig, read_frame_secret
 from .fetch import fetch_run
@@ -58,6 +58,16 @@ PREFETCH_POOL_SHARE = 0.5
 PREFETCH_WAIT_S = 30.0
 #: how long close() waits for running background reads (queued ones are cancelled)
 CLOSE_WAIT_S = 5.0
+
+
+class TierReport(NamedTuple):
+    """One tier, as :meth:`CacheEngine.tier_report` reports it."""
+
+    name: str
+    #: keeps chunks in the memory pool (lent, not read)
+    zero_copy: bool
+    quarantined: bool
+    stats: BackendStats | None
 
 
 def _quarantine_gauge(tier: str, quarantined: bool) -> None:
@@ -325,6 +335,18 @@ class CacheEngine:
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until background writes are done; False on timeout."""
         return self.stack.flush(timeout)
+
+    def tier_report(self) -> list[TierReport]:
+        """Each tier's name, kind (zero-copy), quarantine and current stats (None when
+        asking it failed): what a caller reports without holding the tiers."""
+        out = []
+        for t in self.stack:
+            try:
+                stats: BackendStats | None = t.backend.stats()
+            except Exception:  # a broken tier reports nothing this time
+                stats = None
+            out.append(TierReport(t.name, t.zero_copy, not t.in_service, stats))
+        return out
 
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = dict(self.counters.snapshot())

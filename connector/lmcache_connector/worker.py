@@ -21,11 +21,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from lmcache_core.backend import ZERO_COPY
 from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.threads import use_background_cores
 
+from .engine_api import ConnectorEngine
 from .transfers.async_loads import LoadQueue
 from .transfers.async_saves import SaveQueue
 from .layouts.grouped_layout import GroupedLayout
@@ -95,7 +95,7 @@ class WorkerSide:
         self.replicated = replicated
         # built by register_kv_caches
         self.layout: BlockLayout | TokenLayout | GroupedLayout | None = None
-        self.engine: CacheEngine | None = None
+        self.engine: ConnectorEngine | None = None
         self.hits: HitPlanner | None = None
         self.server: LookupServer | None = None
         self.tier_events: TierEventBuffer | None = None
@@ -113,34 +113,19 @@ class WorkerSide:
     # -- the dense strategies, for tests and tools (None for grouped models) -----------
     @property
     def loads(self) -> LoadQueue | None:
-        return self.transfers.loads if isinstance(self.transfers, DenseTransfers) else None
+        return self.transfers.loads
 
     @property
     def saves(self) -> SaveQueue | None:
-        return self.transfers.saves if isinstance(self.transfers, DenseTransfers) else None
+        return self.transfers.saves
 
     @property
     def pipeline(self) -> LayerPipeline | None:
-        return self.transfers.pipeline if isinstance(self.transfers, DenseTransfers) else None
+        return self.transfers.pipeline
 
     # -- set-up -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        value_dtype: torch.dtype | None = None
-        layout: BlockLayout | TokenLayout | GroupedLayout
-        if self.plan is not None and self.plan.hybrid:
-            layout = GroupedLayout(kv_caches, self.plan, self._page_bytes, self._real_bytes)
-            dtype = "+".join(sorted({_dtype_of(t) for t in kv_caches.values()}))
-            full = {
-                t.dtype
-                for g in self.plan.of_kind(FULL)
-                for n in g.layer_names
-                for t in [kv_caches[n]]
-                if isinstance(t, torch.Tensor)
-            }
-            value_dtype = full.pop() if len(full) == 1 else None
-        else:
-            layout = make_layout(self.cfg.connector.layout, kv_caches, self.block_size)
-            dtype = str(layout.dtype).removeprefix("torch.")
+        layout, dtype, value_dtype = self._layout(kv_caches)
         ns = KeyNamespace(
             model=self.model_id,
             layout=f"{VLLM_TAG}/{layout.fingerprint()}",
@@ -148,52 +133,15 @@ class WorkerSide:
             world_size=1 if self.replicated else self.world_size,
             rank=0 if self.replicated else self.rank,
         )
-        # the cores the model is not bound to: for background_cores: auto, and for the save
-        # thread when async_saves: auto chose background saves
-        spare = (
-            background_cores(self.world_size)
-            if self.cfg.background_cores == "auto" or self.settings.saves_on_spare_cores
-            else None
+        spare = self._spare_cores()
+        engine: ConnectorEngine = CacheEngine(
+            self.settings.loaded, namespace=ns, shared_writes=not self.replicated or self.rank == 0
         )
-        if self.cfg.background_cores == "auto":
-            cores = spare
-            use_background_cores(cores)
-            if cores is not None:
-                log.info(
-                    "lmcache-core: background transfers run on cores %s, off the model's cores %s",
-                    sorted(cores),
-                    sorted(os.sched_getaffinity(0)),
-                )
-        engine = CacheEngine(self.settings.loaded, namespace=ns, shared_writes=not self.replicated or self.rank == 0)
         if self.kv_events:
             ranks = [dataclasses.replace(engine.namespace, rank=r).id for r in range(ns.world_size)]
             self.tier_events = TierEventBuffer(self.rank, ranks)
             engine.add_listener(self.tier_events)
-        saver = ChunkSaver(engine, self.totals, value_dtype)
-        transfers: Transfers
-        if isinstance(layout, GroupedLayout):
-            if self.settings.layerwise:
-                log.info("lmcache-core: layerwise has no effect with several KV-cache groups (whole-step copies)")
-            transfers = GroupedTransfers(engine, layout, self.totals, self.reports, saver, self.block_size)
-        else:
-            save_cores = None
-            if self.settings.saves_on_spare_cores:  # async_saves: auto chose background saves
-                save_cores = spare
-                log.info(
-                    "lmcache-core: saves run in the background (async_saves: auto) on cores %s at nice 19",
-                    sorted(save_cores) if save_cores else "of the model",
-                )
-            transfers = DenseTransfers(
-                engine,
-                layout,
-                self.totals,
-                self.reports,
-                saver,
-                self.block_size,
-                self.settings,
-                list(kv_caches),
-                save_cores=save_cores,
-            )
+        transfers = self._transfers(engine, layout, ChunkSaver(engine, self.totals, value_dtype), list(kv_caches), spare)
         self.hits = HitPlanner(
             engine,
             chunk_size=self.cfg.chunk_size,
@@ -203,23 +151,74 @@ class WorkerSide:
             load_margin=self.cfg.connector.load_margin,
             prefill=self.prefill,
             boundary=self.plan is not None and self.plan.has_boundary,
-            background=self.settings.async_loads == AUTO
-            and isinstance(transfers, DenseTransfers)
-            and transfers.loads is not None,
+            background=self.settings.async_loads == AUTO and transfers.loads is not None,
         )
         self.layout, self.engine, self.transfers = layout, engine, transfers
+        tiers = engine.tier_report()
         log.info(
             "lmcache-core: %s layout, chunk %d tokens, tiers %s, transfer path %s%s",
             layout.kind,
             self.cfg.chunk_size,
-            [t.name for t in engine.tiers],
+            [t.name for t in tiers],
             transfer_path(layout.device),
             f", KV-cache groups: {self.plan.describe()}" if self.plan is not None and self.plan.hybrid else "",
         )
         if self.lookup_address:
             # Memory-only tiers: a scheduler in this process may call the lookup directly.
-            inline = all(ZERO_COPY in t.capabilities for t in engine.tiers)
-            self.server = LookupServer(self.lookup_address, self._lookup, inline=inline)
+            self.server = LookupServer(self.lookup_address, self._lookup, inline=all(t.zero_copy for t in tiers))
+
+    def _layout(self, kv_caches: dict[str, Any]) -> tuple[BlockLayout | TokenLayout | GroupedLayout, str, torch.dtype | None]:
+        """The layout over vLLM's KV caches, the dtype that names the namespace, and
+        (several KV-cache groups) the full-attention layers' value dtype, if one."""
+        if self.plan is None or not self.plan.hybrid:
+            layout = make_layout(self.cfg.connector.layout, kv_caches, self.block_size)
+            return layout, str(layout.dtype).removeprefix("torch."), None
+        grouped = GroupedLayout(kv_caches, self.plan, self._page_bytes, self._real_bytes)
+        dtype = "+".join(sorted({_dtype_of(t) for t in kv_caches.values()}))
+        full = {
+            t.dtype for g in self.plan.of_kind(FULL) for n in g.layer_names for t in [kv_caches[n]] if isinstance(t, torch.Tensor)
+        }
+        return grouped, dtype, full.pop() if len(full) == 1 else None
+
+    def _spare_cores(self) -> frozenset[int] | None:
+        """The cores the model is not bound to: for ``background_cores: auto`` (taken
+        here), and for the save thread when ``async_saves: auto`` chose background saves."""
+        if self.cfg.background_cores != "auto" and not self.settings.saves_on_spare_cores:
+            return None
+        spare = background_cores(self.world_size)
+        if self.cfg.background_cores == "auto":
+            use_background_cores(spare)
+            if spare is not None:
+                log.info(
+                    "lmcache-core: background transfers run on cores %s, off the model's cores %s",
+                    sorted(spare),
+                    sorted(os.sched_getaffinity(0)),
+                )
+        return spare
+
+    def _transfers(
+        self,
+        engine: ConnectorEngine,
+        layout: BlockLayout | TokenLayout | GroupedLayout,
+        saver: ChunkSaver,
+        layer_names: list[str],
+        spare: frozenset[int] | None,
+    ) -> Transfers:
+        """The transfers object for the layout (the only place that picks one)."""
+        if isinstance(layout, GroupedLayout):
+            if self.settings.layerwise:
+                log.info("lmcache-core: layerwise has no effect with several KV-cache groups (whole-step copies)")
+            return GroupedTransfers(engine, layout, self.totals, self.reports, saver, self.block_size)
+        save_cores = None
+        if self.settings.saves_on_spare_cores:  # async_saves: auto chose background saves
+            save_cores = spare
+            log.info(
+                "lmcache-core: saves run in the background (async_saves: auto) on cores %s at nice 19",
+                sorted(save_cores) if save_cores else "of the model",
+            )
+        return DenseTransfers(
+            engine, layout, self.totals, self.reports, saver, self.block_size, self.settings, layer_names, save_cores=save_cores
+        )
 
     def _lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Mapping[int, bytes] | None = None) -> LookupAnswer:
         """The scheduler's lookup: chunks still in a background save are waited for
@@ -316,22 +315,21 @@ class WorkerSide:
             out.update(
                 lookups=e["lookups"], lookup_tokens=e["lookup_tokens"], hit_tokens=e["hit_tokens"], load_errors=e["load_errors"]
             )
-            for tier in self.engine.tiers:
-                try:
-                    s = tier.stats()
-                except Exception:  # a broken tier reports nothing this step
+            for tier in self.engine.tier_report():
+                st = tier.stats
+                if st is None:  # a broken tier reports nothing this step
                     continue
-                out[f"tier_put_bytes/{tier.name}"] = s.put_bytes
-                out[f"tier_get_bytes/{tier.name}"] = s.get_bytes
-                out[f"tier_evictions/{tier.name}"] = s.evictions
-                out[f"tier_used_bytes/{tier.name}"] = s.bytes_used
-                out[f"tier_capacity_bytes/{tier.name}"] = s.bytes_capacity or 0
-                if "retained_bytes" in s.extra:  # a tier that takes retention hints
-                    out[f"tier_retained_bytes/{tier.name}"] = s.extra["retained_bytes"]
-                    out[f"tier_retention_kept/{tier.name}"] = s.extra["retention_kept"]
+                out[f"tier_put_bytes/{tier.name}"] = st.put_bytes
+                out[f"tier_get_bytes/{tier.name}"] = st.get_bytes
+                out[f"tier_evictions/{tier.name}"] = st.evictions
+                out[f"tier_used_bytes/{tier.name}"] = st.bytes_used
+                out[f"tier_capacity_bytes/{tier.name}"] = st.bytes_capacity or 0
+                if "retained_bytes" in st.extra:  # a tier that takes retention hints
+                    out[f"tier_retained_bytes/{tier.name}"] = st.extra["retained_bytes"]
+                    out[f"tier_retention_kept/{tier.name}"] = st.extra["retention_kept"]
                 out[f"tier_errors/{tier.name}"] = e["backend_errors"].get(tier.name, 0)
                 out[f"verify_mismatches/{tier.name}"] = e["verify_mismatches"].get(tier.name, 0)
-                out[f"tier_quarantined/{tier.name}"] = int(self.engine.quarantine.is_quarantined(tier.name))
+                out[f"tier_quarantined/{tier.name}"] = int(tier.quarantined)
         return out
 
     def take_stats_delta(self) -> dict[str, float]:

@@ -3,7 +3,12 @@
 * no import cycle among ``lmcache_core`` modules: every import counts, those under
   ``if TYPE_CHECKING:`` and inside functions included (a cycle hidden in a function
   is still two modules that cannot be understood apart);
-* no function in ``lmcache_core/`` is longer than :data:`MAX_FUNCTION_LINES` lines.
+* no function in ``lmcache_core/`` or the connector is longer than
+  :data:`MAX_FUNCTION_LINES` lines;
+* no private name crosses a module: ``obj._name`` only where the module defines
+  ``_name`` itself, and no ``from X import _name``;
+* ``CacheEngine`` (the engine's heart) stays within :data:`MAX_ENGINE_LINES` lines and
+  the disk tier's coordinator ``DiskBackend`` within :data:`MAX_DISK_BACKEND_LINES`.
 
 Each bar has a negative control, so a checker that finds nothing is caught."""
 
@@ -14,7 +19,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "lmcache_core"
+CONNECTOR = ROOT / "connector" / "lmcache_connector"
 MAX_FUNCTION_LINES = 60
+MAX_ENGINE_LINES = 350
+MAX_DISK_BACKEND_LINES = 450
+#: public methods that start with an underscore (``NamedTuple``'s, by design)
+PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make"}
 
 Graph = dict[str, set[str]]
 
@@ -105,6 +115,48 @@ def long_functions(package: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     return found
 
 
+def private_crossings(package: Path) -> list[str]:
+    """``path:line expr`` for each ``obj._name`` (``obj`` not ``self``/``cls``) whose
+    module does not itself define ``_name`` (a def, class, assignment or argument),
+    and each ``from X import _name``: a private name used across modules."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        defined: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+        rel = path.relative_to(package.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if node.attr in PUBLIC_UNDERSCORED:
+                    continue
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue
+                if node.attr not in defined:
+                    found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{rel}:{node.lineno} from {node.module} import {alias.name}")
+    return found
+
+
+def class_lines(path: Path, name: str) -> int:
+    """The lines of class ``name`` in ``path`` (from ``class`` to its last line)."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return (node.end_lineno or node.lineno) - node.lineno + 1
+    raise AssertionError(f"{path}: no class {name}")
+
+
 def write(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         path = root / rel
@@ -163,9 +215,44 @@ def test_no_function_in_the_core_is_over_the_limit() -> None:
     assert long_functions(CORE) == []
 
 
+def test_no_function_in_the_connector_is_over_the_limit() -> None:
+    assert long_functions(CONNECTOR) == []
+
+
 def test_the_length_check_finds_a_long_function(tmp_path: Path) -> None:
     """Negative control: a method of 61 lines is reported, one of 60 is not."""
     body = "\n".join(f"        x{i} = {i}" for i in range(59))
     pkg = write(tmp_path, {"pkg/m.py": f"class C:\n    def long(self):\n{body}\n        return 0\n\n    def ok(self):\n{body}\n"})
     pkg = pkg / "pkg"
     assert long_functions(pkg) == ["pkg/m.py:2 long (61 lines)"]
+
+
+# -- no private name across modules ---------------------------------------------------
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    assert private_crossings(CORE) + private_crossings(CONNECTOR) == []
+
+
+def test_the_private_check_finds_a_crossing(tmp_path: Path) -> None:
+    """Negative control: another module's ``obj._x`` and ``from m import _f`` are
+    found; the module's own ``other._x`` (it defines ``_x``) and ``self._y`` are not."""
+    pkg = write(
+        tmp_path,
+        {
+            "pkg/m.py": "def _f():\n    pass\n\n\nclass A:\n    def __init__(self):\n        self._x = 1\n\n    def same(self, other):\n        return other._x + self._y\n",
+            "pkg/n.py": "from .m import _f\n\n\ndef g(a):\n    return a._x\n",
+        },
+    )
+    assert private_crossings(pkg / "pkg") == ["pkg/n.py:1 from m import _f", "pkg/n.py:5 a._x"]
+
+
+# -- the heart stays small ------------------------------------------------------------
+
+
+def test_the_engine_and_the_disk_coordinator_stay_small() -> None:
+    engine = class_lines(CORE / "engine.py", "CacheEngine")
+    disk = class_lines(ROOT / "backends" / "disk" / "lmcache_backend_disk" / "backend.py", "DiskBackend")
+    assert engine <= MAX_ENGINE_LINES, f"CacheEngine is {engine} lines"
+    assert disk <= MAX_DISK_BACKEND_LINES, f"DiskBackend is {disk} lines"
+    assert class_lines(CORE / "pins.py", "PinBook") > 10  # control: the counter reads classes

@@ -24,8 +24,8 @@ from typing import Mapping, Sequence
 import torch
 
 from lmcache_core import metrics
-from lmcache_core.engine import CacheEngine
 
+from ..engine_api import ConnectorEngine
 from ..layouts.groups import boundary_hash
 from .load_policy import ALWAYS, REPROBE_S, PrefillModel, best_prefix
 from ..log import get_logger
@@ -42,7 +42,7 @@ ASYNC_LOAD_S = 0.005
 class HitPlanner:
     def __init__(
         self,
-        engine: CacheEngine,
+        engine: ConnectorEngine,
         *,
         chunk_size: int,
         chunk_shape: tuple[int, ...],

@@ -28,10 +28,10 @@ import torch
 
 from lmcache_core import metrics
 from lmcache_core.canary import compare
-from lmcache_core.engine import CacheEngine
 
 from .async_loads import IDLE_WAIT_S, LoadQueue
 from .async_saves import SaveQueue
+from ..engine_api import ConnectorEngine
 from ..layouts.grouped_layout import GroupedLayout
 from ..layouts.kv_adapters import BlockLayout, TokenLayout
 from .layerwise import Borrowed, LayerPipeline, LoadItem, SaveItem
@@ -104,7 +104,7 @@ class ChunkSaver:
     """Stores freshly gathered chunks; a chunk of a verified hit (the canary) is
     compared with every tier's copy instead, and stored only if none holds it."""
 
-    def __init__(self, engine: CacheEngine, counters: TransferCounters, value_dtype: torch.dtype | None) -> None:
+    def __init__(self, engine: ConnectorEngine, counters: TransferCounters, value_dtype: torch.dtype | None) -> None:
         self.engine = engine
         self.counters = counters
         self.value_dtype = value_dtype  # element type behind byte chunks (grouped), for the comparison
@@ -150,10 +150,14 @@ class Transfers:
 
     kind = ""
     layout: BlockLayout | TokenLayout | GroupedLayout
+    #: the strategies a layout may run (the dense one's; None where it has none)
+    loads: LoadQueue | None = None
+    saves: SaveQueue | None = None
+    pipeline: LayerPipeline | None = None
 
     def __init__(
         self,
-        engine: CacheEngine,
+        engine: ConnectorEngine,
         counters: TransferCounters,
         reports: LoadReports,
         saver: ChunkSaver,
@@ -169,7 +173,7 @@ class Transfers:
     def idle(cls, counters: TransferCounters, reports: LoadReports) -> "Transfers":
         """The stand-in before registration: it moves nothing, and reports any load
         (none can have been planned without an engine) as failed."""
-        return cls(None, counters, reports, None, 0)  # type: ignore[arg-type]
+        return IdleTransfers(counters, reports)
 
     # -- loads --------------------------------------------------------------------------
     def start_step(self, meta: LMCacheConnectorMetadata) -> None:
@@ -259,8 +263,7 @@ class Transfers:
         failed in the step (``_guarded``), on the load thread (``_load_background``),
         or never loaded (finished, aborted or preempted first: the plan's ``unpins``).
         A second call, or one for a request that holds no pins, does nothing."""
-        if self.engine is not None:
-            self.engine.pins.release(req_id)
+        self.engine.pins.release(req_id)
 
     # -- saves --------------------------------------------------------------------------
     def save_layer(self, layer_name: str, meta: LMCacheConnectorMetadata) -> None:
@@ -297,6 +300,20 @@ class Transfers:
         pass
 
 
+class IdleTransfers(Transfers):
+    """The stand-in before vLLM registers its KV caches (:meth:`Transfers.idle`): no
+    engine, no layout; loads are reported failed (none can have been planned), the
+    rest does nothing."""
+
+    def __init__(self, counters: TransferCounters, reports: LoadReports) -> None:
+        self.counters = counters
+        self.reports = reports
+        self.block_size = 0
+
+    def complete_load(self, req_id: str) -> None:
+        """No engine: no lookup can have pinned anything."""
+
+
 class DenseTransfers(Transfers):
     """One KV-cache group: chunks are slices of each layer's blocks."""
 
@@ -305,7 +322,7 @@ class DenseTransfers(Transfers):
 
     def __init__(
         self,
-        engine: CacheEngine,
+        engine: ConnectorEngine,
         layout: BlockLayout | TokenLayout,
         counters: TransferCounters,
         reports: LoadReports,
@@ -607,7 +624,7 @@ class GroupedTransfers(Transfers):
 
     def __init__(
         self,
-        engine: CacheEngine,
+        engine: ConnectorEngine,
         layout: GroupedLayout,
         counters: TransferCounters,
         reports: LoadReports,

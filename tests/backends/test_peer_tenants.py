@@ -4,7 +4,8 @@ process, loopback only, and on the node's parts in this process):
 * each principal (each tenant of ``--tenants-file``, and the holder of the node's
   shared secret) has its own namespace, keyed per node process: a chunk written
   without a tenant's key is never its hit, and no other principal can find, read or
-  remove a tenant's chunk, even knowing where an older node would have put it.
+  remove a tenant's chunk, not even under the key a namespace keyed by a constant
+  would give it.
 * a tenant name is accepted only with that tenant's secret; instances of one tenant
   serve each other and nobody else; a node with only a tenants file has no shared
   secret.
@@ -33,13 +34,13 @@ from lmcache_core.keys import HASH_BYTES, ChunkKey  # noqa: E402
 from lmcache_core.testing import make_context, random_chunk, random_key  # noqa: E402
 
 N_FORGED = 16
-OLD_NS_KEY = b"lmcache-peer/tenant-namespace/v1"
+GUESSABLE_NS_KEY = b"lmcache-peer/tenant-namespace/v1"
 
 
-def old_tenant_key(tenant: str, key: ChunkKey) -> ChunkKey:
+def guessable_tenant_key(tenant: str, key: ChunkKey) -> ChunkKey:
     """Where a node keyed by a constant in the source would store ``tenant``'s ``key``:
     anyone could compute it."""
-    ns = hashlib.blake2b(tenant.encode() + b"\0" + key.namespace, digest_size=HASH_BYTES, key=OLD_NS_KEY).digest()
+    ns = hashlib.blake2b(tenant.encode() + b"\0" + key.namespace, digest_size=HASH_BYTES, key=GUESSABLE_NS_KEY).digest()
     return ChunkKey(ns, key.chunk_hash)
 
 
@@ -191,8 +192,8 @@ def test_a_shared_secret_client_cannot_address_a_tenants_chunk(tenant_node: Peer
         for k, f in zip(keys, frames):
             assert victim.put(k, f)
         # The attack: every key the shared secret's holder can compute for the victim's
-        # chunks (where the old node stored them, and the client keys themselves).
-        targets = [old_tenant_key(VICTIM, k) for k in keys] + keys
+        # chunks (under a namespace keyed by a constant, and the client keys themselves).
+        targets = [guessable_tenant_key(VICTIM, k) for k in keys] + keys
         found = sum(shared.lookup([t]) for t in targets)
         served = sum(f is not None for f in shared.get(targets))
         removed = shared.remove(targets)
@@ -217,7 +218,7 @@ def test_the_namespace_key_is_per_process_and_each_principal_has_its_own(tmp_pat
 
     k = ChunkKey(bytes(range(16)), bytes(range(16, 32)))
     here = {t: tenant_key(t, k) for t in (None, VICTIM, "t-other")}
-    assert len(set(here.values()) | {k, old_tenant_key(VICTIM, k)}) == 5
+    assert len(set(here.values()) | {k, guessable_tenant_key(VICTIM, k)}) == 5
     assert all(m.chunk_hash == k.chunk_hash for m in here.values())
     # Another process (another node) derives other namespaces for the same principals.
     code = (

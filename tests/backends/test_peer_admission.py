@@ -128,14 +128,21 @@ def pooled_lookups(backend: PeerBackend, keys: list, seconds: float) -> tuple[in
     return ok, tried
 
 
-def test_flood_from_one_host_never_starves_fresh_authenticated_connections(guarded_node: PeerNode) -> None:
-    keys = stored_keys(guarded_node)
-    flood = Flood(port_of(guarded_node), ["127.0.0.2"])
+def fresh_lookups_under_flood(node: PeerNode, sources: list[str]) -> tuple[int, int, Flood]:
+    """(succeeded, attempted) fresh-connection lookups of stored keys while a
+    :class:`Flood` from ``sources`` holds idle sockets open on ``node``; the flood."""
+    keys = stored_keys(node)
+    flood = Flood(port_of(node), sources)
     try:
         time.sleep(0.5)
-        ok, tried = fresh_lookups(port_of(guarded_node), keys, WINDOW_S)
+        ok, tried = fresh_lookups(port_of(node), keys, WINDOW_S)
     finally:
         flood.stop()
+    return ok, tried, flood
+
+
+def test_flood_from_one_host_never_starves_fresh_authenticated_connections(guarded_node: PeerNode) -> None:
+    ok, tried, flood = fresh_lookups_under_flood(guarded_node, ["127.0.0.2"])
     print(f"one-host flood ({flood.opened} sockets): fresh lookups {ok}/{tried}")
     assert flood.opened >= FLOOD_SOCKETS
     assert tried >= 30 and ok / tried >= 0.99, (ok, tried)
@@ -182,13 +189,7 @@ def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connec
         write_secret(tmp_path),
     )
     try:
-        keys = stored_keys(node)
-        flood = Flood(port_of(node), ["127.0.0.1"])
-        try:
-            time.sleep(0.5)
-            ok, tried = fresh_lookups(port_of(node), keys, WINDOW_S)
-        finally:
-            flood.stop()
+        ok, tried, _ = fresh_lookups_under_flood(node, ["127.0.0.1"])
         print(f"control, no per-address cap: fresh lookups {ok}/{tried}")
         assert tried >= 10 and ok / tried < 0.5, (ok, tried)
     finally:

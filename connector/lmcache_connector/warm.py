@@ -169,6 +169,52 @@ def _prompt_ids(tok: Any, text: str, args: argparse.Namespace, max_len: int, sum
     return ids
 
 
+def _batches(first: str, docs: Iterator[str], args: argparse.Namespace) -> Iterator[list[str]]:
+    """``first`` and then ``docs`` in batches of ``--batch``, at most ``--limit`` documents."""
+    batch = [first]
+    n = 1
+    for d in docs:
+        if args.limit is not None and n >= args.limit:
+            break
+        if len(batch) == args.batch:
+            yield batch
+            batch = []
+        batch.append(d)
+        n += 1
+    yield batch
+
+
+def _start_llm(args: argparse.Namespace) -> Any:
+    """A vLLM ``LLM`` with this connector on ``--config``, prefix caching off (every hit
+    is the connector's)."""
+    from vllm import LLM
+
+    from .transfer_config import kv_transfer_config
+
+    kw: dict[str, Any] = {}
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
+    return LLM(
+        model=str(args.model),
+        enforce_eager=True,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enable_prefix_caching=False,
+        kv_transfer_config=kv_transfer_config({"config_file": str(args.config)}),
+        **kw,
+    )
+
+
+def _count(summary: Summary, prompts: list[list[int]], outs: list[Any], chunk_size: int) -> None:
+    """Add one batch's documents, prompt and cached tokens to ``summary``."""
+    for p, o in zip(prompts, outs):
+        cached = int(o.num_cached_tokens or 0)
+        summary.documents += 1
+        summary.prompt_tokens += len(p)
+        summary.cached_tokens += cached
+        # computed at most the part after the last whole chunk: everything storable was cached
+        summary.fully_cached += cached > 0 and len(p) - cached <= chunk_size
+
+
 def warm(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> Summary:
     """Prefill every document of the corpus once; the :class:`Summary`."""
     if args.batch < 1:
@@ -177,28 +223,18 @@ def warm(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.s
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from .connector import LMCacheCoreConnector
-    from .transfer_config import kv_transfer_config, tokens_prompt
+    from .transfer_config import tokens_prompt
 
     summary = Summary()
     docs = read_corpus(args, summary, err)
     first = next(docs, None)  # corpus errors before vLLM starts
     if first is None:
         raise CorpusError("the corpus has no document")
-    kw: dict[str, Any] = {}
-    if args.max_model_len:
-        kw["max_model_len"] = args.max_model_len
-    llm = LLM(
-        model=str(args.model),
-        enforce_eager=True,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        enable_prefix_caching=False,
-        kv_transfer_config=kv_transfer_config({"config_file": str(args.config)}),
-        **kw,
-    )
+    llm = _start_llm(args)
     connector = get_kv_transfer_group()
     assert isinstance(connector, LMCacheCoreConnector) and connector.worker is not None
     worker = connector.worker
@@ -207,31 +243,11 @@ def warm(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.s
     sp = SamplingParams(max_tokens=1, temperature=0)
     progress = Progress(err, not args.quiet)
     t0 = time.perf_counter()
-
-    def batches() -> Iterator[list[str]]:
-        batch = [first]
-        n = 1
-        for d in docs:
-            if args.limit is not None and n >= args.limit:
-                break
-            if len(batch) == args.batch:
-                yield batch
-                batch = []
-            batch.append(d)
-            n += 1
-        yield batch
-
     try:
-        for batch in batches():
+        for batch in _batches(first, docs, args):
             prompts = [_prompt_ids(tok, d, args, max_len, summary) for d in batch]
             outs = llm.generate([tokens_prompt(p) for p in prompts], sp, use_tqdm=False)
-            for p, o in zip(prompts, outs):
-                cached = int(o.num_cached_tokens or 0)
-                summary.documents += 1
-                summary.prompt_tokens += len(p)
-                summary.cached_tokens += cached
-                # computed at most the part after the last whole chunk: everything storable was cached
-                summary.fully_cached += cached > 0 and len(p) - cached <= worker.cfg.chunk_size
+            _count(summary, prompts, outs, worker.cfg.chunk_size)
             progress.update(summary)
     except KeyboardInterrupt:
         summary.interrupted = True

@@ -1,6 +1,6 @@
 """A real standalone peer cache node (``lmcache-core serve``) in a child process, for
-the hardening tests and the soak: start it with extra options, read its address,
-measure its RSS, kill it and start it again on the same port."""
+the node's admission, tenant and socket tests and the soak: start it with extra options,
+read its address, measure its RSS, kill it and start it again on the same port."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Mooncake's transfer engine advertises the host's main interface address to its peers
 (and they connect to it) even when every component is told ``127.0.0.1``; measured:
-31 connections to the host's ``eth0`` address during the conformance run. The local
-store helpers now set ``MC_TCP_BIND_ADDRESS=127.0.0.1``. This test watches the
+31 connections to the host's ``eth0`` address during the conformance run; so the local
+store helpers set ``MC_TCP_BIND_ADDRESS=127.0.0.1``. This test watches the
 kernel's TCP table (``/proc/net/tcp``, ``tcp6``) while a tier stores and reads chunks
 through a segment owner: no connection may reach a non-loopback address. Negative
 control (in a child process): the same run with the engine pointed at the host's own

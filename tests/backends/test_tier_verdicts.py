@@ -1,8 +1,8 @@
 """The Redis, S3 and disk tiers sort their misses by ``serde``'s verdict: a frame of
 another shape for the key is left in place and not counted as corrupt; a corrupt or
 foreign one is counted (and deleted with ``delete_corrupt``, dropped on disk). These
-pin the cases where the kinds combine, which the tiers used to sort by re-parsing the
-frame: another shape *and* sealed with another deployment's key (the caller cannot
+pin the cases where the kinds combine, each judged by the verdict alone (never by
+re-parsing the frame): another shape *and* sealed with another deployment's key (the caller cannot
 take it: wrong shape for Redis and S3, which keep it; on disk, where a kept file must
 verify, dropped), and a Redis value longer than any frame for the caller's chunk
 (judged from the prefix the tier read). Each case has the same frame at the caller's

@@ -1,15 +1,12 @@
-"""Hardening round 3, config: one rule per key whatever the source, and bounds on every
-duration.
+"""One rule per config key whatever its source, and bounds on every duration.
 
-Before: a file and the env vars were read as YAML 1.1, where ``yes``/``on``/``no``/``off``
-are booleans, while ``kv_connector_extra_config`` (JSON) kept them as text, so
-``connector.save_decode_cache: yes`` turned it on from a file or env var and was
-refused from vLLM; plain boolean keys took ``1`` and the string ``"yes"`` from any
-source; ``connector.lookup_timeout_s: 1e-300`` and ``1e300`` were accepted (and so
-were ``.inf`` cooldowns of the Redis and S3 tiers). Now YAML scalars are read the
-way JSON reads them (YAML 1.2's core schema), every boolean key takes exactly
-true/false, and every duration key (``*_s``, core, connector or backend) takes a
-number of seconds from 1 ms to a bound of its own (0 only where it means "off")."""
+YAML scalars from a file or an env var are read the way JSON reads them (YAML 1.2's
+core schema), as ``kv_connector_extra_config`` is: ``yes``/``on``/``no``/``off`` are
+text, never booleans, so a key means the same from every source. Every boolean key
+takes exactly true/false (not ``1``, not ``"yes"``), and every duration key (``*_s``,
+core, connector or backend) takes a number of seconds from 1 ms to a bound of its own
+(0 only where it means "off"): ``1e-300``, ``1e300`` and ``.inf`` are refused.
+"""
 
 from __future__ import annotations
 

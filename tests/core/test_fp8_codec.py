@@ -1,4 +1,4 @@
-"""The opt-in ``fp8`` codec (issue #35): fidelity and size on K/V-like data, decoding
+"""The opt-in ``fp8`` codec: fidelity and size on K/V-like data, decoding
 that refuses crafted payloads (never NaN, infinity or another length), and the rule
 that a lossy frame satisfies only a tier configured with that codec.
 

@@ -124,7 +124,7 @@ def test_cli_lists_and_releases(tmp_path: Path, capsys: Any) -> None:
 
 
 def test_default_dir_flow_list_and_release_by_cli(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
-    """Negative control for the hardening: with no quarantine_dir, an engine and the
+    """Negative control for the ownership checks: with no quarantine_dir, an engine and the
     CLI of the same user meet in the private default directory, and a release by
     the CLI puts the tier back in service at the engine's next check."""
     runtime = tmp_path / "run"

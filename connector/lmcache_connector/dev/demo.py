@@ -108,19 +108,9 @@ def _start_vllm(model_dir: Path, doc_tokens: int, args: argparse.Namespace) -> t
     return llm, connector.worker
 
 
-def run(args: argparse.Namespace) -> int:
-    # In-process engine: the demo reads the connector's counters directly.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-    spec = QUICK_SPEC if args.quick else DEMO_SPEC
-    n_docs = max(1, args.docs if not args.quick else min(args.docs, 3))
-    doc_tokens = args.doc_tokens if not args.quick else min(args.doc_tokens, 1500)
-    model_dir = args.model_dir or Path.home() / ".cache" / "lmcache-core" / spec.tag()
-    log = None if args.verbose else model_dir.parent / "demo-vllm.log"
+def _intro(
+    spec: TinyModelSpec, n_docs: int, doc_tokens: int, model_dir: Path, log: Path | None, args: argparse.Namespace
+) -> None:
     print(
         f"lmcache-core demo: {n_docs} documents of {doc_tokens} tokens, each asked two questions on vLLM (CPU)\n"
         "with the lmcache-core connector. The first question computes the document's KV and stores it\n"
@@ -131,42 +121,36 @@ def run(args: argparse.Namespace) -> int:
         + "\n",
         flush=True,
     )
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text("")
+
+
+Results = dict[tuple[int, int], tuple[float, int, int]]
+"""(document, question) -> (TTFT in s, tokens vLLM reported cached, tokens lmcache loaded)."""
+
+
+def _ask_twice(
+    llm: Any, worker: Any, spec: TinyModelSpec, n_docs: int, doc_tokens: int, out: TextIO
+) -> tuple[list[list[int]], Results]:
+    """Ask two questions of each document: every first (cold) one, then every second (warm)."""
     from tqdm import tqdm
+    from vllm import SamplingParams
 
-    t0 = time.perf_counter()
-    try:
-        with _output_to(log) as out:
-            out.write("building the model and starting vLLM ... ")
-            out.flush()
-            build_tiny_model(model_dir, spec)
-            llm, worker = _start_vllm(model_dir, doc_tokens, args)
-            out.write(f"done in {time.perf_counter() - t0:.0f} s\n")
-            from vllm import SamplingParams
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    docs = [random_prompt(doc_tokens, 1000 + d, spec.vocab_size) for d in range(n_docs)]
+    questions = [[random_prompt(24, 5000 + d * 2 + q, spec.vocab_size) for q in range(2)] for d in range(n_docs)]
+    plan = [(d, q) for q in range(2) for d in range(n_docs)]  # all cold first, then all warm
+    results: Results = {}
+    llm.generate([tokens_prompt(random_prompt(64, 1))], sp, use_tqdm=False)  # warm-up
+    for d, q in tqdm(plan, desc="requests (cold pass, then warm)", unit="req", file=out):
+        before = worker.stats()["loaded_tokens"]
+        t = time.perf_counter()
+        generated = llm.generate([tokens_prompt(docs[d] + questions[d][q])], sp, use_tqdm=False)
+        ttft = time.perf_counter() - t
+        results[(d, q)] = (ttft, generated[0].num_cached_tokens or 0, worker.stats()["loaded_tokens"] - before)
+    return docs, results
 
-            sp = SamplingParams(max_tokens=1, temperature=0)
-            docs = [random_prompt(doc_tokens, 1000 + d, spec.vocab_size) for d in range(n_docs)]
-            questions = [[random_prompt(24, 5000 + d * 2 + q, spec.vocab_size) for q in range(2)] for d in range(n_docs)]
-            plan = [(d, q) for q in range(2) for d in range(n_docs)]  # all cold first, then all warm
-            results: dict[tuple[int, int], tuple[float, int, int]] = {}
-            llm.generate([tokens_prompt(random_prompt(64, 1))], sp, use_tqdm=False)  # warm-up
-            for d, q in tqdm(plan, desc="requests (cold pass, then warm)", unit="req", file=out):
-                before = worker.stats()["loaded_tokens"]
-                t = time.perf_counter()
-                generated = llm.generate([tokens_prompt(docs[d] + questions[d][q])], sp, use_tqdm=False)
-                ttft = time.perf_counter() - t
-                results[(d, q)] = (ttft, generated[0].num_cached_tokens or 0, worker.stats()["loaded_tokens"] - before)
-            stats = worker.stats()["engine"]
-            chunk_size = worker.cfg.chunk_size
-            llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        if log is not None:
-            tail = log.read_text(errors="replace").splitlines()[-40:]
-            sys.stderr.write("\nthe demo failed; the end of vLLM's output (" + str(log) + "):\n" + "\n".join(tail) + "\n")
-        raise
 
+def _report(docs: list[list[int]], results: Results, stats: Any, chunk_size: int, prefix_cache: bool) -> None:
+    n_docs = len(docs)
     rows = []
     for d in range(n_docs):
         cold, warm = results[(d, 0)], results[(d, 1)]
@@ -200,9 +184,46 @@ def run(args: argparse.Namespace) -> int:
     total_warm = sum(results[(d, 1)][0] for d in range(n_docs))
     print(
         f"\nmean TTFT cold {total_cold / n_docs * 1000:.0f} ms, warm {total_warm / n_docs * 1000:.0f} ms "
-        f"({total_cold / total_warm:.1f}x); vLLM prefix cache {'on' if args.vllm_prefix_cache else 'off'}, "
+        f"({total_cold / total_warm:.1f}x); vLLM prefix cache {'on' if prefix_cache else 'off'}, "
         f"chunk size {chunk_size} tokens"
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    # In-process engine: the demo reads the connector's counters directly.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    spec = QUICK_SPEC if args.quick else DEMO_SPEC
+    n_docs = max(1, args.docs if not args.quick else min(args.docs, 3))
+    doc_tokens = args.doc_tokens if not args.quick else min(args.doc_tokens, 1500)
+    model_dir = args.model_dir or Path.home() / ".cache" / "lmcache-core" / spec.tag()
+    log = None if args.verbose else model_dir.parent / "demo-vllm.log"
+    _intro(spec, n_docs, doc_tokens, model_dir, log, args)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+    t0 = time.perf_counter()
+    try:
+        with _output_to(log) as out:
+            out.write("building the model and starting vLLM ... ")
+            out.flush()
+            build_tiny_model(model_dir, spec)
+            llm, worker = _start_vllm(model_dir, doc_tokens, args)
+            out.write(f"done in {time.perf_counter() - t0:.0f} s\n")
+            docs, results = _ask_twice(llm, worker, spec, n_docs, doc_tokens, out)
+            stats = worker.stats()["engine"]
+            chunk_size = worker.cfg.chunk_size
+            llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        if log is not None:
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            sys.stderr.write("\nthe demo failed; the end of vLLM's output (" + str(log) + "):\n" + "\n".join(tail) + "\n")
+        raise
+    _report(docs, results, stats, chunk_size, args.vllm_prefix_cache)
     return 0
 
 

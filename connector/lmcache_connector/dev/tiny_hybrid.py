@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .tiny_model import TOKENIZER_VERSION, random_prompt, write_tokenizer
 
@@ -51,10 +51,9 @@ FAMILIES: dict[str, HybridSpec] = {
 NO_ROPE_SCALING: dict[str, Any] = {"rope_scaling": None}
 
 
-def _config(spec: HybridSpec) -> Any:
-    import transformers as tf
-
-    common: dict[str, Any] = dict(
+def _common(spec: HybridSpec) -> dict[str, Any]:
+    """What every family's config shares: vocabulary, positions, special tokens."""
+    return dict(
         vocab_size=spec.vocab_size,
         max_position_embeddings=16384,
         bos_token_id=1,
@@ -62,104 +61,130 @@ def _config(spec: HybridSpec) -> Any:
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    if spec.family == "gemma3":
-        return tf.Gemma3TextConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            sliding_window=spec.sliding_window,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            **common,
-        )
-    if spec.family == "gpt_oss":
-        return tf.GptOssConfig(
-            hidden_size=256,
-            intermediate_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=spec.sliding_window,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            **common,
-        )
-    if spec.family == "granite_hybrid":
-        return tf.GraniteMoeHybridConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            shared_intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=0,
-            num_experts_per_tok=0,
-            layer_types=["mamba", "attention", "mamba", "attention"],
-            mamba_n_heads=8,
-            mamba_d_head=32,
-            mamba_d_state=64,
-            mamba_n_groups=1,
-            mamba_expand=1,
-            mamba_chunk_size=128,
-            position_embedding_type="rope",
-            **common,
-        )
-    if spec.family == "qwen3_next":
-        return tf.Qwen3NextConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            linear_num_key_heads=2,
-            linear_num_value_heads=2,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_conv_kernel_dim=4,
-            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=128,
-            shared_expert_intermediate_size=128,
-            decoder_sparse_step=1,
-            **common,
-        )
-    if spec.family == "mistral_sw":
-        return tf.MistralConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            sliding_window=spec.sliding_window,
-            **common,
-        )
-    if spec.family == "deepseek_v2":
-        return tf.DeepseekV2Config(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            kv_lora_rank=512,
-            q_lora_rank=None,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=64,
-            v_head_dim=64,
-            first_k_dense_replace=2,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=128,
-            **common,
-            **NO_ROPE_SCALING,
-        )
-    raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")
+
+
+def _gemma3(spec: HybridSpec) -> dict[str, Any]:
+    return dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=spec.sliding_window,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    )
+
+
+def _gpt_oss(spec: HybridSpec) -> dict[str, Any]:
+    return dict(
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=spec.sliding_window,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+
+
+def _granite_hybrid(spec: HybridSpec) -> dict[str, Any]:
+    return dict(
+        hidden_size=256,
+        intermediate_size=512,
+        shared_intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        mamba_expand=1,
+        mamba_chunk_size=128,
+        position_embedding_type="rope",
+    )
+
+
+def _qwen3_next(spec: HybridSpec) -> dict[str, Any]:
+    return dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+    )
+
+
+def _mistral_sw(spec: HybridSpec) -> dict[str, Any]:
+    return dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=spec.sliding_window,
+    )
+
+
+def _deepseek_v2(spec: HybridSpec) -> dict[str, Any]:
+    return dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        **NO_ROPE_SCALING,
+    )
+
+
+# family -> (its transformers config class, the family's own shape)
+SHAPES: dict[str, tuple[str, Callable[[HybridSpec], dict[str, Any]]]] = {
+    "gemma3": ("Gemma3TextConfig", _gemma3),
+    "gpt_oss": ("GptOssConfig", _gpt_oss),
+    "granite_hybrid": ("GraniteMoeHybridConfig", _granite_hybrid),
+    "qwen3_next": ("Qwen3NextConfig", _qwen3_next),
+    "mistral_sw": ("MistralConfig", _mistral_sw),
+    "deepseek_v2": ("DeepseekV2Config", _deepseek_v2),
+}
+
+
+def _config(spec: HybridSpec) -> Any:
+    """The transformers config of a tiny ``spec.family`` model."""
+    if spec.family not in SHAPES:
+        raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")
+    import transformers as tf
+
+    cls, shape = SHAPES[spec.family]
+    return getattr(tf, cls)(**shape(spec), **_common(spec))
 
 
 def build_hybrid_model(path: str | Path, family: str | HybridSpec) -> Path:

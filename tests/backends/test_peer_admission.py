@@ -1,139 +1,199 @@
-"""A peer cache node's tenant namespaces and connection admission, on a real node
-(``lmcache-core serve`` in a child process, loopback only):
+"""A peer node admits connections so that clients without the secret never starve
+those with it (checked on a real ``lmcache-core serve`` in a child process, loopback only):
 
-* on a node with ``--tenants-file`` that keeps frames in a FrameStore (no
-  shared memory), a holder of the node's shared secret computed where a tenant's key
-  is stored (the namespace hash had a constant key in the source) and read and
-  removed the tenant's chunk under that key. Now the mapping is keyed per node
-  process and the shared secret's principal has a mapped namespace of its own.
-* 8 source addresses x 4 idle sockets, re-opened every 0.9 s, took all 32 unauthenticated
-  slots, shared by TCP and the Unix socket: fresh lookups failed on
-  both. Now each transport has its own budget, each subnet (IPv4 /24) and local user
-  a share of it, and a full budget makes room by fair share.
+* unauthenticated connections have a budget of their own per transport (TCP, Unix
+  socket), a cap per address, per subnet (IPv4 /24, IPv6 /64) and per local user,
+  and a short handshake deadline; a full budget makes room by fair share (the oldest
+  connection of the subnet or process holding most), never ping-pong.
+* so a flood of a few hundred idle sockets, from one host or many, or a few addresses
+  re-opening idle sockets every period on TCP and the Unix socket, never keeps an
+  authenticated client (fresh or pooled) from being served. Negative control: with the
+  per-address cap as large as the whole budget and a long handshake deadline, the same
+  flood starves fresh connections.
 
-Other loopback addresses (127.0.1.1, 127.0.2.1, ...) stand for other hosts: Linux
-lets a socket bind any 127/8 address as its source, and the node counts IPv4 /24s,
-so 127.0.1.x and 127.0.0.1 are different subnets.
+Other loopback addresses (127.0.0.2, 127.0.1.1, ...) stand for other hosts: Linux lets
+a socket bind any 127/8 address as its source, and the node counts IPv4 /24s, so
+127.0.1.x and 127.0.0.1 are different subnets.
 """
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
+from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from peer_clients import SECRET, frame_of, port_of, start_node, stored_keys, write_secret  # noqa: E402
 from peer_node import PeerNode  # noqa: E402
 
-from lmcache_backend_peer import PeerClient  # noqa: E402
+from lmcache_backend_peer import PeerClient, create_peer_backend  # noqa: E402
 from lmcache_backend_peer import protocol as p  # noqa: E402
-from lmcache_core.keys import HASH_BYTES, ChunkKey  # noqa: E402
-from lmcache_core.serde import RawCodec, encode  # noqa: E402
-from lmcache_core.testing import random_chunk, random_key  # noqa: E402
+from lmcache_backend_peer.backend import PeerBackend  # noqa: E402
+from lmcache_core.keys import ChunkKey  # noqa: E402
+from lmcache_core.testing import make_context, random_key  # noqa: E402
 
 if TYPE_CHECKING:
     from lmcache_backend_peer.limits import Admission, Origin, Slot
 
-SECRET = "hardening2-test-secret-0123456789abcdef"
-VICTIM, VICTIM_SECRET = "t-victim", "victim-secret-9f8e7d6c5b4a3210"
-
-# -- a tenant's namespace is the node's secret -----------------------------------------------
-OLD_NS_KEY = b"lmcache-peer/tenant-namespace/v1"
-
-
-def old_tenant_key(tenant: str, key: ChunkKey) -> ChunkKey:
-    """Where the node used to store ``tenant``'s ``key``: anyone could compute it."""
-    ns = hashlib.blake2b(tenant.encode() + b"\0" + key.namespace, digest_size=HASH_BYTES, key=OLD_NS_KEY).digest()
-    return ChunkKey(ns, key.chunk_hash)
+FLOOD_SOCKETS = 300
+WINDOW_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def tenant_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerNode]:
-    d = tmp_path_factory.mktemp("tenant-node")
-    (d / "peer.secret").write_text(SECRET + "\n")
-    (d / "tenants").write_text(f"{VICTIM} {VICTIM_SECRET}\n")
-    node = PeerNode(["--max-size", "64MiB", "--tenants-file", str(d / "tenants")], d / "peer.secret")
+def guarded_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerNode]:
+    """A node with tight admission limits: 32 unauthenticated connections, 4 per
+    address, a 0.5 s handshake deadline."""
+    options = ["--max-size", "64MiB", "--timeout-s", "2", "--max-unauthenticated", "32"]
+    options += ["--max-unauthenticated-per-address", "4", "--handshake-timeout-s", "0.5"]
+    node = start_node(tmp_path_factory.mktemp("guarded-node"), options)
     yield node
     node.stop()
 
 
-def frame_of(key: ChunkKey, seed: int) -> bytes:
-    return bytes(encode(key, random_chunk(shape=(8, 64), seed=seed), RawCodec()))
+class Flood:
+    """Keeps ``n`` idle TCP connections open to ``target`` from ``sources`` (round
+    robin), replacing the oldest 20 every 50 ms; never sends a byte. Bounded: stops
+    at ``stop()`` or after ``max_s``."""
+
+    def __init__(self, target: tuple[str, int], sources: list[str], n: int = FLOOD_SOCKETS, max_s: float = 20.0) -> None:
+        self.target, self.sources, self.n, self.max_s = target, sources, n, max_s
+        self.opened = 0
+        self._stop = threading.Event()
+        self._socks: deque[socket.socket] = deque()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        s = socket.socket()
+        s.bind((self.sources[self.opened % len(self.sources)], 0))
+        s.settimeout(1.0)
+        try:
+            s.connect(self.target)
+        except OSError:
+            s.close()
+            return
+        self.opened += 1
+        self._socks.append(s)
+
+    def _run(self) -> None:
+        end = time.monotonic() + self.max_s
+        while len(self._socks) < self.n and not self._stop.is_set():
+            self._open()
+        while not self._stop.is_set() and time.monotonic() < end:
+            for _ in range(20):
+                self._socks.popleft().close()
+                self._open()
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        while self._socks:
+            self._socks.popleft().close()
 
 
-def test_a_shared_secret_client_cannot_address_a_tenants_chunk(tenant_node: PeerNode) -> None:
-    address = ("127.0.0.1", tenant_node.port)
-    victim = PeerClient(address, VICTIM_SECRET.encode(), timeout=2.0, tenant=VICTIM)
-    shared = PeerClient(address, SECRET.encode(), timeout=2.0)
+def fresh_lookups(address: tuple[str, int], keys: list, seconds: float) -> tuple[int, int]:
+    """(succeeded, attempted) lookups, each on a new connection (connect +
+    handshake + LOOKUP), for ``seconds``."""
+    ok = tried = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and tried < 200:
+        client = PeerClient(address, SECRET.encode(), timeout=1.0, connect_timeout=0.5, pool_size=0)
+        tried += 1
+        try:
+            ok += client.lookup(keys) == len(keys)
+        except p.PeerError:
+            pass
+        finally:
+            client.close()
+        time.sleep(0.02)
+    return ok, tried
+
+
+def pooled_lookups(backend: PeerBackend, keys: list, seconds: float) -> tuple[int, int]:
+    ok = tried = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and tried < 500:
+        tried += 1
+        ok += backend.contains(keys) == len(keys)
+        time.sleep(0.01)
+    return ok, tried
+
+
+def fresh_lookups_under_flood(node: PeerNode, sources: list[str]) -> tuple[int, int, Flood]:
+    """(succeeded, attempted) fresh-connection lookups of stored keys while a
+    :class:`Flood` from ``sources`` holds idle sockets open on ``node``; the flood."""
+    keys = stored_keys(node)
+    flood = Flood(port_of(node), sources)
     try:
-        keys = [random_key() for _ in range(8)]
-        frames = [frame_of(k, i) for i, k in enumerate(keys)]
-        for k, f in zip(keys, frames):
-            assert victim.put(k, f)
-        # The attack: every key the shared secret's holder can compute for the victim's
-        # chunks (where the old node stored them, and the client keys themselves).
-        targets = [old_tenant_key(VICTIM, k) for k in keys] + keys
-        found = sum(shared.lookup([t]) for t in targets)
-        served = sum(f is not None for f in shared.get(targets))
-        removed = shared.remove(targets)
-        print(f"shared-secret client on the victim's keys: {found} found, {served} served, {removed} removed of {len(targets)}")
-        assert (found, served, removed) == (0, 0, 0)
-        # The victim's chunks survived, byte for byte (negative control: they are there).
-        assert victim.lookup(keys) == len(keys)
-        assert [bytes(f) if f is not None else None for f in victim.get(keys)] == frames
-        # Positive control: the shared client's requests do reach the store (its own
-        # chunk under the same kind of key is found, served and removed).
-        own = random_key()
-        assert shared.put(own, frame_of(own, 99))
-        assert shared.lookup([own]) == 1 and shared.get([own])[0] is not None and shared.remove([own]) == 1
-        assert victim.lookup([own]) == 0  # and the tenant never sees the shared part
+        time.sleep(0.5)
+        ok, tried = fresh_lookups(port_of(node), keys, WINDOW_S)
     finally:
-        victim.close()
-        shared.close()
+        flood.stop()
+    return ok, tried, flood
 
 
-def test_the_namespace_key_is_per_process_and_each_principal_has_its_own(tmp_path: Path) -> None:
-    from lmcache_backend_peer.tenants import tenant_key
+def test_flood_from_one_host_never_starves_fresh_authenticated_connections(guarded_node: PeerNode) -> None:
+    ok, tried, flood = fresh_lookups_under_flood(guarded_node, ["127.0.0.2"])
+    print(f"one-host flood ({flood.opened} sockets): fresh lookups {ok}/{tried}")
+    assert flood.opened >= FLOOD_SOCKETS
+    assert tried >= 30 and ok / tried >= 0.99, (ok, tried)
 
-    k = ChunkKey(bytes(range(16)), bytes(range(16, 32)))
-    here = {t: tenant_key(t, k) for t in (None, VICTIM, "t-other")}
-    assert len(set(here.values()) | {k, old_tenant_key(VICTIM, k)}) == 5
-    assert all(m.chunk_hash == k.chunk_hash for m in here.values())
-    # Another process (another node) derives other namespaces for the same principals.
-    code = (
-        "from lmcache_backend_peer.tenants import tenant_key; from lmcache_core.keys import ChunkKey; "
-        "k = ChunkKey(bytes(range(16)), bytes(range(16, 32))); "
-        f"print(tenant_key(None, k).namespace.hex(), tenant_key({VICTIM!r}, k).namespace.hex())"
+
+def test_flood_from_many_hosts_never_starves_pooled_authenticated_clients(guarded_node: PeerNode) -> None:
+    keys = stored_keys(guarded_node)
+    section = {"peers": [guarded_node.address], "secret": SECRET, "max_size": 0, "timeout_s": 2.0, "retry_after_s": 0.0}
+    backend = create_peer_backend(section, make_context())
+    assert isinstance(backend, PeerBackend)
+    try:
+        assert backend.contains(keys) == len(keys)  # warm: an authenticated pooled connection
+        flood = Flood(port_of(guarded_node), [f"127.0.0.{i}" for i in range(2, 102)])
+        try:
+            time.sleep(0.5)
+            ok, tried = pooled_lookups(backend, keys, WINDOW_S)
+        finally:
+            flood.stop()
+        print(f"many-host flood ({flood.opened} sockets): pooled lookups {ok}/{tried}")
+        assert flood.opened >= FLOOD_SOCKETS
+        assert tried >= 50 and ok / tried >= 0.99, (ok, tried)
+    finally:
+        backend.close()
+
+
+def test_negative_control_without_a_per_address_cap_the_flood_starves_new_connections(tmp_path: Path) -> None:
+    """Admission with no per-address cap and a handshake deadline as long as a request's.
+    The flood comes from the client's own address here, so that admission cannot tell
+    the two apart either (per-address and per-subnet caps and fair-share eviction all
+    count addresses): the same flood then starves fresh connections."""
+    node = PeerNode(
+        [
+            "--max-size",
+            "64MiB",
+            "--max-unauthenticated",
+            "32",
+            "--max-unauthenticated-per-address",
+            "32",
+            "--max-unauthenticated-per-subnet",
+            "32",
+            "--handshake-timeout-s",
+            "3",
+        ],
+        write_secret(tmp_path),
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout.split()
-    assert out == [out[0], out[1]] and out[0] != here[None].namespace.hex() and out[1] != here[VICTIM].namespace.hex()
-
-
-def test_drops_of_the_shared_principals_mapped_part_are_attributed_to_it() -> None:
-    from lmcache_backend_peer.evictions import EvictionLog
-    from lmcache_backend_peer.store import FrameStore
-    from lmcache_backend_peer.tenants import TenantSource
-
-    keys = [random_key() for _ in range(3)]
-    frames = [frame_of(k, i) for i, k in enumerate(keys)]
-    store = FrameStore(2 * len(frames[0]))
-    log = EvictionLog(8)
-    log.watch(store, [VICTIM])
-    TenantSource(store, None).put_frame(keys[0], frames[0])
-    TenantSource(store, VICTIM).put_frame(keys[1], frames[1])
-    TenantSource(store, VICTIM).put_frame(keys[2], frames[2])  # evicts the shared part's key
-    assert TenantSource(store, None).contains([keys[0]]) == 0 and TenantSource(store, VICTIM).contains(keys[1:]) == 2
-    assert log.since(None, 0)[2] == [p.key_bytes(keys[0])] and log.since(VICTIM, 0)[2] == []
-    assert TenantSource(store, VICTIM).remove(keys[1]) and not store.remove(keys[2])  # raw keys reach nothing
-    assert log.since(VICTIM, 0)[2] == [p.key_bytes(keys[1])] and log.unattributed == 0
+    try:
+        ok, tried, _ = fresh_lookups_under_flood(node, ["127.0.0.1"])
+        print(f"control, no per-address cap: fresh lookups {ok}/{tried}")
+        assert tried >= 10 and ok / tried < 0.5, (ok, tried)
+    finally:
+        node.stop()
 
 
 # -- admission by transport, subnet and address -----------------------------------------------
@@ -229,6 +289,7 @@ ATTACK_PERIOD_S = 0.9
 SOCKETS_PER_SOURCE = 4
 LEGIT_LOOKUPS = 59
 LEGIT_MAX_S = 30.0
+
 
 UNIX_ATTACKER = r"""
 import select, socket, sys, time
@@ -361,9 +422,8 @@ def lockout_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pee
     """A node with the default admission limits (32 unauthenticated, 4 per address,
     1 s handshake deadline) and a Unix socket."""
     d = tmp_path_factory.mktemp("lockout-node")
-    (d / "peer.secret").write_text(SECRET + "\n")
     sock = str(d / "node.sock")
-    node = PeerNode(["--max-size", "64MiB", "--unix-socket", sock, "--no-shm"], d / "peer.secret")
+    node = start_node(d, ["--max-size", "64MiB", "--unix-socket", sock, "--no-shm"])
     yield node, sock
     node.stop()
 

@@ -51,8 +51,8 @@ from lmcache_core.backend import EraseMatch
 from lmcache_core.keys import HASH_BYTES, ChunkKey
 
 from .client import format_address
-from .store import FrameStore, client_key
-from .tenants import TenantSource, tenant_key
+from .store import FrameStore
+from .tenants import TenantSource
 
 MAX_BODY = 64 << 10
 """Largest request body (an erase of a few hundred namespaces fits many times)."""
@@ -245,30 +245,22 @@ class AdminServer:
             "admin": admin,
         }
 
-    def tenant_usage(self) -> dict[str, dict[str, int]] | None:
-        """Chunks and bytes per principal (None on a node without tenants). On a store
-        partitioned by keyed hashes each frame is attributed by hashing its client key
-        once per principal: O(chunks x tenants), on demand."""
+    def tenant_usage(self) -> dict[str, dict[str, int | None]] | None:
+        """Per principal (None on a node without tenants): chunks and bytes held, its
+        quota (``--tenant-quota``, a tenants-file ``quota=``; on shared memory its
+        arena's size), puts refused and its own chunks evicted to stay within it."""
         if not self.tenants:
             return None
         arenas = getattr(self.store, "arenas", None)
         if arenas is not None:
-            return {SHARED if p is None else p: {"chunks": len(a), "bytes": a.bytes_used} for p, a in arenas.items()}
-        usage = {SHARED if p is None else p: {"chunks": 0, "bytes": 0} for p in (None, *self.tenants)}
-        unattributed = {"chunks": 0, "bytes": 0}
+            return {
+                SHARED if p is None else p: {"chunks": len(a), "bytes": a.bytes_used, "quota": a.size} for p, a in arenas.items()
+            }
         assert isinstance(self.store, FrameStore)
-        for stored, frame in self.store.entries():
-            key = client_key(stored, frame)
-            row = unattributed
-            for p in (None, *self.tenants):
-                if tenant_key(p, key) == stored:
-                    row = usage[SHARED if p is None else p]
-                    break
-            row["chunks"] += 1
-            row["bytes"] += len(frame)
-        if unattributed["chunks"]:
-            usage["(unattributed)"] = unattributed
-        return usage
+        usage = self.store.usage()
+        for p in (None, *self.tenants):
+            usage.setdefault(p, {"chunks": 0, "bytes": 0, "quota": None, "refused": 0, "self_evictions": 0})
+        return {SHARED if p is None else p: row for p, row in usage.items()}
 
     def erase(self, body: Any) -> tuple[dict[str, Any], str]:
         if not isinstance(body, dict) or not set(body) <= {"namespaces", "all", "dry_run"}:

@@ -31,7 +31,7 @@ from .evictions import DEFAULT_CAPACITY, MAX_CAPACITY, EvictionLog
 from .server import PeerServer, SocketPathError
 from .shm import ArenaStore, ShmUnavailable
 from .store import FrameStore
-from .tenants import load_tenants
+from .tenants import load_quotas, load_tenants
 
 SECRET_ENV = "LMCACHE_PEER_SECRET"
 DEFAULT_TIMEOUT_S = 5.0
@@ -61,6 +61,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="file of 'NAME SECRET' lines: each tenant sees only its own chunks (the shared secret becomes optional)",
     )
     p.add_argument("--max-size", type=_size, default=parse_size("1GiB"), help="memory budget, e.g. 2GiB (default 1GiB)")
+    p.add_argument(
+        "--tenant-quota",
+        type=_size,
+        default=None,
+        help="bytes the node holds for each tenant at most (a tenants-file line's quota=SIZE overrides it); a tenant "
+        "at its quota evicts its own chunks, never another's (default: no quota, one LRU over --max-size)",
+    )
     p.add_argument("--max-frame-size", type=_size, default=parse_size("256MiB"), help="largest message (default 256MiB)")
     p.add_argument(
         "--timeout-s",
@@ -270,22 +277,28 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--eviction-log must be 0..{MAX_CAPACITY}")
     admin_token, admin_tls = _admin_options(args, parser)
     tenants = None
+    quotas: dict[str | None, int] = {}
     if args.tenants_file is not None:
         try:
             tenants = load_tenants(args.tenants_file)
+            quotas.update(load_quotas(args.tenants_file))
         except ValueError as err:
             parser.error(f"--tenants-file: {err}")
+    if args.tenant_quota is not None:
+        if tenants is None:
+            parser.error("--tenant-quota needs --tenants-file (quotas are per tenant)")
+        quotas = {t: quotas.get(t, args.tenant_quota) for t in tenants}
     secret = _secret(args, parser) if tenants is None or args.secret_file or os.environ.get(SECRET_ENV) else None
     store: FrameStore | ArenaStore
     if args.unix_socket is not None and not args.no_shm:
         principals: list[str | None] = ([None] if secret else []) + list(tenants or {})
         try:
-            store = ArenaStore(args.max_size, principals)
+            store = ArenaStore(args.max_size, principals, quotas)
         except (OSError, ShmUnavailable) as err:
             print(f"{parser.prog}: no shared memory ({err}); serving frames over the socket", file=sys.stderr)
-            store = FrameStore(args.max_size)
+            store = FrameStore(args.max_size, quotas)
     else:
-        store = FrameStore(args.max_size)
+        store = FrameStore(args.max_size, quotas)
     evictions = None
     if args.eviction_log and not args.read_only:
         evictions = EvictionLog(args.eviction_log)

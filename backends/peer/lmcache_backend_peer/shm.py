@@ -295,9 +295,11 @@ class Arena:
 
 class ArenaStore:
     """The node's store with the fast path: one :class:`Arena` per principal (``None``
-    is the shared secret's untenanted part), ``max_size`` split evenly among them."""
+    is the shared secret's untenanted part), ``max_size`` split evenly among them; a
+    principal with a quota gets an arena of its quota instead, if smaller (each arena
+    is its principal's own: a principal never evicts another's chunks)."""
 
-    def __init__(self, max_size: int, principals: Sequence[str | None]) -> None:
+    def __init__(self, max_size: int, principals: Sequence[str | None], quotas: Mapping[str | None, int] | None = None) -> None:
         if max_size < 0:
             raise ValueError("max_size must not be negative")
         names = list(dict.fromkeys(principals))
@@ -308,7 +310,8 @@ class ArenaStore:
         self.arenas: dict[str | None, Arena] = {}
         try:
             for p in names:
-                self.arenas[p] = Arena("shared" if p is None else f"tenant-{p}", max(share, ALIGN))
+                size = min(share, (quotas or {}).get(p, share))
+                self.arenas[p] = Arena("shared" if p is None else f"tenant-{p}", max(size, ALIGN))
         except BaseException:
             self.close()
             raise

@@ -7,8 +7,8 @@ is a send of bytes already held, and the reader verifies key and checksum itself
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from typing import Callable, Protocol, Sequence
+from collections import Counter, OrderedDict
+from typing import Callable, Mapping, Protocol, Sequence
 
 from lmcache_core.backend import EraseMatch
 from lmcache_core.frames import FrameError, FrameHeader
@@ -29,19 +29,37 @@ class FrameStore:
     """Thread-safe LRU map of key -> frame bytes, bounded by ``max_size`` bytes.
     A ``max_size`` of 0 keeps nothing (a pure client of other peers).
 
+    Each frame has an owner (the principal that put it: a tenant's name, or None for
+    the shared secret's principal and for a node without tenants). ``quotas`` bounds
+    some owners' bytes hard: a put by an owner at its quota evicts that owner's own
+    least recently used frames first, never another owner's; a frame larger than the
+    quota is refused (counted). Node-wide pressure (``max_size``) evicts the least
+    recently used frame of any owner, as without quotas. :meth:`usage` reports chunks,
+    bytes, quota, refused puts and self-evictions per owner, in O(owners).
+
     ``on_drop(key, frame)``, when set, is called for each frame evicted or removed
     (not on :meth:`clear`), under the store's lock: it must be quick."""
 
     on_drop: Callable[[ChunkKey, bytes], None] | None = None
 
-    def __init__(self, max_size: int) -> None:
+    def __init__(self, max_size: int, quotas: Mapping[str | None, int] | None = None) -> None:
         if max_size < 0:
             raise ValueError("max_size must not be negative")
+        bad = {k: v for k, v in (quotas or {}).items() if v <= 0}
+        if bad:
+            raise ValueError(f"quotas must be positive, got {bad}")
         self.max_size = max_size
+        self.quotas: dict[str | None, int] = dict(quotas or {})
         self._lock = threading.Lock()
         self._frames: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self._bytes = 0
         self.evictions = 0
+        #: each owner's keys, least recently used first, and its counters
+        self._owned: dict[str | None, OrderedDict[ChunkKey, None]] = {}
+        self._owner: dict[ChunkKey, str | None] = {}
+        self._owner_bytes: Counter[str | None] = Counter()
+        self.refused: Counter[str | None] = Counter()
+        self.self_evictions: Counter[str | None] = Counter()
 
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         n = 0
@@ -57,47 +75,86 @@ class FrameStore:
             frame = self._frames.get(key)
             if frame is not None:
                 self._frames.move_to_end(key)
+                self._owned[self._owner[key]].move_to_end(key)
             return frame
 
-    def put_frame(self, key: ChunkKey, frame: bytes) -> bool:
-        """Keep ``frame``, evicting least recently used ones; False if it can never fit."""
+    def put_frame(self, key: ChunkKey, frame: bytes, owner: str | None = None) -> bool:
+        """Keep ``frame`` for ``owner``, evicting least recently used ones (the
+        owner's own first when it is at its quota); False if it can never fit."""
         size = len(frame)
-        if size > self.max_size:
-            return False
+        quota = self.quotas.get(owner)
         with self._lock:
+            if size > self.max_size or (quota is not None and size > quota):
+                self.refused[owner] += 1
+                return False
             if key in self._frames:
                 self._frames.move_to_end(key)
+                self._owned[self._owner[key]].move_to_end(key)
                 return True
+            if quota is not None:
+                mine = self._owned.get(owner)
+                while mine and self._owner_bytes[owner] + size > quota:
+                    self._drop(next(iter(mine)), evicted=True)
+                    self.self_evictions[owner] += 1
             while self._bytes + size > self.max_size and self._frames:
-                gone, old = self._frames.popitem(last=False)
-                self._bytes -= len(old)
-                self.evictions += 1
-                if self.on_drop is not None:
-                    self.on_drop(gone, old)
+                self._drop(next(iter(self._frames)), evicted=True)
             self._frames[key] = frame
             self._bytes += size
+            self._owner[key] = owner
+            self._owned.setdefault(owner, OrderedDict())[key] = None
+            self._owner_bytes[owner] += size
         return True
+
+    def _drop(self, key: ChunkKey, evicted: bool, report: bool = True) -> bytes:
+        """Forget ``key`` (held by the caller under the lock); its frame."""
+        frame = self._frames.pop(key)
+        owner = self._owner.pop(key)
+        del self._owned[owner][key]
+        self._owner_bytes[owner] -= len(frame)
+        self._bytes -= len(frame)
+        if evicted:
+            self.evictions += 1
+        if report and self.on_drop is not None:
+            self.on_drop(key, frame)
+        return frame
 
     def remove(self, key: ChunkKey, report: bool = True) -> bool:
         """Drop ``key``; ``report=False``: without telling ``on_drop``."""
         with self._lock:
-            frame = self._frames.pop(key, None)
-            if frame is None:
+            if key not in self._frames:
                 return False
-            self._bytes -= len(frame)
-            if report and self.on_drop is not None:
-                self.on_drop(key, frame)
+            self._drop(key, evicted=False, report=report)
             return True
 
     def clear(self) -> None:
         with self._lock:
             self._frames.clear()
+            self._owned.clear()
+            self._owner.clear()
+            self._owner_bytes.clear()
             self._bytes = 0
 
     def entries(self) -> list[tuple[ChunkKey, bytes]]:
         """A snapshot of ``(stored key, frame)`` pairs, least recently used first."""
         with self._lock:
             return list(self._frames.items())
+
+    def usage(self) -> dict[str | None, dict[str, int | None]]:
+        """Per owner (every owner with frames, a quota or a refused put): chunks and
+        bytes held, its quota (None: none), puts refused and its own frames evicted
+        to stay within its quota."""
+        with self._lock:
+            owners = set(self._owned) | set(self.quotas) | set(self.refused)
+            return {
+                o: {
+                    "chunks": len(self._owned.get(o, ())),
+                    "bytes": self._owner_bytes[o],
+                    "quota": self.quotas.get(o),
+                    "refused": self.refused[o],
+                    "self_evictions": self.self_evictions[o],
+                }
+                for o in owners
+            }
 
     def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
         """Drop every frame whose client key ``match`` takes (the backend ``erase()``

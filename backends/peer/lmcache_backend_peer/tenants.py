@@ -18,7 +18,9 @@ a mapped namespace of its own too (``tenant=None``), and no principal reads the
 store by raw keys: each stored key is one that only the node can derive.
 
 The tenants file (``lmcache-core serve --tenants-file``) has one ``NAME SECRET`` pair
-per line; blank lines and ``#`` comments are ignored.
+per line, optionally followed by ``quota=SIZE`` (the bytes the node holds for that
+tenant at most, see :class:`~lmcache_backend_peer.store.FrameStore`); blank lines and
+``#`` comments are ignored.
 """
 
 from __future__ import annotations
@@ -67,40 +69,70 @@ class TenantSource:
         return self.source.get_frame(tenant_key(self.tenant, key))
 
     def put_frame(self, key: ChunkKey, frame: bytes) -> bool:
-        return bool(self.source.put_frame(tenant_key(self.tenant, key), frame))
+        return bool(self.source.put_frame(tenant_key(self.tenant, key), frame, owner=self.tenant))
 
     def remove(self, key: ChunkKey) -> bool:
         return bool(self.source.remove(tenant_key(self.tenant, key)))
 
 
 def parse_tenants(text: str, where: str) -> dict[str, bytes]:
-    """``NAME SECRET`` lines -> {name: secret}; ValueError naming the line on anything wrong."""
-    tenants: dict[str, bytes] = {}
+    """``NAME SECRET [quota=SIZE]`` lines -> {name: secret}; ValueError naming the line
+    on anything wrong (quotas: :func:`parse_quotas`)."""
+    return {name: secret for name, secret, _ in _entries(text, where)}
+
+
+def parse_quotas(text: str, where: str) -> dict[str, int]:
+    """The tenants given a ``quota=SIZE`` (bytes the node holds for them at most)."""
+    return {name: quota for name, _, quota in _entries(text, where) if quota is not None}
+
+
+def _entries(text: str, where: str) -> list[tuple[str, bytes, int | None]]:
+    from lmcache_core.config import parse_size
+
+    entries: list[tuple[str, bytes, int | None]] = []
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.split()
-        if len(parts) != 2:
-            raise ValueError(f"{where}:{n}: expected 'NAME SECRET', got {len(parts)} fields")
-        name, secret = parts
+        if len(parts) not in (2, 3):
+            raise ValueError(f"{where}:{n}: expected 'NAME SECRET [quota=SIZE]', got {len(parts)} fields")
+        name, secret = parts[:2]
         if not TENANT_NAME_RE.match(name):
             raise ValueError(f"{where}:{n}: tenant name {name!r} must be 1-64 of A-Z a-z 0-9 . _ -")
-        if name in tenants:
+        if any(e[0] == name for e in entries):
             raise ValueError(f"{where}:{n}: tenant {name!r} is listed twice")
         try:
             check_secret(secret.encode())
         except ValueError as err:
             raise ValueError(f"{where}:{n}: tenant {name!r}: {err}") from None
-        tenants[name] = secret.encode()
-    if not tenants:
+        quota = None
+        if len(parts) == 3:
+            field, _, size = parts[2].partition("=")
+            if field != "quota":
+                raise ValueError(f"{where}:{n}: tenant {name!r}: expected quota=SIZE, got {parts[2]!r}")
+            try:
+                quota = parse_size(size)
+            except ValueError as err:
+                raise ValueError(f"{where}:{n}: tenant {name!r}: quota: {err}") from None
+            if quota <= 0:
+                raise ValueError(f"{where}:{n}: tenant {name!r}: quota must be positive, got {size!r}")
+        entries.append((name, secret.encode(), quota))
+    if not entries:
         raise ValueError(f"{where}: no tenants in the file (one 'NAME SECRET' per line)")
-    return tenants
+    return entries
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
 
 
 def load_tenants(path: Path) -> dict[str, bytes]:
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
-    return parse_tenants(text, str(path))
+    return parse_tenants(_read(path), str(path))
+
+
+def load_quotas(path: Path) -> dict[str, int]:
+    return parse_quotas(_read(path), str(path))

@@ -356,3 +356,43 @@ def test_tls(tmp_path: Path) -> None:
         plain.close()
     finally:
         a.stop()
+
+
+def admin_cli(a: Admin, *args: str, token_file: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``lmcache-core admin`` against ``a``, as an operator runs it."""
+    token = token_file or private_file(Path(tempfile.mkdtemp()) / "token", TOKEN + "\n")
+    cmd = [sys.executable, "-m", "lmcache_core.cli", "admin", "--url", a.url, "--token-file", str(token), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_the_admin_command_speaks_to_the_api(admin: Admin) -> None:
+    """``lmcache-core admin status | lookup | erase`` print the node's answers; a wrong
+    token exits 1 with the node's refusal, a token file others can read exits 2
+    before anything is sent (the API's refusal counter does not move)."""
+    ns = os.urandom(16)
+    keys = [key(ns, i) for i in range(3)]
+    c = client(admin)
+    for k in keys:
+        assert c.put(k, frame(k))
+    c.close()
+    out = admin_cli(admin, "status")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tiers"][0]["chunks"] >= 3
+    out = admin_cli(admin, "lookup", *(str(k) for k in keys))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["held"] == [True, True, True]
+    out = admin_cli(admin, "erase", "--namespace", ns.hex(), "--dry-run")
+    assert out.returncode == 0 and json.loads(out.stdout)["would_erase"] == 3, out.stdout + out.stderr
+    out = admin_cli(admin, "erase", "--namespace", ns.hex())
+    assert out.returncode == 0 and json.loads(out.stdout)["erased"] == 3, out.stdout + out.stderr
+    out = admin_cli(admin, "lookup", *(str(k) for k in keys))
+    assert json.loads(out.stdout)["held"] == [False, False, False]
+    wrong = private_file(Path(tempfile.mkdtemp()) / "wrong", "x" * 40 + "\n")
+    out = admin_cli(admin, "status", token_file=wrong)
+    assert out.returncode == 1 and "401" in out.stderr, out.stderr
+    _, before = admin.request("GET", "/status")
+    loose = private_file(Path(tempfile.mkdtemp()) / "loose", TOKEN + "\n", mode=0o644)
+    out = admin_cli(admin, "status", token_file=loose)
+    assert out.returncode == 2 and "chmod 600" in out.stderr, out.stderr
+    _, after = admin.request("GET", "/status")
+    assert after["admin"]["unauthorized"] == before["admin"]["unauthorized"]

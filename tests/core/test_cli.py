@@ -171,6 +171,11 @@ def test_first_party_commands_come_from_their_distributions() -> None:
     res = run("plugins")
     assert res.returncode == 0, res.stderr
     commands = {cols[1]: cols[2] for cols in map(str.split, res.stdout.splitlines()) if cols and cols[0] == "command"}
-    assert commands == {"demo": "lmcache-connector-vllm", "warm": "lmcache-connector-vllm", "serve": "lmcache-backend-peer"}
+    assert commands == {
+        "demo": "lmcache-connector-vllm",
+        "warm": "lmcache-connector-vllm",
+        "serve": "lmcache-backend-peer",
+        "admin": "lmcache-backend-peer",
+    }
     demo_help = run("demo", "--help")
     assert demo_help.returncode == 0 and "--quick" in demo_help.stdout

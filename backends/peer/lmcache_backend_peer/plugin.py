@@ -1,5 +1,6 @@
 """Entry point ``peer`` in the group ``lmcache_core.backends``: the ``peer`` tier and
-the ``lmcache-core serve`` command, both by dotted path (imported on first use)."""
+the ``lmcache-core serve`` and ``lmcache-core admin`` commands, all by dotted path
+(imported on first use)."""
 
 from __future__ import annotations
 
@@ -21,4 +22,9 @@ def register_commands(register: RegisterCommand) -> None:
         "serve",
         "lmcache_backend_peer.cli:setup_command",
         help="run a standalone peer cache node (shared cache for several instances)",
+    )
+    register(
+        "admin",
+        "lmcache_backend_peer.admin_cli:setup_command",
+        help="a cache node's admin API from the command line (status, lookup, erase)",
     )

@@ -1,0 +1,102 @@
+"""``lmcache-core admin``: the node's admin API from the command line, so nobody needs
+curl (the API itself: :mod:`.admin`).
+
+    lmcache-core admin --url http://127.0.0.1:9100 --token-file F status
+    lmcache-core admin --url ... --token-file F lookup KEY [KEY ...] [--tenant T]
+    lmcache-core admin --url ... --token-file F erase (--namespace ID ... | --all) [--dry-run]
+
+The token file is checked like the node checks its own (a regular file only its
+owner can read: refused otherwise, before anything is sent). HTTPS URLs are verified
+against ``--ca-file`` (else the system's trust store). Prints the node's JSON answer;
+exits 0 on success, 1 when the node refused or failed the request (its status and
+message on stderr), 2 on a usage error or an unreachable node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import ssl
+import sys
+import urllib.parse
+from pathlib import Path
+from typing import Any, Callable
+
+from .admin import read_token
+
+TIMEOUT_S = 30.0
+
+
+def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    p.add_argument("--url", required=True, help="the node's admin API, as it printed it (http[s]://HOST:PORT)")
+    p.add_argument("--token-file", required=True, type=Path, help="the admin token (mode 600, owned by you)")
+    p.add_argument("--ca-file", type=Path, default=None, help="the certificate authority of an HTTPS admin API")
+    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help=f"per request (default {TIMEOUT_S:g})")
+    sub = p.add_subparsers(dest="action", required=True)
+    sub.add_parser("status", help="the node's store, hits, connections and per-tenant usage")
+    lk = sub.add_parser("lookup", help="which of some chunk keys the node holds")
+    lk.add_argument("keys", nargs="+", metavar="KEY", help="chunk keys as engines name them (v1-<ns>-<hash>)")
+    lk.add_argument("--tenant", default=None, help="as this tenant (default: the shared secret's namespace)")
+    er = sub.add_parser("erase", help="drop the chunks of some namespaces, or all")
+    which = er.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", action="append", metavar="ID", help="a namespace id (32 hex); repeatable")
+    which.add_argument("--all", action="store_true", help="every chunk the node holds")
+    er.add_argument("--dry-run", action="store_true", help="count what would go, drop nothing")
+    return run
+
+
+def request(url: str, token: bytes, method: str, path: str, body: Any, timeout: float, ca: Path | None) -> tuple[int, Any]:
+    """One request to the admin API: (HTTP status, decoded JSON answer)."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname or u.port is None:
+        raise ValueError(f"--url: expected http[s]://HOST:PORT, got {url!r}")
+    conn: http.client.HTTPConnection
+    if u.scheme == "https":
+        ctx = ssl.create_default_context(cafile=str(ca) if ca is not None else None)
+        conn = http.client.HTTPSConnection(u.hostname, u.port, timeout=timeout, context=ctx)
+    else:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    headers = {"Authorization": "Bearer " + token.decode()}
+    data = None if body is None else json.dumps(body).encode()
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        payload = resp.read(16 << 20)
+    finally:
+        conn.close()
+    try:
+        return resp.status, json.loads(payload) if payload else None
+    except ValueError:
+        return resp.status, {"error": payload[:200].decode(errors="replace")}
+
+
+def plan(args: argparse.Namespace) -> tuple[str, str, Any]:
+    """The method, path and body of the action."""
+    if args.action == "status":
+        return "GET", "/status", None
+    if args.action == "lookup":
+        query = {"keys": ",".join(args.keys), **({"tenant": args.tenant} if args.tenant else {})}
+        return "GET", "/lookup?" + urllib.parse.urlencode(query), None
+    body: dict[str, Any] = {"all": True} if args.all else {"namespaces": args.namespace}
+    if args.dry_run:
+        body["dry_run"] = True
+    return "POST", "/erase", body
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        token = read_token(args.token_file)
+        method, path, body = plan(args)
+        status, answer = request(args.url, token, method, path, body, args.timeout_s, args.ca_file)
+    except (ValueError, OSError) as err:
+        sys.stderr.write(f"lmcache-core admin: {err}\n")
+        return 2
+    if status != 200:
+        message = answer.get("error") if isinstance(answer, dict) else answer
+        sys.stderr.write(f"lmcache-core admin: the node answered {status}: {message}\n")
+        return 1
+    sys.stdout.write(json.dumps(answer, indent=1, sort_keys=True) + "\n")
+    return 0

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 import lmcache_cuda
+from lib.timing import time_cuda as _time_cuda
 from lmcache_cuda import PagedLayout, kernels, reference
 from lmcache_cuda.testing import DTYPES, ragged_slots, random_paged_kv
 
@@ -40,25 +41,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         if not torch.cuda.is_available():
             a.layers = min(a.layers, 8)
     return a
-
-
-def _time_cuda(fn: Callable[[], object], iters: int) -> float:
-    """Median seconds per call, timed with CUDA events on the current stream."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # Keep the GPU busy (~2 ms) while the host enqueues fn's work, so the events
-        # time the GPU's work alone, not the host's enqueueing.
-        torch.cuda._sleep(4_000_000)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def _time_cpu(fn: Callable[[], object], iters: int) -> float:

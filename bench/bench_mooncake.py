@@ -32,7 +32,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -43,21 +42,11 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import torch  # noqa: E402
 
+from lib.servers import console_script, first_line, start_moto, stop_moto  # noqa: E402
 from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
 from lmcache_backend_mooncake.local import LocalMaster, LocalSegmentOwner  # noqa: E402
 from lmcache_core.keys import ChunkKey, KeyNamespace  # noqa: E402
 from lmcache_core.testing import make_context  # noqa: E402
-
-MOTO = """
-import sys, logging
-logging.disable(logging.INFO)
-from moto.server import ThreadedMotoServer
-s = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-s.start()
-print(s._server.server_port, flush=True)
-sys.stdin.read()
-s.stop()
-"""
 
 
 def rate(nbytes: int, fn: Callable[[], Any]) -> float:
@@ -86,15 +75,21 @@ class Others:
         )
         secret = uuid.uuid4().hex
         (tmp / "secret").write_text(secret)
-        exe = shutil.which("lmcache-peer-serve", path=os.path.dirname(sys.executable)) or "lmcache-peer-serve"
         self.peer_proc = subprocess.Popen(
-            [exe, "--listen", "127.0.0.1:0", "--secret-file", str(tmp / "secret"), "--max-size", str(capacity)],
+            [
+                console_script("lmcache-peer-serve"),
+                "--listen",
+                "127.0.0.1:0",
+                "--secret-file",
+                str(tmp / "secret"),
+                "--max-size",
+                str(capacity),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
-        address = (self.peer_proc.stdout.readline() if self.peer_proc.stdout else "").strip().removeprefix("listening on ")
-        self.moto = subprocess.Popen([sys.executable, "-c", MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        endpoint = f"http://127.0.0.1:{int(self.moto.stdout.readline())}" if self.moto.stdout else ""
+        address = first_line(self.peer_proc).removeprefix("listening on ")
+        self.moto, endpoint = start_moto()
         import boto3
 
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
@@ -120,9 +115,7 @@ class Others:
         for t in self.tiers.values():
             t.close()
         self.peer_proc.kill()
-        if self.moto.stdin:
-            self.moto.stdin.close()
-        self.moto.wait(timeout=30)
+        stop_moto(self.moto)
         self.peer_proc.wait(timeout=30)
 
 

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ttft_engine import finish, make_llm, run_child, run_if_child, tiny_model, ttft  # noqa: E402
+from lib.servers import console_script, first_line  # noqa: E402
+from lib.ttft_engine import finish, make_llm, run_child, run_if_child, tiny_model, ttft  # noqa: E402
 
 BAR = 0.7
 """The same-host fast path's bar: a chunk's load at >= 0.7 of a plain memcpy's throughput."""
@@ -73,14 +74,22 @@ def run_engine(
 
 def start_node(tmp: Path, max_size: str) -> tuple[subprocess.Popen, str, str, Path]:
     """A node on loopback TCP and a Unix socket: (process, host:port, socket path, secret file)."""
-    from bench_peer import first_line
-
     secret = tmp / "secret"
     secret.write_text(os.urandom(24).hex())
     sock = str(tmp / "node.sock")
-    exe = shutil.which("lmcache-core", path=os.path.dirname(sys.executable)) or "lmcache-core"
     proc = subprocess.Popen(
-        [exe, "serve", "--listen", "127.0.0.1:0", "--unix-socket", sock, "--secret-file", str(secret), "--max-size", max_size],
+        [
+            console_script("lmcache-core"),
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--unix-socket",
+            sock,
+            "--secret-file",
+            str(secret),
+            "--max-size",
+            max_size,
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from lib.servers import console_script, first_line
 from lmcache_backend_peer import PeerClient, create_peer_backend
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.serde import RawCodec, encode
@@ -51,16 +50,6 @@ while True:
     (n,) = struct.unpack(">Q", req)
     conn.sendall(mv[:n])
 """
-
-
-def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    q: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: q.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        return q.get(timeout=timeout).strip()
-    except queue.Empty:
-        proc.kill()
-        raise SystemExit("server child did not start") from None
 
 
 def recv_exact(sock: socket.socket, buf: memoryview) -> None:
@@ -103,9 +92,16 @@ def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[floa
     secret = os.urandom(16).hex()
     tmp = Path(tempfile.mkdtemp())
     (tmp / "secret").write_text(secret)
-    exe = shutil.which("lmcache-peer-serve", path=os.path.dirname(sys.executable)) or "lmcache-peer-serve"
     proc = subprocess.Popen(
-        [exe, "--listen", "127.0.0.1:0", "--secret-file", str(tmp / "secret"), "--max-size", f"{n * size + (64 << 20)}"],
+        [
+            console_script("lmcache-peer-serve"),
+            "--listen",
+            "127.0.0.1:0",
+            "--secret-file",
+            str(tmp / "secret"),
+            "--max-size",
+            f"{n * size + (64 << 20)}",
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )

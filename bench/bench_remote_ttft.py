@@ -4,7 +4,7 @@ against the CPU tier, and what an in-flight load does to other requests' decodin
     python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH] [--serde fp8] [--itl-nice N ...]
     python bench/bench_remote_ttft.py --tier s3 --parts ttft [--serde fp8]
 
-Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``
+Redis (``redis-server`` on loopback) is reached through ``bench/lib/latency_proxy.py``
 (``--window-mib``: its bytes in flight per direction of a connection, default 4 MiB).
 Each vLLM engine is a fresh process (a writer stores, a reader with an empty CPU tier
 loads); figures come from the reader.
@@ -33,9 +33,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency_proxy import WINDOW_BYTES, LatencyProxy, timed_exchanges  # noqa: E402
-from ttft_engine import run_child, run_if_child, tiny_model  # noqa: E402
+from lib import servers  # noqa: E402
+from lib.latency_proxy import WINDOW_BYTES, LatencyProxy, timed_exchanges  # noqa: E402
+from lib.ttft_engine import run_child, run_if_child, tiny_model  # noqa: E402
 
 CS = 256
 WINDOW = WINDOW_BYTES
@@ -105,28 +104,6 @@ def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], 
     llm.llm_engine.engine_core.shutdown()
 
 
-def start_redis(tmp: Path) -> tuple[subprocess.Popen, int]:
-    import socket
-
-    binary = shutil.which("redis-server")
-    if not binary:
-        raise SystemExit("redis-server not found (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
-        stdout=subprocess.DEVNULL,
-    )
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return p, port
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit("redis-server did not start")
-
-
 SERDE: str | None = None
 """--serde: the remote tier's codec (e.g. fp8), None for the default."""
 TIER = "redis"
@@ -158,23 +135,14 @@ def remote_tier(host_port: str) -> dict[str, Any]:
 
 
 def start_moto() -> tuple[Any, int]:
-    """moto's S3 server on loopback in this process (the engines are child processes)
-    with the bucket made; returns the server and its port."""
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true"
-    )
-    import logging
-
+    """moto's S3 server on loopback in a child process (the engines are child
+    processes too) with the bucket made; returns the process and its port."""
+    servers.aws_credentials()
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    port = server._server.server_port
-    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
-    return server, port
+    proc, endpoint = servers.start_moto()
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
+    return proc, int(endpoint.rsplit(":", 1)[1])
 
 
 def run(model: Path, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int = 1, flush: bool = False) -> Any:
@@ -425,11 +393,11 @@ def main() -> int:
         try:
             lines += part_ttft(model, port, spec.vocab_size, args.quick)
         finally:
-            server.stop()
+            servers.stop_moto(server)
         print("\n".join(lines))
         return 0
     with tempfile.TemporaryDirectory(prefix="remote-redis-") as d:
-        redis_proc, port = start_redis(Path(d))
+        redis_proc, port = servers.start_redis(d)
         try:
             if "rtt" in args.parts:
                 lines += part_rtt(model, port, spec.vocab_size, args.quick)
@@ -444,7 +412,7 @@ def main() -> int:
                         lines += part_itl(port, args.quick, nice, args.itl_rounds, value)
                         print(lines[-1], flush=True)
         finally:
-            redis_proc.terminate()
+            servers.stop(redis_proc)
     print("\n".join(lines))
     if args.json is not None:
         args.json.write_text(json.dumps(FIGURES, indent=1))

@@ -1,0 +1,149 @@
+"""The servers a benchmark starts beside itself, each on 127.0.0.1 in its own process
+(so it does not share the benchmark's GIL), every wait bounded:
+
+- moto's S3 (``moto_server``, ``start_moto``): moto accepts any credentials, so
+  ``aws_credentials()`` gives boto3 some;
+- a ``redis-server`` with no persistence (``redis_server``, ``start_redis``);
+- an ``lmcache-core serve`` node or ``lmcache-peer-serve`` (``console_script`` and
+  ``first_line``: the node says where it listens on its first lines).
+
+The in-process Mooncake master and segment owner are the backend's own
+(``lmcache_backend_mooncake.local``); vLLM's OpenAI server is in ``lib.serving``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+MOTO_CHILD = """
+import sys, logging
+logging.disable(logging.INFO)
+from moto.server import ThreadedMotoServer
+s = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+s.start()
+print(s._server.server_port, flush=True)
+sys.stdin.read()  # until the benchmark closes our stdin
+s.stop()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    """Until something accepts on 127.0.0.1:``port``; SystemExit after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"nothing listens on 127.0.0.1:{port} after {timeout:g} s")
+
+
+def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The next line a child prints (stripped); kills it and exits when none comes in
+    ``timeout`` seconds."""
+    q: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: q.put(proc.stdout.readline() if proc.stdout else ""), daemon=True).start()
+    try:
+        return q.get(timeout=timeout).strip()
+    except queue.Empty:
+        proc.kill()
+        raise SystemExit("server child did not start") from None
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Terminate ``proc``; kill it if it has not exited after ``timeout`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
+def console_script(name: str) -> str:
+    """The path of this environment's console script ``name`` (``lmcache-core``,
+    ``lmcache-peer-serve``), whichever interpreter runs the benchmark."""
+    return shutil.which(name, path=os.path.dirname(sys.executable)) or name
+
+
+# -- moto's S3 ---------------------------------------------------------------------------
+def aws_credentials() -> None:
+    """Credentials for boto3 (moto accepts any), unless the environment has some."""
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def start_moto(timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """moto's S3 in a child process: (process, endpoint URL). Stop it with ``stop_moto``."""
+    proc = subprocess.Popen([sys.executable, "-c", MOTO_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, f"http://127.0.0.1:{int(first_line(proc, timeout))}"
+
+
+def stop_moto(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.stdin:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's S3 for the block: yields its endpoint URL."""
+    proc, endpoint = start_moto()
+    try:
+        yield endpoint
+    finally:
+        stop_moto(proc)
+
+
+# -- redis-server --------------------------------------------------------------------------
+def start_redis(data_dir: Path | str, timeout: float = 10.0) -> tuple[subprocess.Popen, int]:
+    """A ``redis-server`` on a free loopback port, no persistence, working in
+    ``data_dir``: (process, port), once it accepts connections."""
+    binary = shutil.which("redis-server")
+    if not binary:
+        raise SystemExit("redis-server not found (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port, timeout)
+    except SystemExit:
+        proc.kill()
+        raise SystemExit("redis-server did not start") from None
+    return proc, port
+
+
+@contextmanager
+def redis_server(data_dir: Path | str) -> Iterator[int]:
+    """A ``redis-server`` for the block (see ``start_redis``): yields its port."""
+    proc, port = start_redis(data_dir)
+    try:
+        yield port
+    finally:
+        stop(proc)

@@ -268,13 +268,13 @@ def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1, cores: Any 
     then with a fifth request served from memory, then from Redis; ITL p99 per kind of
     window, medians over the rounds and pooled over every round's gaps (one window's
     p99 is its few largest gaps)."""
-    import bench_serving as bs
+    from lib import openai_client, openai_server
 
-    model = bs.build_model()
-    texts = bs.Texts(model, seed=5)
+    model = openai_server.build_model()
+    texts = openai_client.Texts(model, seed=5)
     a = argparse.Namespace(max_model_len=16_384, max_batched=2048, start_timeout=600)
     n_chunks = 24 if quick else 48
-    kv_doc = n_chunks * CS * bs.KV_PER_TOKEN
+    kv_doc = n_chunks * CS * openai_server.KV_PER_TOKEN
 
     def doc() -> str:
         ids = texts.tok(texts.text(n_chunks * CS + 400), add_special_tokens=False)["input_ids"]
@@ -297,48 +297,50 @@ def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1, cores: Any 
                 "background_nice": nice,
                 "background_cores": cores,
             }
-            arm = bs.Arm("lmc-redis-20ms", connector=True, kv_bytes=256 << 20, prefix_caching=False)
+            arm = openai_server.Arm("lmc-redis-20ms", connector=True, kv_bytes=256 << 20, prefix_caching=False)
             placement = ""
-            with bs.server(arm, model, a, tmp, config=cfg) as (base, proc):
+            with openai_server.server(arm, model, a, tmp, config=cfg) as (base, proc):
                 name = str(model)
 
                 async def window(fifth: str | None) -> tuple[list[float], float]:
                     import aiohttp
 
                     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-                        tasks = [asyncio.ensure_future(bs.complete(session, base, name, p, 160)) for p in decodes]
+                        tasks = [asyncio.ensure_future(openai_client.complete(session, base, name, p, 160)) for p in decodes]
                         await asyncio.sleep(2.0)  # the 4 are decoding
                         ttft = 0.0
                         if fifth is not None:
-                            r = await bs.complete(session, base, name, fifth, 1)
+                            r = await openai_client.complete(session, base, name, fifth, 1)
                             assert r.error is None, r.error
                             ttft = r.ttft
                         done = await asyncio.gather(*tasks)
                     return [x for r in done for x in r.itl[20:]], ttft  # past the decodes' own prefill
 
                 def store(text: str) -> None:
-                    asyncio.run(bs.run_requests(base, name, [(text, 1)], 1))
+                    asyncio.run(openai_client.run_requests(base, name, [(text, 1)], 1))
                     time.sleep(6)  # background writes through the 20 ms link
 
                 for text in fars:  # to the CPU tier and Redis; pushed out of the CPU tier below
                     store(text)
-                before = bs.metric(bs.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total")
+                before = openai_server.metric(openai_server.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total")
                 for far, near in zip(fars, nears):
                     store(near)
                     itl, _ = asyncio.run(window(None))
-                    p99["alone"].append(bs.pct(itl, 99))
+                    p99["alone"].append(openai_client.pct(itl, 99))
                     gaps["alone"] += itl
                     for kind, fifth in (("memory", near), ("redis", far)):
                         itl, ttft = asyncio.run(window(fifth))
-                        p99[kind].append(bs.pct(itl, 99))
+                        p99[kind].append(openai_client.pct(itl, 99))
                         gaps[kind] += itl
                         ttfts[kind].append(ttft)
-                loaded = bs.metric(bs.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total") - before
+                loaded = (
+                    openai_server.metric(openai_server.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total") - before
+                )
                 placement = thread_cores(proc.pid)
     med = {k: statistics.median(v) for k, v in p99.items()}
     t_med = {k: statistics.median(v) for k, v in ttfts.items()}
     growth = med["redis"] / med["memory"] - 1
-    pooled = {k: bs.pct(v, 99) for k, v in gaps.items()}
+    pooled = {k: openai_client.pct(v, 99) for k, v in gaps.items()}
     pooled_growth = pooled["redis"] / pooled["memory"] - 1
     vs_alone = med["redis"] / med["alone"] - 1
     per_round = "; ".join(

@@ -44,7 +44,7 @@ def free_port() -> int:
 
 
 def wait_port(port: int, timeout: float = 20.0) -> None:
-    """Until something accepts on 127.0.0.1:``port``; SystemExit after ``timeout`` s."""
+    """Until something accepts on 127.0.0.1:``port``; RuntimeError after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -52,19 +52,21 @@ def wait_port(port: int, timeout: float = 20.0) -> None:
             return
         except OSError:
             time.sleep(0.05)
-    raise SystemExit(f"nothing listens on 127.0.0.1:{port} after {timeout:g} s")
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:g} s")
 
 
 def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    """The next line a child prints (stripped); kills it and exits when none comes in
-    ``timeout`` seconds."""
+    """The next line a child prints (stripped); kills it and raises RuntimeError when
+    none comes in ``timeout`` seconds."""
     q: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: q.put(proc.stdout.readline() if proc.stdout else ""), daemon=True).start()
     try:
         return q.get(timeout=timeout).strip()
     except queue.Empty:
         proc.kill()
-        raise SystemExit("server child did not start") from None
+        raise RuntimeError(
+            f"{proc.args[0] if isinstance(proc.args, list) else proc.args}: printed nothing in {timeout:g} s"
+        ) from None
 
 
 def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -124,7 +126,7 @@ def start_redis(data_dir: Path | str, timeout: float = 10.0) -> tuple[subprocess
     ``data_dir``: (process, port), once it accepts connections."""
     binary = shutil.which("redis-server")
     if not binary:
-        raise SystemExit("redis-server not found (apt-get install redis-server)")
+        raise RuntimeError("redis-server not found on PATH (apt-get install redis-server)")
     port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data_dir)],
@@ -133,9 +135,10 @@ def start_redis(data_dir: Path | str, timeout: float = 10.0) -> tuple[subprocess
     )
     try:
         wait_port(port, timeout)
-    except SystemExit:
+    except RuntimeError:
         proc.kill()
-        raise SystemExit("redis-server did not start") from None
+        proc.wait(timeout)
+        raise RuntimeError(f"redis-server did not accept connections on port {port} within {timeout:g} s") from None
     return proc, port
 
 

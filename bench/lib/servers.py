@@ -57,16 +57,17 @@ def wait_port(port: int, timeout: float = 20.0) -> None:
 
 def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
     """The next line a child prints (stripped); kills it and raises RuntimeError when
-    none comes in ``timeout`` seconds."""
+    none comes in ``timeout`` seconds or it exits first."""
     q: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: q.put(proc.stdout.readline() if proc.stdout else ""), daemon=True).start()
     try:
-        return q.get(timeout=timeout).strip()
+        line = q.get(timeout=timeout).strip()
     except queue.Empty:
+        line = ""
+    if not line:
         proc.kill()
-        raise RuntimeError(
-            f"{proc.args[0] if isinstance(proc.args, list) else proc.args}: printed nothing in {timeout:g} s"
-        ) from None
+        raise RuntimeError(f"child {proc.args!r} printed no line within {timeout:g} s (did it start?)")
+    return line
 
 
 def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:

@@ -10,14 +10,12 @@ figure, and exits 0. Never part of the test pass.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from typing import Callable
 
 import torch
 
 import lmcache_cuda
+from lib.timing import time_cpu as _time_cpu
 from lib.timing import time_cuda as _time_cuda
 from lmcache_cuda import PagedLayout, kernels, reference
 from lmcache_cuda.testing import DTYPES, ragged_slots, random_paged_kv
@@ -41,16 +39,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         if not torch.cuda.is_available():
             a.layers = min(a.layers, 8)
     return a
-
-
-def _time_cpu(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _row(name: str, nbytes: int, secs: float, base: float | None, *, flag: bool = True) -> str:
@@ -88,24 +76,11 @@ def run_cpu(a: argparse.Namespace) -> None:
         )
         base = _time_cpu(lambda: flat.copy_(out.view(-1)), iters)
         print(_row("memcpy (CPU, contiguous)", nbytes, base, None))
-        print(
-            _row(
-                "reference gather (CPU)",
-                nbytes,
-                _time_cpu(lambda: reference.gather_tokens(kv, slots, out), iters),
-                base,
-                flag=False,
-            )
-        )
-        print(
-            _row(
-                "reference scatter (CPU)",
-                nbytes,
-                _time_cpu(lambda: reference.scatter_tokens(kv, slots, out), iters),
-                base,
-                flag=False,
-            )
-        )
+        for name, ref in (
+            ("reference gather (CPU)", reference.gather_tokens),
+            ("reference scatter (CPU)", reference.scatter_tokens),
+        ):
+            print(_row(name, nbytes, _time_cpu(lambda ref=ref: ref(kv, slots, out), iters), base, flag=False))
 
 
 def run_gpu(a: argparse.Namespace) -> int:

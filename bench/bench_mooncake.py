@@ -31,7 +31,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 import uuid
@@ -42,7 +41,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import torch  # noqa: E402
 
-from lib.servers import console_script, first_line, start_moto, stop_moto  # noqa: E402
+from lib.servers import start_moto, start_peer_serve, stop_moto  # noqa: E402
 from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
 from lmcache_backend_mooncake.local import LocalMaster, LocalSegmentOwner  # noqa: E402
 from lmcache_core.keys import ChunkKey, KeyNamespace  # noqa: E402
@@ -75,20 +74,7 @@ class Others:
         )
         secret = uuid.uuid4().hex
         (tmp / "secret").write_text(secret)
-        self.peer_proc = subprocess.Popen(
-            [
-                console_script("lmcache-peer-serve"),
-                "--listen",
-                "127.0.0.1:0",
-                "--secret-file",
-                str(tmp / "secret"),
-                "--max-size",
-                str(capacity),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        address = first_line(self.peer_proc).removeprefix("listening on ")
+        self.peer_proc, address = start_peer_serve(capacity, tmp / "secret")
         self.moto, endpoint = start_moto()
         import boto3
 

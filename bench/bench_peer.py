@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lib.servers import console_script, first_line
+from lib.servers import first_line, start_peer_serve
 from lmcache_backend_peer import PeerClient, create_peer_backend
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.serde import RawCodec, encode
@@ -92,21 +92,8 @@ def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[floa
     secret = os.urandom(16).hex()
     tmp = Path(tempfile.mkdtemp())
     (tmp / "secret").write_text(secret)
-    proc = subprocess.Popen(
-        [
-            console_script("lmcache-peer-serve"),
-            "--listen",
-            "127.0.0.1:0",
-            "--secret-file",
-            str(tmp / "secret"),
-            "--max-size",
-            f"{n * size + (64 << 20)}",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc, address = start_peer_serve(n * size + (64 << 20), tmp / "secret")
     try:
-        address = first_line(proc).removeprefix("listening on ")
         host, port = address.rsplit(":", 1)
         ns = KeyNamespace(model="bench")
         shape = (size // 2,)

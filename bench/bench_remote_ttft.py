@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from lib import servers  # noqa: E402
 from lib.latency_proxy import WINDOW_BYTES, LatencyProxy, timed_exchanges  # noqa: E402
-from lib.ttft_engine import run_child, run_if_child, tiny_model  # noqa: E402
+from lib.ttft_engine import make_llm, run_child, run_if_child, tiny_model  # noqa: E402
 
 CS = 256
 WINDOW = WINDOW_BYTES
@@ -58,26 +58,14 @@ def delayed_redis(port: int, rtt: float) -> LatencyProxy:
 def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int, flush: bool) -> None:
     """One vLLM process: each prompt ``passes`` times; TTFT, cached tokens, Redis
     pipelines and connector load seconds around each request."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
     from lmcache_connector.transfer_config import kv_transfer_config
 
-    llm = LLM(
-        model=model,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=16_384,
-        max_num_batched_tokens=16_384,
-        kv_cache_memory_bytes=1 << 30,
-        enable_prefix_caching=False,
-        seed=0,
-        kv_transfer_config=kv_transfer_config({"chunk_size": CS, "backends": backends}),
-    )
+    llm = make_llm(model, kv_transfer_config({"chunk_size": CS, "backends": backends}), max_len=16_384, kv_bytes=1 << 30)
     sp = SamplingParams(max_tokens=1, temperature=0)
-    llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], sp, use_tqdm=False)
     w = get_kv_transfer_group().worker
     redis_tier = next((t for t in w.engine.tiers if t.name == "redis"), None)
 

@@ -141,24 +141,65 @@ def helper_services(arm: Arm, tmp: Path, config: dict[str, Any] | None = None) -
             servers.stop(p)
 
 
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a server runs in: ours, with one core left to the API process
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), vLLM's default multiprocessing, and ``extra``."""
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as users run it
+    env.update(extra or {})
+    return env
+
+
+@contextmanager
+def openai_server(
+    name: str, server_args: list[str], env: dict[str, str], log_path: Path, start_timeout: float
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m vllm.entrypoints.openai.api_server *server_args`` on a free loopback
+    port, its output in ``log_path``; yields (base URL, process) once ``/health``
+    answers, RuntimeError if it exits first or is not up after ``start_timeout``
+    seconds. Stopped on exit: SIGINT to its process group, SIGKILL after 30 s."""
+    port = servers.free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_args, "--host", "127.0.0.1", "--port", str(port)]
+    logf = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name}: server exited ({proc.returncode}); see {log_path}")
+            try:
+                http_get(base + "/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: server not up after {start_timeout} s; see {log_path}") from None
+                time.sleep(1)
+        yield base, proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+        logf.close()
+
+
 @contextmanager
 def server(
     arm: Arm, model: Path, args: argparse.Namespace, tmp: Path, config: dict[str, Any] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """A fresh OpenAI server for ``arm`` (lmcache-core's tiers from ``config`` when
-    given); yields (base URL, process)."""
+    given), ``args.max_model_len``, ``args.max_batched`` and ``args.start_timeout``
+    from the benchmark's options; yields (base URL, process)."""
     with helper_services(arm, tmp, config) as cfg:
-        port = servers.free_port()
         cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
             "--model",
             str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
             "--enforce-eager",
             "--max-model-len",
             str(args.max_model_len),
@@ -172,8 +213,7 @@ def server(
         ]
         if arm.max_num_seqs:
             cmd += ["--max-num-seqs", str(arm.max_num_seqs)]
-        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as users run it
+        env = server_env()
         # vLLM-CPU's legacy VLLM_CPU_KVCACHE_SPACE (tox sets it for the tests) overrides
         # --kv-cache-memory-bytes: left in, every arm would get its size and the small
         # cache of vllm/lmc-* would silently be as large as the limit's
@@ -189,34 +229,10 @@ def server(
                 "kv_connector_extra_config": {"config_file": str(yaml_path)},
             }
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
-        logf = open(tmp / f"{arm.name}.server.log", "w")
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + args.start_timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{arm.name}: server exited ({proc.returncode}); see {logf.name}")
-                try:
-                    http_get(base + "/health", timeout=2)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{arm.name}: server not up after {args.start_timeout} s; see {logf.name}") from None
-                    time.sleep(1)
-            check_kv_size(Path(logf.name), arm)
+        log_path = tmp / f"{arm.name}.server.log"
+        with openai_server(arm.name, cmd, env, log_path, args.start_timeout) as (base, proc):
+            check_kv_size(log_path, arm)
             yield base, proc
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGINT)
-                proc.wait(30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(10)
-            logf.close()
 
 
 def check_kv_size(log: Path, arm: "Arm") -> None:

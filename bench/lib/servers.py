@@ -4,11 +4,12 @@
 - moto's S3 (``moto_server``, ``start_moto``): moto accepts any credentials, so
   ``aws_credentials()`` gives boto3 some;
 - a ``redis-server`` with no persistence (``redis_server``, ``start_redis``);
-- an ``lmcache-core serve`` node or ``lmcache-peer-serve`` (``console_script`` and
-  ``first_line``: the node says where it listens on its first lines).
+- ``lmcache-peer-serve`` (``start_peer_serve``), or an ``lmcache-core serve`` node
+  (``console_script`` and ``first_line``: a node says where it listens on its first
+  lines).
 
 The in-process Mooncake master and segment owner are the backend's own
-(``lmcache_backend_mooncake.local``); vLLM's OpenAI server is in ``lib.serving``.
+(``lmcache_backend_mooncake.local``); vLLM's OpenAI server is in ``lib.openai_server``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,23 @@ def console_script(name: str) -> str:
     """The path of this environment's console script ``name`` (``lmcache-core``,
     ``lmcache-peer-serve``), whichever interpreter runs the benchmark."""
     return shutil.which(name, path=os.path.dirname(sys.executable)) or name
+
+
+# -- lmcache-peer-serve ------------------------------------------------------------------
+def start_peer_serve(
+    max_size: int | str, secret_file: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A standalone cache node (``lmcache-peer-serve``) on a free loopback port, its
+    secret from ``secret_file`` (or ``LMCACHE_PEER_SECRET`` in ``env``):
+    (process, host:port), once it says where it listens."""
+    secret = ["--secret-file", str(secret_file)] if secret_file is not None else []
+    proc = subprocess.Popen(
+        [console_script("lmcache-peer-serve"), "--listen", "127.0.0.1:0", *secret, "--max-size", str(max_size)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    return proc, first_line(proc).removeprefix("listening on ")
 
 
 # -- moto's S3 ---------------------------------------------------------------------------

@@ -1,10 +1,24 @@
-"""Timing helpers: the median of calls timed with CUDA events, and a cold page cache."""
+"""Timing helpers: the median seconds of a call (on the CPU clock, or timed with
+CUDA events), and a cold page cache."""
 
 from __future__ import annotations
 
 import os
 import statistics
+import time
 from typing import Callable
+
+
+def time_cpu(fn: Callable[[], object], rounds: int) -> float:
+    """Median seconds per call over ``rounds`` calls, after one warm-up call
+    (first-touch page faults, lazy imports)."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def time_cuda(fn: Callable[[], object], iters: int) -> float:

@@ -50,7 +50,6 @@ import os
 import platform
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -161,15 +160,7 @@ class PeerNode:
     """A standalone cache node (``lmcache-peer-serve``) on 127.0.0.1."""
 
     def __init__(self, secret: str) -> None:
-        env = dict(os.environ, LMCACHE_PEER_SECRET=secret)
-        self.proc = subprocess.Popen(
-            [servers.console_script("lmcache-peer-serve"), "--listen", "127.0.0.1:0", "--max-size", "4GiB"],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        line = servers.first_line(self.proc)
-        self.address = line.rsplit(" ", 1)[-1]
+        self.proc, self.address = servers.start_peer_serve("4GiB", env=dict(os.environ, LMCACHE_PEER_SECRET=secret))
 
     def stop(self) -> None:
         servers.stop(self.proc)

@@ -41,6 +41,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import torch  # noqa: E402
 
+from lib.options import add_chunk_options, chunk_plan
 from lib.servers import start_moto, start_peer_serve, stop_moto  # noqa: E402
 from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
 from lmcache_backend_mooncake.local import LocalMaster, LocalSegmentOwner  # noqa: E402
@@ -108,13 +109,10 @@ class Others:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 chunks, 2 rounds")
-    ap.add_argument("--chunks", type=int, default=64)
-    ap.add_argument("--chunk-mib", type=float, default=4.0)
-    ap.add_argument("--rounds", type=int, default=5)
+    add_chunk_options(ap)
     ap.add_argument("--no-others", action="store_true", help="skip the peer and s3 tiers")
     args = ap.parse_args()
-    n, rounds = (16, 2) if args.quick else (args.chunks, args.rounds)
-    size = int(args.chunk_mib * (1 << 20)) // 2 * 2
+    n, rounds, size = chunk_plan(args)
     total = n * size
     torch.set_num_threads(1)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from lib.options import add_chunk_options, chunk_plan
 from lib.servers import first_line, start_peer_serve
 from lmcache_backend_peer import PeerClient, create_peer_backend
 from lmcache_core.keys import KeyNamespace
@@ -151,12 +152,9 @@ def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 chunks, 2 rounds")
-    ap.add_argument("--chunks", type=int, default=64)
-    ap.add_argument("--chunk-mib", type=float, default=4.0)
-    ap.add_argument("--rounds", type=int, default=5)
+    add_chunk_options(ap)
     args = ap.parse_args()
-    n, rounds = (16, 2) if args.quick else (args.chunks, args.rounds)
-    size = int(args.chunk_mib * (1 << 20)) // 2 * 2
+    n, rounds, size = chunk_plan(args)
     torch.set_num_threads(1)
     peer = bench(n, size, rounds)
     base = statistics.median(peer.pop("raw socket"))

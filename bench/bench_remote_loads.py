@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,39 +59,22 @@ def redis_service(tmp: Path) -> Iterator[tuple[tuple[str, int], Callable[[str], 
 
 @contextmanager
 def peer_service(tmp: Path) -> Iterator[tuple[tuple[str, int], Callable[[str], dict[str, Any]]]]:
-    secret = tmp / "secret"
-    secret.write_text(os.urandom(24).hex())
-    p = subprocess.Popen(
-        [
-            servers.console_script("lmcache-core"),
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--secret-file",
-            str(secret),
-            "--max-size",
-            "4GiB",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    node = servers.start_cache_node(tmp, "4GiB")
     try:
-        line = servers.first_line(p)
-        addr = line.strip().removeprefix("listening on ").split()[0]
-        host, _, port = addr.rpartition(":")
+        host, _, port = node.address.rpartition(":")
         yield (
             (host, int(port)),
             lambda hp: {
                 "name": "peer",
                 "peers": [hp],
                 "push": True,
-                "secret_file": str(secret),
+                "secret_file": str(node.secret_file),
                 "max_size": 0,
                 "timeout_s": 60.0,
             },
         )
     finally:
-        servers.stop(p)
+        servers.stop(node.proc)
 
 
 @contextmanager

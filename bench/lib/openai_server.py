@@ -91,36 +91,15 @@ def helper_services(arm: Arm, tmp: Path, config: dict[str, Any] | None = None) -
         elif arm.tiers == "disk":
             cfg["backends"] = [small_cpu, {"name": "disk", "path": str(tmp / "disk"), "max_size": "4GiB"}]
         elif arm.tiers == "node":
-            secret = tmp / "secret"
-            secret.write_text(os.urandom(24).hex())
-            sock = str(tmp / "node.sock")
-            p = subprocess.Popen(
-                [
-                    servers.console_script("lmcache-core"),
-                    "serve",
-                    "--unix-socket",
-                    sock,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--secret-file",
-                    str(secret),
-                    "--max-size",
-                    "2GiB",
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            procs.append(p)
-            line = servers.first_line(p)
-            if "shared memory" not in line:
-                raise RuntimeError(f"cache node did not offer shared memory: {line!r}")
+            node = servers.start_cache_node(tmp, "2GiB", unix_socket=True)
+            procs.append(node.proc)
             cfg["backends"] = [
                 small_cpu,
                 {
                     "name": "peer",
-                    "unix_socket": sock,
+                    "unix_socket": node.unix_socket,
                     "shm": True,
-                    "secret_file": str(secret),
+                    "secret_file": str(node.secret_file),
                     "max_size": 0,
                     "timeout_s": 30.0,
                 },

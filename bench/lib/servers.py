@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -85,6 +86,37 @@ def console_script(name: str) -> str:
     """The path of this environment's console script ``name`` (``lmcache-core``,
     ``lmcache-peer-serve``), whichever interpreter runs the benchmark."""
     return shutil.which(name, path=os.path.dirname(sys.executable)) or name
+
+
+# -- cache nodes ---------------------------------------------------------------------------
+@dataclass
+class CacheNode:
+    """A running ``lmcache-core serve`` node (see ``start_cache_node``)."""
+
+    proc: subprocess.Popen
+    address: str  # host:port on loopback TCP
+    secret_file: Path
+    unix_socket: str | None = None  # its socket path, offering shared memory, when asked for
+
+
+def start_cache_node(tmp: Path, max_size: str, *, unix_socket: bool = False) -> CacheNode:
+    """An ``lmcache-core serve`` node on a free loopback port, a fresh secret in
+    ``tmp/secret``; with ``unix_socket`` also on ``tmp/node.sock``, where it must offer
+    shared memory (RuntimeError otherwise). Stop it with ``stop(node.proc)``."""
+    secret = tmp / "secret"
+    secret.write_text(os.urandom(24).hex())
+    sock = str(tmp / "node.sock") if unix_socket else None
+    cmd = [console_script("lmcache-core"), "serve", "--listen", "127.0.0.1:0", "--secret-file", str(secret)]
+    cmd += ["--max-size", max_size, *(["--unix-socket", sock] if sock else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    if sock is not None:
+        local = first_line(proc)  # the node names its local socket first
+        if "shared memory" not in local:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the cache node offers no shared memory here: {local!r}")
+    address = first_line(proc).removeprefix("listening on ").split()[0]
+    return CacheNode(proc, address, secret, sock)
 
 
 # -- lmcache-peer-serve ------------------------------------------------------------------

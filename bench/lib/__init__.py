@@ -10,6 +10,7 @@
   connector, lmcache-core, vLLM's prefix cache), its TTFT and shutdown;
 - ``ttft_engine``: one engine per child process, for the fresh-process TTFT benchmarks;
 - ``latency_proxy``: the network the remote-tier benchmarks run through;
+- ``options``: command-line options several benchmarks share;
 - ``timing``: median seconds of a call (CPU clock or CUDA events), and dropping the
   page cache before a cold read.
 

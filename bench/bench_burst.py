@@ -45,7 +45,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench_connector import close, engine  # noqa: E402  (sets vLLM's env defaults first)
+from lib.vllm_engine import close, engine  # noqa: E402  (sets vLLM's env defaults first)
 
 from lmcache_connector.dev.tiny_model import TinyModelSpec, build_tiny_model, random_prompt
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_connector import SPEC, close  # noqa: E402  (bench/ is on sys.path when run as a script)
+from lib.vllm_engine import SPEC, close  # bench/ is on sys.path when run as a script
 
 from lmcache_connector.dev.tiny_model import TEST_SPEC, build_tiny_model, random_prompt
 

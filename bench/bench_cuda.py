@@ -10,14 +10,13 @@ figure, and exits 0. Never part of the test pass.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from typing import Callable
 
 import torch
 
 import lmcache_cuda
+from lib.timing import time_cpu as _time_cpu
+from lib.timing import time_cuda as _time_cuda
 from lmcache_cuda import PagedLayout, kernels, reference
 from lmcache_cuda.testing import DTYPES, ragged_slots, random_paged_kv
 
@@ -40,35 +39,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         if not torch.cuda.is_available():
             a.layers = min(a.layers, 8)
     return a
-
-
-def _time_cuda(fn: Callable[[], object], iters: int) -> float:
-    """Median seconds per call, timed with CUDA events on the current stream."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # Keep the GPU busy (~2 ms) while the host enqueues fn's work, so the events
-        # time the GPU's work alone, not the host's enqueueing.
-        torch.cuda._sleep(4_000_000)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def _time_cpu(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _row(name: str, nbytes: int, secs: float, base: float | None, *, flag: bool = True) -> str:
@@ -106,24 +76,11 @@ def run_cpu(a: argparse.Namespace) -> None:
         )
         base = _time_cpu(lambda: flat.copy_(out.view(-1)), iters)
         print(_row("memcpy (CPU, contiguous)", nbytes, base, None))
-        print(
-            _row(
-                "reference gather (CPU)",
-                nbytes,
-                _time_cpu(lambda: reference.gather_tokens(kv, slots, out), iters),
-                base,
-                flag=False,
-            )
-        )
-        print(
-            _row(
-                "reference scatter (CPU)",
-                nbytes,
-                _time_cpu(lambda: reference.scatter_tokens(kv, slots, out), iters),
-                base,
-                flag=False,
-            )
-        )
+        for name, ref in (
+            ("reference gather (CPU)", reference.gather_tokens),
+            ("reference scatter (CPU)", reference.scatter_tokens),
+        ):
+            print(_row(name, nbytes, _time_cpu(lambda ref=ref: ref(kv, slots, out), iters), base, flag=False))
 
 
 def run_gpu(a: argparse.Namespace) -> int:

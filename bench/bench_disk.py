@@ -27,23 +27,13 @@ from pathlib import Path
 
 import torch
 
+from lib.timing import drop_caches
 from lmcache_backend_disk import DiskBackend, DiskConfig
 from lmcache_backend_disk.directory import MARKER, MARKER_TEXT, TierDirectory
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.serde import Lz4Codec, RawCodec, encode
 
 CODECS = {"raw": RawCodec(), "lz4": Lz4Codec()}
-
-
-def drop_caches() -> bool:
-    """Flush dirty pages and drop the page cache; False when not allowed."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def open_tier(root: Path, **opts: object) -> DiskBackend:

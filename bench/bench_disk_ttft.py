@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ttft_engine import finish, make_llm, run_child, run_if_child, tiny_model, ttft  # noqa: E402
+from lib.ttft_engine import finish, make_llm, run_child, run_if_child, tiny_model, ttft  # noqa: E402
 
 
 def child(model: str, system: str, store: str, prompts: list[list[int]]) -> None:

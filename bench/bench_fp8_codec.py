@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from lib.timing import time_cpu as median_seconds
 from lmcache_core import fp8_native
 from lmcache_core.fp8 import Fp8Codec
 from lmcache_core.keys import ChunkKey
@@ -36,16 +34,6 @@ from lmcache_core.serde import RawCodec, decode, encode, encode_parts
 
 KEY = ChunkKey(b"\x00" * 16, b"\x01" * 16)
 TARGET_GBPS = 2.0
-
-
-def median_seconds(fn: Callable[[], object], rounds: int) -> float:
-    fn()  # warm-up: first-touch page faults, lazy imports
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(x: torch.Tensor, rounds: int) -> dict[str, float]:

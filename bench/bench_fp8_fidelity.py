@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ttft_engine import run_child, run_if_child  # noqa: E402
+from lib.ttft_engine import run_child, run_if_child  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "lmcache-core"
 TOP = 20

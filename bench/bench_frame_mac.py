@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
+from lib.servers import redis_server  # noqa: E402
 from lmcache_core.backend import StorageBackend  # noqa: E402
 from lmcache_core.testing import make_context, random_key  # noqa: E402
 
@@ -100,10 +101,9 @@ def make_shm(stack: ExitStack, tmp: Path) -> Callable[[str | None], StorageBacke
 
 
 def make_redis(stack: ExitStack, tmp: Path) -> Callable[[str | None], StorageBackend]:
-    from bench_remote_loads import redis_service
     from lmcache_backend_redis import create_redis_backend
 
-    (host, port), _ = stack.enter_context(redis_service(tmp))
+    host, port = "127.0.0.1", stack.enter_context(redis_server(tmp))
 
     def make(secret: str | None) -> StorageBackend:
         section = {"url": f"redis://{host}:{port}/0", "prefix": f"mac-{secret is not None}:"}

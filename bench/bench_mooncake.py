@@ -31,8 +31,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -43,21 +41,12 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import torch  # noqa: E402
 
+from lib.options import add_chunk_options, chunk_plan
+from lib.servers import start_moto, start_peer_serve, stop_moto  # noqa: E402
 from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
 from lmcache_backend_mooncake.local import LocalMaster, LocalSegmentOwner  # noqa: E402
 from lmcache_core.keys import ChunkKey, KeyNamespace  # noqa: E402
 from lmcache_core.testing import make_context  # noqa: E402
-
-MOTO = """
-import sys, logging
-logging.disable(logging.INFO)
-from moto.server import ThreadedMotoServer
-s = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-s.start()
-print(s._server.server_port, flush=True)
-sys.stdin.read()
-s.stop()
-"""
 
 
 def rate(nbytes: int, fn: Callable[[], Any]) -> float:
@@ -86,15 +75,8 @@ class Others:
         )
         secret = uuid.uuid4().hex
         (tmp / "secret").write_text(secret)
-        exe = shutil.which("lmcache-peer-serve", path=os.path.dirname(sys.executable)) or "lmcache-peer-serve"
-        self.peer_proc = subprocess.Popen(
-            [exe, "--listen", "127.0.0.1:0", "--secret-file", str(tmp / "secret"), "--max-size", str(capacity)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        address = (self.peer_proc.stdout.readline() if self.peer_proc.stdout else "").strip().removeprefix("listening on ")
-        self.moto = subprocess.Popen([sys.executable, "-c", MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        endpoint = f"http://127.0.0.1:{int(self.moto.stdout.readline())}" if self.moto.stdout else ""
+        self.peer_proc, address = start_peer_serve(capacity, tmp / "secret")
+        self.moto, endpoint = start_moto()
         import boto3
 
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
@@ -120,22 +102,17 @@ class Others:
         for t in self.tiers.values():
             t.close()
         self.peer_proc.kill()
-        if self.moto.stdin:
-            self.moto.stdin.close()
-        self.moto.wait(timeout=30)
+        stop_moto(self.moto)
         self.peer_proc.wait(timeout=30)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 chunks, 2 rounds")
-    ap.add_argument("--chunks", type=int, default=64)
-    ap.add_argument("--chunk-mib", type=float, default=4.0)
-    ap.add_argument("--rounds", type=int, default=5)
+    add_chunk_options(ap)
     ap.add_argument("--no-others", action="store_true", help="skip the peer and s3 tiers")
     args = ap.parse_args()
-    n, rounds = (16, 2) if args.quick else (args.chunks, args.rounds)
-    size = int(args.chunk_mib * (1 << 20)) // 2 * 2
+    n, rounds, size = chunk_plan(args)
     total = n * size
     torch.set_num_threads(1)
 

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ttft_engine import finish, make_llm, run_child, run_if_child, tiny_model, ttft  # noqa: E402
+from lib.servers import start_cache_node  # noqa: E402
+from lib.ttft_engine import finish, make_llm, run_child, run_if_child, tiny_model, ttft  # noqa: E402
 
 BAR = 0.7
 """The same-host fast path's bar: a chunk's load at >= 0.7 of a plain memcpy's throughput."""
@@ -73,22 +74,9 @@ def run_engine(
 
 def start_node(tmp: Path, max_size: str) -> tuple[subprocess.Popen, str, str, Path]:
     """A node on loopback TCP and a Unix socket: (process, host:port, socket path, secret file)."""
-    from bench_peer import first_line
-
-    secret = tmp / "secret"
-    secret.write_text(os.urandom(24).hex())
-    sock = str(tmp / "node.sock")
-    exe = shutil.which("lmcache-core", path=os.path.dirname(sys.executable)) or "lmcache-core"
-    proc = subprocess.Popen(
-        [exe, "serve", "--listen", "127.0.0.1:0", "--unix-socket", sock, "--secret-file", str(secret), "--max-size", max_size],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    local = first_line(proc)
-    if "(shared memory)" not in local:
-        proc.kill()
-        raise SystemExit(f"the node offers no shared memory here: {local!r}")
-    return proc, first_line(proc).removeprefix("listening on "), sock, secret
+    node = start_cache_node(tmp, max_size, unix_socket=True)
+    assert node.unix_socket is not None
+    return node.proc, node.address, node.unix_socket, node.secret_file
 
 
 def peer_section(secret: Path, *, tcp: str | None = None, sock: str | None = None, shm: bool = True) -> dict[str, Any]:

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from lib.options import add_chunk_options, chunk_plan
+from lib.servers import first_line, start_peer_serve
 from lmcache_backend_peer import PeerClient, create_peer_backend
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.serde import RawCodec, encode
@@ -51,16 +51,6 @@ while True:
     (n,) = struct.unpack(">Q", req)
     conn.sendall(mv[:n])
 """
-
-
-def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    q: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: q.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        return q.get(timeout=timeout).strip()
-    except queue.Empty:
-        proc.kill()
-        raise SystemExit("server child did not start") from None
 
 
 def recv_exact(sock: socket.socket, buf: memoryview) -> None:
@@ -103,14 +93,8 @@ def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[floa
     secret = os.urandom(16).hex()
     tmp = Path(tempfile.mkdtemp())
     (tmp / "secret").write_text(secret)
-    exe = shutil.which("lmcache-peer-serve", path=os.path.dirname(sys.executable)) or "lmcache-peer-serve"
-    proc = subprocess.Popen(
-        [exe, "--listen", "127.0.0.1:0", "--secret-file", str(tmp / "secret"), "--max-size", f"{n * size + (64 << 20)}"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc, address = start_peer_serve(n * size + (64 << 20), tmp / "secret")
     try:
-        address = first_line(proc).removeprefix("listening on ")
         host, port = address.rsplit(":", 1)
         ns = KeyNamespace(model="bench")
         shape = (size // 2,)
@@ -145,7 +129,7 @@ def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[floa
             t0 = time.perf_counter()
             batch = 8
             for lo in range(0, n, batch):
-                if backend.get_many(keys[lo : lo + batch], outs[lo : lo + batch]) != len(keys[lo : lo + batch]):
+                if not all(backend.get_many(keys[lo : lo + batch], outs[lo : lo + batch])):
                     raise SystemExit("peer get_many missed")
             res["peer get_many"].append(n * size / (time.perf_counter() - t0))
             t0 = time.perf_counter()
@@ -168,12 +152,9 @@ def bench_peer(n: int, size: int, rounds: int, raw_round) -> dict[str, list[floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 chunks, 2 rounds")
-    ap.add_argument("--chunks", type=int, default=64)
-    ap.add_argument("--chunk-mib", type=float, default=4.0)
-    ap.add_argument("--rounds", type=int, default=5)
+    add_chunk_options(ap)
     args = ap.parse_args()
-    n, rounds = (16, 2) if args.quick else (args.chunks, args.rounds)
-    size = int(args.chunk_mib * (1 << 20)) // 2 * 2
+    n, rounds, size = chunk_plan(args)
     torch.set_num_threads(1)
     peer = bench(n, size, rounds)
     base = statistics.median(peer.pop("raw socket"))

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,36 +30,13 @@ from typing import Any, Callable
 import redis
 import torch
 
+from lib.servers import start_redis
 from lmcache_backend_redis import create_redis_backend
 from lmcache_core.keys import KeyNamespace
 from lmcache_core.serde import RawCodec, encode
 from lmcache_core.testing import make_context
 
 BAR = 0.7
-
-
-def start_server() -> tuple[subprocess.Popen[bytes], int, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server not found: apt-get install redis-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tempfile.mkdtemp(prefix="lmc-bench-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    for _ in range(200):  # bounded: 10 s
-        try:
-            client.ping()
-            return proc, port, tmp
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    sys.exit("redis-server did not start")
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -92,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     n, mib, reps = (16, 1, 3) if args.quick else (args.chunks, args.chunk_mib, args.reps)
 
-    proc, port, tmp = start_server()
+    tmp = tempfile.mkdtemp(prefix="lmc-bench-redis-")
+    proc, port = start_redis(tmp)
     try:
         raw = redis.Redis(port=port, socket_timeout=120)
         url = f"redis://127.0.0.1:{port}/0"

@@ -6,7 +6,7 @@ and 20 ms of round-trip time.
     python bench/bench_remote_loads.py [--quick] [--tiers redis peer s3 mooncake] [--rtt 0 1 20] [--window-mib 4]
 
 Redis (``redis-server``), a peer node over TCP (``lmcache-core serve``) and S3 (moto's
-server, in a child process) are reached through ``bench/latency_proxy.py``, which
+server, in a child process) are reached through ``bench/lib/latency_proxy.py``, which
 delays every byte by half the round trip each way (the machines have no ``netem``)
 and holds at most ``--window-mib`` in flight per direction of a connection (its
 default, 4 MiB; a large value models a link with an unbounded window).
@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,88 +43,38 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 import torch  # noqa: E402
 
-from latency_proxy import WINDOW_BYTES, LatencyProxy  # noqa: E402
+from lib import servers  # noqa: E402
+from lib.latency_proxy import WINDOW_BYTES, LatencyProxy  # noqa: E402
 from lmcache_core.config import load_config  # noqa: E402
 from lmcache_core.engine import CacheEngine  # noqa: E402
 from lmcache_core.keys import KeyNamespace  # noqa: E402
-
-MOTO = """
-import sys, logging
-logging.disable(logging.INFO)
-from moto.server import ThreadedMotoServer
-s = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-s.start()
-print(s._server.server_port, flush=True)
-sys.stdin.read()
-s.stop()
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"nothing listens on 127.0.0.1:{port}")
 
 
 # -- services: each yields (target host:port or None, function RTT -> backend section) ------
 @contextmanager
 def redis_service(tmp: Path) -> Iterator[tuple[tuple[str, int], Callable[[str], dict[str, Any]]]]:
-    binary = shutil.which("redis-server")
-    if not binary:
-        raise SystemExit("redis-server not found (apt-get install redis-server)")
-    port = free_port()
-    p = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        wait_port(port)
+    with servers.redis_server(tmp) as port:
         yield ("127.0.0.1", port), lambda hp: {"name": "redis", "url": f"redis://{hp}/0"}
-    finally:
-        p.terminate()
-        p.wait(10)
 
 
 @contextmanager
 def peer_service(tmp: Path) -> Iterator[tuple[tuple[str, int], Callable[[str], dict[str, Any]]]]:
-    secret = tmp / "secret"
-    secret.write_text(os.urandom(24).hex())
-    exe = shutil.which("lmcache-core", path=os.path.dirname(sys.executable)) or "lmcache-core"
-    p = subprocess.Popen(
-        [exe, "serve", "--listen", "127.0.0.1:0", "--secret-file", str(secret), "--max-size", "4GiB"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    node = servers.start_cache_node(tmp, "4GiB")
     try:
-        assert p.stdout is not None
-        line = p.stdout.readline()
-        addr = line.strip().removeprefix("listening on ").split()[0]
-        host, _, port = addr.rpartition(":")
+        host, _, port = node.address.rpartition(":")
         yield (
             (host, int(port)),
             lambda hp: {
                 "name": "peer",
                 "peers": [hp],
                 "push": True,
-                "secret_file": str(secret),
+                "secret_file": str(node.secret_file),
                 "max_size": 0,
                 "timeout_s": 60.0,
             },
         )
     finally:
-        p.terminate()
-        p.wait(10)
+        servers.stop(node.proc)
 
 
 @contextmanager
@@ -135,10 +82,9 @@ def s3_service(tmp: Path) -> Iterator[tuple[tuple[str, int], Callable[[str], dic
     import boto3
     from botocore.config import Config
 
-    p = subprocess.Popen([sys.executable, "-c", MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p, endpoint = servers.start_moto()
     try:
-        assert p.stdout is not None
-        port = int(p.stdout.readline())
+        port = int(endpoint.rsplit(":", 1)[1])
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
         boto3.client(
             "s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1", config=Config(s3={"addressing_style": "path"})
@@ -155,9 +101,7 @@ def s3_service(tmp: Path) -> Iterator[tuple[tuple[str, int], Callable[[str], dic
             },
         )
     finally:
-        if p.stdin:
-            p.stdin.close()
-        p.wait(10)
+        servers.stop_moto(p)
 
 
 @contextmanager

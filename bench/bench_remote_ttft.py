@@ -4,7 +4,7 @@ against the CPU tier, and what an in-flight load does to other requests' decodin
     python bench/bench_remote_ttft.py [--quick] [--parts rtt ttft itl] [--json PATH] [--serde fp8] [--itl-nice N ...]
     python bench/bench_remote_ttft.py --tier s3 --parts ttft [--serde fp8]
 
-Redis (``redis-server`` on loopback) is reached through ``bench/latency_proxy.py``
+Redis (``redis-server`` on loopback) is reached through ``bench/lib/latency_proxy.py``
 (``--window-mib``: its bytes in flight per direction of a connection, default 4 MiB).
 Each vLLM engine is a fresh process (a writer stores, a reader with an empty CPU tier
 loads); figures come from the reader.
@@ -33,9 +33,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency_proxy import WINDOW_BYTES, LatencyProxy, timed_exchanges  # noqa: E402
-from ttft_engine import run_child, run_if_child, tiny_model  # noqa: E402
+from lib import servers  # noqa: E402
+from lib.latency_proxy import WINDOW_BYTES, LatencyProxy, timed_exchanges  # noqa: E402
+from lib.ttft_engine import make_llm, run_child, run_if_child, tiny_model  # noqa: E402
 
 CS = 256
 WINDOW = WINDOW_BYTES
@@ -59,26 +58,14 @@ def delayed_redis(port: int, rtt: float) -> LatencyProxy:
 def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int, flush: bool) -> None:
     """One vLLM process: each prompt ``passes`` times; TTFT, cached tokens, Redis
     pipelines and connector load seconds around each request."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
     from lmcache_connector.transfer_config import kv_transfer_config
 
-    llm = LLM(
-        model=model,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=16_384,
-        max_num_batched_tokens=16_384,
-        kv_cache_memory_bytes=1 << 30,
-        enable_prefix_caching=False,
-        seed=0,
-        kv_transfer_config=kv_transfer_config({"chunk_size": CS, "backends": backends}),
-    )
+    llm = make_llm(model, kv_transfer_config({"chunk_size": CS, "backends": backends}), max_len=16_384, kv_bytes=1 << 30)
     sp = SamplingParams(max_tokens=1, temperature=0)
-    llm.generate([TokensPrompt(prompt_token_ids=[5] * 32)], sp, use_tqdm=False)
     w = get_kv_transfer_group().worker
     redis_tier = next((t for t in w.engine.tiers if t.name == "redis"), None)
 
@@ -103,28 +90,6 @@ def child(model: str, backends: list[dict[str, Any]], prompts: list[list[int]], 
         w.engine.flush(300)
     print("RESULT " + json.dumps(out), flush=True)
     llm.llm_engine.engine_core.shutdown()
-
-
-def start_redis(tmp: Path) -> tuple[subprocess.Popen, int]:
-    import socket
-
-    binary = shutil.which("redis-server")
-    if not binary:
-        raise SystemExit("redis-server not found (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
-        stdout=subprocess.DEVNULL,
-    )
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return p, port
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit("redis-server did not start")
 
 
 SERDE: str | None = None
@@ -158,23 +123,14 @@ def remote_tier(host_port: str) -> dict[str, Any]:
 
 
 def start_moto() -> tuple[Any, int]:
-    """moto's S3 server on loopback in this process (the engines are child processes)
-    with the bucket made; returns the server and its port."""
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true"
-    )
-    import logging
-
+    """moto's S3 server on loopback in a child process (the engines are child
+    processes too) with the bucket made; returns the process and its port."""
+    servers.aws_credentials()
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    port = server._server.server_port
-    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
-    return server, port
+    proc, endpoint = servers.start_moto()
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=S3_BUCKET)
+    return proc, int(endpoint.rsplit(":", 1)[1])
 
 
 def run(model: Path, backends: list[dict[str, Any]], prompts: list[list[int]], passes: int = 1, flush: bool = False) -> Any:
@@ -300,13 +256,13 @@ def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1, cores: Any 
     then with a fifth request served from memory, then from Redis; ITL p99 per kind of
     window, medians over the rounds and pooled over every round's gaps (one window's
     p99 is its few largest gaps)."""
-    import bench_serving as bs
+    from lib import openai_client, openai_server
 
-    model = bs.build_model()
-    texts = bs.Texts(model, seed=5)
+    model = openai_server.build_model()
+    texts = openai_client.Texts(model, seed=5)
     a = argparse.Namespace(max_model_len=16_384, max_batched=2048, start_timeout=600)
     n_chunks = 24 if quick else 48
-    kv_doc = n_chunks * CS * bs.KV_PER_TOKEN
+    kv_doc = n_chunks * CS * openai_server.KV_PER_TOKEN
 
     def doc() -> str:
         ids = texts.tok(texts.text(n_chunks * CS + 400), add_special_tokens=False)["input_ids"]
@@ -329,48 +285,50 @@ def part_itl(port: int, quick: bool, nice: int = 0, rounds: int = 1, cores: Any 
                 "background_nice": nice,
                 "background_cores": cores,
             }
-            arm = bs.Arm("lmc-redis-20ms", connector=True, kv_bytes=256 << 20, prefix_caching=False)
+            arm = openai_server.Arm("lmc-redis-20ms", connector=True, kv_bytes=256 << 20, prefix_caching=False)
             placement = ""
-            with bs.server(arm, model, a, tmp, config=cfg) as (base, proc):
+            with openai_server.server(arm, model, a, tmp, config=cfg) as (base, proc):
                 name = str(model)
 
                 async def window(fifth: str | None) -> tuple[list[float], float]:
                     import aiohttp
 
                     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-                        tasks = [asyncio.ensure_future(bs.complete(session, base, name, p, 160)) for p in decodes]
+                        tasks = [asyncio.ensure_future(openai_client.complete(session, base, name, p, 160)) for p in decodes]
                         await asyncio.sleep(2.0)  # the 4 are decoding
                         ttft = 0.0
                         if fifth is not None:
-                            r = await bs.complete(session, base, name, fifth, 1)
+                            r = await openai_client.complete(session, base, name, fifth, 1)
                             assert r.error is None, r.error
                             ttft = r.ttft
                         done = await asyncio.gather(*tasks)
                     return [x for r in done for x in r.itl[20:]], ttft  # past the decodes' own prefill
 
                 def store(text: str) -> None:
-                    asyncio.run(bs.run_requests(base, name, [(text, 1)], 1))
+                    asyncio.run(openai_client.run_requests(base, name, [(text, 1)], 1))
                     time.sleep(6)  # background writes through the 20 ms link
 
                 for text in fars:  # to the CPU tier and Redis; pushed out of the CPU tier below
                     store(text)
-                before = bs.metric(bs.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total")
+                before = openai_server.metric(openai_server.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total")
                 for far, near in zip(fars, nears):
                     store(near)
                     itl, _ = asyncio.run(window(None))
-                    p99["alone"].append(bs.pct(itl, 99))
+                    p99["alone"].append(openai_client.pct(itl, 99))
                     gaps["alone"] += itl
                     for kind, fifth in (("memory", near), ("redis", far)):
                         itl, ttft = asyncio.run(window(fifth))
-                        p99[kind].append(bs.pct(itl, 99))
+                        p99[kind].append(openai_client.pct(itl, 99))
                         gaps[kind] += itl
                         ttfts[kind].append(ttft)
-                loaded = bs.metric(bs.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total") - before
+                loaded = (
+                    openai_server.metric(openai_server.http_get(base + "/metrics"), "lmcache_core:loaded_tokens_total") - before
+                )
                 placement = thread_cores(proc.pid)
     med = {k: statistics.median(v) for k, v in p99.items()}
     t_med = {k: statistics.median(v) for k, v in ttfts.items()}
     growth = med["redis"] / med["memory"] - 1
-    pooled = {k: bs.pct(v, 99) for k, v in gaps.items()}
+    pooled = {k: openai_client.pct(v, 99) for k, v in gaps.items()}
     pooled_growth = pooled["redis"] / pooled["memory"] - 1
     vs_alone = med["redis"] / med["alone"] - 1
     per_round = "; ".join(
@@ -425,11 +383,11 @@ def main() -> int:
         try:
             lines += part_ttft(model, port, spec.vocab_size, args.quick)
         finally:
-            server.stop()
+            servers.stop_moto(server)
         print("\n".join(lines))
         return 0
     with tempfile.TemporaryDirectory(prefix="remote-redis-") as d:
-        redis_proc, port = start_redis(Path(d))
+        redis_proc, port = servers.start_redis(d)
         try:
             if "rtt" in args.parts:
                 lines += part_rtt(model, port, spec.vocab_size, args.quick)
@@ -444,7 +402,7 @@ def main() -> int:
                         lines += part_itl(port, args.quick, nice, args.itl_rounds, value)
                         print(lines[-1], flush=True)
         finally:
-            redis_proc.terminate()
+            servers.stop(redis_proc)
     print("\n".join(lines))
     if args.json is not None:
         args.json.write_text(json.dumps(FIGURES, indent=1))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -32,22 +31,11 @@ import boto3  # noqa: E402
 import torch  # noqa: E402
 from botocore.config import Config  # noqa: E402
 
+from lib.servers import start_moto, stop_moto  # noqa: E402
 from lmcache_backend_s3 import create_s3_backend  # noqa: E402
 from lmcache_core.keys import KeyNamespace  # noqa: E402
 from lmcache_core.serde import RawCodec, encode  # noqa: E402
 from lmcache_core.testing import make_context  # noqa: E402
-
-
-SERVER = """
-import sys, logging
-logging.disable(logging.INFO)
-from moto.server import ThreadedMotoServer
-s = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-s.start()
-print(s._server.server_port, flush=True)
-sys.stdin.read()  # until the benchmark closes our stdin
-s.stop()
-"""
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -80,9 +68,7 @@ def main() -> None:
     chunk_mib, n_chunks, big_mib, reps = (1, 8, 24, 3) if args.quick else (4, 16, 64, 5)
 
     # The server runs in its own process, so it does not share the benchmark's GIL.
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert server.stdout is not None
-    endpoint = f"http://127.0.0.1:{int(server.stdout.readline())}"
+    server, endpoint = start_moto()
     client = boto3.client(
         "s3",
         endpoint_url=endpoint,
@@ -192,7 +178,7 @@ def main() -> None:
     print(f"requests per cold contains(128 keys): {cold[1].stats().extra['requests'] - 1} (plus 1 HeadBucket at startup)")
     for o in opened:
         o.close()
-    server.communicate(timeout=30)
+    stop_moto(server)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from bench_disk import drop_caches  # page cache, dentries and inodes (root only)
+from lib.timing import drop_caches  # page cache, dentries and inodes (root only)
 from lmcache_backend_disk.directory import MARKER, MARKER_TEXT, TierDirectory
 from lmcache_core import CacheEngine, KeyNamespace
 from lmcache_core.config import load_config

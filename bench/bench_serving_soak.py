@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_serving as bs  # noqa: E402
+from lib import openai_client, openai_server  # noqa: E402
 
 
 def slope_per_10min(points: list[tuple[float, float]]) -> float:
@@ -75,7 +75,7 @@ async def load(
     base: str,
     model: str,
     docs: list[str],
-    texts: bs.Texts,
+    texts: openai_client.Texts,
     args: argparse.Namespace,
     stop: float,
     log: list[dict[str, Any]],
@@ -106,7 +106,7 @@ async def load(
                 prompt = texts.text(args.doc_tokens)
             inflight[0] += 1
             try:
-                r = await bs.complete(session, base, model, prompt, args.output_tokens)
+                r = await openai_client.complete(session, base, model, prompt, args.output_tokens)
             finally:
                 inflight[0] -= 1
             async with lock:
@@ -118,7 +118,7 @@ async def load(
             while inflight[0]:
                 await asyncio.sleep(0.05)
             checks.append(await ask_alone(base, model, docs, sampled, args.output_tokens))
-            bs.log(f"  check {len(checks)}: sampled documents asked alone")
+            openai_server.log(f"  check {len(checks)}: sampled documents asked alone")
             running.set()
             left = stop - time.monotonic()
             if left <= 0:
@@ -143,7 +143,9 @@ async def ask_alone(base: str, model: str, docs: list[str], which: list[int], ou
     out: dict[int, str] = {}
     async with aiohttp.ClientSession() as session:
         for d in which:
-            r = await bs.complete(session, base, model, docs[d] + "\nQuestion: what does it say?\nAnswer:", output_tokens)
+            r = await openai_client.complete(
+                session, base, model, docs[d] + "\nQuestion: what does it say?\nAnswer:", output_tokens
+            )
             out[d] = r.text if r.error is None else f"<error: {r.error}>"
     return out
 
@@ -177,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.duration, a.docs, a.sample_every, a.sample, a.check_every = 180, 12, 20, 4, 60
         a.small_kv = min(a.small_kv, 32 << 20)  # below the 142 MiB working set, so the tiers serve reuse
-    model = bs.build_model()
-    working_set = a.docs * (a.doc_tokens + 20) * bs.KV_PER_TOKEN
+    model = openai_server.build_model()
+    working_set = a.docs * (a.doc_tokens + 20) * openai_server.KV_PER_TOKEN
     quarter = working_set // 4
     cpu_budget, disk_budget = quarter // 4, quarter - quarter // 4
     samples: list[dict[str, Any]] = []
@@ -189,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         disk = tmp / "disk"
         server_env = dict(kv.split("=", 1) for kv in a.server_env)
         if a.control:
-            arm = bs.Arm("vllm-soak", kv_bytes=a.small_kv, env=server_env)
+            arm = openai_server.Arm("vllm-soak", kv_bytes=a.small_kv, env=server_env)
         else:
-            arm = bs.Arm("lmc-soak", connector=True, kv_bytes=a.small_kv, tiers="custom", env=server_env)
+            arm = openai_server.Arm("lmc-soak", connector=True, kv_bytes=a.small_kv, tiers="custom", env=server_env)
         cfg = {
             "chunk_size": 256,
             "backends": [
@@ -199,16 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                 {"name": "disk", "path": str(disk), "max_size": disk_budget},
             ],
         }
-        texts = bs.Texts(model, seed=3)
+        texts = openai_client.Texts(model, seed=3)
         docs = [texts.text(a.doc_tokens) for _ in range(a.docs)]
-        bs.log(
+        openai_server.log(
             f"soak: {a.duration:.0f} s at concurrency {a.concurrency}, {a.docs} documents of {a.doc_tokens} tokens "
             f"({working_set / 2**20:.0f} MiB of KV), reuse {a.reuse:.0%}; CPU tier {cpu_budget / 2**20:.0f} MiB + "
             f"disk {disk_budget / 2**20:.0f} MiB (a quarter of the working set)"
             + ("; CONTROL: vLLM alone, no connector" if a.control else "")
             + (f"; server environment {server_env}" if server_env else "")
         )
-        with bs.server(arm, model, a, tmp, config=None if a.control else cfg) as (base, proc):
+        with openai_server.server(arm, model, a, tmp, config=None if a.control else cfg) as (base, proc):
             t0 = time.monotonic()
             stop = t0 + a.duration
             done = threading.Event()
@@ -216,24 +218,24 @@ def main(argv: list[str] | None = None) -> int:
             def sampler() -> None:
                 while not done.wait(a.sample_every):
                     try:
-                        m = bs.http_get(base + "/metrics", timeout=10)
+                        m = openai_server.http_get(base + "/metrics", timeout=10)
                     except OSError as err:
                         samples.append({"t": time.monotonic() - t0, "error": str(err)})
                         continue
                     samples.append(
                         {
                             "t": round(time.monotonic() - t0, 1),
-                            "rss_mib": bs.rss_mib(proc),
+                            "rss_mib": openai_server.rss_mib(proc),
                             "tiers": tier_gauges(m),
                             "disk_on_disk": disk_bytes(disk),
-                            "tier_errors": bs.metric(m, "lmcache_core:tier_errors_total"),
-                            "loaded_tokens": bs.metric(m, "lmcache_core:loaded_tokens_total"),
+                            "tier_errors": openai_server.metric(m, "lmcache_core:tier_errors_total"),
+                            "loaded_tokens": openai_server.metric(m, "lmcache_core:loaded_tokens_total"),
                             "requests": len(requests),
                             "failed": sum(1 for r in requests if not r["ok"]),
                         }
                     )
                     s = samples[-1]
-                    bs.log(
+                    openai_server.log(
                         f"  t={s['t']:6.0f} s  requests {s['requests']} (failed {s['failed']})  RSS "
                         + " ".join(f"{k} {v:.0f}" for k, v in s["rss_mib"].items())
                         + "  tiers "
@@ -246,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(load(base, str(model), docs, texts, a, stop, requests, checks))
             done.set()
             th.join()
-            metrics_end = bs.http_get(base + "/metrics", timeout=10)
+            metrics_end = openai_server.http_get(base + "/metrics", timeout=10)
         # the reference: vLLM alone, one request at a time
-        with bs.server(bs.Arm("vllm-ref", kv_bytes=a.small_kv), model, a, tmp) as (base, _):
+        with openai_server.server(openai_server.Arm("vllm-ref", kv_bytes=a.small_kv), model, a, tmp) as (base, _):
             ref = asyncio.run(ask_alone(base, str(model), docs, sorted(checks[0]) if checks else [], a.output_tokens))
     # verdicts
     lines = ["", "## serving soak", ""]
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(1 for r in requests if not r["ok"])
     same = sum(1 for c in checks for d, text in c.items() if text == ref.get(d))
     total_sampled = sum(len(c) for c in checks)
-    loaded_end = bs.metric(metrics_end, "lmcache_core:loaded_tokens_total")
+    loaded_end = openai_server.metric(metrics_end, "lmcache_core:loaded_tokens_total")
     ok_rss = all(g <= 0.02 for g in growth.values())
     verdicts = {
         "rss_growth_per_10min": {k: round(v, 4) for k, v in growth.items()},
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         f"alone's: {same}/{total_sampled} ({'PASS' if same == total_sampled else 'MISS'}); tokens loaded from the "
         f"tiers over the soak: {loaded_end:.0f}",
     ]
-    bs.log("\n".join(lines))
+    openai_server.log("\n".join(lines))
     if a.json:
         Path(a.json).write_text(json.dumps({"samples": samples, "verdicts": verdicts}, default=str, indent=1))
     return 0 if verdicts["pass"] else 1

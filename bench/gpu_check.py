@@ -41,7 +41,7 @@ from lmcache_cuda.paged_layout import int_view  # noqa: E402
 from lmcache_cuda.testing import poison_like, vllm_kv_caches  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_cuda import _time_cuda  # noqa: E402  (CUDA-event timing, shared)
+from lib.timing import time_cuda as _time_cuda  # noqa: E402  (CUDA-event timing, shared)
 
 BAR = 0.8
 HIDE_GOAL = 0.8

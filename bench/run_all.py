@@ -1,8 +1,8 @@
 """Run every benchmark, ``bench/bench_*.py``, in turn, each in its own interpreter (so
 one benchmark's threads, memory or crash cannot skew or stop the next). Arguments
 (``--quick``) are passed through; every benchmark takes ``--quick``. Tools that need
-arguments of their own (``bench/tools/``, ``gpu_check.py``) and shared modules are not
-benchmarks and are never run here (tests/core/test_bench_runner.py checks both). Exit
+arguments of their own (``bench/tools/``, ``gpu_check.py``) and the shared modules
+(``bench/lib/``) are not benchmarks and are never run here (tests/bench/test_bench_layout.py checks both). Exit
 status 1 if any benchmark failed."""
 
 from __future__ import annotations

@@ -48,13 +48,10 @@ import gc
 import json
 import os
 import platform
-import queue
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -64,8 +61,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))
 
 import report  # noqa: E402 - from HERE, put on sys.path above
+from lib import servers  # noqa: E402 - from bench/, put on sys.path above
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -81,17 +80,6 @@ AWS_ENV = {
     "AWS_CONFIG_FILE": os.devnull,
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
 }
-
-MOTO_CHILD = r"""
-import sys, time
-from moto.server import ThreadedMotoServer
-s = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-s.start()
-print(s._server.server_port, flush=True)
-sys.stdin.read()
-s.stop()
-"""
-
 
 # ---------------------------------------------------------------------------- workloads
 
@@ -144,19 +132,6 @@ def chat(users: int, rounds: int, vocab: int, system_tokens: int, turn_tokens: i
 # ---------------------------------------------------------------------------- services
 
 
-def _first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    q: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: q.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        line = q.get(timeout=timeout).strip()
-    except queue.Empty:
-        line = ""
-    if not line:
-        proc.kill()
-        raise RuntimeError(f"child {proc.args!r} did not start")
-    return line
-
-
 class MotoProcess:
     """moto's S3 server in a child process on 127.0.0.1 (not in this process: its
     request handling would compete with vLLM for this process's GIL)."""
@@ -165,14 +140,7 @@ class MotoProcess:
         os.environ.update(AWS_ENV)
         for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
             os.environ.pop(k, None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", MOTO_CHILD],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.endpoint = f"http://127.0.0.1:{int(_first_line(self.proc))}"
+        self.proc, self.endpoint = servers.start_moto()
 
     def make_bucket(self) -> str:
         import boto3
@@ -185,66 +153,27 @@ class MotoProcess:
         return name
 
     def stop(self) -> None:
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
+        servers.stop_moto(self.proc, timeout=10)
 
 
 class PeerNode:
     """A standalone cache node (``lmcache-peer-serve``) on 127.0.0.1."""
 
     def __init__(self, secret: str) -> None:
-        exe = shutil.which("lmcache-peer-serve") or str(Path(sys.executable).with_name("lmcache-peer-serve"))
-        env = dict(os.environ, LMCACHE_PEER_SECRET=secret)
-        self.proc = subprocess.Popen(
-            [exe, "--listen", "127.0.0.1:0", "--max-size", "4GiB"], stdout=subprocess.PIPE, text=True, env=env
-        )
-        line = _first_line(self.proc)
-        self.address = line.rsplit(" ", 1)[-1]
+        self.proc, self.address = servers.start_peer_serve("4GiB", env=dict(os.environ, LMCACHE_PEER_SECRET=secret))
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        servers.stop(self.proc)
 
 
 class RedisProcess:
     """A ``redis-server`` on 127.0.0.1 at a free port, no persistence, its own temp dir."""
 
     def __init__(self, root: Path) -> None:
-        import socket
-
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("lmc-redis needs redis-server on PATH (apt-get install redis-server)")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        workdir = tempfile.mkdtemp(prefix="redis-", dir=root)
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(200):  # bounded: 10 s
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.proc.kill()
-        raise RuntimeError("redis-server did not start")
+        self.proc, self.port = servers.start_redis(tempfile.mkdtemp(prefix="redis-", dir=root))
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        servers.stop(self.proc)
 
 
 class MooncakeStore:

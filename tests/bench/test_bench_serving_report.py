@@ -10,10 +10,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import bench_serving as bs  # noqa: E402
+from lib.openai_client import Result  # noqa: E402
 
 
 def _round(arm: str, gaps: list[float]) -> dict:
-    s = bs.summarize([bs.Result(ttft=1.0, itl=gaps, output_tokens=len(gaps) + 1, text="x")], 1.0)
+    s = bs.summarize([Result(ttft=1.0, itl=gaps, output_tokens=len(gaps) + 1, text="x")], 1.0)
     s.update(vllm_hit_tokens=0, loaded_tokens=0, cpu_s={}, rss_mib={}, outputs=["x"])
     return {"arm": arm, "runs": {"unique@16": s}}
 

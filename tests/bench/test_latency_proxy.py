@@ -1,4 +1,4 @@
-"""bench/latency_proxy.py, the network the remote-tier benchmarks run through: every
+"""bench/lib/latency_proxy.py, the network the remote-tier benchmarks run through: every
 byte arrives intact and in order, half a round trip late each way, a half-close passes
 through, and stop() ends every connection; a peer that stops reading holds the sender
 back (the window), and connections past the cap are closed (threads bounded). Real
@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from latency_proxy import LatencyProxy, loopback_server  # noqa: E402
+from lib.latency_proxy import LatencyProxy, loopback_server  # noqa: E402
 
 
 def _echo_server() -> tuple[socket.socket, tuple[str, int]]:

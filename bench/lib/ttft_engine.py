@@ -29,9 +29,10 @@ def tiny_model() -> tuple[Any, Path]:
     return spec, build_tiny_model(Path.home() / ".cache" / "lmcache-core" / spec.tag(), spec)
 
 
-def make_llm(model: str, kv_transfer_config: Any = None) -> Any:
+def make_llm(model: str, kv_transfer_config: Any = None, *, max_len: int = 8192, kv_bytes: int = 512 << 20) -> Any:
     """One engine in this process, prefix caching off (every reuse is the connector's),
-    warmed up on a prompt no benchmark reuses."""
+    prompts up to ``max_len`` tokens, ``kv_bytes`` of KV cache, warmed up on a prompt no
+    benchmark reuses."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -40,9 +41,9 @@ def make_llm(model: str, kv_transfer_config: Any = None) -> Any:
         model=model,
         enforce_eager=True,
         dtype="float32",
-        max_model_len=8192,
-        max_num_batched_tokens=8192,
-        kv_cache_memory_bytes=512 << 20,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        kv_cache_memory_bytes=kv_bytes,
         enable_prefix_caching=False,
         seed=0,
         kv_transfer_config=kv_transfer_config,

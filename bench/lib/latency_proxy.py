@@ -18,9 +18,9 @@ at once, unrelayed (counted in ``refused``).
     with LatencyProxy(("127.0.0.1", 6379), rtt_ms=20) as proxy:
         ...  # connect to proxy.address instead of 127.0.0.1:6379
 
-``python bench/latency_proxy.py TARGET_HOST:PORT RTT_MS`` runs one in the foreground
+``python bench/lib/latency_proxy.py TARGET_HOST:PORT RTT_MS`` runs one in the foreground
 and prints its address (``--window-mib``, ``--max-connections``: the bounds above);
-``python bench/latency_proxy.py --self-check`` prints what the relay costs on this host
+``python bench/lib/latency_proxy.py --self-check`` prints what the relay costs on this host
 (126 MiB and a ping, straight and at 0, 1 and 20 ms).
 """
 

@@ -46,6 +46,9 @@ class Result:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     output_tokens: int = 0
+    #: prompt tokens the server did not compute (usage.prompt_tokens_details.cached_tokens:
+    #: the server needs --enable-prompt-tokens-details; 0 without it)
+    cached_tokens: int = 0
     text: str = ""
     error: str | None = None
 
@@ -79,6 +82,7 @@ async def complete(session: Any, base: str, model: str, prompt: str, max_tokens:
                 msg = json.loads(data)
                 if msg.get("usage"):
                     r.output_tokens = msg["usage"].get("completion_tokens", r.output_tokens)
+                    r.cached_tokens = int((msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 for ch in msg.get("choices", []):
                     # a choice is a token, even one whose text is empty (the detokenizer
                     # holds back a partial character, or the token has no text): the

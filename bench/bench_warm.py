@@ -1,0 +1,236 @@
+"""Warming a cache from a corpus, measured end to end: ``lmcache-core warm`` prefills
+``--docs`` documents into the disk tier of an ``lmcache.yaml``; a fresh OpenAI server
+with the same model and config is then asked about every document, twice. Printed
+side by side from one run:
+
+* the share of the warmed prompt tokens the first request about each document hit
+  (its whole chunks of ``--prefix`` + document; bar: 99%);
+* the first request's TTFT against the second visit's (the document then in the CPU
+  tier or vLLM's own cache), and against a server without the cache (no warm-up);
+* greedy tokens of every answer against that server's (identical expected);
+* a rerun of ``warm``: the tokens it computed (none expected beyond each document's
+  last partial chunk, counted) and the documents it found fully cached.
+
+    python bench/bench_warm.py [--quick] [--docs 200] [--doc-tokens 1000] [--json PATH]
+
+Writes ``results.md`` and ``results.json`` under ``--out`` (default
+``bench/results/warm``, git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lib.openai_client import Texts, complete  # noqa: E402
+from lib.openai_server import build_model, openai_server, server_env  # noqa: E402
+from lib.servers import console_script  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "Document: "
+QUESTION = "\nQuestion: what is the document above about?\nAnswer:"
+CHUNK = 256
+
+
+def corpus(model: Path, n: int, tokens: int, path: Path) -> list[str]:
+    """``n`` documents of about ``tokens`` tokens each, one JSON line each in ``path``."""
+    texts = Texts(model, seed=11)
+    docs = [texts.text(tokens + (i * 37) % 200) for i in range(n)]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return docs
+
+
+def run_warm(model: Path, config: Path, jsonl: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """``lmcache-core warm`` as a user runs it: its summary's figures and seconds."""
+    cmd = [console_script("lmcache-core"), "warm", "--model", str(model), "--config", str(config), "--jsonl", str(jsonl)]
+    cmd += ["--prefix", PREFIX, "--batch", str(a.warm_batch), "--max-model-len", str(a.max_model_len), "-q"]
+    cmd += ["--kv-cache-memory-bytes", str(a.kv_bytes)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=3600)
+    if p.returncode != 0:
+        raise SystemExit(f"warm failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    m = re.search(
+        r"warm: (\d+) documents, ([\d,]+) prompt tokens .*?: ([\d,]+) computed, ([\d,]+) already cached \((\d+) documents fully",
+        p.stdout,
+    )
+    if m is None:
+        raise SystemExit(f"warm printed no summary:\n{p.stdout[-2000:]}")
+    docs, prompt, computed, cached, full = (int(g.replace(",", "")) for g in m.groups())
+    return {
+        "documents": docs,
+        "prompt_tokens": prompt,
+        "computed_tokens": computed,
+        "cached_tokens": cached,
+        "fully_cached": full,
+        "seconds": time.perf_counter() - t0,
+        "summary": p.stdout.strip(),
+    }
+
+
+async def ask_all(base: str, model: Path, prompts: list[str], max_tokens: int) -> list[Any]:
+    """Every prompt once, one at a time (TTFT without queueing)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        return [await complete(session, base, str(model), p, max_tokens) for p in prompts]
+
+
+def serve_args(model: Path, a: argparse.Namespace, config: Path | None) -> list[str]:
+    args = ["--model", str(model), "--enforce-eager", "--max-model-len", str(a.max_model_len), "--seed", "0"]
+    args += ["--kv-cache-memory-bytes", str(a.kv_bytes), "--enable-prompt-tokens-details", "--no-enable-prefix-caching"]
+    if config is not None:
+        ktc = {
+            "kv_connector": "LMCacheCoreConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"config_file": str(config)},
+        }
+        args += ["--kv-transfer-config", json.dumps(ktc)]
+    return args
+
+
+def shared_whole_chunks(tok: Any, doc: str) -> int:
+    """The tokens warm stored as whole chunks that the request about ``doc`` starts
+    with: the common token prefix of the warmed prompt and the request, in whole chunks."""
+    warmed = tok(PREFIX + doc)["input_ids"]
+    asked = tok(PREFIX + doc + QUESTION)["input_ids"]
+    n = 0
+    for a, b in zip(warmed, asked):
+        if a != b:
+            break
+        n += 1
+    return n // CHUNK * CHUNK
+
+
+def visit(base: str, model: Path, prompts: list[str], a: argparse.Namespace) -> list[Any]:
+    return asyncio.run(ask_all(base, model, prompts, a.answer_tokens))
+
+
+def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    model = build_model()
+    jsonl = tmp / "corpus.jsonl"
+    docs = corpus(model, a.docs, a.doc_tokens, jsonl)
+    config = tmp / "lmcache.yaml"
+    tiers = [{"name": "local_cpu", "max_size": "1GiB"}, {"name": "disk", "path": str(tmp / "kv"), "max_size": "16GiB"}]
+    config.write_text(json.dumps({"chunk_size": CHUNK, "backends": tiers}))
+    first = run_warm(model, config, jsonl, a)
+    print(f"warm: {first['summary']}", flush=True)
+    rerun = run_warm(model, config, jsonl, a)
+    print(f"warm again: {rerun['summary']}", flush=True)
+    prompts = [PREFIX + d + QUESTION for d in docs]
+    env = server_env()
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes decides
+    with openai_server("warmed", serve_args(model, a, config), env, tmp / "warmed.log", a.start_timeout) as (base, _):
+        first_visit = visit(base, model, prompts, a)
+        second_visit = visit(base, model, prompts, a)
+    with openai_server("vllm", serve_args(model, a, None), env, tmp / "vllm.log", a.start_timeout) as (base, _):
+        cold = visit(base, model, prompts, a)
+    tok = AutoTokenizer.from_pretrained(model)
+    warmed = [shared_whole_chunks(tok, d) for d in docs]
+    errors = [r.error for r in first_visit + second_visit + cold if r.error]
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed, first: {errors[0]}")
+    hit = sum(min(r.cached_tokens, w) for r, w in zip(first_visit, warmed))
+    return {
+        "documents": a.docs,
+        "warm": {k: v for k, v in first.items() if k != "summary"},
+        "rerun": {k: v for k, v in rerun.items() if k != "summary"},
+        "rerun_bound_tokens": a.docs * CHUNK,
+        "warmed_tokens": sum(warmed),
+        "hit_tokens_first_visit": hit,
+        "hit_share": hit / max(1, sum(warmed)),
+        "ttft_p50": {
+            "first visit (warmed)": statistics.median(r.ttft for r in first_visit),
+            "second visit": statistics.median(r.ttft for r in second_visit),
+            "no cache": statistics.median(r.ttft for r in cold),
+        },
+        "identical_first": sum(r.text == c.text for r, c in zip(first_visit, cold)),
+        "identical_second": sum(r.text == c.text for r, c in zip(second_visit, cold)),
+        # where an answer parts from the cache-less server's: (document, first differing character)
+        "differing": [
+            (i, next((j for j, (x, y) in enumerate(zip(r.text, c.text)) if x != y), min(len(r.text), len(c.text))))
+            for i, (r, c) in enumerate(zip(first_visit, cold))
+            if r.text != c.text
+        ],
+    }
+
+
+def report(m: dict[str, Any]) -> list[str]:
+    t = m["ttft_p50"]
+    n = m["documents"]
+    bars = [
+        ("warmed prompt tokens hit on the first request >= 99%", m["hit_share"] >= 0.99),
+        (
+            f"rerun of warm computes at most one partial chunk a document ({m['rerun_bound_tokens']:,} tokens)",
+            m["rerun"]["computed_tokens"] <= m["rerun_bound_tokens"],
+        ),
+        (
+            "greedy tokens identical to the server without the cache, both visits",
+            m["identical_first"] == m["identical_second"] == n,
+        ),
+    ]
+    lines = [
+        f"# bench_warm: {n} documents",
+        "",
+        f"- warm: {m['warm']['prompt_tokens']:,} prompt tokens in {m['warm']['seconds']:.1f} s, "
+        f"{m['warm']['computed_tokens']:,} computed",
+        f"- warm again: {m['rerun']['computed_tokens']:,} tokens computed, {m['rerun']['fully_cached']} of {n} "
+        f"documents fully cached, {m['rerun']['seconds']:.1f} s",
+        f"- first request about each document: {m['hit_tokens_first_visit']:,} of {m['warmed_tokens']:,} warmed "
+        f"tokens hit ({100 * m['hit_share']:.2f}%)",
+        "",
+        "| TTFT p50 | seconds | first visit / this |",
+        "|---|---|---|",
+    ]
+    for k, v in t.items():
+        lines.append(f"| {k} | {v:.4f} | {t['first visit (warmed)'] / v:.3f} |")
+    lines += ["", f"greedy tokens identical: first visit {m['identical_first']}/{n}, second {m['identical_second']}/{n}"]
+    if m["differing"]:
+        lines.append(f"answers that part (document, first differing character): {m['differing']}")
+    lines.append("")
+    lines += [f"- {'PASS' if ok else 'FAIL'}: {what}" for what, ok in bars]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--docs", type=int, default=200)
+    p.add_argument("--doc-tokens", type=int, default=1000, help="tokens of a document (each a little longer than the last)")
+    p.add_argument("--answer-tokens", type=int, default=8)
+    p.add_argument("--warm-batch", type=int, default=16, help="warm's --batch (documents prefilled together)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-bytes", type=int, default=256 << 20, help="vLLM's KV cache, in warm and in the servers")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--quick", action="store_true", help="20 documents of 600 tokens")
+    p.add_argument("--json", type=Path, default=None, help="also write the TTFT medians (seconds) here")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "warm")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.docs, a.doc_tokens = 20, 600
+    with tempfile.TemporaryDirectory(prefix="bench-warm-") as d:
+        m = measure(a, Path(d))
+    lines = report(m)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.md").write_text("\n".join(lines) + "\n")
+    (a.out / "results.json").write_text(json.dumps(m, indent=1))
+    if a.json is not None:
+        a.json.write_text(json.dumps({"seconds": m["ttft_p50"]}, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

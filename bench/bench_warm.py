@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lib.openai_client import Texts, complete  # noqa: E402
-from lib.openai_server import build_model, openai_server, server_env  # noqa: E402
+from lib.openai_server import build_model, connector_args, openai_server, server_env  # noqa: E402
 from lib.servers import console_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,15 +89,7 @@ async def ask_all(base: str, model: Path, prompts: list[str], max_tokens: int) -
 def serve_args(model: Path, a: argparse.Namespace, config: Path | None) -> list[str]:
     args = ["--model", str(model), "--enforce-eager", "--max-model-len", str(a.max_model_len), "--seed", "0"]
     args += ["--kv-cache-memory-bytes", str(a.kv_bytes), "--enable-prompt-tokens-details", "--no-enable-prefix-caching"]
-    if config is not None:
-        ktc = {
-            "kv_connector": "LMCacheCoreConnector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config_file": str(config)},
-        }
-        args += ["--kv-transfer-config", json.dumps(ktc)]
-    return args
+    return args + (connector_args(config) if config is not None else [])
 
 
 def shared_whole_chunks(tok: Any, doc: str) -> int:

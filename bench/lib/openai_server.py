@@ -201,17 +201,22 @@ def server(
         if arm.connector:
             yaml_path = tmp / f"{arm.name}.yaml"
             yaml_path.write_text(json.dumps(cfg))  # JSON is YAML
-            ktc = {
-                "kv_connector": "LMCacheCoreConnector",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"config_file": str(yaml_path)},
-            }
-            cmd += ["--kv-transfer-config", json.dumps(ktc)]
+            cmd += connector_args(yaml_path)
         log_path = tmp / f"{arm.name}.server.log"
         with openai_server(arm.name, cmd, env, log_path, args.start_timeout) as (base, proc):
             check_kv_size(log_path, arm)
             yield base, proc
+
+
+def connector_args(config_file: Path) -> list[str]:
+    """The server options that load lmcache-core's connector with ``config_file``."""
+    ktc = {
+        "kv_connector": "LMCacheCoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config_file": str(config_file)},
+    }
+    return ["--kv-transfer-config", json.dumps(ktc)]
 
 
 def check_kv_size(log: Path, arm: "Arm") -> None:

@@ -484,8 +484,8 @@ def test_junk_names_never_hold_the_budget_lock_for_a_listing(tmp_path: Path) -> 
     prober (its own open file, so the flock excludes it like another process) takes
     the lock over and over and records its longest wait, and another instance B
     stores chunks with a lock timeout of a quarter of the junk's listing time. The
-    longest wait stays under that quarter (it was more than the whole listing:
-    1.1 s against 0.8 s here), every put of B succeeds, some during A's recount
+    longest wait stays under half the listing (a lock held for the listing is waited
+    for the whole of it: 1.1 s against 0.8 s here), every put of B succeeds, some during A's recount
     (the positive control that they overlapped), and the count is exact afterwards."""
     root = tmp_path / "t"
     stored = _filled(root, max_size=64 << 20)
@@ -539,7 +539,10 @@ def test_junk_names_never_hold_the_budget_lock_for_a_listing(tmp_path: Path) -> 
     assert x["scan_state"] == "complete" and x["startup_foreign_kept"] >= JUNK
     assert sum(1 for state, _ in results if state == "trimming") >= 1, results[-5:]
     assert all(ok for _, ok in results), [r for r in results if not r[1]][:5]
-    assert longest < ref / 4, (longest, ref)
+    # A lock held for a listing makes the prober wait the whole listing (>= ref); half of
+    # it leaves room for a loaded machine's scheduling (B's puts, with a quarter as their
+    # lock timeout, all succeeded above).
+    assert longest < ref / 2, (longest, ref)
     assert b.stats().extra["write_errors"] == 0
     assert _usage(root) == _dir_bytes(root)
     assert _all_hit(b, stored)

@@ -5,7 +5,8 @@
   principal's; a chunk larger than its quota is refused (counted);
 * a tenant flooding the node with 10x its quota moves neither another tenant's usage
   nor its hits, and its own usage stays within its quota at every sample (checked on
-  a real ``lmcache-core serve`` over loopback, and on the store in this process);
+  a real ``lmcache-core serve`` over loopback, usage read from its admin API's
+  ``/status``, and on the store in this process);
 * per-owner usage (chunks, bytes, quota, refused puts, self-evictions) is reported in
   O(owners) and returns to zero when chunks are removed or erased;
 * bad quotas are refused at start with the file and line named.
@@ -16,15 +17,20 @@ flood is large enough to matter.
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_clients import MALLORY, MALLORY_SECRET, VICTIM, VICTIM_SECRET, start_node  # noqa: E402
-from peer_node import PeerNode  # noqa: E402
+from peer_node import PeerNode, first_line  # noqa: E402
 
 from lmcache_backend_peer import create_peer_backend  # noqa: E402
 from lmcache_backend_peer.backend import PeerBackend  # noqa: E402
@@ -35,6 +41,7 @@ from lmcache_core.testing import make_context, random_chunk, random_key  # noqa:
 
 FRAME = 1000  # bytes of each frame in the in-process store tests
 CHUNK_SHAPE = (4, 2, 64, 32)  # 32 KiB of fp16 per chunk on the node
+TOKEN = "quota-admin-token-0123456789abcdef"
 
 
 def _fill(store: FrameStore, owner: str | None, n: int, tag: int) -> list:
@@ -51,7 +58,7 @@ def test_a_tenant_at_its_quota_evicts_its_own_least_recently_used_chunks() -> No
     assert store.get_frame(first[0]) is not None  # read: now the most recently used of flood's
     for i in range(100):  # 10x its quota
         _fill(store, "flood", 1, 2 + i)
-        assert store.usage()["flood"]["bytes"] <= 10 * FRAME
+        assert (store.usage()["flood"]["bytes"] or 0) <= 10 * FRAME
     assert store.contains(calm) == 20 and all(store.get_frame(k) is not None for k in calm)
     u = store.usage()
     assert u["flood"] == {"chunks": 10, "bytes": 10 * FRAME, "quota": 10 * FRAME, "refused": 0, "self_evictions": 100}
@@ -98,30 +105,74 @@ def _tier(node: PeerNode, secret: str, tenant: str) -> PeerBackend:
     return b
 
 
-def _flood(tmp: Path, quota: str | None) -> dict[str, object]:
+class _Status:
+    """The node's admin API (``--admin 127.0.0.1:0``): per-tenant usage from /status."""
+
+    def __init__(self, node: PeerNode, token: str) -> None:
+        assert node.proc is not None
+        line = first_line(node.proc, "admin API on ", timeout=10)
+        assert line is not None, "the node did not announce its admin API"
+        self.port, self.token = int(line.rsplit(":", 1)[1]), token
+
+    def tenants(self) -> dict[str, dict[str, int | None]]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", "/status", headers={"Authorization": f"Bearer {self.token}"})
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            assert resp.status == 200, body
+            return body["tenants"]
+        finally:
+            conn.close()
+
+
+@dataclass(frozen=True)
+class _Flood:
+    """What one flood did: the victim's (chunks, bytes, hits of 12) before and after,
+    the flooder's largest sampled bytes, its quota and its self-evictions."""
+
+    victim_before: tuple[int, int, int]
+    victim_after: tuple[int, int, int]
+    mallory_max: int
+    mallory_quota: int | None
+    mallory_self_evictions: int
+
+
+def _usage(row: dict[str, int | None], hits: int) -> tuple[int, int, int]:
+    return int(row["chunks"] or 0), int(row["bytes"] or 0), hits
+
+
+def _flood(tmp: Path, quota: str | None) -> _Flood:
     """A node of 1 MiB shared by two tenants: the victim stores 12 chunks (0.4 of the
-    node, within its own quota), then mallory writes 160 (10x a 512 KiB quota). What the victim holds and
-    hits before and after, and mallory's usage sampled every 8 writes."""
+    node, within its own quota), then mallory writes 160 (10x a 512 KiB quota). The
+    victim's usage (/status) and hits before and after; mallory's usage in bytes
+    (/status) sampled every 8 writes."""
     tmp.mkdir(parents=True)
     (tmp / "tenants").write_text(f"{VICTIM} {VICTIM_SECRET}\n{MALLORY} {MALLORY_SECRET}\n")
+    (tmp / "admin.token").write_text(TOKEN + "\n")
+    os.chmod(tmp / "admin.token", 0o600)
     opts = ["--max-size", "1MiB", "--tenants-file", str(tmp / "tenants")]
+    opts += ["--admin", "127.0.0.1:0", "--admin-token-file", str(tmp / "admin.token")]
     node = start_node(tmp, opts + (["--tenant-quota", quota] if quota else []))
+    status = _Status(node, TOKEN)
     victim = _tier(node, VICTIM_SECRET, VICTIM)
     mallory = _tier(node, MALLORY_SECRET, MALLORY)
+    deadline = time.monotonic() + 120
     try:
         calm = [random_key("victim") for _ in range(12)]
         data = random_chunk(CHUNK_SHAPE, seed=1)
-        assert all(victim.put(k, data) for k in calm)
-        before = sum(victim.contains([k]) for k in calm)
-        flood = [random_key("mallory") for _ in range(160)]
-        samples = []
-        for i, k in enumerate(flood):
-            mallory.put(k, data)
-            if i % 8 == 7:
-                samples.append(sum(mallory.contains([f]) for f in flood[: i + 1]))
         out = data.clone()
-        hits = sum(victim.get(k, out) for k in calm)
-        return {"before": before, "after": sum(victim.contains([k]) for k in calm), "hits": hits, "mallory_max": max(samples)}
+        assert all(victim.put(k, data) for k in calm)
+        before = _usage(status.tenants()[VICTIM], sum(victim.get(k, out) for k in calm))
+        samples: list[int] = []
+        for i in range(160):  # bounded: 160 puts, and the deadline above
+            mallory.put(random_key("mallory"), data)
+            if i % 8 == 7:
+                samples.append(int(status.tenants()[MALLORY]["bytes"] or 0))
+            assert time.monotonic() < deadline, "the flood took over 120 s"
+        after = status.tenants()
+        victim_after = _usage(after[VICTIM], sum(victim.get(k, out) for k in calm))
+        return _Flood(before, victim_after, max(samples), after[MALLORY]["quota"], int(after[MALLORY]["self_evictions"] or 0))
     finally:
         victim.close()
         mallory.close()
@@ -129,11 +180,16 @@ def _flood(tmp: Path, quota: str | None) -> dict[str, object]:
 
 
 def test_a_flood_at_10x_quota_moves_no_other_tenants_chunks_on_a_real_node(tmp_path: Path) -> None:
-    with_quota = _flood(tmp_path / "q", "512KiB")
-    assert with_quota["before"] == with_quota["after"] == with_quota["hits"] == 12, with_quota
-    assert with_quota["mallory_max"] <= 15, with_quota  # 512 KiB holds 15 frames of 32 KiB plus headers
+    q = _flood(tmp_path / "q", "512KiB")
+    print("with quota:", q)
+    assert q.victim_before == q.victim_after and q.victim_before[0] == q.victim_before[2] == 12, q
+    assert q.mallory_quota == 512 << 10 and q.mallory_max <= q.mallory_quota, q
+    assert q.mallory_self_evictions >= 160 - 16, q
     control = _flood(tmp_path / "none", None)
-    assert control["before"] == 12 and control["after"] < 12, f"the flood displaced nothing without quotas: {control}"
+    print("without quota:", control)
+    assert control.victim_before[0] == 12, control
+    assert control.victim_after[0] < 12, f"the flood displaced nothing without quotas: {control}"
+    assert control.mallory_max > 512 << 10, control
 
 
 def test_a_quota_without_tenants_is_refused(tmp_path: Path) -> None:
@@ -142,6 +198,6 @@ def test_a_quota_without_tenants_is_refused(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**__import__("os").environ, "LMCACHE_PEER_SECRET": "x" * 32},
+        env={**os.environ, "LMCACHE_PEER_SECRET": "x" * 32},
     )
     assert p.returncode != 0 and "--tenant-quota needs --tenants-file" in p.stderr, p.stderr[-2000:]

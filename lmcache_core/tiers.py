@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, NamedTuple, Sequence
 
 import torch
@@ -42,15 +43,23 @@ log = logging.getLogger(__name__)
 ChunkData = torch.Tensor | MemoryBuffer
 
 
-class ReadEstimate(NamedTuple):
-    """What reading chunks from one tier will cost, as a load is planned."""
+@dataclass(frozen=True)
+class ReadEstimate:
+    """What reading ``nbytes`` of chunks from one tier will cost, as a load is planned.
+    ``seconds`` fits the tier's read model when asked (a least-squares fit after every
+    new sample), so a caller that stops at ``zero_copy`` or a stale ``age`` pays nothing."""
 
     #: the tier keeps chunks in the pool: a load is lent them, nothing is read
     zero_copy: bool
-    #: predicted seconds to read the bytes asked about (None: never measured)
-    seconds: float | None
-    #: seconds since the measurement behind it was last updated (None: never)
+    #: seconds since the tier's last measured read (None: never)
     age: float | None
+    model: TierReadModel = field(repr=False)
+    nbytes: int
+
+    @property
+    def seconds(self) -> float | None:
+        """Predicted seconds to read ``nbytes`` (None: never measured)."""
+        return self.model.predict(self.nbytes)
 
 
 class TierEvent(NamedTuple):
@@ -107,7 +116,7 @@ class Tier:
 
     def estimate(self, nbytes: int) -> ReadEstimate:
         """What reading ``nbytes`` of chunks from this tier will cost (its measured reads)."""
-        return ReadEstimate(self.zero_copy, self.read_model.predict(nbytes), self.read_model.fit.age())
+        return ReadEstimate(self.zero_copy, self.read_model.fit.age(), self.read_model, nbytes)
 
     @property
     def in_service(self) -> bool:

@@ -113,7 +113,8 @@ class HitPlanner:
             cost = self.engine.read_estimate(level, take * self.chunk_bytes)
             if cost.zero_copy:
                 continue
-            if cost.seconds is None or cost.seconds > ASYNC_LOAD_S:
+            seconds = cost.seconds
+            if seconds is None or seconds > ASYNC_LOAD_S:
                 return True
         return False
 

@@ -131,14 +131,19 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @contextmanager
 def openai_server(
-    name: str, server_args: list[str], env: dict[str, str], log_path: Path, start_timeout: float
+    name: str,
+    server_args: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    start_timeout: float,
+    python: str = sys.executable,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m vllm.entrypoints.openai.api_server *server_args`` on a free loopback
-    port, its output in ``log_path``; yields (base URL, process) once ``/health``
+    port (``python``: this interpreter unless another environment's is given), its output in ``log_path``; yields (base URL, process) once ``/health``
     answers, RuntimeError if it exits first or is not up after ``start_timeout``
     seconds. Stopped on exit: SIGINT to its process group, SIGKILL after 30 s."""
     port = servers.free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_args, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", *server_args, "--host", "127.0.0.1", "--port", str(port)]
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -168,6 +173,39 @@ def openai_server(
         logf.close()
 
 
+def vllm_args(arm: Arm, model: Path, args: argparse.Namespace) -> list[str]:
+    """The server options every arm shares: the model, eager mode, ``args.max_model_len``
+    and ``args.max_batched``, the arm's KV cache size, prefix caching and running requests."""
+    cmd = [
+        "--model",
+        str(model),
+        "--enforce-eager",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-batched-tokens",
+        str(args.max_batched),
+        "--kv-cache-memory-bytes",
+        str(arm.kv_bytes),
+        "--seed",
+        "0",
+        "--enable-prefix-caching" if arm.prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if arm.max_num_seqs:
+        cmd += ["--max-num-seqs", str(arm.max_num_seqs)]
+    return cmd
+
+
+def arm_env(arm: Arm) -> dict[str, str]:
+    """The environment of ``arm``'s server: ``server_env()`` plus the arm's own."""
+    env = server_env()
+    # vLLM-CPU's legacy VLLM_CPU_KVCACHE_SPACE (tox sets it for the tests) overrides
+    # --kv-cache-memory-bytes: left in, every arm would get its size and the small
+    # cache of vllm/lmc-* would silently be as large as the limit's
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.update(arm.env)
+    return env
+
+
 @contextmanager
 def server(
     arm: Arm, model: Path, args: argparse.Namespace, tmp: Path, config: dict[str, Any] | None = None
@@ -176,28 +214,8 @@ def server(
     given), ``args.max_model_len``, ``args.max_batched`` and ``args.start_timeout``
     from the benchmark's options; yields (base URL, process)."""
     with helper_services(arm, tmp, config) as cfg:
-        cmd = [
-            "--model",
-            str(model),
-            "--enforce-eager",
-            "--max-model-len",
-            str(args.max_model_len),
-            "--max-num-batched-tokens",
-            str(args.max_batched),
-            "--kv-cache-memory-bytes",
-            str(arm.kv_bytes),
-            "--seed",
-            "0",
-            "--enable-prefix-caching" if arm.prefix_caching else "--no-enable-prefix-caching",
-        ]
-        if arm.max_num_seqs:
-            cmd += ["--max-num-seqs", str(arm.max_num_seqs)]
-        env = server_env()
-        # vLLM-CPU's legacy VLLM_CPU_KVCACHE_SPACE (tox sets it for the tests) overrides
-        # --kv-cache-memory-bytes: left in, every arm would get its size and the small
-        # cache of vllm/lmc-* would silently be as large as the limit's
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        env.update(arm.env)
+        cmd = vllm_args(arm, model, args)
+        env = arm_env(arm)
         if arm.connector:
             yaml_path = tmp / f"{arm.name}.yaml"
             yaml_path.write_text(json.dumps(cfg))  # JSON is YAML

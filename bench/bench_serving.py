@@ -17,6 +17,10 @@ docs/deployment.md). Arms, run in turn and, with ``--repeat``, in a rotating ord
 - ``lmc-disk``: a small CPU tier in front of a disk tier;
 - ``lmc-node``: a node-local ``lmcache-core serve`` node loaded through shared memory;
 - ``lmc-redis``: a small CPU tier in front of a ``redis-server`` on loopback;
+- ``lmcache``: LMCache (multiprocess mode) instead of lmcache-core: its server with an
+  L1 of ``--cpu-size``, vLLM (the same version) in LMCache's own environment, built on
+  first use or with ``--setup-lmcache`` (``bench/lib/lmcache_arm.py``). With ``lmc-cpu``
+  in the same run the report adds lmcache-core / LMCache ratios;
 - ``limit``: vLLM alone with a KV cache that holds everything (nothing to load);
 - ``floor``: the limit limited to as many running requests as the small cache holds
   (``--max-num-seqs``): the scheduling floor of the small cache.
@@ -68,6 +72,10 @@ from pathlib import Path
 from typing import Any
 
 from lib.openai_client import Texts, pct, run_chat, run_requests, summarize
+from contextlib import contextmanager
+from typing import Iterator
+
+from lib import lmcache_arm
 from lib.openai_server import KV_PER_TOKEN, Arm, build_model, cpu_seconds, http_get, log, metric, rss_mib, server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,11 +202,33 @@ def vllm_bench(base: str, model: Path, args: argparse.Namespace, concurrency: in
 
 
 # -- one arm ------------------------------------------------------------------------------
+LMCACHE_ARMS = {"lmcache"}  # served by LMCache, not lmcache-core
+
+
+@contextmanager
+def arm_server(arm: Arm, model: Path, args: argparse.Namespace, tmp: Path) -> Iterator[tuple[str, subprocess.Popen, dict]]:
+    """The arm's server: (base URL, vLLM's process, other processes of the arm by role)."""
+    if arm.name in LMCACHE_ARMS:
+        python = lmcache_arm.ensure_env()
+        with lmcache_arm.server(arm, model, args, tmp, python) as (base, proc, mp):
+            yield base, proc, {"lmcache-server": mp}
+    else:
+        with server(arm, model, args, tmp) as (base, proc):
+            yield base, proc, {}
+
+
 def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     texts = Texts(model, seed=texts_seed)  # the same prompts for every arm
     out: dict[str, Any] = {"arm": arm.name, "runs": {}}
-    with server(arm, model, args, tmp) as (base, proc):
+    with arm_server(arm, model, args, tmp) as (base, proc, others):
         name = str(model)
+
+        def usage(measure: Any) -> dict[str, float]:
+            """``measure`` (cpu_seconds, rss_mib) by role, the arm's other processes included."""
+            u = measure(proc)
+            for role, p in others.items():
+                u[role] = sum(measure(p).values())
+            return u
 
         def counters() -> dict[str, float]:
             m = http_get(base + "/metrics", timeout=10)
@@ -209,6 +239,8 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
                 "load_s": "lmcache_core:load_seconds_total",
                 "save_s": "lmcache_core:save_seconds_total",
                 "prompt_tokens": "vllm:prompt_tokens_total",
+                # tokens any connector supplied, as vLLM counts them: one meaning for every arm
+                "external_hit_tokens": "vllm:external_prefix_cache_hits_total",
             }
             return {k: metric(m, v) for k, v in names.items()}
 
@@ -219,7 +251,7 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
             for c in levels:
                 texts.rng.seed(hash((wl, c)) & 0xFFFF)  # the same prompts per (workload, concurrency)
                 c0 = counters()
-                cpu0 = cpu_seconds(proc)
+                cpu0 = usage(cpu_seconds)
                 key = f"{wl}@{c}"
                 if wl == "docqa":
                     results, wall = asyncio.run(run_requests(base, name, docqa_prompts(texts, args), c))
@@ -244,18 +276,18 @@ def run_arm(arm: Arm, model: Path, texts_seed: int, args: argparse.Namespace, tm
                 else:
                     raise SystemExit(f"unknown workload {wl}")
                 c1 = counters()
-                cpu1 = cpu_seconds(proc)
+                cpu1 = usage(cpu_seconds)
                 summary["cpu_s"] = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
                 for k in c0:
                     summary[k] = round(c1[k] - c0[k], 3) if k.endswith("_s") else int(c1[k] - c0[k])
-                summary["rss_mib"] = {k: round(v) for k, v in rss_mib(proc).items()}
+                summary["rss_mib"] = {k: round(v) for k, v in usage(rss_mib).items()}
                 summary["outputs"] = [r.text for r in results]
                 out["runs"][key] = summary
                 log(
                     f"  {arm.name:10} {key:14} TTFT p50 {summary.get('ttft_p50', float('nan')):.3f} s  "
                     f"p90 {summary.get('ttft_p90', float('nan')):.3f}  {summary.get('req_per_s') or 0:.2f} req/s  "
                     f"{summary.get('out_tok_per_s') or 0:.1f} tok/s  ITL p99 {summary.get('itl_p99', float('nan')) * 1e3:.1f} ms  "
-                    f"hits vLLM {summary['vllm_hit_tokens']} / ours {summary['loaded_tokens']}  failed {summary.get('failed')}"
+                    f"hits vLLM {summary['vllm_hit_tokens']} / ours {summary['loaded_tokens']} / connector {summary['external_hit_tokens']}  failed {summary.get('failed')}"
                     + (
                         f"  cold/warm TTFT p50 {summary['ttft_p50_cold']:.3f}/{summary['ttft_p50_warm']:.3f} s"
                         if "ttft_p50_cold" in summary
@@ -419,6 +451,8 @@ ARMS = {
     "lmc-cpu2": lambda a: Arm(
         "lmc-cpu2", connector=True, kv_bytes=a.small_kv, tiers="cpu", chunk_size=a.chunk_size, overrides=a.variant
     ),
+    # LMCache's multiprocess server, its L1 the size of lmc-cpu's CPU tier (bench/lib/lmcache_arm.py)
+    "lmcache": lambda a: Arm("lmcache", kv_bytes=a.small_kv, chunk_size=a.chunk_size, cpu_size=a.cpu_size),
     "limit": lambda a: Arm("limit", kv_bytes=a.large_kv),
     # the connector on the limit's cache: what the connector's presence costs when vLLM holds everything
     "lmc-limit": lambda a: Arm("lmc-limit", connector=True, kv_bytes=a.large_kv, tiers="cpu", chunk_size=a.chunk_size),
@@ -444,12 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-requests", type=int, default=1000, help="the trace workload's requests (its first ones)")
     p.add_argument("--trace-block-tokens", type=int, default=128, help="tokens per trace block (scaled from 512)")
     p.add_argument("--trace-max-blocks", type=int, default=8, help="blocks of each trace request kept (its first ones)")
-    p.add_argument("--cpu-size", default="2GiB", help="the CPU tier of the lmc-cpu arms")
+    p.add_argument("--cpu-size", default="2GiB", help="the CPU tier of the lmc-cpu arms (and LMCache's L1)")
     p.add_argument("--bench-prompts", type=int, default=0, help="vllm-bench prompts (default: 3 per document)")
     p.add_argument("--small-kv", type=int, default=120 << 20, help="vLLM's KV cache in the small arms (bytes)")
     p.add_argument("--large-kv", type=int, default=1 << 30, help="vLLM's KV cache in limit/floor (bytes)")
     p.add_argument("--floor-seqs", type=int, default=0, help="floor's --max-num-seqs (default: what the small cache holds)")
-    p.add_argument("--chunk-size", type=int, default=256, help="lmcache-core's chunk_size in the lmc arms")
+    p.add_argument("--chunk-size", type=int, default=256, help="chunk size (tokens) of the lmc arms and of LMCache")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-batched", type=int, default=2048)
     p.add_argument("--start-timeout", type=float, default=600)
@@ -468,10 +502,24 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="lmcache-core settings of the lmc-cpu2 arm (dotted keys, YAML values), e.g. connector.async_saves=true",
     )
+    p.add_argument(
+        "--setup-lmcache",
+        action="store_true",
+        help="build the lmcache arm's environment (.envs/lmcache) and exit; the arm also builds it on first use",
+    )
     p.add_argument("--quick", action="store_true", help="fewer, shorter requests; concurrency 1 and 4")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"))
     p.add_argument("--json", type=Path, default=None, help="also write TTFT p50/p90 per arm and workload (seconds) here")
     a = p.parse_args(argv)
+    if a.setup_lmcache or LMCACHE_ARMS & set(a.arms):
+        try:
+            python = lmcache_arm.ensure_env()
+        except lmcache_arm.LMCacheSetupError as err:
+            log(f"bench_serving: {err}")
+            return 2
+        if a.setup_lmcache:
+            log(f"LMCache {lmcache_arm.LMCACHE_VERSION}'s environment: {python}")
+            return 0
     bad = [kv for kv in a.server_env if "=" not in kv]
     if bad:
         p.error(f"--server-env takes K=V pairs, got {bad}")
@@ -518,14 +566,18 @@ def main(argv: list[str] | None = None) -> int:
                     logs = sorted(tmp.glob(f"{name}.server.log"))
                     if logs:
                         log("\n".join(logs[0].read_text(errors="replace").splitlines()[-15:]))
-                server_log = tmp / f"{name}.server.log"
-                if server_log.exists():  # kept: what each server said (its settings, warnings)
-                    (out / "server-logs").mkdir(exist_ok=True)
-                    shutil.copy(server_log, out / "server-logs" / f"round{r + 1}-{name}.log")
+                for suffix in ("server", "lmcache-server"):  # kept: what each server said (its settings, warnings)
+                    server_log = tmp / f"{name}.{suffix}.log"
+                    if server_log.exists():
+                        (out / "server-logs").mkdir(exist_ok=True)
+                        shutil.copy(
+                            server_log,
+                            out / "server-logs" / f"round{r + 1}-{name}{'' if suffix == 'server' else '.' + suffix}.log",
+                        )
         if (tmp / "vllm-bench.err").exists():
             shutil.copy(tmp / "vllm-bench.err", out / "vllm-bench.err")
     merged = merge(rounds)
-    lines = report(merged, a, machine)
+    lines = report(merged, a, machine) + lmcache_arm.compare_lines(rounds, merged)
     (out / "results.md").write_text("\n".join(lines))
     (out / "results.json").write_text(json.dumps({"args": vars(a), "rounds": rounds}, default=str, indent=1))
     plot(merged, out)

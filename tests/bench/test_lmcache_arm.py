@@ -120,6 +120,19 @@ def test_a_missing_or_stale_environment_is_not_used(tmp_path: Path) -> None:
     assert la.ensure_env(env, create=False) == env / "bin" / "python"
 
 
+def test_a_failed_step_says_which_what_it_printed_and_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fail = [sys.executable, "-c", "import sys; print('ERROR: No matching distribution found for lmcache==0.5.6'); sys.exit(3)"]
+    ok = [sys.executable, "-c", "print('Successfully installed nothing')"]
+    monkeypatch.setattr(la, "setup_commands", lambda env_dir: [("first", ok, None), ("lmcache", fail, None)])
+    (tmp_path / "envs").mkdir(mode=0o755)
+    with pytest.raises(la.LMCacheSetupError) as err:
+        la.ensure_env(tmp_path / "envs" / "lmcache")
+    text = str(err.value)
+    assert "step 'lmcache' failed (exit 3)" in text and "No matching distribution found for lmcache==0.5.6" in text
+    assert "--setup-lmcache" in text
+    assert not la.env_ready(tmp_path / "envs" / "lmcache")  # no marker: the next run tries again
+
+
 def test_an_environment_others_can_write_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "envs"
     d.mkdir()

@@ -53,7 +53,7 @@ round's p99 is its few largest gaps), tokens vLLM's prefix cache hit, tokens
 lmcache-core loaded, RSS of the server's processes, ratios to ``limit`` and ``floor`` (and to ``vllm`` for ``unique``),
 and whether every arm's greedy outputs are identical. Outputs in ``--out``:
 ``results.json``, ``results.md``, ``ttft.png``, and each server's log
-(``server-logs/round<N>-<arm>.log``). Never part of the test pass.
+(``server-logs/round<N>-<arm>.log``; LMCache's server: ``round<N>-lmcache.lmcache-server.log``). Never part of the test pass.
 """
 
 from __future__ import annotations

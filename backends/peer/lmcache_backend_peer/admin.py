@@ -257,9 +257,7 @@ class AdminServer:
                 SHARED if p is None else p: {"chunks": len(a), "bytes": a.bytes_used, "quota": a.size} for p, a in arenas.items()
             }
         assert isinstance(self.store, FrameStore)
-        usage = self.store.usage()
-        for p in (None, *self.tenants):
-            usage.setdefault(p, {"chunks": 0, "bytes": 0, "quota": None, "refused": 0, "self_evictions": 0})
+        usage = self.store.usage(owners=(None, *self.tenants))
         return {SHARED if p is None else p: row for p, row in usage.items()}
 
     def erase(self, body: Any) -> tuple[dict[str, Any], str]:

@@ -31,7 +31,7 @@ from .evictions import DEFAULT_CAPACITY, MAX_CAPACITY, EvictionLog
 from .server import PeerServer, SocketPathError
 from .shm import ArenaStore, ShmUnavailable
 from .store import FrameStore
-from .tenants import load_quotas, load_tenants
+from .tenants import load_tenants_file
 
 SECRET_ENV = "LMCACHE_PEER_SECRET"
 DEFAULT_TIMEOUT_S = 5.0
@@ -280,8 +280,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     quotas: dict[str | None, int] = {}
     if args.tenants_file is not None:
         try:
-            tenants = load_tenants(args.tenants_file)
-            quotas.update(load_quotas(args.tenants_file))
+            tenants, file_quotas = load_tenants_file(args.tenants_file)
+            quotas.update(file_quotas)
         except ValueError as err:
             parser.error(f"--tenants-file: {err}")
     if args.tenant_quota is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from lmcache_core.backend import EraseMatch
 from lmcache_core.frames import FrameError, FrameHeader
@@ -139,12 +139,12 @@ class FrameStore:
         with self._lock:
             return list(self._frames.items())
 
-    def usage(self) -> dict[str | None, dict[str, int | None]]:
-        """Per owner (every owner with frames, a quota or a refused put): chunks and
-        bytes held, its quota (None: none), puts refused and its own frames evicted
-        to stay within its quota."""
+    def usage(self, owners: Iterable[str | None] = ()) -> dict[str | None, dict[str, int | None]]:
+        """Per owner (every owner with frames, a quota or a refused put, and each of
+        ``owners``): chunks and bytes held, its quota (None: none), puts refused and
+        its own frames evicted to stay within its quota."""
         with self._lock:
-            owners = set(self._owned) | set(self.quotas) | set(self.refused)
+            owners = set(owners) | set(self._owned) | set(self.quotas) | set(self.refused)
             return {
                 o: {
                     "chunks": len(self._owned.get(o, ())),

@@ -90,6 +90,7 @@ def _entries(text: str, where: str) -> list[tuple[str, bytes, int | None]]:
     from lmcache_core.config import parse_size
 
     entries: list[tuple[str, bytes, int | None]] = []
+    names: set[str] = set()
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -100,8 +101,9 @@ def _entries(text: str, where: str) -> list[tuple[str, bytes, int | None]]:
         name, secret = parts[:2]
         if not TENANT_NAME_RE.match(name):
             raise ValueError(f"{where}:{n}: tenant name {name!r} must be 1-64 of A-Z a-z 0-9 . _ -")
-        if any(e[0] == name for e in entries):
+        if name in names:
             raise ValueError(f"{where}:{n}: tenant {name!r} is listed twice")
+        names.add(name)
         try:
             check_secret(secret.encode())
         except ValueError as err:
@@ -134,5 +136,7 @@ def load_tenants(path: Path) -> dict[str, bytes]:
     return parse_tenants(_read(path), str(path))
 
 
-def load_quotas(path: Path) -> dict[str, int]:
-    return parse_quotas(_read(path), str(path))
+def load_tenants_file(path: Path) -> tuple[dict[str, bytes], dict[str, int]]:
+    """The tenants file read once: {name: secret} and {name: quota} for those given one."""
+    entries = _entries(_read(path), str(path))
+    return {name: secret for name, secret, _ in entries}, {name: q for name, _, q in entries if q is not None}

@@ -284,6 +284,20 @@ class StorageBackend(abc.ABC):
         list its chunks (:class:`EraseUnsupported`)."""
         raise EraseUnsupported(f"tier {self.name} cannot list its chunks, so it cannot erase by namespace")
 
+    # -- optional: namespace records (``lmcache-core erase --model/--tenant``) --------
+    def record_namespace(self, namespace: bytes, record: bytes) -> None:
+        """Keep ``record`` (at most 4 KiB of JSON: :mod:`lmcache_core.namespaces`) for
+        the namespace id ``namespace``, replacing an earlier one, outside the tier's
+        chunk budget and eviction; an engine calls it once at start for every tier it
+        writes to. Default: the tier keeps no records (nothing happens)."""
+
+    def namespace_records(self) -> dict[bytes, bytes]:
+        """Every record kept here, by namespace id, whichever process wrote it (at most
+        :data:`~lmcache_core.namespaces.MAX_RECORDS`; a name that is not a record's is
+        skipped). Raises like :meth:`erase` when the tier cannot be listed. Default:
+        :class:`EraseUnsupported` (the tier keeps none)."""
+        raise EraseUnsupported(f"tier {self.name} keeps no namespace records")
+
     # -- optional: ZERO_COPY ------------------------------------------------------
     def get_buffer(self, key: ChunkKey) -> "MemoryBuffer | None":
         """The pool buffer holding ``key`` with one reference taken for the caller."""

@@ -14,8 +14,8 @@ Subcommands:
   eviction policy and size (or through the tiers of a config file), next to the
   offline optimum and the never-evicting ceiling; ``--sweep`` draws hit ratio
   against size as a PNG and plans the capacity (:mod:`lmcache_core.replay`).
-- ``erase``: delete every chunk of some namespaces (``--namespace ID``) or all
-  (``--all``) from every tier of a config that it can reach, a count per tier, exit
+- ``erase``: delete every chunk of some namespaces (``--namespace ID``, or those
+  recorded for ``--model M`` / ``--tenant T``) or all (``--all``) from every tier of a config that it can reach, a count per tier, exit
   status 1 on a partial erase (:mod:`lmcache_core.erase`).
 - anything plugins add through the ``register_commands`` hook (for example ``demo``
   from the vLLM connector's distribution, ``serve`` from the peer tier's). The core
@@ -206,7 +206,8 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "erase",
         help="delete every chunk of some namespaces (or all) from every tier of a config; a count per tier",
-        description="Delete every chunk whose key is in one of the given namespaces (or every chunk) from each tier "
+        description="Delete every chunk whose key is in one of the given namespaces (by id, or those the tiers' "
+        "namespace records name for a model or tenant; or every chunk) from each tier "
         "of the config that this command can reach, and print a count per tier. Exit status 1 when a tier is down "
         "or cannot list or delete its chunks (a partial erase), 2 on bad arguments or config.",
     )

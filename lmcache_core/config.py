@@ -376,6 +376,12 @@ class CoreConfig(StrictModel):
         description="ordered tiers, fastest first",
     )
     tenant_salt: str | None = Field(None, description="mixed into every key: tenants never share KV")
+    tenant: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="a label for the tenant this engine serves, recorded with its key namespace in the tiers it "
+        "writes (never part of a key), so `lmcache-core erase --tenant LABEL` finds its chunks",
+    )
     write_queue_size: int = Field(256, gt=0, description="chunks queued per slower tier before new writes to it are dropped")
     staging_size: ByteSize = Field(
         256 * 2**20,

@@ -34,7 +34,8 @@ from .fetch import fetch_run
 from .keys import ChunkKey, KeyNamespace
 from .lookup import first_held, lookup_runs
 from .memory import MemoryBuffer
-from .opening import Codecs, engine_config, log_namespace, make_pool, open_tiers, say_how_frames_are_sealed
+from .namespaces import NamespaceRecord, record_in_tiers
+from .opening import Codecs, engine_config, engine_namespace, make_pool, open_tiers, say_how_frames_are_sealed
 from .pins import ADDED, PinBook
 from .plugins import PluginManager, get_plugin_manager
 from .prefetch import Prefetcher
@@ -92,10 +93,7 @@ class CacheEngine:
         self.plugins = plugins or get_plugin_manager()
         self.loaded = loaded = engine_config(config, self.plugins)
         self.config = cfg = loaded.config
-        if cfg.tenant_salt is not None:
-            namespace = dataclasses.replace(namespace, salt=cfg.tenant_salt)
-        self.namespace = namespace
-        log_namespace(namespace)
+        self.namespace = namespace = engine_namespace(namespace, cfg)
         secret = read_frame_secret(cfg)
         #: the deployment's frame key (``frame_secret``); tiers get it through their
         #: codecs, so every frame they write is sealed and every frame they read must be
@@ -115,10 +113,12 @@ class CacheEngine:
             use_background_cores(None if cfg.background_cores == "none" else cfg.background_cores)
         nice = functools.partial(enter_background, cfg.background_nice)
         #: the tiers as this engine serves them: reads, writes, promotion, write-behind
+        writes = [shared_writes or SHARED not in t.capabilities for t in self.tiers]
+        record_in_tiers(self.tiers, writes, NamespaceRecord.of(namespace, cfg.tenant))
         self.stack = TierStack(
             self.tiers,
             self.tier_codecs,
-            [shared_writes or SHARED not in t.capabilities for t in self.tiers],
+            writes,
             pool=self.pool,
             quarantine=self.quarantine,
             counters=self.counters,

@@ -14,8 +14,11 @@ Each ``backends:`` entry of the config is opened as its own tier, in this proces
 Chunk keys carry a namespace id (``v1-<namespace>-<hash>``, the hash of the model,
 KV layout, dtype, rank and tenant salt, see :class:`~lmcache_core.keys.KeyNamespace`),
 never the model's or tenant's name: ``--namespace`` takes the id (each engine logs
-its own at start, ``key namespace <ID>``); ``--model`` and ``--tenant`` are refused
-with that explanation until tiers keep a record of namespaces.
+its own at start, ``key namespace <ID>``). ``--model M`` and ``--tenant T`` read the
+namespace records every engine leaves in the tiers it writes
+(:mod:`lmcache_core.namespaces`), take the ids recorded for M or T in any tier, and
+erase those ids from every tier; a tier whose records cannot be read makes the erase
+partial (namespaces recorded only there would be missed).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .backend import BackendContext, EraseMatch, EraseUnsupported, StorageBacken
 from .config import ConfigError, load_config, read_frame_secret
 from .keys import HASH_BYTES
 from .memory import MemoryPool
+from .namespaces import NamespaceRecord, parse_records
 from .plugins import PluginManager
 from .serde import FrameSeal, SealedCodec, SealedCodecs, tier_codecs
 
@@ -66,24 +70,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a namespace id, 32 hex digits (the middle part of every key: v1-<namespace>-<hash>); repeatable",
     )
     which.add_argument("--all", action="store_true", help="every chunk key of every tier")
-    which.add_argument("--model", metavar="M", help="not supported yet: keys carry a hash, not the model (use --namespace)")
-    which.add_argument("--tenant", metavar="T", help="not supported yet: keys carry a hash, not the tenant (use --namespace)")
+    which.add_argument("--model", metavar="M", help="every namespace recorded for model M (the name vLLM serves it by)")
+    which.add_argument("--tenant", metavar="T", help="every namespace recorded for tenant label T (the config's tenant)")
     p.add_argument("--dry-run", action="store_true", help="count what would be erased; delete nothing")
 
 
-def parse_match(args: argparse.Namespace) -> EraseMatch:
+@dataclass(frozen=True)
+class ByName:
+    """``--model M`` or ``--tenant T``: the namespaces whose records name it."""
+
+    field: str  # "model" or "tenant"
+    value: str
+
+    def takes(self, record: NamespaceRecord) -> bool:
+        return bool(getattr(record, self.field) == self.value)
+
+
+def parse_match(args: argparse.Namespace) -> EraseMatch | ByName:
     """The match the arguments ask for; ValueError with the message for ``error:``."""
     for flag in ("model", "tenant"):
-        if getattr(args, flag) is not None:
-            raise ValueError(
-                f"--{flag}: chunk keys carry only a hash of the namespace (model, layout, dtype, rank, tenant salt), "
-                "so a name cannot be matched yet; erase by --namespace ID (each engine logs its id at start: "
-                "'key namespace <ID>')"
-            )
+        value = getattr(args, flag)
+        if value is not None:
+            if not value:
+                raise ValueError(f"--{flag}: empty")
+            return ByName(flag, value)
     if args.all:
         return EraseMatch(None)
     if not args.namespace:
-        raise ValueError("say what to erase: --namespace ID (repeatable) or --all")
+        raise ValueError("say what to erase: --namespace ID (repeatable), --model M, --tenant T or --all")
     ids = set()
     for text in args.namespace:
         try:
@@ -112,9 +126,90 @@ class _Progress:
             self.out.flush()
 
 
-def erase_tiers(config: str | None, match: EraseMatch, *, dry_run: bool, plugins: PluginManager, err: TextIO) -> list[TierResult]:
-    """Open each tier of ``config`` in turn, erase ``match`` from it, close it.
+@dataclass
+class Opened:
+    """One ``backends:`` entry as this command found it: an open tier, or a result."""
+
+    where: str
+    tier: StorageBackend | None = None
+    result: TierResult | None = None
+
+
+@dataclass
+class Erased:
+    """What :func:`erase_tiers` did: a result per tier and the match it used (for
+    ``--model``/``--tenant``: the ids recorded for that name in any tier)."""
+
+    results: list[TierResult]
+    match: EraseMatch
+    by: ByName | None = None
+    #: for --model/--tenant: the names recorded in the tiers (what was there to match)
+    recorded: set[str] | None = None
+
+
+def erase_tiers(config: str | None, which: EraseMatch | ByName, *, dry_run: bool, plugins: PluginManager, err: TextIO) -> Erased:
+    """Open each tier of ``config``, erase the match from each, close them. For a
+    :class:`ByName`, the namespace records of every open tier are read first.
     ConfigError when the config itself is invalid."""
+    opened = _open_tiers(config, plugins)
+    try:
+        by = which if isinstance(which, ByName) else None
+        unreadable: dict[str, str] = {}
+        recorded: set[str] | None = None
+        match = which if isinstance(which, EraseMatch) else EraseMatch(frozenset())
+        if by is not None:
+            match, recorded, unreadable = _resolve(opened, by)
+        results = []
+        for o in opened:
+            if o.result is not None:
+                results.append(o.result)
+                continue
+            assert o.tier is not None
+            r = (
+                _erase_one(o.where, o.tier, match, dry_run, err)
+                if match.namespaces != frozenset()
+                else TierResult(o.where, WOULD if dry_run else DONE, 0)
+            )
+            if o.where in unreadable and not r.failed:
+                erased = f" ({r.chunks} chunks of the ids found elsewhere erased)" if r.chunks else ""
+                r = TierResult(o.where, FAILED, r.chunks, f"cannot read its namespace records: {unreadable[o.where]}{erased}")
+            results.append(r)
+        return Erased(results, match, by, recorded)
+    finally:
+        for o in opened:
+            if o.tier is not None:
+                try:
+                    o.tier.close()
+                except Exception as e:  # noqa: BLE001
+                    err.write(f"warning: {o.where}: close failed: {_one_line(e)}\n")
+
+
+def _resolve(opened: list[Opened], by: ByName) -> tuple[EraseMatch, set[str], dict[str, str]]:
+    """The ids recorded for ``by`` in any open tier, every name recorded for its field,
+    and the tiers whose records could not be read (with why)."""
+    ids: set[bytes] = set()
+    names: set[str] = set()
+    unreadable: dict[str, str] = {}
+    for o in opened:
+        if o.tier is None:
+            continue
+        try:
+            records, _skipped = parse_records(o.tier.namespace_records())
+        except Exception as e:  # noqa: BLE001 - EraseUnsupported, a server away: reported per tier
+            unreadable[o.where] = _one_line(e)
+            continue
+        for r in records:
+            value = getattr(r, by.field)
+            if value is not None:
+                names.add(value)
+            if by.takes(r):
+                ids.add(r.namespace)
+    return EraseMatch(frozenset(ids)), names, unreadable
+
+
+def _open_tiers(config: str | None, plugins: PluginManager) -> list[Opened]:
+    """Every ``backends:`` entry: opened, or its result (in a node's memory: not
+    reachable; failed to open). ConfigError for an invalid config."""
     loaded = load_config(config, model=plugins.config_model())
     cfg = loaded.config
     source = loaded.source_of("backends")
@@ -125,50 +220,49 @@ def erase_tiers(config: str | None, match: EraseMatch, *, dry_run: bool, plugins
     if seal is not None:
         base, codecs = SealedCodec(base, seal), SealedCodecs(codecs, seal)
     pool = MemoryPool(POOL_BYTES)
-    results: list[TierResult] = []
-    for i, section in enumerate(cfg.backends):
-        where = f"backends[{i}] ({section.name})"
-        if plugins.pool_bytes(section, key_path=f"backends[{i}]", source=source) > 0:
-            results.append(
-                TierResult(
-                    where, UNREACHABLE, reason="not reachable from this command: its chunks live in a running node's memory"
-                )
+    opened: list[Opened] = []
+    try:
+        for i, section in enumerate(cfg.backends):
+            where = f"backends[{i}] ({section.name})"
+            if plugins.pool_bytes(section, key_path=f"backends[{i}]", source=source) > 0:
+                reason = "not reachable from this command: its chunks live in a running node's memory"
+                opened.append(Opened(where, result=TierResult(where, UNREACHABLE, reason=reason)))
+                continue
+            codec = base
+            if section.serde is not None:
+                codec = plugins.get_codec(section.serde, key_path=f"backends[{i}].serde", source=source)
+                codec = SealedCodec(codec, seal) if seal is not None else codec
+            ctx = BackendContext(
+                key_path=f"backends[{i}]",
+                source=source,
+                config=cfg,
+                pool=pool,
+                codec=codec,
+                codecs=tier_codecs(codecs, codec),
+                plugins=plugins,
             )
-            continue
-        codec = base
-        if section.serde is not None:
-            codec = plugins.get_codec(section.serde, key_path=f"backends[{i}].serde", source=source)
-            codec = SealedCodec(codec, seal) if seal is not None else codec
-        ctx = BackendContext(
-            key_path=f"backends[{i}]",
-            source=source,
-            config=cfg,
-            pool=pool,
-            codec=codec,
-            codecs=tier_codecs(codecs, codec),
-            plugins=plugins,
-        )
-        try:
-            tier: StorageBackend = plugins.create_backend(section, ctx)
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a tier that does not open is reported, the others go on
-            results.append(TierResult(where, FAILED, reason=f"could not open the tier: {_one_line(e)}"))
-            continue
-        try:
-            n = tier.erase(match, _Progress(where, err), dry_run=dry_run)
-        except EraseUnsupported as e:
-            results.append(TierResult(where, FAILED, reason=f"cannot list or erase: {_one_line(e)}"))
-        except Exception as e:  # noqa: BLE001 - reported, never a silent success
-            results.append(TierResult(where, FAILED, reason=_one_line(e)))
-        else:
-            results.append(TierResult(where, WOULD if dry_run else DONE, n))
-        finally:
             try:
-                tier.close()
-            except Exception as e:  # noqa: BLE001
-                err.write(f"warning: {where}: close failed: {_one_line(e)}\n")
-    return results
+                opened.append(Opened(where, tier=plugins.create_backend(section, ctx)))
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a tier that does not open is reported, the others go on
+                opened.append(Opened(where, result=TierResult(where, FAILED, reason=f"could not open the tier: {_one_line(e)}")))
+    except BaseException:
+        for o in opened:
+            if o.tier is not None:
+                o.tier.close()
+        raise
+    return opened
+
+
+def _erase_one(where: str, tier: StorageBackend, match: EraseMatch, dry_run: bool, err: TextIO) -> TierResult:
+    try:
+        n = tier.erase(match, _Progress(where, err), dry_run=dry_run)
+    except EraseUnsupported as e:
+        return TierResult(where, FAILED, reason=f"cannot list or erase: {_one_line(e)}")
+    except Exception as e:  # noqa: BLE001 - reported, never a silent success
+        return TierResult(where, FAILED, reason=_one_line(e))
+    return TierResult(where, WOULD if dry_run else DONE, n)
 
 
 def _one_line(e: BaseException) -> str:
@@ -176,9 +270,14 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def report(results: list[TierResult], match: EraseMatch, out: TextIO) -> int:
+def report(done: Erased, out: TextIO) -> int:
     """Print one line per tier and a verdict; the exit status (1 if any tier failed)."""
-    what = "every chunk" if match.namespaces is None else f"namespace(s) {', '.join(sorted(n.hex() for n in match.namespaces))}"
+    match, results = done.match, done.results
+    ids = "" if match.namespaces is None else ", ".join(sorted(n.hex() for n in match.namespaces))
+    if done.by is not None:
+        what = f"{done.by.field} {done.by.value!r}: namespace(s) {ids or '(none recorded)'}"
+    else:
+        what = "every chunk" if match.namespaces is None else f"namespace(s) {ids}"
     out.write(f"erase {what}:\n")
     rows = [("TIER", "RESULT", "CHUNKS", "DETAIL")]
     for r in results:
@@ -188,6 +287,9 @@ def report(results: list[TierResult], match: EraseMatch, out: TextIO) -> int:
         out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
     failed = [r.where for r in results if r.failed]
     unreachable = [r.where for r in results if r.outcome == UNREACHABLE]
+    if done.by is not None and not ids:
+        known = ", ".join(repr(n) for n in sorted(done.recorded or ())) or "none"
+        out.write(f"note: no tier records a namespace of {done.by.field} {done.by.value!r} (recorded: {known})\n")
     if failed:
         out.write(f"PARTIAL: not erased from {', '.join(failed)}\n")
     if unreachable:
@@ -197,13 +299,13 @@ def report(results: list[TierResult], match: EraseMatch, out: TextIO) -> int:
 
 def cmd_erase(args: argparse.Namespace, pm: PluginManager | None = None) -> int:
     try:
-        match = parse_match(args)
+        which = parse_match(args)
     except ValueError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     try:
-        results = erase_tiers(args.config, match, dry_run=args.dry_run, plugins=pm or PluginManager(), err=sys.stderr)
+        done = erase_tiers(args.config, which, dry_run=args.dry_run, plugins=pm or PluginManager(), err=sys.stderr)
     except ConfigError as e:
         sys.stderr.write(f"error: {_one_line(e) if not str(e) else str(e).splitlines()[0]}\n")
         return 2
-    return report(results, match, sys.stdout)
+    return report(done, sys.stdout)

@@ -9,6 +9,7 @@ keeps state.
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -65,8 +66,11 @@ def make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:
     )
 
 
-def log_namespace(namespace: KeyNamespace) -> None:
-    # the id to give `lmcache-core erase --namespace` (keys carry only this hash)
+def engine_namespace(namespace: KeyNamespace, cfg: CoreConfig) -> KeyNamespace:
+    """``namespace`` with the config's ``tenant_salt``, logged with its id (the id to
+    give ``lmcache-core erase --namespace``: keys carry only this hash)."""
+    if cfg.tenant_salt is not None:
+        namespace = dataclasses.replace(namespace, salt=cfg.tenant_salt)
     log.info(
         "key namespace %s (model %s, rank %d of %d, tenant salt %s)",
         namespace.id.hex(),
@@ -75,6 +79,7 @@ def log_namespace(namespace: KeyNamespace) -> None:
         namespace.world_size,
         "set" if namespace.salt is not None else "none",
     )
+    return namespace
 
 
 @dataclass

@@ -217,8 +217,10 @@ def test_erase_peer_tier_cannot_list(tmp_path: Path, pm: PluginManager, capsys: 
         ["--namespace", "abc"],
         ["--namespace", "AB" * 16],
         ["--namespace", "00" * 16, "--all"],
-        ["--model", "m"],
-        ["--tenant", "t"],
+        ["--model", ""],
+        ["--tenant", ""],
+        ["--model", "m", "--all"],
+        ["--tenant", "t", "--namespace", "00" * 16],
     ],
 )
 def test_erase_bad_arguments(tmp_path: Path, args: list[str], pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
@@ -253,3 +255,142 @@ def test_erase_bad_config(tmp_path: Path, pm: PluginManager, capsys: pytest.Capt
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+
+
+# --- by name: the namespace records engines leave in the tiers they write -------------
+
+
+def open_engine(pm: PluginManager, backends: list[dict[str, Any]], ns: KeyNamespace, **cfg: Any) -> KeyNamespace:
+    """Start (and close) an engine over ``backends``, as a vLLM worker would: it records
+    its namespace in every tier it writes. Its namespace (salt applied) is returned."""
+    from lmcache_core.config import CoreConfig
+    from lmcache_core.engine import CacheEngine
+
+    config = CoreConfig(chunk_size=16, backends=[BackendSection(**b) for b in backends], staging_size="4MiB", **cfg)
+    engine = CacheEngine(config, namespace=ns, plugins=pm)
+    try:
+        return engine.namespace
+    finally:
+        engine.close()
+
+
+def listed(pm: PluginManager, section: dict[str, Any], i: int, ns: KeyNamespace) -> int:
+    """How many chunk keys of ``ns`` a listing of the tier finds (a direct scan)."""
+    from lmcache_core.backend import EraseMatch
+
+    tier = open_tier(pm, section, i)
+    try:
+        return tier.erase(EraseMatch(frozenset([ns.id])), dry_run=True)
+    finally:
+        tier.close()
+
+
+HASHES = [bytes([i]) * 16 for i in range(N)]
+
+
+def test_erase_one_tenant_of_three_from_every_shared_tier(
+    tmp_path: Path, tiers: list[dict[str, Any]], pm: PluginManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three tenants (a label and a salt each) on disk, S3 and redis: --tenant beta
+    leaves 0 of beta's chunks in a listing of every tier and 100% of the others'."""
+    base = KeyNamespace(model="model-a", layout="test", dtype="float16")
+    spaces = {t: open_engine(pm, tiers, base, tenant=t, tenant_salt=f"salt-{t}") for t in ("acme", "beta", "gamma")}
+    assert len({ns.id for ns in spaces.values()}) == 3
+    data = {t: fill(pm, tiers, ns.keys(HASHES)) for t, ns in spaces.items()}
+    cfg = write_config(tmp_path, tiers)
+
+    rc = cli.main(["erase", "--config", str(cfg), "--tenant", "beta"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"erase tenant 'beta': namespace(s) {spaces['beta'].id.hex()}:" in out, out
+    rows = counts(out)
+    for i in (1, 2, 3):
+        assert rows[f"backends[{i}] ({tiers[i]['name']})"] == f"erased {N}", out
+        assert listed(pm, tiers[i], i, spaces["beta"]) == 0, tiers[i]["name"]
+        assert held(pm, tiers[i], i, data["beta"]) == 0, tiers[i]["name"]
+        for other in ("acme", "gamma"):  # the control: the other tenants keep every chunk
+            assert listed(pm, tiers[i], i, spaces[other]) == N, (tiers[i]["name"], other)
+            assert held(pm, tiers[i], i, data[other]) == N, (tiers[i]["name"], other)
+
+
+def test_erase_a_model_takes_every_rank_and_no_other_model(
+    tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backends = [{"name": "local_cpu", "max_size": "4MiB"}, {"name": "disk", "path": str(tmp_path / "disk")}]
+    a = [open_engine(pm, backends, KeyNamespace(model="model-a", layout="t", dtype="f", world_size=2, rank=r)) for r in (0, 1)]
+    b = open_engine(pm, backends, KeyNamespace(model="model-b", layout="t", dtype="f"))
+    data_a = fill(pm, backends, [k for ns in a for k in ns.keys(HASHES)])
+    data_b = fill(pm, backends, b.keys(HASHES))
+    cfg = write_config(tmp_path, backends)
+
+    rc = cli.main(["erase", "--config", str(cfg), "--model", "model-a", "--dry-run"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0 and counts(out)["backends[1] (disk)"] == f"would-erase {2 * N}", out
+    assert held(pm, backends[1], 1, data_a) == 2 * N  # a dry run deletes nothing
+
+    rc = cli.main(["erase", "--config", str(cfg), "--model", "model-a"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0 and counts(out)["backends[1] (disk)"] == f"erased {2 * N}", out
+    assert held(pm, backends[1], 1, data_a) == 0
+    assert held(pm, backends[1], 1, data_b) == N
+
+    # a name no tier records: nothing erased, the recorded names shown, not an error
+    rc = cli.main(["erase", "--config", str(cfg), "--model", "model-c"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "no tier records a namespace of model 'model-c' (recorded: 'model-a', 'model-b')" in out, out
+    assert held(pm, backends[1], 1, data_b) == N
+
+
+def test_erase_by_name_with_a_tier_down_is_partial(tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
+    """redis stopped: its records cannot be read, so namespaces recorded only there
+    would be missed: exit 1 naming it; the disk tier is still erased."""
+    down = RedisServer()
+    try:
+        backends = [
+            {"name": "disk", "path": str(tmp_path / "disk")},
+            {"name": "redis", "url": down.url, "prefix": "erase:byname:"},
+        ]
+        ns = open_engine(pm, backends, KeyNamespace(model="model-a", layout="t", dtype="f"), tenant="acme")
+        data = fill(pm, [{"name": "local_cpu"}, *backends], ns.keys(HASHES))
+        down.stop()
+        cfg = write_config(tmp_path, backends)
+        rc = cli.main(["erase", "--config", str(cfg), "--tenant", "acme"], plugin_manager=pm)
+        out = capsys.readouterr().out
+        assert rc == 1, out
+        rows = counts(out)
+        assert rows["backends[0] (disk)"] == f"erased {N}", out
+        assert rows["backends[1] (redis)"].startswith("FAILED"), out
+        assert "PARTIAL: not erased from backends[1] (redis)" in out
+        assert held(pm, backends[0], 0, data) == 0
+    finally:
+        down.stop()
+
+
+def test_disk_records_are_read_without_following_links_or_blocking(tmp_path: Path, pm: PluginManager) -> None:
+    """Names in the directory's root that only look like records: a link to a real
+    record, a FIFO, a directory, an oversized file, a bad id; all skipped, in bounded
+    time. The control: the one written by an engine is read."""
+    import os
+
+    from lmcache_core.namespaces import MAX_RECORD_BYTES, NamespaceRecord, parse_records
+
+    backends = [{"name": "local_cpu", "max_size": "4MiB"}, {"name": "disk", "path": str(tmp_path / "disk")}]
+    ns = open_engine(pm, backends, KeyNamespace(model="model-a", layout="t", dtype="f"), tenant="acme")
+    root = tmp_path / "disk"
+    real = root / f"LMCACHE_DISK_TIER.ns-{ns.id.hex()}"
+    assert real.is_file()
+    fake = [bytes([0xA0 + i]) * 16 for i in range(1, 6)]  # hex with letters: upper case differs
+    os.symlink(real, root / f"LMCACHE_DISK_TIER.ns-{fake[0].hex()}")
+    os.mkfifo(root / f"LMCACHE_DISK_TIER.ns-{fake[1].hex()}")
+    (root / f"LMCACHE_DISK_TIER.ns-{fake[2].hex()}").mkdir()
+    (root / f"LMCACHE_DISK_TIER.ns-{fake[3].hex()}").write_bytes(b" " * (MAX_RECORD_BYTES + 1))
+    (root / f"LMCACHE_DISK_TIER.ns-{fake[4].hex().upper()}").write_bytes(real.read_bytes())
+    tier = open_tier(pm, backends[1], 1)
+    try:
+        found = tier.namespace_records()
+    finally:
+        tier.close()
+    assert set(found) == {ns.id}, sorted(k.hex() for k in found)
+    records, skipped = parse_records(found)
+    assert skipped == 0 and records == [NamespaceRecord.of(ns, "acme")]

@@ -172,6 +172,8 @@ def test_erase_one_namespace_through_the_api(admin: Admin) -> None:
         {"namespaces": [], "all": True},
         {"all": True, "path": "/etc"},
         {"all": "yes"},
+        {"tenant": "alice"},  # this node has no tenants
+        {"tenant": "alice", "all": True},
         [1, 2],
     ],
 )
@@ -206,6 +208,58 @@ def test_erase_across_tenants(tmp_path: Path) -> None:
         alice.close()
         bob.close()
         a.stop()
+
+
+THREE = "alice alice-secret-0123456789\nbob bob-secret-0123456789abc\ncarol carol-secret-0123456789\n"
+SECRETS = {"alice": "alice-secret-0123456789", "bob": "bob-secret-0123456789abc", "carol": "carol-secret-0123456789"}
+
+
+def _erase_one_tenant_of_three(a: Admin) -> None:
+    """Each tenant writes N chunks in NS_A and NS_B (the same keys: tenants never
+    share); erase bob: 0 of bob's chunks are left, all of alice's and carol's are."""
+    clients = {t: client(a, s, t) for t, s in SECRETS.items()}
+    keys = [key(ns, i) for ns in (NS_A, NS_B) for i in range(N)]
+    try:
+        for c in clients.values():
+            for k in keys:
+                assert c.put(k, frame(k))
+        assert a.request("POST", "/erase", {"tenant": "bob", "dry_run": True})[1]["would_erase"] == 2 * N
+        assert clients["bob"].lookup(keys) == 2 * N  # a dry run moves nothing
+        assert a.request("POST", "/erase", {"tenant": "bob"})[1]["erased"] == 2 * N
+        for t, c in clients.items():
+            held = sum(c.lookup([k]) for k in keys)
+            assert held == (0 if t == "bob" else 2 * N), t  # the others: the control
+        usage = a.request("GET", "/status")[1]["tenants"]
+        assert [usage[t]["chunks"] for t in SECRETS] == [2 * N, 0, 2 * N], usage
+        assert a.request("POST", "/erase", {"tenant": "eve"})[0] == 404
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def test_erase_one_tenant_of_three(tmp_path: Path) -> None:
+    tenants = private_file(tmp_path / "tenants", THREE)
+    a = Admin(tmp_path, ["--max-size", "16MiB", "--tenants-file", str(tenants)], secret=False)
+    try:
+        _erase_one_tenant_of_three(a)
+        out = admin_cli(a, "erase", "--tenant", "alice")  # and from the command line
+        assert out.returncode == 0 and json.loads(out.stdout)["erased"] == 2 * N, out.stdout + out.stderr
+        assert a.request("GET", "/status")[1]["tenants"]["carol"]["chunks"] == 2 * N
+    finally:
+        a.stop()
+
+
+@pytest.mark.skipif(not SHM_SUPPORTED, reason="no shared-memory fast path on this host")
+def test_erase_one_tenant_of_three_from_shared_memory_arenas(tmp_path: Path) -> None:
+    sock = Path(tempfile.mkdtemp(prefix="adm", dir="/tmp")) / "node.sock"
+    tenants = private_file(tmp_path / "tenants", THREE)
+    a = Admin(tmp_path, ["--max-size", "16MiB", "--tenants-file", str(tenants), "--unix-socket", str(sock)], secret=False)
+    try:
+        assert a.request("GET", "/status")[1]["tiers"][0]["kind"] == "shared-memory arenas"
+        _erase_one_tenant_of_three(a)
+    finally:
+        a.stop()
+        shutil.rmtree(sock.parent, ignore_errors=True)
 
 
 @pytest.mark.skipif(not SHM_SUPPORTED, reason="no shared-memory fast path on this host")
@@ -396,3 +450,29 @@ def test_the_admin_command_speaks_to_the_api(admin: Admin) -> None:
     assert out.returncode == 2 and "chmod 600" in out.stderr, out.stderr
     _, after = admin.request("GET", "/status")
     assert after["admin"]["unauthorized"] == before["admin"]["unauthorized"]
+
+
+def test_the_openapi_description_is_served_in_the_docs_and_covers_every_route(admin: Admin) -> None:
+    """GET /openapi.json answers the description; docs/backends/admin-openapi.json is the
+    same text; every path and method it names is routed (not 404/405), and every route
+    in the node's dispatcher is named in it (a route added without a description fails)."""
+    import re
+
+    from lmcache_backend_peer import admin as admin_module
+    from lmcache_backend_peer.openapi import SPEC, text
+
+    code, served = admin.request("GET", "/openapi.json")
+    assert code == 200 and served == json.loads(json.dumps(SPEC))
+    doc = Path(__file__).resolve().parents[2] / "docs" / "backends" / "admin-openapi.json"
+    assert doc.read_text() == text(), "regenerate: python -m lmcache_backend_peer.openapi > docs/backends/admin-openapi.json"
+    described = {(m.upper(), p) for p, ops in SPEC["paths"].items() for m in ops}
+    source = Path(admin_module.__file__).read_text()
+    routed = set(re.findall(r'== \("(GET|POST)", "(/[a-z.]*)"\)', source))
+    assert routed and routed == described, (routed, described)
+    for method, path in sorted(described):
+        body = {"all": True, "dry_run": True} if method == "POST" else None
+        query = "?keys=v1-" + "00" * 16 + "-" + "11" * 16 if path == "/lookup" else ""
+        code, _ = admin.request(method, path + query, body)
+        assert code == 200, (method, path, code)
+    assert admin.request("GET", "/openapi.yaml")[0] == 404  # the control: an unknown path
+    assert admin.request("POST", "/openapi.json", {})[0] == 405

@@ -70,7 +70,9 @@ def test_two_processes_share_chunks_through_the_bucket(s3_server: MotoS3, s3_buc
     assert a["stored"] == 5 and a["flushed"] is True
     assert a["tiers"]["s3"]["puts"] == 5  # type: ignore[index]
 
-    listed = s3_server.client().list_objects_v2(Bucket=s3_bucket, Prefix="shared/")
+    listed = s3_server.client().list_objects_v2(
+        Bucket=s3_bucket, Prefix="shared/v1-"
+    )  # chunk objects (the namespace record aside)
     assert listed["KeyCount"] == 5
 
     b = run_child("load", section, tmp_path / "b.pt")

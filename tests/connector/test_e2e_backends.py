@@ -117,7 +117,7 @@ def test_s3_tier_across_processes(tiny_model):
         cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, section]}
         a = _run(tiny_model, cfg, env)
         assert a["flushed"]
-        assert s3.list_objects_v2(Bucket="lmcache-e2e").get("KeyCount", 0) == OBJECTS
+        assert s3.list_objects_v2(Bucket="lmcache-e2e", Prefix="lmcache/v1-").get("KeyCount", 0) == OBJECTS
         b = _run(tiny_model, cfg, env)
         _check(a, b, "s3")
     finally:

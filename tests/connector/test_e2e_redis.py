@@ -25,7 +25,7 @@ def test_redis_tier_across_processes(tiny_model: Path) -> None:
         cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, section]}
         a = _run(tiny_model, cfg)
         assert a["flushed"]
-        assert len(server.client().keys("e2e:*")) == OBJECTS  # the full chunks and block tails of both prompts
+        assert len(server.client().keys("e2e:v1-*")) == OBJECTS  # the full chunks and block tails of both prompts
         b = _run(tiny_model, cfg)
         _check(a, b, "redis")
         redis_hits = {t["name"]: t["hits"] for t in b["tiers"]}["redis"]

@@ -68,6 +68,7 @@ from .chunkio import ChunkIO
 from .config import DiskConfig
 from .directory import FANOUT, TierDirectory, open_dir, parse_chunk_name
 from .owners import TempJudge, untrack
+from .records import read_records, write_record
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +271,20 @@ class DiskBackend(ChunkIO):
         if left:
             raise BackendError(f"disk tier {self.root}: {left} matching chunk file(s) could not be removed ({n} were)")
         return n
+
+    def record_namespace(self, namespace: bytes, record: bytes) -> None:
+        """A file in the directory's root (:mod:`.records`); OSError when it cannot be written."""
+        if self._closed or self._root_fd is None or self._budget is None:
+            raise BackendError(f"disk tier {self.root}: the directory is not open for writing")
+        write_record(self._root_fd, namespace, record)
+
+    def namespace_records(self) -> dict[bytes, bytes]:
+        if self._closed or self._root_fd is None:
+            raise BackendError(f"disk tier {self.root}: the directory is not open")
+        try:
+            return read_records(self._root_fd)
+        except OSError as err:
+            raise BackendError(f"disk tier {self.root}: cannot list its namespace records: {err.strerror}") from None
 
     def _chunks_matching(self, match: EraseMatch) -> list[ChunkKey]:
         """The keys of the chunk files ``match`` takes, from a listing of every shard

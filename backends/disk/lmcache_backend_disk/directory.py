@@ -6,6 +6,8 @@
     <path>/LMCACHE_DISK_TIER.usage  the directory's byte count, shared by its processes (see budget.py)
     <path>/LMCACHE_DISK_TIER.owners the processes using the directory: each holds a lock on the byte
                                     at its pid (see owners.py)
+    <path>/LMCACHE_DISK_TIER.ns-<id>
+                                    one engine namespace's record (see records.py), outside the budget
     <path>/<hh>/<key.to_str()>      one chunk frame; <hh> = first two hex chars of the chunk hash
     <path>/<hh>/.tmp-<pid>-<rand>-<bytes>
                                     a write in progress of a <bytes>-byte frame (renamed onto the

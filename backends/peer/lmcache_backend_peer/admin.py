@@ -8,7 +8,9 @@ connection, standard library only (:mod:`http.server`):
 - ``POST /erase``: ``{"namespaces": ["<32 hex>", ...]}`` or ``{"all": true}``, optional
   ``"dry_run": true``: drops the matching chunks from the node's memory (the backend
   ``erase()`` contract, :class:`~lmcache_core.backend.EraseMatch`), whichever
-  principal wrote them; answers how many went.
+  principal wrote them; or ``{"tenant": "<name>"}`` on a node with tenants: every
+  chunk that tenant wrote, whatever its namespace, no other's. Answers how many went.
+- ``GET /openapi.json``: this API described in OpenAPI 3.1 (:mod:`.openapi`).
 - ``GET /lookup?keys=K1,K2,...[&tenant=T]``: for chunk keys (``v1-<ns>-<hash>``, as
   engines name them), which the node holds for that principal (the shared secret's
   without ``tenant``). Read-only: it counts no hit and moves nothing in the LRU.
@@ -261,35 +263,46 @@ class AdminServer:
         return {SHARED if p is None else p: row for p, row in usage.items()}
 
     def erase(self, body: Any) -> tuple[dict[str, Any], str]:
-        if not isinstance(body, dict) or not set(body) <= {"namespaces", "all", "dry_run"}:
-            raise _Refused(400, 'expected {"namespaces": ["<id>", ...]} or {"all": true}, optional "dry_run"')
+        if not isinstance(body, dict) or not set(body) <= {"namespaces", "all", "tenant", "dry_run"}:
+            raise _Refused(
+                400, 'expected {"namespaces": ["<id>", ...]}, {"tenant": "<name>"} or {"all": true}, optional "dry_run"'
+            )
         dry_run = body.get("dry_run", False)
-        every = body.get("all", False)
-        names = body.get("namespaces")
-        if not isinstance(dry_run, bool) or not isinstance(every, bool):
+        if not isinstance(dry_run, bool) or not isinstance(body.get("all", False), bool):
             raise _Refused(400, '"all" and "dry_run" must be true or false')
-        if every == (names is not None):
-            raise _Refused(400, 'give exactly one of "namespaces" (a list of ids) and "all": true')
-        if every:
-            match = EraseMatch(None)
+        given = [k for k in ("namespaces", "all", "tenant") if body.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise _Refused(400, 'give exactly one of "namespaces" (a list of ids), "tenant" (a name) and "all": true')
+        if given == ["tenant"]:
+            tenant = body["tenant"]
+            if not self.tenants:
+                raise _Refused(400, "this node has no tenants (--tenants-file): erase by namespaces or all")
+            if not isinstance(tenant, str) or tenant not in self.tenants:
+                raise _Refused(404, "no such tenant on this node")
+            n = self.store.erase_owner(tenant, dry_run=dry_run)
+            what = f"tenant {tenant}"
         else:
-            if not isinstance(names, list) or not names or len(names) > 1024:
-                raise _Refused(400, '"namespaces" must be a list of 1 to 1024 namespace ids')
-            ids = set()
-            for text in names:
-                ns = _namespace(text)
-                if ns is None:
-                    raise _Refused(400, f"not a namespace id ({2 * HASH_BYTES} lowercase hex digits): {str(text)[:80]!r}")
-                ids.add(ns)
-            match = EraseMatch(frozenset(ids))
-        n = self.store.erase(match, dry_run=dry_run)
+            match = EraseMatch(None) if given == ["all"] else EraseMatch(self._namespaces(body["namespaces"]))
+            n = self.store.erase(match, dry_run=dry_run)
+            what = "all" if match.namespaces is None else ",".join(sorted(x.hex() for x in match.namespaces))
         if not dry_run:
             self.count("erased_chunks", n)
-        what = "all" if match.namespaces is None else ",".join(sorted(x.hex() for x in match.namespaces))
         return (
             {"erased" if not dry_run else "would_erase": n, "dry_run": dry_run, "tier": "node"},
             f"erase {what}{' (dry run)' if dry_run else ''}: {n} chunks",
         )
+
+    @staticmethod
+    def _namespaces(names: Any) -> frozenset[bytes]:
+        if not isinstance(names, list) or not names or len(names) > 1024:
+            raise _Refused(400, '"namespaces" must be a list of 1 to 1024 namespace ids')
+        ids = set()
+        for text in names:
+            ns = _namespace(text)
+            if ns is None:
+                raise _Refused(400, f"not a namespace id ({2 * HASH_BYTES} lowercase hex digits): {str(text)[:80]!r}")
+            ids.add(ns)
+        return frozenset(ids)
 
     def lookup(self, query: str) -> dict[str, Any]:
         try:
@@ -467,10 +480,14 @@ class _Handler(BaseHTTPRequestHandler):
             elif (self.command, url.path) == ("GET", "/lookup"):
                 reply = admin.lookup(url.query)
                 self._answer(200, reply, what, f"{reply['keys']} keys, {sum(reply['held'])} held")
-            elif url.path in ("/status", "/erase", "/lookup"):
+            elif (self.command, url.path) == ("GET", "/openapi.json"):
+                from .openapi import SPEC
+
+                self._answer(200, SPEC, what, "ok")
+            elif url.path in ("/status", "/erase", "/lookup", "/openapi.json"):
                 raise _Refused(405, "method not allowed")
             else:
-                raise _Refused(404, "no such endpoint (GET /status, POST /erase, GET /lookup)")
+                raise _Refused(404, "no such endpoint (GET /status, POST /erase, GET /lookup, GET /openapi.json)")
         except _Refused as r:
             self._timer.cancel()
             self._answer(r.code, {"error": str(r)}, what, f"refused: {r}")

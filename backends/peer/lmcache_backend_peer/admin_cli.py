@@ -3,7 +3,7 @@ curl (the API itself: :mod:`.admin`).
 
     lmcache-core admin --url http://127.0.0.1:9100 --token-file F status
     lmcache-core admin --url ... --token-file F lookup KEY [KEY ...] [--tenant T]
-    lmcache-core admin --url ... --token-file F erase (--namespace ID ... | --all) [--dry-run]
+    lmcache-core admin --url ... --token-file F erase (--namespace ID ... | --tenant T | --all) [--dry-run]
 
 The token file is checked like the node checks its own (a regular file only its
 owner can read: refused otherwise, before anything is sent). HTTPS URLs are verified
@@ -42,6 +42,7 @@ def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     which = er.add_mutually_exclusive_group(required=True)
     which.add_argument("--namespace", action="append", metavar="ID", help="a namespace id (32 hex); repeatable")
     which.add_argument("--all", action="store_true", help="every chunk the node holds")
+    which.add_argument("--tenant", metavar="T", help="every chunk tenant T wrote (a node with --tenants-file)")
     er.add_argument("--dry-run", action="store_true", help="count what would go, drop nothing")
     return run
 
@@ -80,7 +81,9 @@ def plan(args: argparse.Namespace) -> tuple[str, str, Any]:
     if args.action == "lookup":
         query = {"keys": ",".join(args.keys), **({"tenant": args.tenant} if args.tenant else {})}
         return "GET", "/lookup?" + urllib.parse.urlencode(query), None
-    body: dict[str, Any] = {"all": True} if args.all else {"namespaces": args.namespace}
+    body: dict[str, Any] = (
+        {"all": True} if args.all else {"tenant": args.tenant} if args.tenant else {"namespaces": args.namespace}
+    )
     if args.dry_run:
         body["dry_run"] = True
     return "POST", "/erase", body

@@ -349,6 +349,11 @@ class ArenaStore:
         """Erase ``match`` from every principal's arena; how many slots went."""
         return sum(a.erase(match, progress, dry_run=dry_run) for a in self.arenas.values())
 
+    def erase_owner(self, owner: str | None, *, dry_run: bool = False) -> int:
+        """Empty ``owner``'s arena (its chunks only); how many slots went."""
+        arena = self.arenas.get(owner)
+        return 0 if arena is None else arena.erase(EraseMatch(None), dry_run=dry_run)
+
     @property
     def bytes_used(self) -> int:
         return sum(a.bytes_used for a in self.arenas.values())

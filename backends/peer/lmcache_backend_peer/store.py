@@ -172,6 +172,13 @@ class FrameStore:
                     progress(n)
         return n
 
+    def erase_owner(self, owner: str | None, *, dry_run: bool = False) -> int:
+        """Drop every frame ``owner`` wrote (a tenant, or None: the shared secret's),
+        whatever its namespace; how many went (reported to ``on_drop`` as in :meth:`erase`)."""
+        with self._lock:
+            keys = list(self._owned.get(owner, ()))
+        return len(keys) if dry_run else sum(self.remove(k) for k in keys)
+
     def __len__(self) -> int:
         return len(self._frames)
 

@@ -47,6 +47,7 @@ import torch
 
 from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, EraseMatch, StorageBackend
 from lmcache_core.keys import ChunkKey
+from lmcache_core.namespaces import MAX_RECORD_BYTES, MAX_RECORDS, namespace_of
 from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
 from .client import Client, Failure, call_deadline, classify, describe, make_client
@@ -552,6 +553,44 @@ class RedisBackend(StorageBackend):
         self.mark_available()
         return n
 
+    def record_namespace(self, namespace: bytes, record: bytes) -> None:
+        """SET ``<prefix>lmcache-ns-<id>`` (no expiry; a ``maxmemory`` policy that
+        evicts any key may still drop it), under ``call_timeout_s``; raises on failure."""
+        if self._closed:
+            raise BackendError(f"redis record on {self.target}: the tier is closed")
+        try:
+            with self._deadline():
+                self._conn().set(self.cfg.prefix + RECORD_NAME + namespace.hex(), record)
+        except Exception as err:
+            raise BackendError(f"redis record on {self.target}: {describe(err)}") from None
+
+    def namespace_records(self) -> dict[bytes, bytes]:
+        """SCAN (every primary of a cluster) for ``<prefix>lmcache-ns-*`` and GET each
+        record, under ``call_timeout_s`` a step; a value over 4 KiB is skipped."""
+        if self._closed:
+            raise BackendError(f"redis records on {self.target}: the tier is closed")
+        head = (self.cfg.prefix + RECORD_NAME).encode()
+        out: dict[bytes, bytes] = {}
+        try:
+            with self._deadline():
+                it = iter(self._conn().scan_iter(match=_glob_escape(self.cfg.prefix + RECORD_NAME) + "*", count=ERASE_BATCH))
+            while len(out) < MAX_RECORDS:
+                with self._deadline():
+                    name = next(it, None)
+                if name is None:
+                    break
+                raw = name if isinstance(name, bytes) else str(name).encode()
+                ns = namespace_of(raw[len(head) :].decode("ascii", "replace")) if raw.startswith(head) else None
+                if ns is None:
+                    continue
+                with self._deadline():
+                    value = self._conn().getrange(raw, 0, MAX_RECORD_BYTES)
+                if value is not None and len(value) <= MAX_RECORD_BYTES:
+                    out[ns] = bytes(value)
+        except Exception as err:
+            raise BackendError(f"redis records on {self.target}: {describe(err)}") from None
+        return out
+
     def _delete_names(self, names: list[bytes]) -> int:
         """DEL each name (one key per command: a cluster's keys live in many slots);
         how many existed."""
@@ -595,3 +634,7 @@ class RedisBackend(StorageBackend):
             self.client.close()
         except Exception as err:  # a dead socket: nothing left to release
             log.debug("redis tier: client close: %s", describe(err))
+
+
+#: a namespace record's name after the tier's prefix (:mod:`lmcache_core.namespaces`)
+RECORD_NAME = "lmcache-ns-"

@@ -40,6 +40,7 @@ from lmcache_core.backend import (
     prefix_count,
 )
 from lmcache_core.keys import ChunkKey
+from lmcache_core.namespaces import MAX_RECORD_BYTES, MAX_RECORDS, namespace_of
 from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
 from .client import Failure, classify, describe, make_client, status_of
@@ -294,6 +295,47 @@ class S3Backend(StorageBackend):
         self._gate.succeeded()
         return n
 
+    def record_namespace(self, namespace: bytes, record: bytes) -> None:
+        """One small object, ``<prefix>/lmcache-ns-<id>``, next to the chunks (their
+        names start with ``v1-``), under ``op_deadline_s``; raises on failure."""
+        if self._closed:
+            raise BackendError(f"s3 record in bucket {self.bucket!r}: the tier is closed")
+        name = self.cfg.object_name(RECORD_NAME + namespace.hex())
+        try:
+            run_bounded(self._ops, self._deadline(), "record", self._put_small, name, record)
+        except Exception as err:
+            raise BackendError(f"s3 record {name} in bucket {self.bucket!r} at {self.endpoint}: {describe(err)}") from None
+
+    def _put_small(self, name: str, body: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=name, Body=body)
+
+    def namespace_records(self) -> dict[bytes, bytes]:
+        """ListObjectsV2 under ``<prefix>/lmcache-ns-``, then one ranged GET of at
+        most 4 KiB per record (a larger object is skipped), each under ``op_deadline_s``."""
+        if self._closed:
+            raise BackendError(f"s3 records in bucket {self.bucket!r}: the tier is closed")
+        out: dict[bytes, bytes] = {}
+        head = self.cfg.object_name(RECORD_NAME)
+        token: str | None = None
+        try:
+            while len(out) < MAX_RECORDS:
+                page = run_bounded(self._ops, self._deadline(), "records (list)", self._list_page, RECORD_NAME, token)
+                for item in page.get("Contents", []):
+                    name, size = str(item["Key"]), int(item.get("Size", 0))
+                    ns = namespace_of(name[len(head) :]) if name.startswith(head) else None
+                    if ns is not None and size <= MAX_RECORD_BYTES and len(out) < MAX_RECORDS:
+                        out[ns] = run_bounded(self._ops, self._deadline(), "records (get)", self._get_small, name)
+                if not page.get("IsTruncated"):
+                    break
+                token = str(page["NextContinuationToken"])
+        except Exception as err:
+            raise BackendError(f"s3 records in bucket {self.bucket!r} at {self.endpoint}: {describe(err)}") from None
+        return out
+
+    def _get_small(self, name: str) -> bytes:
+        reply = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes=0-{MAX_RECORD_BYTES}")
+        return bytes(reply["Body"].read(MAX_RECORD_BYTES + 1))
+
     def _key_of(self, name: str) -> ChunkKey | None:
         """The chunk key an object name of this tier stands for, or None."""
         head = self.cfg.object_name("")
@@ -454,3 +496,7 @@ class S3Backend(StorageBackend):
             self.client.close()
         except Exception as err:  # closing twice or a dead socket: nothing to do
             log.debug("s3 tier: client close: %s", err)
+
+
+#: the name of a namespace record under the tier's prefix (:mod:`lmcache_core.namespaces`)
+RECORD_NAME = "lmcache-ns-"

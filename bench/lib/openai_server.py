@@ -15,10 +15,8 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -144,33 +142,11 @@ def openai_server(
     seconds. Stopped on exit: SIGINT to its process group, SIGKILL after 30 s."""
     port = servers.free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", *server_args, "--host", "127.0.0.1", "--port", str(port)]
-    logf = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name}: server exited ({proc.returncode}); see {log_path}")
-            try:
-                http_get(base + "/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name}: server not up after {start_timeout} s; see {log_path}") from None
-                time.sleep(1)
+    with servers.healthy_process(
+        cmd, env=env, log_path=log_path, health_url=base + "/health", start_timeout=start_timeout, name=f"{name}: server"
+    ) as proc:
         yield base, proc
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)
-        logf.close()
 
 
 def vllm_args(arm: Arm, model: Path, args: argparse.Namespace) -> list[str]:

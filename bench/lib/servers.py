@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 MOTO_CHILD = """
 import sys, logging
@@ -75,11 +77,60 @@ def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
 def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """Terminate ``proc``; kill it if it has not exited after ``timeout`` s."""
     proc.terminate()
+    wait_or_kill(proc, timeout)
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait ``timeout`` s for ``proc`` to exit; kill it if it has not."""
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout)
+
+
+@contextmanager
+def healthy_process(
+    cmd: list[str],
+    *,
+    env: Mapping[str, str],
+    log_path: Path,
+    health_url: str,
+    start_timeout: float,
+    name: str,
+    poll_s: float = 1.0,
+) -> Iterator[subprocess.Popen]:
+    """``cmd`` in its own process group, its output in ``log_path``; yields it once
+    ``health_url`` answers, RuntimeError naming ``name`` if it exits first or does not
+    answer within ``start_timeout`` seconds. Stopped on exit: SIGINT to its process
+    group, SIGKILL after 30 s."""
+    logf = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name}: exited ({proc.returncode}); see {log_path}")
+            try:
+                with urllib.request.urlopen(health_url, timeout=2) as r:  # noqa: S310 - loopback only
+                    r.read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: not up after {start_timeout} s; see {log_path}") from None
+                time.sleep(poll_s)
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+        logf.close()
 
 
 def console_script(name: str) -> str:
@@ -154,11 +205,7 @@ def start_moto(timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
 def stop_moto(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     if proc.stdin:
         proc.stdin.close()
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout)
+    wait_or_kill(proc, timeout)
 
 
 @contextmanager

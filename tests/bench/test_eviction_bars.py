@@ -1,0 +1,30 @@
+"""bench_eviction's trace bars: a whole trace's miss fails the run; the same miss on
+``--quick``'s 3,000-request prefix (another, shorter workload) is printed with its
+figures as ``MISS (quick)`` and does not."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import bench_eviction as be  # noqa: E402
+
+
+def _points(default_hits: int, other_hits: int) -> list[dict[str, object]]:
+    return [
+        {"share": s, "policy": p, "hits": h, "blocks": 1000, "optimum": 900}
+        for s in be.TRACE_SIZES
+        for p, h in (("adaptive", default_hits), ("s3fifo", other_hits))
+    ]
+
+
+def test_a_miss_fails_a_whole_trace_and_is_only_shown_on_quick() -> None:
+    _, full = be.trace_report("synthetic_trace.jsonl", _points(479, 500), ["adaptive", "s3fifo"], "adaptive")
+    _, quick = be.trace_report("synthetic_trace.jsonl", _points(479, 500), ["adaptive", "s3fifo"], "adaptive", quick=True)
+    assert full and all(b.startswith("FAIL") and "0.958x" in b for b in full)
+    assert quick and all(b.startswith("MISS (quick)") and "0.958x" in b for b in quick)
+    # the control: a win passes either way
+    _, won = be.trace_report("synthetic_trace.jsonl", _points(510, 500), ["adaptive", "s3fifo"], "adaptive", quick=True)
+    assert all(b.startswith("PASS") for b in won)

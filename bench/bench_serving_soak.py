@@ -21,6 +21,11 @@ with 8 requests in flight vLLM batches them differently from one request alone, 
 on CPU its float sums depend on the batch, so the KV itself (and greedy outputs) of a
 prefix computed under load differ in low bits from one computed alone (bench_serving
 shows vLLM-only arms at 29/32 against each other).
+
+``--quick`` (3 minutes, 12 documents, a 32 MiB KV cache and ``--max-model-len`` 4096 so
+vLLM starts with it) is a smoke run: it judges every verdict but the RSS slope, which
+it prints as ``MISS (quick: not judged)`` when over 2%: a 2-minute slope cannot tell
+warm-up from growth.
 """
 
 from __future__ import annotations
@@ -179,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.duration, a.docs, a.sample_every, a.sample, a.check_every = 180, 12, 20, 4, 60
         a.small_kv = min(a.small_kv, 32 << 20)  # below the 142 MiB working set, so the tiers serve reuse
+        # vLLM refuses to start unless one request of max_model_len fits the KV cache
+        # (32 MiB holds about 5k tokens of this model): a document and its answer do
+        a.max_model_len = min(a.max_model_len, 4096)
     model = openai_server.build_model()
     working_set = a.docs * (a.doc_tokens + 20) * openai_server.KV_PER_TOKEN
     quarter = working_set // 4
@@ -279,13 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         "sampled_identical": f"{same}/{total_sampled}",
         "check_rounds": len(checks),
         "loaded_tokens_total": loaded_end,
-        "pass": ok_rss and not over and failed == 0 and same == total_sampled,
+        # --quick: 3 minutes cannot tell warm-up from growth; the slope is shown, judged on real soaks
+        "pass": (ok_rss or a.quick) and not over and failed == 0 and same == total_sampled,
     }
     lines += [
         f"- requests: {len(requests)} in {a.duration:.0f} s at concurrency {a.concurrency}, failed {failed}",
         f"- RSS growth per 10 min after the first {min(300, a.duration / 3):.0f} s: "
         + ", ".join(f"{k} {v:+.2%}" for k, v in growth.items())
-        + f" ({'PASS' if ok_rss else 'MISS'}: <= 2%)",
+        + f" ({'PASS' if ok_rss else 'MISS (quick: not judged)' if a.quick else 'MISS'}: <= 2%)",
         f"- tiers over budget: {len(over)} samples ({'PASS' if not over else 'MISS'})",
         f"- sampled documents asked alone in {len(checks)} rounds during the soak, answers identical to vLLM "
         f"alone's: {same}/{total_sampled} ({'PASS' if same == total_sampled else 'MISS'}); tokens loaded from the "

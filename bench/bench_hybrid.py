@@ -183,7 +183,10 @@ def main() -> int:
         if name == "dense":
             model, dtype = build_tiny_model(MODELS / DENSE.tag(), DENSE), "float32"
         else:
-            model, dtype = build_hybrid_model(MODELS / name, name), FAMILIES[name].dtype
+            # vLLM-CPU's MLA kernels (amx_mla) take bf16/fp16 weights only; its "auto"
+            # dtype (what tests/connector/test_e2e_hybrid.py runs) downcasts to bf16 too
+            model = build_hybrid_model(MODELS / name, name)
+            dtype = "bfloat16" if name == "deepseek_v2" else FAMILIES[name].dtype
         results[name] = measure(name, model, dtype, docs, repeats)
     dense = results.get("dense")
     print(

@@ -29,13 +29,14 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from .backend import BackendContext, EraseMatch, EraseUnsupported, StorageBackend
+from .backend import EraseMatch, EraseUnsupported, StorageBackend
 from .config import ConfigError, load_config, read_frame_secret
 from .keys import HASH_BYTES
 from .memory import MemoryPool
-from .namespaces import NamespaceRecord, parse_records
+from .namespaces import NamespaceRecord, namespace_of, parse_records
 from .plugins import PluginManager
-from .serde import FrameSeal, SealedCodec, SealedCodecs, tier_codecs
+from .opening import Codecs, tier_context
+from .serde import FrameSeal
 
 #: the pool handed to tiers opened here (no chunk is read or written through it)
 POOL_BYTES = 1 << 20
@@ -100,11 +101,8 @@ def parse_match(args: argparse.Namespace) -> EraseMatch | ByName:
         raise ValueError("say what to erase: --namespace ID (repeatable), --model M, --tenant T or --all")
     ids = set()
     for text in args.namespace:
-        try:
-            ns = bytes.fromhex(text)
-        except ValueError:
-            ns = b""
-        if len(ns) != HASH_BYTES or text != ns.hex():
+        ns = namespace_of(text)
+        if ns is None:
             raise ValueError(f"--namespace {text!r}: not a namespace id ({2 * HASH_BYTES} lowercase hex digits)")
         ids.add(ns)
     return EraseMatch(frozenset(ids))
@@ -211,36 +209,19 @@ def _open_tiers(config: str | None, plugins: PluginManager) -> list[Opened]:
     """Every ``backends:`` entry: opened, or its result (in a node's memory: not
     reachable; failed to open). ConfigError for an invalid config."""
     loaded = load_config(config, model=plugins.config_model())
-    cfg = loaded.config
+    secret = read_frame_secret(loaded.config)
+    codecs = Codecs(loaded, plugins, FrameSeal(secret) if secret is not None else None)
     source = loaded.source_of("backends")
-    secret = read_frame_secret(cfg)
-    seal = FrameSeal(secret) if secret is not None else None
-    codecs = plugins.codec_map()
-    base = plugins.get_codec(cfg.serde, source=loaded.source_of("serde"))
-    if seal is not None:
-        base, codecs = SealedCodec(base, seal), SealedCodecs(codecs, seal)
     pool = MemoryPool(POOL_BYTES)
     opened: list[Opened] = []
     try:
-        for i, section in enumerate(cfg.backends):
+        for i, section in enumerate(loaded.config.backends):
             where = f"backends[{i}] ({section.name})"
             if plugins.pool_bytes(section, key_path=f"backends[{i}]", source=source) > 0:
                 reason = "not reachable from this command: its chunks live in a running node's memory"
                 opened.append(Opened(where, result=TierResult(where, UNREACHABLE, reason=reason)))
                 continue
-            codec = base
-            if section.serde is not None:
-                codec = plugins.get_codec(section.serde, key_path=f"backends[{i}].serde", source=source)
-                codec = SealedCodec(codec, seal) if seal is not None else codec
-            ctx = BackendContext(
-                key_path=f"backends[{i}]",
-                source=source,
-                config=cfg,
-                pool=pool,
-                codec=codec,
-                codecs=tier_codecs(codecs, codec),
-                plugins=plugins,
-            )
+            ctx = tier_context(codecs, pool, i)
             try:
                 opened.append(Opened(where, tier=plugins.create_backend(section, ctx)))
             except ConfigError:

@@ -34,6 +34,9 @@ RECORD_VERSION = 1
 MAX_RECORD_BYTES = 4096
 #: records one tier is asked for at most (a listing stops there)
 MAX_RECORDS = 100_000
+#: what a tier that names things by string files a record under: this, then the id
+#: (after the tier's own prefix; S3 and Redis)
+RECORD_NAME = "lmcache-ns-"
 #: what ``tenant`` may be: a label, not a secret
 TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 

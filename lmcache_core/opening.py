@@ -109,6 +109,21 @@ class Codecs:
         return SealedCodec(codec, self.seal) if self.seal is not None else codec
 
 
+def tier_context(codecs: Codecs, pool: MemoryPool, i: int) -> BackendContext:
+    """What the plugin of ``backends[i]`` is given to create its tier: the section's
+    place and source, the config, ``pool``, its codec and every codec, sealed alike."""
+    tier_codec = codecs.for_tier(codecs.loaded.config.backends[i].serde, f"backends[{i}].serde")
+    return BackendContext(
+        key_path=f"backends[{i}]",
+        source=codecs.loaded.source_of("backends"),
+        config=codecs.loaded.config,
+        pool=pool,
+        codec=tier_codec,
+        codecs=tier_codecs(codecs.by_name, tier_codec),
+        plugins=codecs.plugins,
+    )
+
+
 def open_tiers(codecs: Codecs, pool: MemoryPool) -> tuple[list[StorageBackend], list[Codec]]:
     """Every configured tier, created by its plugin, and its codec; if one fails,
     those already open are closed and the error raised."""
@@ -117,16 +132,8 @@ def open_tiers(codecs: Codecs, pool: MemoryPool) -> tuple[list[StorageBackend], 
     per_tier: list[Codec] = []
     try:
         for i, section in enumerate(cfg.backends):
-            tier_codec = codecs.for_tier(section.serde, f"backends[{i}].serde")
-            ctx = BackendContext(
-                key_path=f"backends[{i}]",
-                source=codecs.loaded.source_of("backends"),
-                config=cfg,
-                pool=pool,
-                codec=tier_codec,
-                codecs=tier_codecs(codecs.by_name, tier_codec),
-                plugins=plugins,
-            )
+            ctx = tier_context(codecs, pool, i)
+            tier_codec = ctx.codec
             tier = plugins.create_backend(section, ctx)
             tiers.append(tier)
             per_tier.append(tier_codec)

@@ -51,6 +51,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from lmcache_core.backend import EraseMatch
 from lmcache_core.keys import HASH_BYTES, ChunkKey
+from lmcache_core.namespaces import namespace_of
 
 from .client import format_address
 from .store import FrameStore
@@ -335,13 +336,7 @@ class AdminServer:
 
 
 def _namespace(text: object) -> bytes | None:
-    if not isinstance(text, str) or len(text) != 2 * HASH_BYTES:
-        return None
-    try:
-        ns = bytes.fromhex(text)
-    except ValueError:
-        return None
-    return ns if text == ns.hex() else None
+    return namespace_of(text) if isinstance(text, str) else None
 
 
 class _HTTPServer(ThreadingHTTPServer):

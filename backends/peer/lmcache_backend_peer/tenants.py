@@ -78,12 +78,17 @@ class TenantSource:
 def parse_tenants(text: str, where: str) -> dict[str, bytes]:
     """``NAME SECRET [quota=SIZE]`` lines -> {name: secret}; ValueError naming the line
     on anything wrong (quotas: :func:`parse_quotas`)."""
-    return {name: secret for name, secret, _ in _entries(text, where)}
+    return _split(_entries(text, where))[0]
 
 
 def parse_quotas(text: str, where: str) -> dict[str, int]:
     """The tenants given a ``quota=SIZE`` (bytes the node holds for them at most)."""
-    return {name: quota for name, _, quota in _entries(text, where) if quota is not None}
+    return _split(_entries(text, where))[1]
+
+
+def _split(entries: list[tuple[str, bytes, int | None]]) -> tuple[dict[str, bytes], dict[str, int]]:
+    """{name: secret} and {name: quota} for those given one."""
+    return {name: secret for name, secret, _ in entries}, {name: q for name, _, q in entries if q is not None}
 
 
 def _entries(text: str, where: str) -> list[tuple[str, bytes, int | None]]:
@@ -138,5 +143,4 @@ def load_tenants(path: Path) -> dict[str, bytes]:
 
 def load_tenants_file(path: Path) -> tuple[dict[str, bytes], dict[str, int]]:
     """The tenants file read once: {name: secret} and {name: quota} for those given one."""
-    entries = _entries(_read(path), str(path))
-    return {name: secret for name, secret, _ in entries}, {name: q for name, _, q in entries if q is not None}
+    return _split(_entries(_read(path), str(path)))

@@ -47,7 +47,7 @@ import torch
 
 from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendError, BackendStats, EraseMatch, StorageBackend
 from lmcache_core.keys import ChunkKey
-from lmcache_core.namespaces import MAX_RECORD_BYTES, MAX_RECORDS, namespace_of
+from lmcache_core.namespaces import MAX_RECORD_BYTES, MAX_RECORDS, RECORD_NAME, namespace_of
 from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
 from .client import Client, Failure, call_deadline, classify, describe, make_client
@@ -634,7 +634,3 @@ class RedisBackend(StorageBackend):
             self.client.close()
         except Exception as err:  # a dead socket: nothing left to release
             log.debug("redis tier: client close: %s", describe(err))
-
-
-#: a namespace record's name after the tier's prefix (:mod:`lmcache_core.namespaces`)
-RECORD_NAME = "lmcache-ns-"

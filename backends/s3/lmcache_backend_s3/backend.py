@@ -40,7 +40,7 @@ from lmcache_core.backend import (
     prefix_count,
 )
 from lmcache_core.keys import ChunkKey
-from lmcache_core.namespaces import MAX_RECORD_BYTES, MAX_RECORDS, namespace_of
+from lmcache_core.namespaces import MAX_RECORD_BYTES, MAX_RECORDS, RECORD_NAME, namespace_of
 from lmcache_core.frames import Codec, FrameReader, FrameWriter, Verdict
 
 from .client import Failure, classify, describe, make_client, status_of
@@ -496,7 +496,3 @@ class S3Backend(StorageBackend):
             self.client.close()
         except Exception as err:  # closing twice or a dead socket: nothing to do
             log.debug("s3 tier: client close: %s", err)
-
-
-#: the name of a namespace record under the tier's prefix (:mod:`lmcache_core.namespaces`)
-RECORD_NAME = "lmcache-ns-"

@@ -102,6 +102,13 @@ class Retention(Generic[Key]):
         if self._held and key in self._held:
             self._drop(key)
 
+    def release(self, key: Key) -> bool:
+        """End ``key``'s retention (live or waiting for the key); whether it had one."""
+        live = key in self._held and self._held[key][0] > self.clock()
+        if key in self._held:
+            self._drop(key)
+        return self._pending.pop(key, None) is not None or live
+
     def _drop(self, key: Key) -> None:
         self.bytes -= self._held.pop(key)[2]
 

@@ -14,6 +14,10 @@ connection, standard library only (:mod:`http.server`):
 - ``GET /lookup?keys=K1,K2,...[&tenant=T]``: for chunk keys (``v1-<ns>-<hash>``, as
   engines name them), which the node holds for that principal (the shared secret's
   without ``tenant``). Read-only: it counts no hit and moves nothing in the LRU.
+- ``POST /retain``: ``{"keys": [...], "seconds": S, "priority": P, "tenant": T}``:
+  eviction passes over those chunks for S seconds (at most 30 days; a key not held
+  yet from when it arrives), within a share of the store
+  (:data:`~lmcache_backend_peer.store.RETAIN_SHARE`); ``POST /release`` ends it.
 
 Secure by default. Every request must carry ``Authorization: Bearer <token>``, the
 token read at start from ``--admin-token-file``: a regular file (no symbolic link)
@@ -46,22 +50,23 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from socketserver import TCPServer
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from lmcache_core.backend import EraseMatch
 from lmcache_core.keys import HASH_BYTES, ChunkKey
 from lmcache_core.namespaces import namespace_of
+from lmcache_core.retention import MAX_PRIORITY
+from lmcache_core.retention import MAX_SECONDS as MAX_RETAIN_S
 
 from .client import format_address
+from .limits import MAX_BODY, MAX_REQUEST_KEYS
+from .openapi import SPEC
 from .store import FrameStore
-from .tenants import TenantSource
+from .tenants import tenant_key
 
-MAX_BODY = 64 << 10
-"""Largest request body (an erase of a few hundred namespaces fits many times)."""
 MAX_CONNECTIONS = 16
 """Admin connections served at once; one more is closed without an answer."""
-MAX_LOOKUP_KEYS = 512
 TOKEN_MIN_CHARS = 16
 TOKEN_MAX_BYTES = 4096
 DEFAULT_TIMEOUT_S = 5.0
@@ -239,6 +244,7 @@ class AdminServer:
                     "bytes": store.bytes_used,
                     "chunks": len(store),
                     "evictions": store.evictions,
+                    **self.retained(),
                 }
             ],
             "hits": hits,
@@ -247,6 +253,12 @@ class AdminServer:
             "quarantine": None,
             "admin": admin,
         }
+
+    def retained(self) -> dict[str, int]:
+        """Chunks and bytes retained now (every arena together on shared memory)."""
+        parts = list(getattr(self.store, "arenas", {}).values()) or [self.store]
+        stats = [p.retention_stats() for p in parts]
+        return {k: sum(s[k] for s in stats) for k in ("retained", "retained_bytes")}
 
     def tenant_usage(self) -> dict[str, dict[str, int | None]] | None:
         """Per principal (None on a node without tenants): chunks and bytes held, its
@@ -312,27 +324,90 @@ class AdminServer:
             raise _Refused(400, "bad query string") from None
         if not set(q) <= {"keys", "tenant"} or len(q.get("keys", [])) != 1 or len(q.get("tenant", [])) > 1:
             raise _Refused(400, "expected ?keys=K1,K2,... and at most one &tenant=NAME")
-        texts = q["keys"][0].split(",")
-        if len(texts) > MAX_LOOKUP_KEYS:
-            raise _Refused(400, f"at most {MAX_LOOKUP_KEYS} keys per lookup")
-        try:
-            keys = [ChunkKey.parse(t) for t in texts]
-        except ValueError:
-            raise _Refused(400, "keys must be chunk keys, v1-<namespace>-<hash>") from None
+        keys = _keys(q["keys"][0].split(","))
         tenant = q["tenant"][0] if "tenant" in q else None
+        target, where = self._target(tenant)
+        stored = [where(k) for k in keys]
+        held = [bool(target.contains([k])) for k in stored]
+        return {"keys": len(keys), "held": held, "prefix_held": int(target.contains(stored)), "tenant": tenant}
+
+    def retain(self, body: Any) -> tuple[dict[str, Any], str]:
+        """``{"keys": [...], "seconds": S, "priority": P, "tenant": T}``: keep those
+        chunks through eviction for S seconds (a key not held yet: when it arrives)."""
+        if not isinstance(body, dict) or not {"keys", "seconds"} <= set(body) <= {"keys", "seconds", "priority", "tenant"}:
+            raise _Refused(400, 'expected {"keys": ["v1-<ns>-<hash>", ...], "seconds": S}, optional "priority", "tenant"')
+        seconds, priority = body["seconds"], body.get("priority", 0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_RETAIN_S:
+            raise _Refused(400, f'"seconds" must be a number above 0 and at most {MAX_RETAIN_S:.0f} (30 days)')
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+            raise _Refused(400, f'"priority" must be an integer from 0 to {MAX_PRIORITY}')
+        tenant = self._tenant_field(body)
+        keys = _keys(body["keys"])
+        target, where = self._target(tenant)
+        n = target.retain([where(k) for k in keys], float(seconds), priority)
+        reply = {"keys": len(keys), "retained": n, "pending": len(keys) - n, "seconds": seconds, "tenant": tenant}
+        return reply, f"retain {len(keys)} keys of {tenant or SHARED} for {seconds} s: {n} held"
+
+    def release(self, body: Any) -> tuple[dict[str, Any], str]:
+        """``{"keys": [...], "tenant": T}``: end those chunks' retention."""
+        if not isinstance(body, dict) or not {"keys"} <= set(body) <= {"keys", "tenant"}:
+            raise _Refused(400, 'expected {"keys": ["v1-<ns>-<hash>", ...]}, optional "tenant"')
+        tenant = self._tenant_field(body)
+        keys = _keys(body["keys"])
+        target, where = self._target(tenant)
+        n = target.release([where(k) for k in keys])
+        return {"keys": len(keys), "released": n, "tenant": tenant}, f"release {len(keys)} keys of {tenant or SHARED}: {n}"
+
+    @staticmethod
+    def _tenant_field(body: dict[str, Any]) -> str | None:
+        tenant = body.get("tenant")
+        if tenant is not None and not isinstance(tenant, str):
+            raise _Refused(400, '"tenant" must be a name')
+        return tenant
+
+    def _target(self, tenant: str | None) -> tuple[Any, Callable[[ChunkKey], ChunkKey]]:
+        """Where ``tenant``'s chunks live (its arena, or the store) and how a client key
+        maps to the stored one there (None: the shared secret's principal)."""
         if tenant is not None and tenant not in self.tenants:
             raise _Refused(404, "no such tenant on this node")
-        source: Any
         if hasattr(self.store, "arena_for"):
-            source = self.store.arena_for(tenant)
-            if source is None:
+            arena = self.store.arena_for(tenant)
+            if arena is None:
                 raise _Refused(404, "this node keeps no chunks for the shared secret (tenants only)")
-        elif self.tenants:
-            source = TenantSource(self.store, tenant)
-        else:
-            source = self.store
-        held = [bool(source.contains([k])) for k in keys]
-        return {"keys": len(keys), "held": held, "prefix_held": int(source.contains(keys)), "tenant": tenant}
+            return arena, _same
+        if self.tenants:
+            return self.store, lambda k: tenant_key(tenant, k)
+        return self.store, _same
+
+
+def _looked_up(reply: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    return reply, f"{reply['keys']} keys, {sum(reply['held'])} held"
+
+
+ENDPOINTS: dict[tuple[str, str], Callable[[AdminServer, Any, str], tuple[Any, str]]] = {
+    ("GET", "/status"): lambda admin, body, query: (admin.status(), "ok"),
+    ("GET", "/lookup"): lambda admin, body, query: _looked_up(admin.lookup(query)),
+    ("POST", "/erase"): lambda admin, body, query: admin.erase(body),
+    ("POST", "/retain"): lambda admin, body, query: admin.retain(body),
+    ("POST", "/release"): lambda admin, body, query: admin.release(body),
+    ("GET", "/openapi.json"): lambda admin, body, query: (SPEC, "ok"),
+}
+"""Every (method, path) the API answers: the handler of a request's body and query,
+returning the JSON answer and the outcome logged."""
+
+
+def _same(key: ChunkKey) -> ChunkKey:
+    return key
+
+
+def _keys(texts: Any) -> list[ChunkKey]:
+    """Chunk keys from the client (a list of ``v1-<ns>-<hash>`` strings), within the limits."""
+    if not isinstance(texts, list) or not texts or len(texts) > MAX_REQUEST_KEYS:
+        raise _Refused(400, f"give 1 to {MAX_REQUEST_KEYS} chunk keys")
+    try:
+        return [ChunkKey.parse(t) for t in texts]
+    except (ValueError, TypeError, AttributeError):
+        raise _Refused(400, "keys must be chunk keys, v1-<namespace>-<hash>") from None
 
 
 def _namespace(text: object) -> bytes | None:
@@ -467,22 +542,13 @@ class _Handler(BaseHTTPRequestHandler):
             if self._cut_off:
                 return
             url = urlsplit(self.path)
-            if (self.command, url.path) == ("GET", "/status"):
-                self._answer(200, admin.status(), what, "ok")
-            elif (self.command, url.path) == ("POST", "/erase"):
-                reply, done = admin.erase(body)
-                self._answer(200, reply, what, done)
-            elif (self.command, url.path) == ("GET", "/lookup"):
-                reply = admin.lookup(url.query)
-                self._answer(200, reply, what, f"{reply['keys']} keys, {sum(reply['held'])} held")
-            elif (self.command, url.path) == ("GET", "/openapi.json"):
-                from .openapi import SPEC
-
-                self._answer(200, SPEC, what, "ok")
-            elif url.path in ("/status", "/erase", "/lookup", "/openapi.json"):
-                raise _Refused(405, "method not allowed")
-            else:
-                raise _Refused(404, "no such endpoint (GET /status, POST /erase, GET /lookup, GET /openapi.json)")
+            endpoint = ENDPOINTS.get((self.command, url.path))
+            if endpoint is None:
+                if any(path == url.path for _, path in ENDPOINTS):
+                    raise _Refused(405, "method not allowed")
+                raise _Refused(404, f"no such endpoint ({', '.join(f'{m} {p}' for m, p in ENDPOINTS)})")
+            reply, done = endpoint(admin, body, url.query)
+            self._answer(200, reply, what, done)
         except _Refused as r:
             self._timer.cancel()
             self._answer(r.code, {"error": str(r)}, what, f"refused: {r}")

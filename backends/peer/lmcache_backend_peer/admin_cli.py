@@ -4,6 +4,8 @@ curl (the API itself: :mod:`.admin`).
     lmcache-core admin --url http://127.0.0.1:9100 --token-file F status
     lmcache-core admin --url ... --token-file F lookup KEY [KEY ...] [--tenant T]
     lmcache-core admin --url ... --token-file F erase (--namespace ID ... | --tenant T | --all) [--dry-run]
+    lmcache-core admin --url ... --token-file F retain KEY [KEY ...] --seconds S [--priority P] [--tenant T]
+    lmcache-core admin --url ... --token-file F release KEY [KEY ...] [--tenant T]
 
 The token file is checked like the node checks its own (a regular file only its
 owner can read: refused otherwise, before anything is sent). HTTPS URLs are verified
@@ -44,6 +46,14 @@ def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     which.add_argument("--all", action="store_true", help="every chunk the node holds")
     which.add_argument("--tenant", metavar="T", help="every chunk tenant T wrote (a node with --tenants-file)")
     er.add_argument("--dry-run", action="store_true", help="count what would go, drop nothing")
+    rt = sub.add_parser("retain", help="keep some chunks through eviction for a time")
+    rt.add_argument("keys", nargs="+", metavar="KEY", help="chunk keys as engines name them (v1-<ns>-<hash>)")
+    rt.add_argument("--seconds", type=float, required=True, help="how long (at most 30 days)")
+    rt.add_argument("--priority", type=int, default=0, help="0-99, higher kept first past the retained share")
+    rt.add_argument("--tenant", default=None, help="the keys as this tenant wrote them")
+    rl = sub.add_parser("release", help="end some chunks' retention")
+    rl.add_argument("keys", nargs="+", metavar="KEY", help="chunk keys as engines name them (v1-<ns>-<hash>)")
+    rl.add_argument("--tenant", default=None, help="the keys as this tenant wrote them")
     return run
 
 
@@ -81,9 +91,12 @@ def plan(args: argparse.Namespace) -> tuple[str, str, Any]:
     if args.action == "lookup":
         query = {"keys": ",".join(args.keys), **({"tenant": args.tenant} if args.tenant else {})}
         return "GET", "/lookup?" + urllib.parse.urlencode(query), None
-    body: dict[str, Any] = (
-        {"all": True} if args.all else {"tenant": args.tenant} if args.tenant else {"namespaces": args.namespace}
-    )
+    if args.action in ("retain", "release"):
+        body: dict[str, Any] = {"keys": args.keys, **({"tenant": args.tenant} if args.tenant else {})}
+        if args.action == "retain":
+            body.update(seconds=args.seconds, priority=args.priority)
+        return "POST", "/" + args.action, body
+    body = {"all": True} if args.all else {"tenant": args.tenant} if args.tenant else {"namespaces": args.namespace}
     if args.dry_run:
         body["dry_run"] = True
     return "POST", "/erase", body

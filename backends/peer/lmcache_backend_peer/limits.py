@@ -269,3 +269,11 @@ class Admission:
         with self._lock:
             pool = self._pools.get(transport)
             return 0 if pool is None else pool.total
+
+
+# -- the admin API's request limits (here, not in .admin, so .openapi can describe them
+# without importing the server) ---------------------------------------------------------
+MAX_BODY = 64 << 10
+"""Largest admin request body (an erase of a few hundred namespaces fits many times)."""
+MAX_REQUEST_KEYS = 512
+"""Chunk keys one admin lookup, retain or release names at most."""

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .admin import MAX_BODY, MAX_LOOKUP_KEYS
+from lmcache_core.retention import MAX_PRIORITY, MAX_SECONDS
+
+from .limits import MAX_BODY, MAX_REQUEST_KEYS
+from .store import RETAIN_SHARE
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
 _NS_ID = {"type": "string", "pattern": "^[0-9a-f]{32}$", "description": "a key namespace id (32 lowercase hex digits)"}
@@ -59,6 +62,8 @@ _STATUS = {
                         ("bytes", "integer"),
                         ("chunks", "integer"),
                         ("evictions", "integer"),
+                        ("retained", "integer"),
+                        ("retained_bytes", "integer"),
                     ]
                 },
             },
@@ -108,6 +113,71 @@ _LOOKUP_REPLY = {
     },
 }
 
+_KEYS = {
+    "type": "array",
+    "items": {"type": "string", "pattern": "^v1-[0-9a-f]{32}-[0-9a-f]{32}$"},
+    "minItems": 1,
+    "maxItems": MAX_REQUEST_KEYS,
+    "description": "chunk keys as engines name them (v1-<namespace>-<hash>)",
+}
+_TENANT = {"type": "string", "description": "the keys as this tenant wrote them (default: the shared secret's principal)"}
+
+_RETAIN_BODY = {
+    "type": "object",
+    "properties": {
+        "keys": _KEYS,
+        "seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SECONDS, "description": "how long"},
+        "priority": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": MAX_PRIORITY,
+            "default": 0,
+            "description": "higher kept first when retained chunks pass their share",
+        },
+        "tenant": _TENANT,
+    },
+    "required": ["keys", "seconds"],
+    "additionalProperties": False,
+}
+
+_RETAIN_REPLY = {
+    "type": "object",
+    "properties": {
+        "keys": {"type": "integer"},
+        "retained": {"type": "integer", "description": "keys held now and retained"},
+        "pending": {"type": "integer", "description": "keys not held yet: retained when they arrive"},
+        "seconds": {"type": "number"},
+        "tenant": {"type": ["string", "null"]},
+    },
+}
+
+_RELEASE_BODY = {
+    "type": "object",
+    "properties": {"keys": _KEYS, "tenant": _TENANT},
+    "required": ["keys"],
+    "additionalProperties": False,
+}
+
+_RELEASE_REPLY = {
+    "type": "object",
+    "properties": {
+        "keys": {"type": "integer"},
+        "released": {"type": "integer", "description": "keys that had a retention"},
+        "tenant": {"type": ["string", "null"]},
+    },
+}
+
+
+def _post(summary: str, body: dict[str, Any], reply: dict[str, Any], what: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": _json(reply, what), **_refusals(400, 401, 404, 411, 413)},
+        }
+    }
+
+
 SPEC: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {
@@ -128,13 +198,15 @@ SPEC: dict[str, Any] = {
                 "responses": {"200": _json(_STATUS, "the node's status"), **_refusals(401)},
             }
         },
-        "/erase": {
-            "post": {
-                "summary": "drop chunks by namespace, by tenant, or all",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ERASE_BODY}}},
-                "responses": {"200": _json(_ERASE_REPLY, "how many went"), **_refusals(400, 401, 404, 411, 413)},
-            }
-        },
+        "/erase": _post("drop chunks by namespace, by tenant, or all", _ERASE_BODY, _ERASE_REPLY, "how many went"),
+        "/retain": _post(
+            "keep some chunks through eviction for a time (a key not held yet: from when it arrives); retained "
+            f"chunks hold at most {RETAIN_SHARE:.0%} of the node (of a tenant's arena), the weakest released past it",
+            _RETAIN_BODY,
+            _RETAIN_REPLY,
+            "how many are retained",
+        ),
+        "/release": _post("end some chunks' retention", _RELEASE_BODY, _RELEASE_REPLY, "how many had one"),
         "/lookup": {
             "get": {
                 "summary": "which of some chunk keys the node holds (read-only: no hit counted, nothing moved)",
@@ -143,7 +215,7 @@ SPEC: dict[str, Any] = {
                         "name": "keys",
                         "in": "query",
                         "required": True,
-                        "description": f"up to {MAX_LOOKUP_KEYS} chunk keys v1-<namespace>-<hash>, comma-separated",
+                        "description": f"up to {MAX_REQUEST_KEYS} chunk keys v1-<namespace>-<hash>, comma-separated",
                         "schema": {"type": "string"},
                     },
                     {

@@ -52,8 +52,10 @@ import torch
 from lmcache_core.backend import EraseMatch
 from lmcache_core.keys import ChunkKey
 from lmcache_core.frames import Codec, FrameError, FrameHeader, FrameReader
+from lmcache_core.retention import Retention
 
 from .protocol import KEY_SIZE, key_bytes
+from .store import RETAIN_SHARE, Retaining
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class Arena:
+class Arena(Retaining):
     """One principal's shared-memory frames (node side). Thread-safe."""
 
     def __init__(self, name: str, size: int) -> None:
@@ -131,6 +133,8 @@ class Arena:
         self.write_hook: object = None  # tests: called between a slot's odd and even generation
         #: called with each key evicted or removed (not on clear), under the lock
         self.on_drop: Callable[[ChunkKey], None] | None = None
+        #: chunks kept through eviction for a while (as in FrameStore: the admin API)
+        self.retention: Retention[ChunkKey] = Retention(size, RETAIN_SHARE)
 
     # -- allocator ----------------------------------------------------------------------
     def _take(self, need: int) -> int | None:
@@ -186,13 +190,8 @@ class Arena:
                 return True
             off = self._take(need)
             while off is None:
-                if not self._slots:
-                    return False  # cannot happen: need <= size and all is free
-                gone, old = self._slots.popitem(last=False)
-                self._release(old)
-                self.evictions += 1
-                if self.on_drop is not None:
-                    self.on_drop(gone)
+                if not self._evict_one():
+                    return False  # only retained slots left (or none: cannot happen)
                 off = self._take(need)
             gen = self._next_generation()
             _GEN.pack_into(self._mm, off, gen - 1)  # odd: being written
@@ -215,7 +214,28 @@ class Arena:
             _GEN.pack_into(self._mm, off, gen)
             self._slots[key] = _Slot(off, need, data.nbytes, gen)
             self.bytes_used += need
+            self.retention.arrived(key, need)
         return True
+
+    def _evict_one(self) -> bool:
+        """Evict the least recently used slot that is not retained (retained ones passed
+        over move to the recently used end); False when every slot is. Under the lock."""
+        for _ in range(len(self._slots)):
+            key = next(iter(self._slots))
+            if self.retention.protects(key):
+                self._slots.move_to_end(key)
+                continue
+            self._release(self._slots.pop(key))
+            self.retention.forget(key)
+            self.evictions += 1
+            if self.on_drop is not None:
+                self.on_drop(key)
+            return True
+        return False
+
+    def _held_size(self, key: ChunkKey) -> int | None:
+        slot = self._slots.get(key)
+        return None if slot is None else slot.span
 
     def get_frame(self, key: ChunkKey) -> bytes | None:
         """A copy of the frame (for the socket path; taken under the lock)."""
@@ -254,6 +274,7 @@ class Arena:
             if slot is None:
                 return False
             self._release(slot)
+            self.retention.forget(key)
             if self.on_drop is not None:
                 self.on_drop(key)
             return True
@@ -265,6 +286,7 @@ class Arena:
             self._slots.clear()
             self._free = [(0, self.size)]
             self.bytes_used = 0
+            self.retention = Retention(self.size, RETAIN_SHARE)
 
     def __len__(self) -> int:
         return len(self._slots)

@@ -13,6 +13,11 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence
 from lmcache_core.backend import EraseMatch
 from lmcache_core.frames import FrameError, FrameHeader
 from lmcache_core.keys import ChunkKey
+from lmcache_core.retention import Retention
+
+RETAIN_SHARE = 0.5
+"""The share of a store (of an arena) that retained chunks may hold at most: past it
+the weakest retentions are released (:class:`~lmcache_core.retention.Retention`)."""
 
 
 class ChunkSource(Protocol):
@@ -25,7 +30,36 @@ class ChunkSource(Protocol):
         """The serde frame of ``key``, or None."""
 
 
-class FrameStore:
+class Retaining:
+    """Retention for a store that keeps ``retention`` under ``_lock`` and says a held
+    key's size (``_held_size``): what the admin API's retain and release call."""
+
+    _lock: threading.Lock
+    retention: Retention[ChunkKey]
+
+    def _held_size(self, key: ChunkKey) -> int | None:
+        raise NotImplementedError
+
+    def retain(self, keys: Sequence[ChunkKey], seconds: float, priority: int = 0) -> int:
+        """Keep ``keys`` (as stored) through eviction for ``seconds`` (extend-only;
+        at most 30 days), at ``priority`` (0-99: the strongest kept first when the
+        retained bytes pass their share); a key not held yet is retained when it
+        arrives. How many held keys are retained now."""
+        with self._lock:
+            return self.retention.add(keys, seconds, priority, self._held_size)
+
+    def release(self, keys: Sequence[ChunkKey]) -> int:
+        """End the retention of ``keys``; how many were retained."""
+        with self._lock:
+            return sum(self.retention.release(k) for k in keys)
+
+    def retention_stats(self) -> dict[str, int]:
+        """Retained chunks and bytes now, and the retention counters."""
+        with self._lock:
+            return self.retention.stats()
+
+
+class FrameStore(Retaining):
     """Thread-safe LRU map of key -> frame bytes, bounded by ``max_size`` bytes.
     A ``max_size`` of 0 keeps nothing (a pure client of other peers).
 
@@ -36,6 +70,12 @@ class FrameStore:
     quota is refused (counted). Node-wide pressure (``max_size``) evicts the least
     recently used frame of any owner, as without quotas. :meth:`usage` reports chunks,
     bytes, quota, refused puts and self-evictions per owner, in O(owners).
+
+    Chunks may be *retained* for a while (:meth:`retain`, the admin API's ``POST
+    /retain``): eviction, node-wide or within a quota, passes over a retained chunk
+    (moving it to the most recently used end) until its time is up; retained bytes
+    are bounded by :data:`RETAIN_SHARE` of ``max_size``. A put that finds only retained
+    chunks to evict (of its owner at its quota, or node-wide) is refused (counted).
 
     ``on_drop(key, frame)``, when set, is called for each frame evicted or removed
     (not on :meth:`clear`), under the store's lock: it must be quick."""
@@ -60,6 +100,7 @@ class FrameStore:
         self._owner_bytes: Counter[str | None] = Counter()
         self.refused: Counter[str | None] = Counter()
         self.self_evictions: Counter[str | None] = Counter()
+        self.retention: Retention[ChunkKey] = Retention(max_size, RETAIN_SHARE)
 
     def contains(self, keys: Sequence[ChunkKey]) -> int:
         n = 0
@@ -94,16 +135,40 @@ class FrameStore:
             if quota is not None:
                 mine = self._owned.get(owner)
                 while mine and self._owner_bytes[owner] + size > quota:
-                    self._drop(next(iter(mine)), evicted=True)
+                    if not self._evict_one(mine):
+                        break
                     self.self_evictions[owner] += 1
-            while self._bytes + size > self.max_size and self._frames:
-                self._drop(next(iter(self._frames)), evicted=True)
+                if self._owner_bytes[owner] + size > quota:
+                    self.refused[owner] += 1  # only retained chunks of its own left
+                    return False
+            while self._bytes + size > self.max_size:
+                if not self._evict_one(self._frames):
+                    self.refused[owner] += 1  # only retained chunks left
+                    return False
             self._frames[key] = frame
             self._bytes += size
             self._owner[key] = owner
             self._owned.setdefault(owner, OrderedDict())[key] = None
             self._owner_bytes[owner] += size
+            self.retention.arrived(key, size)
         return True
+
+    def _evict_one(self, order: Mapping[ChunkKey, object]) -> bool:
+        """Evict the least recently used frame in ``order`` (all frames, or one owner's)
+        that is not retained, moving retained ones it passes to the recently used end;
+        False when every frame in ``order`` is retained. Under the lock."""
+        for _ in range(len(order)):
+            key = next(iter(order))
+            if not self.retention.protects(key):
+                self._drop(key, evicted=True)
+                return True
+            self._frames.move_to_end(key)
+            self._owned[self._owner[key]].move_to_end(key)
+        return False
+
+    def _held_size(self, key: ChunkKey) -> int | None:
+        frame = self._frames.get(key)
+        return None if frame is None else len(frame)
 
     def _drop(self, key: ChunkKey, evicted: bool, report: bool = True) -> bytes:
         """Forget ``key`` (held by the caller under the lock); its frame."""
@@ -112,6 +177,7 @@ class FrameStore:
         del self._owned[owner][key]
         self._owner_bytes[owner] -= len(frame)
         self._bytes -= len(frame)
+        self.retention.forget(key)
         if evicted:
             self.evictions += 1
         if report and self.on_drop is not None:
@@ -133,6 +199,7 @@ class FrameStore:
             self._owner.clear()
             self._owner_bytes.clear()
             self._bytes = 0
+            self.retention = Retention(self.max_size, RETAIN_SHARE)
 
     def entries(self) -> list[tuple[ChunkKey, bytes]]:
         """A snapshot of ``(stored key, frame)`` pairs, least recently used first."""

@@ -17,8 +17,12 @@ never the model's or tenant's name: ``--namespace`` takes the id (each engine lo
 its own at start, ``key namespace <ID>``). ``--model M`` and ``--tenant T`` read the
 namespace records every engine leaves in the tiers it writes
 (:mod:`lmcache_core.namespaces`), take the ids recorded for M or T in any tier, and
-erase those ids from every tier; a tier whose records cannot be read makes the erase
-partial (namespaces recorded only there would be missed).
+erase those ids from every tier; a tier whose records cannot be read (a server
+down) makes the erase partial (namespaces recorded only there would be missed). A
+tier that keeps no records at all (chunks in a cache node's memory, Mooncake Store:
+:class:`~lmcache_core.backend.EraseUnsupported` from ``namespace_records``) is erased
+of the ids the other tiers record, with a note; if no tier of the config keeps
+records, nothing can be resolved and those tiers fail (use ``--namespace``).
 """
 
 from __future__ import annotations
@@ -155,8 +159,9 @@ def erase_tiers(config: str | None, which: EraseMatch | ByName, *, dry_run: bool
         unreadable: dict[str, str] = {}
         recorded: set[str] | None = None
         match = which if isinstance(which, EraseMatch) else EraseMatch(frozenset())
+        notes: dict[str, str] = {}
         if by is not None:
-            match, recorded, unreadable = _resolve(opened, by)
+            match, recorded, unreadable, notes = _resolve(opened, by)
         results = []
         for o in opened:
             if o.result is not None:
@@ -171,6 +176,8 @@ def erase_tiers(config: str | None, which: EraseMatch | ByName, *, dry_run: bool
             if o.where in unreadable and not r.failed:
                 erased = f" ({r.chunks} chunks of the ids found elsewhere erased)" if r.chunks else ""
                 r = TierResult(o.where, FAILED, r.chunks, f"cannot read its namespace records: {unreadable[o.where]}{erased}")
+            elif o.where in notes and not r.failed:
+                r = TierResult(r.where, r.outcome, r.chunks, notes[o.where])
             results.append(r)
         return Erased(results, match, by, recorded)
     finally:
@@ -182,18 +189,23 @@ def erase_tiers(config: str | None, which: EraseMatch | ByName, *, dry_run: bool
                     err.write(f"warning: {o.where}: close failed: {_one_line(e)}\n")
 
 
-def _resolve(opened: list[Opened], by: ByName) -> tuple[EraseMatch, set[str], dict[str, str]]:
+def _resolve(opened: list[Opened], by: ByName) -> tuple[EraseMatch, set[str], dict[str, str], dict[str, str]]:
     """The ids recorded for ``by`` in any open tier, every name recorded for its field,
-    and the tiers whose records could not be read (with why)."""
+    the tiers whose records could not be read (with why), and notes for tiers that
+    keep none (see the module doc)."""
     ids: set[bytes] = set()
     names: set[str] = set()
     unreadable: dict[str, str] = {}
+    keeps_none: dict[str, str] = {}
     for o in opened:
         if o.tier is None:
             continue
         try:
             records, _skipped = parse_records(o.tier.namespace_records())
-        except Exception as e:  # noqa: BLE001 - EraseUnsupported, a server away: reported per tier
+        except EraseUnsupported as e:
+            keeps_none[o.where] = _one_line(e)
+            continue
+        except Exception as e:  # noqa: BLE001 - a server away: reported per tier
             unreadable[o.where] = _one_line(e)
             continue
         for r in records:
@@ -202,7 +214,14 @@ def _resolve(opened: list[Opened], by: ByName) -> tuple[EraseMatch, set[str], di
                 names.add(value)
             if by.takes(r):
                 ids.add(r.namespace)
-    return EraseMatch(frozenset(ids)), names, unreadable
+    notes = {}
+    readable = [o for o in opened if o.tier is not None and o.where not in unreadable and o.where not in keeps_none]
+    for where, why in keeps_none.items():
+        if readable:
+            notes[where] = "keeps no namespace records: erased the ids the other tiers record"
+        else:
+            unreadable[where] = f"no tier of this config keeps namespace records ({why}); erase by --namespace ID"
+    return EraseMatch(frozenset(ids)), names, unreadable, notes
 
 
 def _open_tiers(config: str | None, plugins: PluginManager) -> list[Opened]:

@@ -195,9 +195,9 @@ def test_erase_with_servers_down_is_partial(
         down_s3.stop()
 
 
-def test_erase_peer_tier_cannot_list(tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
-    """A tier without erase (here the peer tier, whose node has no listing) fails the
-    erase honestly instead of counting 0."""
+def test_erase_peer_tier_without_admin_urls_fails(tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
+    """A peer tier without admin_urls cannot reach the nodes' memory: the erase fails
+    honestly, saying what to give, instead of counting 0."""
     backends = [
         {"name": "disk", "path": str(tmp_path / "disk")},
         {"name": "peer", "peers": ["127.0.0.1:9"], "secret": "s" * 32, "max_size": 0},
@@ -207,7 +207,129 @@ def test_erase_peer_tier_cannot_list(tmp_path: Path, pm: PluginManager, capsys: 
     out = capsys.readouterr().out
     assert rc == 1, out
     assert counts(out)["backends[1] (peer)"].startswith("FAILED"), out
+    assert "admin_urls and admin_token_file" in out, out
     assert "PARTIAL: not erased from backends[1] (peer)" in out
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Any]:
+    from test_peer_admin import SECRET, Admin
+
+    (tmp_path / "node").mkdir()
+    a = Admin(tmp_path / "node", ["--max-size", "64MiB"])
+    a.secret = SECRET
+    yield a
+    a.stop()
+
+
+def peer_section(node: Any, token: Path) -> dict[str, Any]:
+    return {
+        "name": "peer",
+        "peers": [f"127.0.0.1:{node.node.port}"],
+        "secret": node.secret,
+        "push": True,
+        "max_size": 0,
+        "admin_urls": [node.url],
+        "admin_token_file": str(token),
+    }
+
+
+def test_erase_reaches_a_cache_node_through_its_admin_api(
+    tmp_path: Path, node: Any, pm: PluginManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A peer tier with admin_urls: --namespace erases the node's chunks of that
+    namespace (a fresh tier then misses every one) and keeps the other's; --tenant
+    erases the ids the disk tier records, the peer noted as keeping none; a wrong
+    token and a node that is down are FAILED, named, exit 1."""
+    from test_peer_admin import TOKEN, private_file
+
+    token = private_file(tmp_path / "admin.token", TOKEN + "\n")
+    backends = [{"name": "disk", "path": str(tmp_path / "disk")}, peer_section(node, token)]
+    a, b, keys_a, keys_b = two_namespaces()
+    data = fill(pm, [{"name": "local_cpu"}, *backends], keys_a + keys_b)
+    data_a, data_b = {k: data[k] for k in keys_a}, {k: data[k] for k in keys_b}
+    assert held(pm, backends[1], 1, data) == 2 * N
+    cfg = write_config(tmp_path, backends)
+
+    rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex(), "--dry-run"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0 and counts(out)["backends[1] (peer)"] == f"would-erase {N}", out
+    rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex()], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0 and counts(out)["backends[1] (peer)"] == f"erased {N}", out
+    assert held(pm, backends[1], 1, data_a) == 0
+    assert held(pm, backends[1], 1, data_b) == N  # the control: the other namespace stays
+
+    ns = open_engine(pm, backends, KeyNamespace(model="model-t", layout="t", dtype="f"), tenant="acme")
+    data_t = fill(pm, [{"name": "local_cpu"}, *backends], ns.keys(HASHES))
+    rc = cli.main(["erase", "--config", str(cfg), "--tenant", "acme"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert counts(out)["backends[1] (peer)"] == f"erased {N}", out
+    assert "keeps no namespace records: erased the ids the other tiers record" in out, out
+    assert held(pm, backends[1], 1, data_t) == 0 and held(pm, backends[1], 1, data_b) == N
+
+    wrong = private_file(tmp_path / "wrong.token", "w" * 32 + "\n")
+    cfg = write_config(tmp_path, [backends[0], {**backends[1], "admin_token_file": str(wrong)}])
+    rc = cli.main(["erase", "--config", str(cfg), "--all"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 1 and counts(out)["backends[1] (peer)"].startswith("FAILED"), out
+    assert "answered 401" in out and held(pm, backends[1], 1, data_b) == N
+    node.stop()
+    cfg = write_config(tmp_path, backends)
+    rc = cli.main(["erase", "--config", str(cfg), "--all"], plugin_manager=pm)
+    out = capsys.readouterr().out
+    assert rc == 1 and "PARTIAL: not erased from backends[1] (peer)" in out, out
+
+
+def test_erase_from_mooncake_store(tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
+    """Mooncake Store through its master's remove_by_regex: --namespace takes that
+    namespace's objects under the tier's key_prefix and no other (another prefix's
+    objects of the same namespace stay: the control); --tenant erases the ids the disk
+    tier records (Mooncake keeps no records, noted); a dry run cannot count (FAILED,
+    exit 1, nothing deleted); a master that is down is FAILED."""
+    from mooncake_server import MooncakeMaster, SegmentOwner
+
+    (tmp_path / "mc").mkdir()
+    master = MooncakeMaster(tmp_path / "mc")
+    owner = SegmentOwner(master, size_mib=64)
+    try:
+        mc = master.section(key_prefix="erase.t/", staging_size="8MiB")
+        other = master.section(key_prefix="erase-other/", staging_size="8MiB")
+        backends = [{"name": "disk", "path": str(tmp_path / "disk")}, mc]
+        a, b, keys_a, keys_b = two_namespaces()
+        data = fill(pm, [{"name": "local_cpu"}, *backends, other], keys_a + keys_b)
+        data_a, data_b = {k: data[k] for k in keys_a}, {k: data[k] for k in keys_b}
+        cfg = write_config(tmp_path, backends)
+
+        rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex(), "--dry-run"], plugin_manager=pm)
+        out = capsys.readouterr().out
+        assert rc == 1 and counts(out)["backends[1] (mooncake)"].startswith("FAILED"), out
+        assert "cannot count without deleting" in out and held(pm, mc, 1, data) == 2 * N
+        rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex()], plugin_manager=pm)
+        out = capsys.readouterr().out
+        assert rc == 0 and counts(out)["backends[1] (mooncake)"] == f"erased {N}", out
+        assert held(pm, mc, 1, data_a) == 0 and held(pm, mc, 1, data_b) == N
+        assert held(pm, other, 2, data) == 2 * N  # another key_prefix is not this tier's
+
+        ns = open_engine(pm, backends, KeyNamespace(model="model-t", layout="t", dtype="f"), tenant="acme")
+        data_t = fill(pm, [{"name": "local_cpu"}, *backends], ns.keys(HASHES))
+        rc = cli.main(["erase", "--config", str(cfg), "--tenant", "acme"], plugin_manager=pm)
+        out = capsys.readouterr().out
+        assert rc == 0 and counts(out)["backends[1] (mooncake)"] == f"erased {N}", out
+        assert "keeps no namespace records" in out
+        assert held(pm, mc, 1, data_t) == 0 and held(pm, mc, 1, data_b) == N
+
+        owner.kill()
+        master.kill()
+        down = {**mc, "verify_on_start": False}
+        cfg = write_config(tmp_path, [backends[0], down])
+        rc = cli.main(["erase", "--config", str(cfg), "--all"], plugin_manager=pm)
+        out = capsys.readouterr().out
+        assert rc == 1 and "PARTIAL: not erased from backends[1] (mooncake)" in out, out
+    finally:
+        owner.kill()
+        master.kill()
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence, TypeVar
 import numpy as np
 import torch
 
-from lmcache_core.backend import BATCHED, SHARED, BackendError, BackendStats, StorageBackend
+from lmcache_core.backend import BATCHED, SHARED, BackendError, BackendStats, EraseMatch, EraseUnsupported, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.memory import MemoryBuffer
 from lmcache_core.frames import Codec, FrameReader, Verdict
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 Region = tuple[int, int]  # (base address, bytes)
 DEADLINE_BYTES_PER_S = 256 << 20  # a call's deadline grows by 1 s per 256 MiB it moves
+ERASE_IDS_PER_CALL = 64  # namespaces in one remove_by_regex pattern
 PIPELINE_BYTES = 32 << 20  # batches move in store calls of about this many bytes, one at a time
 T = TypeVar("T")
 
@@ -468,6 +469,35 @@ class MooncakeBackend(StorageBackend):
         if kind is codes.Outcome.MISSING:
             return False
         raise BackendError(f"mooncake remove {self._name(key)}: store returned code {result[0]}")
+
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """Remove every object of this ``key_prefix`` whose chunk key ``match`` takes, by
+        the master's ``remove_by_regex`` (:data:`ERASE_IDS_PER_CALL` namespaces a call).
+        Mooncake's client lists nothing, so a dry run cannot count: EraseUnsupported."""
+        if dry_run:
+            raise EraseUnsupported("Mooncake Store's client cannot list objects, so it cannot count without deleting")
+        client = self._ready()
+        if client is None:
+            raise BackendError(f"mooncake erase: not connected to master {self.cfg.master}")
+        prefix = self.cfg.key_prefix.replace(".", "\\.")  # the only regex character key_prefix may hold
+        ids = None if match.namespaces is None else sorted(n.hex() for n in match.namespaces)
+        groups = (
+            ["[0-9a-f]{32}"]
+            if ids is None
+            else ["(" + "|".join(ids[i : i + ERASE_IDS_PER_CALL]) + ")" for i in range(0, len(ids), ERASE_IDS_PER_CALL)]
+        )
+        n = 0
+        for group in groups:
+            pattern = f"^{prefix}v1-{group}-[0-9a-f]{{32}}$"
+            result, _ = self._call("erase", lambda: client.remove_matching(pattern))
+            if result is None or len(result) != 1:
+                raise BackendError(f"mooncake erase: master {self.cfg.master} did not answer")
+            if result[0] < 0:
+                raise BackendError(f"mooncake erase: master {self.cfg.master} returned code {result[0]}")
+            n += result[0]
+            if progress is not None:
+                progress(n)
+        return n
 
     # -- housekeeping ---------------------------------------------------------------
     def stats(self) -> BackendStats:

@@ -131,6 +131,11 @@ class StoreClient:
         # force: an object read a moment ago still holds a lease; the cache wants it gone now.
         return list(self._store.batch_remove(list(keys), True))
 
+    def remove_matching(self, pattern: str) -> list[int]:
+        """Remove every object whose key matches ``pattern`` (the master's ECMAScript
+        regex), forced as :meth:`remove`: ``[count]``, or ``[negative code]``."""
+        return [int(self._store.remove_by_regex(pattern, True))]
+
     def health(self) -> int:
         return int(self._store.health_check())
 

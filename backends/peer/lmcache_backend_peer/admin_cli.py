@@ -23,7 +23,9 @@ import ssl
 import sys
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+from lmcache_core.backend import BackendError, EraseMatch
 
 from .admin import read_token
 
@@ -55,6 +57,45 @@ def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     rl.add_argument("keys", nargs="+", metavar="KEY", help="chunk keys as engines name them (v1-<ns>-<hash>)")
     rl.add_argument("--tenant", default=None, help="the keys as this tenant wrote them")
     return run
+
+
+class NodeAdmins:
+    """The admin APIs of the cache nodes a peer tier writes to (its ``admin_urls``):
+    how ``lmcache-core erase`` reaches chunks that live in the nodes' memory."""
+
+    def __init__(self, urls: Sequence[str], token_file: Path, ca_file: Path | None, timeout: float = TIMEOUT_S) -> None:
+        self.urls = list(urls)
+        self.token_file = token_file
+        self.ca_file = ca_file
+        self.timeout = timeout
+
+    def erase(self, match: EraseMatch, *, dry_run: bool) -> int:
+        """Erase ``match`` on every node (POST /erase); the chunks counted. Raises
+        BackendError naming the node when one is unreachable or refuses (the token is
+        read, and checked like the node's own, at this call)."""
+        try:
+            token = read_token(self.token_file)
+        except ValueError as err:
+            raise BackendError(f"admin_token_file: {err}") from None
+        ids = None if match.namespaces is None else sorted(n.hex() for n in match.namespaces)
+        bodies = [{"all": True}] if ids is None else [{"namespaces": ids[i : i + 1024]} for i in range(0, len(ids), 1024)]
+        n = 0
+        for url in self.urls:
+            for body in bodies:
+                try:
+                    status, answer = request(
+                        url, token, "POST", "/erase", {**body, "dry_run": dry_run}, self.timeout, self.ca_file
+                    )
+                except (OSError, ValueError) as err:
+                    raise BackendError(f"node admin API {url}: {type(err).__name__}: {err}") from None
+                if status != 200 or not isinstance(answer, dict):
+                    why = answer.get("error") if isinstance(answer, dict) else answer
+                    raise BackendError(f"node admin API {url} answered {status}: {why}")
+                count = answer.get("would_erase" if dry_run else "erased")
+                if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                    raise BackendError(f"node admin API {url}: no count in its answer")
+                n += count
+        return n
 
 
 def request(url: str, token: bytes, method: str, path: str, body: Any, timeout: float, ca: Path | None) -> tuple[int, Any]:

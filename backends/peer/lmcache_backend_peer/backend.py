@@ -39,10 +39,11 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
-from lmcache_core.backend import BATCHED, SHARED, BackendStats, StorageBackend
+from lmcache_core.backend import BATCHED, SHARED, BackendStats, EraseMatch, EraseUnsupported, StorageBackend
 from lmcache_core.keys import ChunkKey
 from lmcache_core.frames import Codec, FrameReader, FrameWriter
 
+from .admin_cli import NodeAdmins
 from .client import PeerClient, PeerRequestError, PeerUnsupported
 from .protocol import MAX_EVICTIONS_PER_REPLY, PeerError, ProtocolError
 from .server import PeerServer
@@ -89,8 +90,10 @@ class PeerBackend(StorageBackend):
         retry_after: float = 1.0,
         shm: bool = True,
         eviction_poll: float = 0.0,
+        admins: NodeAdmins | None = None,
     ) -> None:
         self.store = store
+        self.admins = admins
         self.server = server
         self.codec = codec
         self.codecs = dict(codecs)
@@ -429,6 +432,19 @@ class PeerBackend(StorageBackend):
                 if self._call(peer, "remove", peer.client.remove, [key]):
                     removed = True
         return removed
+
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """Erase through the nodes' admin API (``admin_urls``): the chunks live in their
+        memory, and in this process's own ``listen`` store (also erased here)."""
+        if self.admins is None:
+            raise EraseUnsupported(
+                "the chunks live in the cache nodes' memory: give the tier admin_urls and admin_token_file "
+                "to erase through the nodes' admin API (or POST /erase there)"
+            )
+        n = self.admins.erase(match, dry_run=dry_run) + self.store.erase(match, dry_run=dry_run)
+        if progress is not None:
+            progress(n)
+        return n
 
     def stats(self) -> BackendStats:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Field, SecretStr, model_validator
 
@@ -108,6 +109,12 @@ class PeerConfig(StrictModel):
     max_inflight: ByteSize | None = Field(
         None, description="request bytes the server holds at once across connections; null: 2 x max_frame_size"
     )
+    admin_urls: list[str] = Field(
+        default_factory=list,
+        description="admin APIs (http[s]://HOST:PORT) of the cache nodes among peers: lmcache-core erase reaches them there",
+    )
+    admin_token_file: Path | None = Field(None, description="the nodes' admin token (mode 600), for admin_urls")
+    admin_ca_file: Path | None = Field(None, description="certificate authority of https admin_urls (default: the system's)")
     renamed_ms_keys = {
         "timeout_ms": "timeout_s",
         "connect_timeout_ms": "connect_timeout_s",
@@ -126,7 +133,22 @@ class PeerConfig(StrictModel):
             raise ValueError("give listen (serve), peers or unix_socket (ask), or both; with neither the tier does nothing")
         if self.max_frame_size < 1024:
             raise ValueError("max_frame_size must be at least 1KiB")
+        if self.admin_urls and self.admin_token_file is None:
+            raise ValueError("admin_urls needs admin_token_file (the token the nodes' --admin-token-file holds)")
+        for url in self.admin_urls:
+            check_admin_url(url)
         return self
+
+
+def check_admin_url(url: str) -> None:
+    """ValueError unless ``url`` is ``http[s]://HOST:PORT`` (what a node prints)."""
+    u = urlsplit(url)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme not in ("http", "https") or not u.hostname or port is None or u.path not in ("", "/") or u.query:
+        raise ValueError(f"admin_urls: expected http[s]://HOST:PORT, got {url!r}")
 
 
 def load_secret(cfg: PeerConfig, key_path: str, source: str) -> bytes:

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 from lmcache_core.backend import BackendContext
 from lmcache_core.config import ConfigError, validate_section
 
+from .admin_cli import NodeAdmins
 from .backend import PeerBackend
 from .client import PeerClient, format_address
 from .config import PeerConfig, load_secret
@@ -72,4 +73,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
         retry_after=cfg.retry_after_s,
         shm=cfg.shm,
         eviction_poll=cfg.eviction_poll_s,
+        admins=NodeAdmins(cfg.admin_urls, cfg.admin_token_file, cfg.admin_ca_file)
+        if cfg.admin_token_file and cfg.admin_urls
+        else None,
     )

@@ -57,9 +57,10 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus(target: str, tmp: Path) -> Iterator[Prometheus]:
-    """Prometheus scraping ``target`` (host:port, path /metrics) every second, with the
-    alert rules loaded; stopped on exit."""
+def prometheus(target: str, tmp: Path, job: str = "vllm", wait_s: float = 60, **scrape: Any) -> Iterator[Prometheus]:
+    """Prometheus scraping ``target`` (host:port, path /metrics) every second as
+    ``job`` (``scrape``: more keys of its scrape config, e.g. ``authorization``), with
+    the alert rules loaded; stopped on exit."""
     binary = shutil.which("prometheus")
     assert binary, MISSING
     port = _free_port()
@@ -69,7 +70,7 @@ def prometheus(target: str, tmp: Path) -> Iterator[Prometheus]:
             {
                 "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                 "rule_files": [str(RULES)],
-                "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": [target]}]}],
+                "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [target]}], **scrape}],
             }
         )
     )
@@ -81,15 +82,15 @@ def prometheus(target: str, tmp: Path) -> Iterator[Prometheus]:
     )
     prom = Prometheus(f"http://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + wait_s
         while True:
             try:
-                if prom.query('up{job="vllm"} == 1'):
+                if prom.query(f'up{{job="{job}"}} == 1'):
                     break
             except OSError:
                 pass
             assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "Prometheus did not scrape the server in 60 s"
+            assert time.monotonic() < deadline, f"Prometheus did not scrape the server in {wait_s:g} s"
             time.sleep(0.5)
         yield prom
     finally:

@@ -11,6 +11,7 @@ connection, standard library only (:mod:`http.server`):
   principal wrote them; or ``{"tenant": "<name>"}`` on a node with tenants: every
   chunk that tenant wrote, whatever its namespace, no other's. Answers how many went.
 - ``GET /openapi.json``: this API described in OpenAPI 3.1 (:mod:`.openapi`).
+- ``GET /metrics``: the status in Prometheus' text format (:mod:`.node_metrics`).
 - ``GET /lookup?keys=K1,K2,...[&tenant=T]``: for chunk keys (``v1-<ns>-<hash>``, as
   engines name them), which the node holds for that principal (the shared secret's
   without ``tenant``). Read-only: it counts no hit and moves nothing in the LRU.
@@ -59,6 +60,7 @@ from lmcache_core.namespaces import namespace_of
 from lmcache_core.retention import MAX_PRIORITY
 from lmcache_core.retention import MAX_SECONDS as MAX_RETAIN_S
 
+from . import node_metrics
 from .client import format_address
 from .limits import MAX_BODY, MAX_REQUEST_KEYS
 from .openapi import SPEC
@@ -380,6 +382,10 @@ class AdminServer:
         return self.store, _same
 
 
+class Exposition(str):
+    """An answer in Prometheus' text format rather than JSON."""
+
+
 def _looked_up(reply: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return reply, f"{reply['keys']} keys, {sum(reply['held'])} held"
 
@@ -391,6 +397,7 @@ ENDPOINTS: dict[tuple[str, str], Callable[[AdminServer, Any, str], tuple[Any, st
     ("POST", "/retain"): lambda admin, body, query: admin.retain(body),
     ("POST", "/release"): lambda admin, body, query: admin.release(body),
     ("GET", "/openapi.json"): lambda admin, body, query: (SPEC, "ok"),
+    ("GET", "/metrics"): lambda admin, body, query: (Exposition(node_metrics.render(admin.status())), "ok"),
 }
 """Every (method, path) the API answers: the handler of a request's body and query,
 returning the JSON answer and the outcome logged."""
@@ -580,10 +587,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, code: int, obj: Any, what: str, outcome: str) -> None:
         self.server.admin.audit(f"{self.client_address[0]}: {what} -> {code} {outcome}")
-        data = (json.dumps(obj, indent=1) + "\n").encode()
+        text = isinstance(obj, Exposition)
+        data = obj.encode() if text else (json.dumps(obj, indent=1) + "\n").encode()
         try:
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", node_metrics.CONTENT_TYPE if text else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.send_header("Cache-Control", "no-store")
             self.send_header("X-Content-Type-Options", "nosniff")

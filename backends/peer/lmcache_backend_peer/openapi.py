@@ -229,6 +229,15 @@ SPEC: dict[str, Any] = {
                 "responses": {"200": _json(_LOOKUP_REPLY, "held per key"), **_refusals(400, 401, 404)},
             }
         },
+        "/metrics": {
+            "get": {
+                "summary": "the status in Prometheus' text format 0.0.4 (store, hits, connections, per tenant, admin)",
+                "responses": {
+                    "200": {"description": "the exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                    **_refusals(401),
+                },
+            }
+        },
         "/openapi.json": {
             "get": {
                 "summary": "this description",

@@ -136,6 +136,10 @@ class BackendContext:
     #: the engine's plugin manager, as far as a tier uses it (its eviction policies);
     #: ``None`` means the process-wide one
     plugins: "PolicyRegistry | None" = None
+    #: False when a command opens the tier to administer it (``lmcache-core erase``),
+    #: not an engine to serve from it: a tier then serves nothing (no listening socket:
+    #: the engine using the same config may hold that port)
+    serving: bool = True
 
     @property
     def seal(self) -> "FrameSeal | None":

@@ -240,7 +240,7 @@ def _open_tiers(config: str | None, plugins: PluginManager) -> list[Opened]:
                 reason = "not reachable from this command: its chunks live in a running node's memory"
                 opened.append(Opened(where, result=TierResult(where, UNREACHABLE, reason=reason)))
                 continue
-            ctx = tier_context(codecs, pool, i)
+            ctx = tier_context(codecs, pool, i, serving=False)
             try:
                 opened.append(Opened(where, tier=plugins.create_backend(section, ctx)))
             except ConfigError:

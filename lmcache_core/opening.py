@@ -109,9 +109,10 @@ class Codecs:
         return SealedCodec(codec, self.seal) if self.seal is not None else codec
 
 
-def tier_context(codecs: Codecs, pool: MemoryPool, i: int) -> BackendContext:
+def tier_context(codecs: Codecs, pool: MemoryPool, i: int, *, serving: bool = True) -> BackendContext:
     """What the plugin of ``backends[i]`` is given to create its tier: the section's
-    place and source, the config, ``pool``, its codec and every codec, sealed alike."""
+    place and source, the config, ``pool``, its codec and every codec, sealed alike
+    (``serving=False``: for a command, see :attr:`BackendContext.serving`)."""
     tier_codec = codecs.for_tier(codecs.loaded.config.backends[i].serde, f"backends[{i}].serde")
     return BackendContext(
         key_path=f"backends[{i}]",
@@ -121,6 +122,7 @@ def tier_context(codecs: Codecs, pool: MemoryPool, i: int) -> BackendContext:
         codec=tier_codec,
         codecs=tier_codecs(codecs.by_name, tier_codec),
         plugins=codecs.plugins,
+        serving=serving,
     )
 
 

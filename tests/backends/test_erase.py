@@ -282,6 +282,37 @@ def test_erase_reaches_a_cache_node_through_its_admin_api(
     assert rc == 1 and "PARTIAL: not erased from backends[1] (peer)" in out, out
 
 
+def test_erase_opens_a_listening_peer_tier_without_serving(
+    tmp_path: Path, node: Any, pm: PluginManager, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The config a running engine uses, whose peer tier listens on a port the engine
+    holds: erase opens the tier without listening (it would fail: address in use) and
+    erases through the node's admin API. The control: an engine opened from the same
+    section while the port is held fails to start."""
+    import socket
+
+    from lmcache_core.config import ConfigError
+    from test_peer_admin import TOKEN, private_file
+
+    token = private_file(tmp_path / "admin.token", TOKEN + "\n")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        section = {**peer_section(node, token), "listen": f"127.0.0.1:{taken.getsockname()[1]}"}
+        a, _, keys_a, _ = two_namespaces()
+        data = fill(pm, [{"name": "local_cpu"}, {**section, "listen": None}], keys_a)
+        cfg = write_config(tmp_path, [section])
+        rc = cli.main(["erase", "--config", str(cfg), "--namespace", a.id.hex()], plugin_manager=pm)
+        out = capsys.readouterr().out
+        assert rc == 0 and counts(out)["backends[0] (peer)"] == f"erased {N}", out
+        assert held(pm, {**section, "listen": None}, 0, data) == 0
+        with pytest.raises(ConfigError, match="cannot listen"):
+            open_tier(pm, section, 0)
+    finally:
+        taken.close()
+
+
 def test_erase_from_mooncake_store(tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
     """Mooncake Store through its master's remove_by_regex: --namespace takes that
     namespace's objects under the tier's key_prefix and no other (another prefix's

@@ -23,7 +23,7 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
     store = FrameStore(cfg.max_size)
     timeout = cfg.timeout_s
     server = None
-    if cfg.listen is not None:
+    if cfg.listen is not None and ctx.serving:  # a command (erase) serves nothing
         try:
             # With a tenant, the instances of that tenant serve each other; the store
             # holds only this instance's chunks, so no partitioning is needed.

@@ -39,6 +39,7 @@ from .opening import Codecs, engine_config, engine_namespace, make_pool, open_ti
 from .pins import ADDED, PinBook
 from .plugins import PluginManager, get_plugin_manager
 from .prefetch import Prefetcher
+from .control import EngineControl, memory_erase
 from .quarantine import Quarantine
 from .serde import FrameSeal
 from .threads import enter_background, use_background_cores
@@ -94,10 +95,9 @@ class CacheEngine:
         self.loaded = loaded = engine_config(config, self.plugins)
         self.config = cfg = loaded.config
         self.namespace = namespace = engine_namespace(namespace, cfg)
-        secret = read_frame_secret(cfg)
         #: the deployment's frame key (``frame_secret``); tiers get it through their
         #: codecs, so every frame they write is sealed and every frame they read must be
-        self.seal = FrameSeal(secret) if secret is not None else None
+        self.seal = FrameSeal(secret) if (secret := read_frame_secret(cfg)) is not None else None
         codecs = Codecs(loaded, self.plugins, self.seal)
         self.codec, self.codecs = codecs.codec, codecs.by_name
         self.pool = make_pool(loaded, self.plugins)
@@ -136,6 +136,8 @@ class CacheEngine:
         )
         #: every request's pins (lmcache_core.pins): a release also cancels the id's prefetch
         self.pins = PinBook(on_release=self.prefetcher.cancel)
+        #: erase requests from `lmcache-core erase` reach the tiers in this engine's memory
+        self.control = EngineControl(cfg.quarantine_dir, namespace.id, memory_erase(self.tiers, cfg.backends, self.plugins))
         self._closed = False
 
     # -- listeners --------------------------------------------------------------------
@@ -375,6 +377,7 @@ class CacheEngine:
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.pool.stop_populate()
         self.quarantine.close()
+        self.control.close()
         self.stack.close(deadline)
 
     def __enter__(self) -> "CacheEngine":

@@ -4,9 +4,11 @@ tier of a config that this command can reach, and say per tier what happened.
 Each ``backends:`` entry of the config is opened as its own tier, in this process:
 
 - a tier that keeps chunks in the memory pool (the ``local_cpu`` tier, and any
-  tier declaring ``pool_bytes``) lives in a running node's memory; no API reaches it
-  from here, so it is reported *not reachable from this command* (it empties when
-  the node restarts). It does not change the exit status; the report says so.
+  tier declaring ``pool_bytes``) lives in each running engine's memory: the engines
+  of this user that use the config's control directory (``quarantine_dir``) are
+  asked to erase it (:mod:`lmcache_core.control`) and their counts are summed; an
+  engine that does not answer within ``--engines-wait-s`` makes the erase partial.
+  Engines of other users, or with another control directory, are not reached.
 - a tier that cannot be opened (server down, credentials refused), cannot list its
   chunks (:class:`~lmcache_core.backend.EraseUnsupported`) or fails while erasing
   is reported with the reason, and the exit status is 1: the erase is partial.
@@ -35,6 +37,7 @@ from typing import TextIO
 
 from .backend import EraseMatch, EraseUnsupported, StorageBackend
 from .config import ConfigError, load_config, read_frame_secret
+from .control import WAIT_S, ask_engines
 from .keys import HASH_BYTES
 from .memory import MemoryPool
 from .namespaces import NamespaceRecord, namespace_of, parse_records
@@ -78,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--model", metavar="M", help="every namespace recorded for model M (the name vLLM serves it by)")
     which.add_argument("--tenant", metavar="T", help="every namespace recorded for tenant label T (the config's tenant)")
     p.add_argument("--dry-run", action="store_true", help="count what would be erased; delete nothing")
+    p.add_argument(
+        "--engines-wait-s",
+        type=float,
+        default=WAIT_S,
+        help=f"how long running engines get to erase their CPU tier (default {WAIT_S:g})",
+    )
 
 
 @dataclass(frozen=True)
@@ -149,11 +158,20 @@ class Erased:
     recorded: set[str] | None = None
 
 
-def erase_tiers(config: str | None, which: EraseMatch | ByName, *, dry_run: bool, plugins: PluginManager, err: TextIO) -> Erased:
-    """Open each tier of ``config``, erase the match from each, close them. For a
+def erase_tiers(
+    config: str | None,
+    which: EraseMatch | ByName,
+    *,
+    dry_run: bool,
+    plugins: PluginManager,
+    err: TextIO,
+    engines_wait_s: float = WAIT_S,
+) -> Erased:
+    """Open each tier of ``config``, erase the match from each (the tiers in running
+    engines' memory through the control directory), close them. For a
     :class:`ByName`, the namespace records of every open tier are read first.
     ConfigError when the config itself is invalid."""
-    opened = _open_tiers(config, plugins)
+    opened, control_dir = _open_tiers(config, plugins)
     try:
         by = which if isinstance(which, ByName) else None
         unreadable: dict[str, str] = {}
@@ -163,9 +181,10 @@ def erase_tiers(config: str | None, which: EraseMatch | ByName, *, dry_run: bool
         if by is not None:
             match, recorded, unreadable, notes = _resolve(opened, by)
         results = []
+        in_memory = _in_engines(opened, control_dir, match, dry_run, engines_wait_s)
         for o in opened:
             if o.result is not None:
-                results.append(o.result)
+                results.append(in_memory.get(o.where, o.result))
                 continue
             assert o.tier is not None
             r = (
@@ -224,9 +243,36 @@ def _resolve(opened: list[Opened], by: ByName) -> tuple[EraseMatch, set[str], di
     return EraseMatch(frozenset(ids)), names, unreadable, notes
 
 
-def _open_tiers(config: str | None, plugins: PluginManager) -> list[Opened]:
-    """Every ``backends:`` entry: opened, or its result (in a node's memory: not
-    reachable; failed to open). ConfigError for an invalid config."""
+def _in_engines(
+    opened: list[Opened], control_dir: str | None, match: EraseMatch, dry_run: bool, wait_s: float
+) -> dict[str, TierResult]:
+    """The results of the tiers in running engines' memory, after asking the engines
+    (the first such tier carries the count of all)."""
+    pooled = [o.where for o in opened if o.result is not None and o.result.outcome == UNREACHABLE]
+    if not pooled:
+        return {}
+    done = WOULD if dry_run else DONE
+    if match.namespaces == frozenset():
+        return {w: TierResult(w, done, 0) for w in pooled}
+    a = ask_engines(control_dir, match, dry_run=dry_run, wait_s=wait_s)
+    if a.error is not None:
+        return {w: TierResult(w, UNREACHABLE, reason=f"running engines not reached: {a.error}") for w in pooled}
+    n, engines = sum(a.chunks.values()), len(a.chunks) + len(a.silent) + len(a.failed)
+    if a.silent or a.failed:
+        why = [f"engine {e} did not answer within {wait_s:g} s" for e in a.silent]
+        why += [f"engine {e}: {m}" for e, m in a.failed.items()]
+        first = TierResult(pooled[0], FAILED, n, "; ".join(why))
+    else:
+        what = f"in {engines} running engine(s)" if engines else "no running engine uses this control directory"
+        first = TierResult(pooled[0], done, n, what)
+    rest = {w: TierResult(w, first.outcome, None, f"counted under {pooled[0]}") for w in pooled[1:]}
+    return {pooled[0]: first, **rest}
+
+
+def _open_tiers(config: str | None, plugins: PluginManager) -> tuple[list[Opened], str | None]:
+    """Every ``backends:`` entry: opened, or its result (in engines' memory: to ask
+    them; failed to open); and the config's control directory. ConfigError for an
+    invalid config."""
     loaded = load_config(config, model=plugins.config_model())
     secret = read_frame_secret(loaded.config)
     codecs = Codecs(loaded, plugins, FrameSeal(secret) if secret is not None else None)
@@ -237,7 +283,7 @@ def _open_tiers(config: str | None, plugins: PluginManager) -> list[Opened]:
         for i, section in enumerate(loaded.config.backends):
             where = f"backends[{i}] ({section.name})"
             if plugins.pool_bytes(section, key_path=f"backends[{i}]", source=source) > 0:
-                reason = "not reachable from this command: its chunks live in a running node's memory"
+                reason = "its chunks live in running engines' memory"
                 opened.append(Opened(where, result=TierResult(where, UNREACHABLE, reason=reason)))
                 continue
             ctx = tier_context(codecs, pool, i, serving=False)
@@ -252,7 +298,7 @@ def _open_tiers(config: str | None, plugins: PluginManager) -> list[Opened]:
             if o.tier is not None:
                 o.tier.close()
         raise
-    return opened
+    return opened, loaded.config.quarantine_dir
 
 
 def _erase_one(where: str, tier: StorageBackend, match: EraseMatch, dry_run: bool, err: TextIO) -> TierResult:
@@ -293,7 +339,7 @@ def report(done: Erased, out: TextIO) -> int:
     if failed:
         out.write(f"PARTIAL: not erased from {', '.join(failed)}\n")
     if unreachable:
-        out.write(f"note: {', '.join(unreachable)} not reachable from this command: restart the nodes to drop those chunks\n")
+        out.write(f"note: {', '.join(unreachable)} not reachable from this command: restart the engines to drop those chunks\n")
     return 1 if failed else 0
 
 
@@ -304,7 +350,14 @@ def cmd_erase(args: argparse.Namespace, pm: PluginManager | None = None) -> int:
         sys.stderr.write(f"error: {e}\n")
         return 2
     try:
-        done = erase_tiers(args.config, which, dry_run=args.dry_run, plugins=pm or PluginManager(), err=sys.stderr)
+        done = erase_tiers(
+            args.config,
+            which,
+            dry_run=args.dry_run,
+            plugins=pm or PluginManager(),
+            err=sys.stderr,
+            engines_wait_s=args.engines_wait_s,
+        )
     except ConfigError as e:
         sys.stderr.write(f"error: {_one_line(e) if not str(e) else str(e).splitlines()[0]}\n")
         return 2

@@ -6,12 +6,12 @@ evicted whatever the policy says."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from pydantic import Field
 
-from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, StorageBackend, prefix_count
+from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, EraseMatch, StorageBackend, prefix_count
 from .config import ByteSize, StrictModel, parse_size, validate_section
 from .eviction import EvictionPolicy, LruPolicy
 from .keys import ChunkKey
@@ -96,6 +96,24 @@ class LocalCpuBackend(StorageBackend):
             self._pins.pop(key, None)
         buf.release()
         return True
+
+    def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
+        """Drop every chunk ``match`` takes (``lmcache-core erase`` reaches a running
+        engine's CPU tier through :mod:`lmcache_core.control`); reported to the
+        eviction listeners like evictions (KV events). A load holding a chunk's buffer
+        finishes with its copy; later lookups miss."""
+        with self._lock:
+            keys = [k for k in self._entries if match(k)]
+        if dry_run:
+            return len(keys)
+        n = 0
+        for key in keys:
+            if self.remove(key):
+                n += 1
+                self.evicted(key)
+        if progress is not None:
+            progress(n)
+        return n
 
     def stats(self) -> BackendStats:
         with self._lock:

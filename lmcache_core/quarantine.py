@@ -329,23 +329,31 @@ class Quarantine:
             log.warning("quarantine control directory %s could not be used: %s", self.control_dir, err)
             return None
         data = json.dumps({"tier": tier, "pid": os.getpid(), "since": time.time(), "reason": reason}) + "\n"
-        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
         try:
-            # A fresh name (O_EXCL, no link followed), then an atomic rename over the
-            # final name: whatever sat there (a link, a FIFO) is replaced, never opened.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(data)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            write_in_dir(dir_fd, name, data)
         except OSError as err:
             log.warning("quarantine control file %s could not be written: %s", self.control_dir / name, err)
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
             os.close(dir_fd)
             return None
         return _Control(dir_fd, name, self.control_dir / name)
+
+
+def write_in_dir(dir_fd: int, name: str, data: str) -> None:
+    """Write ``name`` in the checked directory ``dir_fd``: a fresh name (O_EXCL, no
+    link followed), then an atomic rename over the final name, so whatever sat there
+    (a link, a FIFO) is replaced, never opened. OSError (the temp file removed)."""
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
 
 
 def _safe(name: str) -> str:
@@ -371,31 +379,31 @@ class ControlFile:
         return True
 
 
-class _Skip(Exception):
+class Skip(Exception):
     """A directory entry that is not a readable control file (the text says why)."""
 
 
-def _read_bounded(dir_fd: int, name: str) -> bytes:
+def read_bounded(dir_fd: int, name: str) -> bytes:
     """At most :data:`MAX_CONTROL_BYTES` of regular file ``name``: links are not
     followed, FIFOs and devices are not opened (and would not block if they were)."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError as err:
-        raise _Skip(f"cannot be read: {err.strerror}") from None
+        raise Skip(f"cannot be read: {err.strerror}") from None
     if stat.S_ISLNK(st.st_mode):
-        raise _Skip("is a symbolic link (control files are never followed)")
+        raise Skip("is a symbolic link (control files are never followed)")
     if not stat.S_ISREG(st.st_mode):
-        raise _Skip("is not a regular file (a FIFO, device, socket or directory)")
+        raise Skip("is not a regular file (a FIFO, device, socket or directory)")
     if st.st_size > MAX_CONTROL_BYTES:
-        raise _Skip(f"is too large ({st.st_size} bytes; a control file has at most {MAX_CONTROL_BYTES})")
+        raise Skip(f"is too large ({st.st_size} bytes; a control file has at most {MAX_CONTROL_BYTES})")
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as err:
-        raise _Skip(f"cannot be read: {err.strerror}") from None
+        raise Skip(f"cannot be read: {err.strerror}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the lstat
-            raise _Skip("is not a regular file")
+            raise Skip("is not a regular file")
         chunks: list[bytes] = []
         size = 0
         while size <= MAX_CONTROL_BYTES:
@@ -405,11 +413,11 @@ def _read_bounded(dir_fd: int, name: str) -> bytes:
             chunks.append(b)
             size += len(b)
     except OSError as err:
-        raise _Skip(f"cannot be read: {err.strerror}") from None
+        raise Skip(f"cannot be read: {err.strerror}") from None
     finally:
         os.close(fd)
     if size > MAX_CONTROL_BYTES:
-        raise _Skip(f"is too large (over {MAX_CONTROL_BYTES} bytes)")
+        raise Skip(f"is too large (over {MAX_CONTROL_BYTES} bytes)")
     return b"".join(chunks)
 
 
@@ -417,16 +425,16 @@ def _parse(path: Path, raw: bytes) -> ControlFile:
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise _Skip("is not valid JSON") from None
+        raise Skip("is not valid JSON") from None
     if not isinstance(data, dict):
-        raise _Skip("is not a JSON object")
+        raise Skip("is not a JSON object")
     tier, pid, since, reason = (data.get(k) for k in ("tier", "pid", "since", "reason"))
     if not isinstance(tier, str) or not isinstance(reason, str):
-        raise _Skip("has no valid tier or reason (text)")
+        raise Skip("has no valid tier or reason (text)")
     if type(pid) is not int or not 0 < pid < 2**31:
-        raise _Skip("has no valid pid")
+        raise Skip("has no valid pid")
     if isinstance(since, bool) or not isinstance(since, (int, float)) or not 0 <= since < _LAST_SINCE:
-        raise _Skip("has no valid time")  # NaN fails the range too
+        raise Skip("has no valid time")  # NaN fails the range too
     return ControlFile(path, tier, pid, float(since), reason)
 
 
@@ -447,8 +455,8 @@ def scan_control_files(dir_fd: int, directory: str | os.PathLike[str]) -> tuple[
     files = []
     for name in sorted(names):
         try:
-            files.append(_parse(d / name, _read_bounded(dir_fd, name)))
-        except _Skip as why:
+            files.append(_parse(d / name, read_bounded(dir_fd, name)))
+        except Skip as why:
             skipped.append((name, str(why)))
     return files, skipped
 

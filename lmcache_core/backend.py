@@ -15,7 +15,7 @@ import abc
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -75,6 +75,23 @@ def prefix_count(keys: Sequence[ChunkKey], present: Container[ChunkKey]) -> int:
         if k not in present:
             break
         n += 1
+    return n
+
+
+def remove_each(
+    remove: Callable[[ChunkKey], bool], keys: Iterable[ChunkKey], progress: Callable[[int], None] | None = None, every: int = 1000
+) -> int:
+    """Remove ``keys`` one at a time with ``remove`` (what an ``erase`` does once it has
+    listed its chunks); how many were removed, told to ``progress`` every ``every``
+    and at the end."""
+    n = 0
+    for key in keys:
+        if remove(key):
+            n += 1
+            if progress is not None and n % every == 0:
+                progress(n)
+    if progress is not None and n % every:
+        progress(n)
     return n
 
 

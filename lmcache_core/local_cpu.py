@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from pydantic import Field
 
-from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, EraseMatch, StorageBackend, prefix_count
+from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, EraseMatch, StorageBackend, prefix_count, remove_each
 from .config import ByteSize, StrictModel, parse_size, validate_section
 from .eviction import EvictionPolicy, LruPolicy
 from .keys import ChunkKey
@@ -106,14 +106,14 @@ class LocalCpuBackend(StorageBackend):
             keys = [k for k in self._entries if match(k)]
         if dry_run:
             return len(keys)
-        n = 0
-        for key in keys:
-            if self.remove(key):
-                n += 1
-                self.evicted(key)
-        if progress is not None:
-            progress(n)
-        return n
+
+        def gone(key: ChunkKey) -> bool:
+            if not self.remove(key):
+                return False
+            self.evicted(key)
+            return True
+
+        return remove_each(gone, keys, progress)
 
     def stats(self) -> BackendStats:
         with self._lock:

@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendContext, BackendError, BackendStats, EraseMatch
+from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendContext, BackendError, BackendStats, EraseMatch, remove_each
 from lmcache_core.config import validate_section
 from lmcache_core.eviction import EvictionPolicy
 from lmcache_core.keys import ChunkKey
@@ -261,12 +261,7 @@ class DiskBackend(ChunkIO):
         keys = self._chunks_matching(match)
         if dry_run:
             return len(keys)
-        n = 0
-        for key in keys:
-            if self.remove(key):
-                n += 1
-                if progress is not None and n % 1000 == 0:
-                    progress(n)
+        n = remove_each(self.remove, keys, progress)
         left = sum(1 for _ in self._chunks_matching(match))
         if left:
             raise BackendError(f"disk tier {self.root}: {left} matching chunk file(s) could not be removed ({n} were)")

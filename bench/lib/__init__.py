@@ -6,6 +6,8 @@
 - ``openai_server``: vLLM's OpenAI server as the unit under test (start, stop, the
   processes its tiers need, what its processes use); ``openai_client``: prompts and
   streamed requests with the client's first-token and inter-token times;
+- ``divergence``: two servers' greedy answers judged by their logprobs (identical,
+  a near-tie at the first differing token, or a real mismatch);
 - ``vllm_engine``: one in-process vLLM engine per system (recompute, vLLM's example
   connector, lmcache-core, vLLM's prefix cache), its TTFT and shutdown;
 - ``ttft_engine``: one engine per child process, for the fresh-process TTFT benchmarks;

@@ -171,7 +171,7 @@ def erase_tiers(
     engines' memory through the control directory), close them. For a
     :class:`ByName`, the namespace records of every open tier are read first.
     ConfigError when the config itself is invalid."""
-    opened, control_dir = _open_tiers(config, plugins)
+    opened, control_dir = open_command_tiers(config, plugins)
     try:
         by = which if isinstance(which, ByName) else None
         unreadable: dict[str, str] = {}
@@ -269,10 +269,10 @@ def _in_engines(
     return {pooled[0]: first, **rest}
 
 
-def _open_tiers(config: str | None, plugins: PluginManager) -> tuple[list[Opened], str | None]:
-    """Every ``backends:`` entry: opened, or its result (in engines' memory: to ask
-    them; failed to open); and the config's control directory. ConfigError for an
-    invalid config."""
+def open_command_tiers(config: str | None, plugins: PluginManager) -> tuple[list[Opened], str | None]:
+    """Every ``backends:`` entry opened for a command (serving nothing), or its result
+    (in engines' memory; failed to open); and the config's control directory.
+    ConfigError for an invalid config. Also what ``lmcache-core lookup`` opens."""
     loaded = load_config(config, model=plugins.config_model())
     secret = read_frame_secret(loaded.config)
     codecs = Codecs(loaded, plugins, FrameSeal(secret) if secret is not None else None)

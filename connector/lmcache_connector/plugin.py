@@ -1,5 +1,5 @@
 """Entry point ``connector`` in the group ``lmcache_core.backends``: the
-``lmcache-core demo`` and ``warm`` commands, and the ``connector:`` section of the
+``lmcache-core demo``, ``warm`` and ``lookup`` commands, and the ``connector:`` section of the
 config (:mod:`lmcache_connector.settings`), all by dotted path: listing plugins
 imports nothing else of the connector, and nothing of vLLM is imported until the demo
 runs."""
@@ -28,4 +28,9 @@ def register_commands(register: RegisterCommand) -> None:
         "warm",
         "lmcache_connector.warm:setup_command",
         help="prefill a corpus into the tiers of a config, so a server started later hits at once",
+    )
+    register(
+        "lookup",
+        "lmcache_connector.lookup_cmd:setup_command",
+        help="which tiers of a config hold how many chunks of some prompts (read-only)",
     )

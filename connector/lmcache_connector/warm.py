@@ -156,7 +156,7 @@ class Progress:
         self.out.flush()
 
 
-def _prompt_ids(tok: Any, text: str, args: argparse.Namespace, max_len: int, summary: Summary) -> list[int]:
+def prompt_ids(tok: Any, text: str, args: argparse.Namespace, max_len: int, summary: Summary) -> list[int]:
     body = args.prefix + text
     if args.chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": body}], tokenize=True, add_generation_prompt=False)
@@ -245,7 +245,7 @@ def warm(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.s
     t0 = time.perf_counter()
     try:
         for batch in _batches(first, docs, args):
-            prompts = [_prompt_ids(tok, d, args, max_len, summary) for d in batch]
+            prompts = [prompt_ids(tok, d, args, max_len, summary) for d in batch]
             outs = llm.generate([tokens_prompt(p) for p in prompts], sp, use_tqdm=False)
             _count(summary, prompts, outs, worker.cfg.chunk_size)
             progress.update(summary)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lmcache_connector.lookup_cmd import lookup
 from lmcache_connector.warm import CorpusError, read_corpus, Summary, warm
 
 from .conftest import greedy, make_llm
@@ -35,6 +36,12 @@ def _args(model: Path, config: Path, jsonl: Path, **kw) -> argparse.Namespace:
         limit=None,
         quiet=True,
     )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _lookup_args(model: Path, config: Path, **kw) -> argparse.Namespace:
+    base = dict(model=str(model), config=config, text=None, jsonl=None, dir=None, prefix="Document: ", chat_template=False)
+    base.update(namespace=None, cache_salt=None, lora=None, limit=1000)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -83,6 +90,17 @@ def test_a_warmed_corpus_hits_at_once_on_a_fresh_engine(tmp_path, tiny_model):
     assert disk["chunks"] >= sum(len(d) for d in docs) // 4 // CS  # whole chunks reached the disk tier
     again = warm(_args(tiny_model, cfg, corpus))
     assert again.fully_cached == 5 and again.computed_tokens <= 5 * CS, again  # a rerun skips what is stored
+    # lmcache-core lookup finds every whole chunk of every warmed document in the disk
+    # tier (its offline hashes are the connector's); the control: an unwarmed one, none
+    out = io.StringIO()
+    rc = lookup(_lookup_args(tiny_model, cfg, text=[*docs, _docs(tiny_model, 6)[5]]), out, io.StringIO())
+    lines = out.getvalue().splitlines()
+    assert rc == 0, out.getvalue()
+    for line in lines[:5]:
+        whole = int(line.split(" whole chunks")[0].rsplit(" ", 1)[1])
+        assert whole >= 2 and f"(disk) [rank 0/1] {whole}/{whole}" in line, line
+    assert "(disk) [rank 0/1] 0/" in lines[5], lines[5]
+    assert "backends[0] (local_cpu): not asked" in out.getvalue()
     # a fresh engine with the same config: every document's whole chunks hit at once
     questions = [f"Document: {d}\nQuestion: what is it about?" for d in docs]
     with make_llm(tiny_model, extra={"config_file": str(cfg)}, max_model_len=2048) as llm:

@@ -166,14 +166,15 @@ def test_plugin_command_names_are_checked(name: str) -> None:
 
 
 def test_first_party_commands_come_from_their_distributions() -> None:
-    """``demo``, ``warm`` and ``serve`` are registered by the connector's and the peer
-    tier's distributions (entry points), not by the core."""
+    """``demo``, ``warm``, ``lookup``, ``serve`` and ``admin`` are registered by the
+    connector's and the peer tier's distributions (entry points), not by the core."""
     res = run("plugins")
     assert res.returncode == 0, res.stderr
     commands = {cols[1]: cols[2] for cols in map(str.split, res.stdout.splitlines()) if cols and cols[0] == "command"}
     assert commands == {
         "demo": "lmcache-connector-vllm",
         "warm": "lmcache-connector-vllm",
+        "lookup": "lmcache-connector-vllm",
         "serve": "lmcache-backend-peer",
         "admin": "lmcache-backend-peer",
     }

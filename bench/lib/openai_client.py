@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lib.divergence import Answer, logprobs_request
+
 
 class Texts:
     """Text of exact token lengths for the model's tokenizer: random words from the
@@ -51,11 +53,14 @@ class Result:
     cached_tokens: int = 0
     text: str = ""
     error: str | None = None
+    #: the answer's token ids and top logprobs (asked with ``complete(..., logprobs=k)``)
+    answer: Answer | None = None
 
 
-async def complete(session: Any, base: str, model: str, prompt: str, max_tokens: int) -> Result:
-    """One streamed /v1/completions request."""
-    body = {
+async def complete(session: Any, base: str, model: str, prompt: str, max_tokens: int, logprobs: int | None = None) -> Result:
+    """One streamed /v1/completions request; with ``logprobs``, the answer's tokens and
+    their top ``logprobs`` logprobs in ``Result.answer`` (lib.divergence compares them)."""
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -64,7 +69,9 @@ async def complete(session: Any, base: str, model: str, prompt: str, max_tokens:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    r = Result()
+    if logprobs is not None:
+        body.update(logprobs_request(logprobs))
+    r = Result(answer=Answer() if logprobs is not None else None)
     t0 = time.perf_counter()
     last = t0
     try:
@@ -94,6 +101,8 @@ async def complete(session: Any, base: str, model: str, prompt: str, max_tokens:
                         r.itl.append(now - last)
                     last = now
                     r.text += ch.get("text") or ""
+                    if r.answer is not None:
+                        r.answer.extend(ch.get("logprobs"))
     except Exception as err:  # a failed request is counted, never fatal
         r.error = f"{type(err).__name__}: {err}"
     r.latency = time.perf_counter() - t0

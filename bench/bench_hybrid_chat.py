@@ -48,9 +48,7 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -62,6 +60,7 @@ from typing import Any, Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lib.divergence import IDENTICAL, Answer, Tally, compare, logprobs_request  # noqa: E402
+from lib.servers import free_port, healthy_process  # noqa: E402
 from lmcache_connector.dev.tiny_hybrid import build_hybrid_model  # noqa: E402
 from lmcache_connector.dev.tiny_model import random_prompt  # noqa: E402
 from lmcache_connector.state_scheduler import QUALNAME  # noqa: E402
@@ -72,16 +71,10 @@ SETTLE_ARMS = {"lmc-idle": "idle", "lmc-always": "always"}
 PARTS = ("chat", "staggered", "unique")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def server(model: Path, arm: str, log_path: Path, start_timeout: float = 420) -> Iterator[int]:
     """A fresh OpenAI server for ``arm``; yields its port; stopped (bounded) on exit."""
-    port = _free_port()
+    port = free_port()
     args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager"]
     args += [
         "--no-enable-prefix-caching",
@@ -103,33 +96,10 @@ def server(model: Path, arm: str, log_path: Path, start_timeout: float = 420) ->
         args += ["--scheduler-cls", QUALNAME, "--kv-transfer-config", json.dumps(ktc)]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-        try:
-            deadline = time.monotonic() + start_timeout
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"{arm}: server exited; see {log_path}")
-                try:
-                    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                    c.request("GET", "/health")
-                    if c.getresponse().status == 200:
-                        break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"{arm}: no /health in {start_timeout} s; see {log_path}")
-                time.sleep(1)
-            yield port
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    health = f"http://127.0.0.1:{port}/health"
+    with healthy_process(cmd, env=env, log_path=log_path, health_url=health, start_timeout=start_timeout, name=arm):
+        yield port
 
 
 def complete(port: int, model: Path, prompt: list[int], max_tokens: int) -> dict[str, Any]:

@@ -131,9 +131,20 @@ class _Pipe:
 
 
 class _Proxy:
-    """What both proxies offer: ``start``/``stop``, a context manager, ``address``."""
+    """What both proxies offer: ``start``/``stop``, a context manager, ``address``;
+    their settings: the upstream ``target``, the round trip added, the relay's window
+    and its connection cap."""
 
-    address: tuple[str, int]
+    def __init__(
+        self,
+        target: tuple[str, int],
+        rtt_ms: float,
+        window: int = WINDOW_BYTES,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self.target, self.rtt_ms = target, rtt_ms
+        self.window, self.max_connections = window, max_connections
+        self.address: tuple[str, int] = ("127.0.0.1", 0)
 
     def start(self) -> Any:
         raise NotImplementedError
@@ -156,18 +167,9 @@ class Relay(_Proxy):
     """The relay itself, in this process (what the child process of
     :class:`LatencyProxy` runs)."""
 
-    def __init__(
-        self,
-        target: tuple[str, int],
-        rtt_ms: float,
-        window: int = WINDOW_BYTES,
-        max_connections: int = MAX_CONNECTIONS,
-    ) -> None:
-        self.target = target
-        self.one_way = max(0.0, rtt_ms) / 2000.0
-        self.window = window
-        self.max_connections = max_connections
-        self.address: tuple[str, int] = ("127.0.0.1", 0)
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.one_way = max(0.0, self.rtt_ms) / 2000.0
         self.connections = 0  # accepted and relayed
         self.refused = 0  # accepted past max_connections and closed at once
         self.active = 0
@@ -287,18 +289,9 @@ class LatencyProxy(_Proxy):
     engine, a tier client parsing responses), as a network would not.
     ``in_process=True`` runs :class:`Relay` here instead."""
 
-    def __init__(
-        self,
-        target: tuple[str, int],
-        rtt_ms: float,
-        in_process: bool = False,
-        window: int = WINDOW_BYTES,
-        max_connections: int = MAX_CONNECTIONS,
-    ) -> None:
-        self.target, self.rtt_ms = target, rtt_ms
-        self.window, self.max_connections = window, max_connections
-        self.address: tuple[str, int] = ("127.0.0.1", 0)
-        self._relay = Relay(target, rtt_ms, window, max_connections) if in_process else None
+    def __init__(self, *args: Any, in_process: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._relay = Relay(self.target, self.rtt_ms, self.window, self.max_connections) if in_process else None
         self._proc: subprocess.Popen[str] | None = None
 
     @property

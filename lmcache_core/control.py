@@ -33,7 +33,17 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .backend import EraseMatch, StorageBackend
 from .namespaces import namespace_of
-from .quarantine import MAX_ENTRIES, Skip, UnsafeDirError, default_dir, open_private_dir, read_bounded, write_in_dir
+from .quarantine import (
+    MAX_ENTRIES,
+    Skip,
+    UnsafeDirError,
+    default_dir,
+    list_names,
+    open_private_dir,
+    pid_alive,
+    read_bounded,
+    write_in_dir,
+)
 
 if TYPE_CHECKING:
     from .config import BackendSection
@@ -52,14 +62,7 @@ MAX_IDS = 1024
 
 
 def _names(dir_fd: int, suffix: str) -> list[str]:
-    out = []
-    with os.scandir(dir_fd) as it:
-        for n, entry in enumerate(it):
-            if n >= MAX_ENTRIES:
-                break
-            if entry.name.endswith(suffix) and not entry.name.startswith("."):
-                out.append(entry.name)
-    return sorted(out)
+    return list_names(dir_fd, suffix)[0]
 
 
 def _json(dir_fd: int, name: str) -> dict[str, object] | None:
@@ -68,16 +71,6 @@ def _json(dir_fd: int, name: str) -> dict[str, object] | None:
     except (Skip, UnicodeDecodeError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(dir_fd: int, name: str) -> None:
@@ -223,7 +216,7 @@ def ask_engines(
         for name in _names(fd, ENGINE):
             data = _json(fd, name)
             pid = data.get("pid") if data is not None else None
-            if type(pid) is int and 0 < pid < 2**31 and _alive(pid):
+            if type(pid) is int and 0 < pid < 2**31 and pid_alive(pid):
                 live.append(name[: -len(ENGINE)])
             elif data is not None:
                 _unlink(fd, name)  # its engine is gone

@@ -370,13 +370,31 @@ class ControlFile:
 
     @property
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+        return pid_alive(self.pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
         return True
+    return True
+
+
+def list_names(dir_fd: int, suffix: str) -> tuple[list[str], bool]:
+    """The names ending in ``suffix`` (dot files apart) in directory ``dir_fd``, sorted,
+    among its first :data:`MAX_ENTRIES` entries; and whether there were more."""
+    names: list[str] = []
+    with os.scandir(dir_fd) as it:
+        for n, entry in enumerate(it):
+            if n >= MAX_ENTRIES:
+                return sorted(names), True
+            if entry.name.endswith(suffix) and not entry.name.startswith("."):
+                names.append(entry.name)
+    return sorted(names), False
 
 
 class Skip(Exception):
@@ -443,17 +461,12 @@ def scan_control_files(dir_fd: int, directory: str | os.PathLike[str]) -> tuple[
     and ``(name, why)`` for each ``*.quarantined`` entry that is not one. Bounded:
     at most :data:`MAX_ENTRIES` entries, :data:`MAX_CONTROL_BYTES` per file."""
     d = Path(directory)
-    names: list[str] = []
+    names, more = list_names(dir_fd, SUFFIX)
     skipped: list[tuple[str, str]] = []
-    with os.scandir(dir_fd) as it:
-        for n, entry in enumerate(it):
-            if n >= MAX_ENTRIES:
-                skipped.append(("…", f"more than {MAX_ENTRIES} entries in the directory: the rest were not read"))
-                break
-            if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                names.append(entry.name)
+    if more:
+        skipped.append(("…", f"more than {MAX_ENTRIES} entries in the directory: the rest were not read"))
     files = []
-    for name in sorted(names):
+    for name in names:
         try:
             files.append(_parse(d / name, read_bounded(dir_fd, name)))
         except Skip as why:

@@ -62,7 +62,7 @@ from lmcache_core.retention import MAX_SECONDS as MAX_RETAIN_S
 
 from . import node_metrics
 from .client import format_address
-from .limits import MAX_BODY, MAX_REQUEST_KEYS
+from .limits import MAX_BODY, MAX_ERASE_NAMESPACES, MAX_REQUEST_KEYS
 from .openapi import SPEC
 from .store import FrameStore
 from .tenants import tenant_key
@@ -309,8 +309,8 @@ class AdminServer:
 
     @staticmethod
     def _namespaces(names: Any) -> frozenset[bytes]:
-        if not isinstance(names, list) or not names or len(names) > 1024:
-            raise _Refused(400, '"namespaces" must be a list of 1 to 1024 namespace ids')
+        if not isinstance(names, list) or not names or len(names) > MAX_ERASE_NAMESPACES:
+            raise _Refused(400, f'"namespaces" must be a list of 1 to {MAX_ERASE_NAMESPACES} namespace ids')
         ids = set()
         for text in names:
             ns = _namespace(text)

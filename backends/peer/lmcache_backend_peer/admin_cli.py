@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 from lmcache_core.backend import BackendError, EraseMatch
 
 from .admin import read_token
+from .limits import MAX_ERASE_NAMESPACES
 
 TIMEOUT_S = 30.0
 
@@ -78,7 +79,8 @@ class NodeAdmins:
         except ValueError as err:
             raise BackendError(f"admin_token_file: {err}") from None
         ids = None if match.namespaces is None else sorted(n.hex() for n in match.namespaces)
-        bodies = [{"all": True}] if ids is None else [{"namespaces": ids[i : i + 1024]} for i in range(0, len(ids), 1024)]
+        step = MAX_ERASE_NAMESPACES
+        bodies = [{"all": True}] if ids is None else [{"namespaces": ids[i : i + step]} for i in range(0, len(ids), step)]
         n = 0
         for url in self.urls:
             for body in bodies:

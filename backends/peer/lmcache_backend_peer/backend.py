@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -43,12 +43,14 @@ from lmcache_core.backend import BATCHED, SHARED, BackendStats, EraseMatch, Eras
 from lmcache_core.keys import ChunkKey
 from lmcache_core.frames import Codec, FrameReader, FrameWriter
 
-from .admin_cli import NodeAdmins
 from .client import PeerClient, PeerRequestError, PeerUnsupported
 from .protocol import MAX_EVICTIONS_PER_REPLY, PeerError, ProtocolError
 from .server import PeerServer
 from .shm import SHM_SUPPORTED, Location, ShmUnavailable, ShmView
 from .store import FrameStore
+
+if TYPE_CHECKING:
+    from .admin_cli import NodeAdmins
 
 log = logging.getLogger(__name__)
 

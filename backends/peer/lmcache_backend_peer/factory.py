@@ -7,7 +7,6 @@ from typing import Any, Mapping
 from lmcache_core.backend import BackendContext
 from lmcache_core.config import ConfigError, validate_section
 
-from .admin_cli import NodeAdmins
 from .backend import PeerBackend
 from .client import PeerClient, format_address
 from .config import PeerConfig, load_secret
@@ -63,6 +62,11 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
         )
         for a in peers
     ]
+    admins = None
+    if cfg.admin_urls and cfg.admin_token_file:
+        from .admin_cli import NodeAdmins  # only erase uses it: engines never load the admin code
+
+        admins = NodeAdmins(cfg.admin_urls, cfg.admin_token_file, cfg.admin_ca_file)
     return PeerBackend(
         store,
         clients,
@@ -73,7 +77,5 @@ def create_peer_backend(section: Mapping[str, Any], ctx: BackendContext) -> Peer
         retry_after=cfg.retry_after_s,
         shm=cfg.shm,
         eviction_poll=cfg.eviction_poll_s,
-        admins=NodeAdmins(cfg.admin_urls, cfg.admin_token_file, cfg.admin_ca_file)
-        if cfg.admin_token_file and cfg.admin_urls
-        else None,
+        admins=admins,
     )

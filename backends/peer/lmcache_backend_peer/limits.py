@@ -277,3 +277,5 @@ MAX_BODY = 64 << 10
 """Largest admin request body (an erase of a few hundred namespaces fits many times)."""
 MAX_REQUEST_KEYS = 512
 """Chunk keys one admin lookup, retain or release names at most."""
+MAX_ERASE_NAMESPACES = 1024
+"""Namespace ids one admin erase names at most (a client sends more in several)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from lmcache_core.retention import MAX_PRIORITY, MAX_SECONDS
 
-from .limits import MAX_BODY, MAX_REQUEST_KEYS
+from .limits import MAX_BODY, MAX_ERASE_NAMESPACES, MAX_REQUEST_KEYS
 from .store import RETAIN_SHARE
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
@@ -85,7 +85,7 @@ _ERASE_BODY = {
     "type": "object",
     "description": "exactly one of namespaces, tenant and all",
     "properties": {
-        "namespaces": {"type": "array", "items": _NS_ID, "minItems": 1, "maxItems": 1024},
+        "namespaces": {"type": "array", "items": _NS_ID, "minItems": 1, "maxItems": MAX_ERASE_NAMESPACES},
         "tenant": {"type": "string", "description": "every chunk this tenant wrote (a node with --tenants-file)"},
         "all": {"type": "boolean", "const": True},
         "dry_run": {"type": "boolean", "default": False},

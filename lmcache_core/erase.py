@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from .backend import EraseMatch, EraseUnsupported, StorageBackend
-from .config import ConfigError, load_config, read_frame_secret
+from .config import ConfigError, CoreConfig, load_config, read_frame_secret
 from .control import WAIT_S, ask_engines
 from .keys import HASH_BYTES
 from .memory import MemoryPool
@@ -171,7 +171,7 @@ def erase_tiers(
     engines' memory through the control directory), close them. For a
     :class:`ByName`, the namespace records of every open tier are read first.
     ConfigError when the config itself is invalid."""
-    opened, control_dir = open_command_tiers(config, plugins)
+    opened, cfg = open_command_tiers(config, plugins)
     try:
         by = which if isinstance(which, ByName) else None
         unreadable: dict[str, str] = {}
@@ -181,7 +181,7 @@ def erase_tiers(
         if by is not None:
             match, recorded, unreadable, notes = _resolve(opened, by)
         results = []
-        in_memory = _in_engines(opened, control_dir, match, dry_run, engines_wait_s)
+        in_memory = _in_engines(opened, cfg.quarantine_dir, match, dry_run, engines_wait_s)
         for o in opened:
             if o.result is not None:
                 results.append(in_memory.get(o.where, o.result))
@@ -269,10 +269,10 @@ def _in_engines(
     return {pooled[0]: first, **rest}
 
 
-def open_command_tiers(config: str | None, plugins: PluginManager) -> tuple[list[Opened], str | None]:
+def open_command_tiers(config: str | None, plugins: PluginManager) -> tuple[list[Opened], CoreConfig]:
     """Every ``backends:`` entry opened for a command (serving nothing), or its result
-    (in engines' memory; failed to open); and the config's control directory.
-    ConfigError for an invalid config. Also what ``lmcache-core lookup`` opens."""
+    (in engines' memory; failed to open); and the config itself. ConfigError for an
+    invalid config. Also what ``lmcache-core lookup`` opens."""
     loaded = load_config(config, model=plugins.config_model())
     secret = read_frame_secret(loaded.config)
     codecs = Codecs(loaded, plugins, FrameSeal(secret) if secret is not None else None)
@@ -298,7 +298,7 @@ def open_command_tiers(config: str | None, plugins: PluginManager) -> tuple[list
             if o.tier is not None:
                 o.tier.close()
         raise
-    return opened, loaded.config.quarantine_dir
+    return opened, loaded.config
 
 
 def _erase_one(where: str, tier: StorageBackend, match: EraseMatch, dry_run: bool, err: TextIO) -> TierResult:

@@ -83,17 +83,15 @@ def _prompts(args: argparse.Namespace, err: TextIO) -> list[list[int]]:
 
 
 def lookup(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from lmcache_core.config import ConfigError, load_config
+    from lmcache_core.config import ConfigError
     from lmcache_core.erase import open_command_tiers
     from lmcache_core.keys import chain_seed
     from lmcache_core.plugins import PluginManager
 
     if args.limit < 1:
         raise CorpusError(f"--limit must be at least 1, got {args.limit}")
-    pm = PluginManager()
     try:
-        chunk_size = load_config(str(args.config), model=pm.config_model()).config.chunk_size
-        opened, _ = open_command_tiers(str(args.config), pm)
+        opened, cfg = open_command_tiers(str(args.config), PluginManager())
     except ConfigError as e:
         raise CorpusError(str(e).splitlines()[0]) from None
     try:
@@ -102,7 +100,7 @@ def lookup(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if not prompts:
             raise CorpusError("no prompt to look up")
         tags = {k: v for k, v in (("vllm:cache_salt", args.cache_salt), ("vllm:lora", args.lora)) if v}
-        return _report(prompts, chunk_size, chain_seed(tags), spaces, opened, out)
+        return _report(prompts, cfg.chunk_size, chain_seed(tags), spaces, opened, out)
     finally:
         for o in opened:
             if o.tier is not None:

@@ -62,6 +62,7 @@ from .conformance import (
     random_chunk,
     random_key,
 )
+from .clock import ManualClock
 from .memory import MemoryTier, MemoryTierConfig, MemoryTierPlugin
 from .policies import EvictionPolicyConformance
 
@@ -78,6 +79,7 @@ __all__ = [
     "EvictionTests",
     "IndexTests",
     "IntegrityTests",
+    "ManualClock",
     "LifecycleTests",
     "MemoryTier",
     "MemoryTierConfig",

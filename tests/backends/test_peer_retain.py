@@ -31,22 +31,14 @@ from test_peer_admin import Admin, admin_cli, client, frame, key, private_file  
 from lmcache_backend_peer.shm import SHM_SUPPORTED, Arena  # noqa: E402
 from lmcache_backend_peer.store import RETAIN_SHARE, FrameStore  # noqa: E402
 from lmcache_core.retention import Retention  # noqa: E402
-from lmcache_core.testing import random_key  # noqa: E402
+from lmcache_core.testing import ManualClock, random_key  # noqa: E402
 
 FRAME = 1000
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _store(max_size: int, quotas: dict[str | None, int] | None = None) -> tuple[FrameStore, Clock]:
+def _store(max_size: int, quotas: dict[str | None, int] | None = None) -> tuple[FrameStore, ManualClock]:
     store = FrameStore(max_size, quotas)
-    clock = Clock()
+    clock = ManualClock()
     store.retention = Retention(max_size, RETAIN_SHARE, clock=clock)
     return store, clock
 

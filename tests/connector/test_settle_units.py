@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 
 from lmcache_connector.settings import ConnectorConfig, ConnectorSection  # noqa: E402
 from lmcache_core.config import ConfigError, LoadedConfig, load_config  # noqa: E402
+from lmcache_core.testing import ManualClock  # noqa: E402
 from lmcache_connector.protocol.lookup_ipc import LookupAnswer  # noqa: E402
 from lmcache_connector.features import settle as settle_module  # noqa: E402
 from lmcache_connector.features.settle import PREFIX, WAIT_S, Settler, resolve  # noqa: E402
@@ -21,14 +22,6 @@ from lmcache_connector.options import ConnectorSettings  # noqa: E402
 from lmcache_connector.scheduler import make_scheduler  # noqa: E402
 
 CS = 256
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _Lookup:
@@ -88,7 +81,7 @@ def _finished(side, **kw):
 
 # -- Settler ------------------------------------------------------------------------------
 def test_a_request_waits_for_a_settle_that_stores_its_chunks_until_it_finishes():
-    clock = _Clock()
+    clock = ManualClock(100.0)
     s = Settler(wait_s=10.0, clock=clock)
     plan = s.plan(SimpleNamespace(request_id="a"), [1, 2, 3], [b"h1", b"h2"])
     assert plan is not None and plan.req_id.startswith(PREFIX) and s.take() == [plan] and s.take() == []
@@ -101,7 +94,7 @@ def test_a_request_waits_for_a_settle_that_stores_its_chunks_until_it_finishes()
 
 
 def test_a_waiting_request_gives_up_after_wait_s_once_and_for_all():
-    clock = _Clock()
+    clock = ManualClock(100.0)
     s = Settler(wait_s=10.0, clock=clock)
     s.plan(SimpleNamespace(request_id="a"), [1], [b"h1"])
     assert s.must_wait("b", [b"h1"])
@@ -209,7 +202,7 @@ def test_a_settle_of_which_no_chunk_fits_a_step_is_not_handed_over_at_idle(monke
 
 
 def test_a_request_supersedes_a_queued_idle_settle_and_waits_for_a_running_one():
-    clock = _Clock()
+    clock = ManualClock(100.0)
     s = Settler(when="idle", clock=clock)
     queued = s.plan(None, [1], [b"h1"])
     assert not s.must_wait("next", [b"h0", b"h1"])  # it computes h1 itself, at once
@@ -322,7 +315,7 @@ def test_the_next_piece_of_an_idle_settle_waits_for_the_chunks_of_the_one_before
     2 chunks (513 tokens). A piece waits for the chunks of the one before to be stored
     (a background save may land after the request finished), at most WAIT_S; a piece
     whose prompt chunks left the cache is dropped at once."""
-    lookup, clock = _Stored(), _Clock()
+    lookup, clock = _Stored(), ManualClock(100.0)
     side = _side(lookup=lookup, settle_when="idle")
     side.settler._clock = clock
     req = _request(_prompt(300))

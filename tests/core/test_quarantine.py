@@ -43,19 +43,11 @@ from lmcache_core import metrics as m
 from lmcache_core.cli import main as cli_main
 from lmcache_core.plugins import PluginManager
 from lmcache_core.quarantine import RECHECK_S, SUFFIX, MismatchWindow, Quarantine, default_dir, list_control_files
-from lmcache_core.testing import MemoryTier
+from lmcache_core.testing import ManualClock, MemoryTier
 from lmcache_core.testing.tokens import lookup_tokens, store_tokens, token_hashes
 
 from .helpers import TierPlugin
 from .test_engine import SHAPE, engine, prepared
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_window_counts_only_recent_mismatches() -> None:
@@ -76,7 +68,7 @@ def test_window_memory_is_bounded() -> None:
 
 
 def test_quarantine_after_limit_then_release_by_deleting_control_file(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = ManualClock()
     changes: list[tuple[str, bool]] = []
     q = Quarantine(2, 10.0, tmp_path, clock=clock, on_change=lambda t, on: changes.append((t, on)))
     assert not q.record_mismatch("disk", "a")
@@ -102,7 +94,7 @@ def test_quarantine_after_limit_then_release_by_deleting_control_file(tmp_path: 
 def test_quarantine_without_a_writable_dir_holds_until_restart(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    clock = Clock()
+    clock = ManualClock()
     q = Quarantine(1, 10.0, blocker / "sub", clock=clock)
     assert q.record_mismatch("disk")
     clock.now += 100
@@ -132,7 +124,7 @@ def test_default_dir_flow_list_and_release_by_cli(tmp_path: Path, monkeypatch: A
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     for var in ("LMCACHE_CORE_CONFIG", "LMCACHE_CORE_QUARANTINE_DIR"):
         monkeypatch.delenv(var, raising=False)
-    clock = Clock()
+    clock = ManualClock()
     q = Quarantine(1, 10.0, clock=clock)
     assert q.record_mismatch("disk", "chunk k")
     d = runtime / "lmcache-core-quarantine"
@@ -399,7 +391,7 @@ def test_foreign_dir_is_refused_and_symlinked_victim_unchanged(
     d = _foreign_dir(shared_tmp, kind)
     victim = _victim(shared_tmp)
     before = os.stat(victim)
-    clock = Clock()
+    clock = ManualClock()
     q = Quarantine(1, 10.0, d, clock=clock)
     link = d / _control_name(q, "disk")
     link.symlink_to(victim)
@@ -426,7 +418,7 @@ def test_another_user_cannot_release_a_tier(shared_tmp: Path) -> None:
     their directory, and the tier was back in service a second later."""
     d = _foreign_dir(shared_tmp, "world-writable")
     os.chown(d, OTHER, OTHER)
-    clock = Clock()
+    clock = ManualClock()
     q = Quarantine(1, 10.0, d, clock=clock)
     assert q.record_mismatch("disk")
     _as_other_user(_delete_everything_in(d))
@@ -467,7 +459,7 @@ def _try_unlink(p: Path) -> bool:
 
 def test_a_dir_that_becomes_writable_by_others_stops_counting_deletions(tmp_path: Path) -> None:
     """Once others can write the directory, a deletion no longer says who released."""
-    clock = Clock()
+    clock = ManualClock()
     d = tmp_path / "q"
     q = Quarantine(1, 10.0, d, clock=clock)
     assert q.record_mismatch("disk")

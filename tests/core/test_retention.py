@@ -12,24 +12,16 @@ import pytest
 from lmcache_core.eviction import BUILTIN_POLICIES
 from lmcache_core.local_cpu import LocalCpuBackend
 from lmcache_core.memory import MemoryPool
-from lmcache_core.testing import random_key
+from lmcache_core.testing import ManualClock, random_key
 
 from .test_local_cpu import CHUNK_BYTES, chunk, present
 
 N = 20  # chunks the tier holds
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def tier(policy: str, share: float = 0.5) -> tuple[LocalCpuBackend, Clock]:
+def tier(policy: str, share: float = 0.5) -> tuple[LocalCpuBackend, ManualClock]:
     t = LocalCpuBackend(MemoryPool(N * CHUNK_BYTES), N * CHUNK_BYTES, BUILTIN_POLICIES[policy][0](N * CHUNK_BYTES), share)
-    clock = Clock()
+    clock = ManualClock()
     t.retention.clock = clock
     return t, clock
 

@@ -15,7 +15,7 @@ import abc
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch
 
@@ -37,6 +37,16 @@ BATCHED = "batched"  # get_many()/put_many() cost about one round trip per batch
 
 
 log = logging.getLogger(__name__)
+
+
+class StoredChunk(NamedTuple):
+    """One chunk a tier lists (:meth:`StorageBackend.stored_chunks`): its key and the
+    shape and dtype (``"bfloat16"``) it was stored with, read from storage (a hint,
+    verified by the read)."""
+
+    key: ChunkKey
+    shape: tuple[int, ...]
+    dtype: str
 
 
 class BackendError(Exception):
@@ -318,6 +328,14 @@ class StorageBackend(abc.ABC):
         skipped). Raises like :meth:`erase` when the tier cannot be listed. Default:
         :class:`EraseUnsupported` (the tier keeps none)."""
         raise EraseUnsupported(f"tier {self.name} keeps no namespace records")
+
+    # -- optional: listing for a preload (lmcache_core.preload) ---------------------
+    def stored_chunks(self, namespace: bytes) -> Iterator[StoredChunk] | None:
+        """The chunks of key namespace ``namespace`` the tier holds, most recently used
+        first, lazily (a caller that stops early costs no more listing), each with the
+        shape and dtype it was stored with: what a starting engine preloads into its
+        memory tier (the config's ``preload``). Default: None, the tier cannot list."""
+        return None
 
     # -- optional: ZERO_COPY ------------------------------------------------------
     def get_buffer(self, key: ChunkKey) -> "MemoryBuffer | None":

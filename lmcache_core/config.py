@@ -387,6 +387,12 @@ class CoreConfig(StrictModel):
         256 * 2**20,
         description="pool memory beyond the CPU tier for chunks in flight (saves, write-behind to slower tiers, loads)",
     )
+    preload: ByteSize = Field(
+        0,
+        description="at start, read up to this many bytes of this engine's chunks from the slower tiers that can list "
+        "them (disk), newest first, into the CPU tier, in the background: the first request about a warmed document "
+        "then loads from memory. Never evicts (stops when the CPU tier is full); 0: off",
+    )
     populate_pool: Flag = Field(
         False,
         description="fault in the memory pool's pages on a background thread at start (Linux), so the first saves "

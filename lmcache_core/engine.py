@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generator, Iterator, NamedTuple, Sequence
+from typing import Callable, Generator, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ from .opening import Codecs, engine_config, engine_namespace, make_pool, open_ti
 from .pins import ADDED, PinBook
 from .plugins import PluginManager, get_plugin_manager
 from .prefetch import Prefetcher
+from .preload import Preloader, PreloadResult
 from .control import EngineControl, memory_erase
 from .quarantine import Quarantine
 from .serde import FrameSeal
@@ -78,6 +79,9 @@ def _quarantine_gauge(tier: str, quarantined: bool) -> None:
 
 class CacheEngine:
     """Stores and retrieves KV chunks by prefix hash across the configured tiers."""
+
+    #: the config's preload, once started (:meth:`preload`)
+    preloader: Preloader | None = None
 
     def __init__(
         self,
@@ -333,6 +337,29 @@ class CacheEngine:
         self.counters.add(prefetches=1)
         return True
 
+    def preload(
+        self, dtype: torch.dtype, max_chunk_bytes: int, on_done: Callable[[PreloadResult], None] | None = None
+    ) -> PreloadResult | None:
+        """Start the config's ``preload`` (:mod:`lmcache_core.preload`): this namespace's
+        chunks of ``dtype`` and at most ``max_chunk_bytes`` each (one whole chunk, as
+        the caller loads them) from the slower tiers into the memory tier, in the
+        background; ``on_done(result)`` at its end. Its result (filled as it runs;
+        ``stopped`` says when it is over), or None when the config asks for none or
+        one was started already."""
+        if self.config.preload <= 0 or self.preloader is not None or self._closed:
+            return None
+        self.preloader = Preloader(
+            self.stack,
+            self.namespace.id,
+            dtype,
+            max_chunk_bytes,
+            self.config.preload,
+            initializer=functools.partial(enter_background, self.config.background_nice),
+            on_done=on_done,
+        )
+        self.preloader.start()
+        return self.preloader.result
+
     # -- housekeeping -----------------------------------------------------------------
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until background writes are done; False on timeout."""
@@ -362,6 +389,8 @@ class CacheEngine:
         out["quarantined"] = self.quarantine.quarantined()
         out["pool"] = {"capacity": self.pool.capacity, "used": self.pool.used, "populated": self.pool.populated_bytes}
         out["frame_key_id"] = self.seal.key_id if self.seal is not None else None  # frames sealed (frame_secret)
+        if self.preloader is not None:
+            out["preload"] = self.preloader.result.as_dict()
         return out
 
     def close(self) -> None:
@@ -374,6 +403,8 @@ class CacheEngine:
         self._closed = True
         deadline = time.monotonic() + CLOSE_WAIT_S
         self.prefetcher.close(CLOSE_WAIT_S)
+        if self.preloader is not None:
+            self.preloader.close(max(0.0, deadline - time.monotonic()))
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.pool.stop_populate()
         self.quarantine.close()

@@ -3,7 +3,7 @@
 :class:`ConnectorEngine` lists every engine member the connector's worker side calls
 (the hit planner, the transfers, the saver, the worker's stats): the lookup plan
 (``lookup_runs``, ``probe_boundary``, ``read_estimate``, ``pins``), loads
-(``iter_chunks``, ``retrieve_buffer``, ``prefetch``), saves (``allocate``,
+(``iter_chunks``, ``retrieve_buffer``, ``prefetch``, ``preload``), saves (``allocate``,
 ``store_hashes``, ``canary``), hints, stats and life cycle. The worker builds a
 :class:`~lmcache_core.engine.CacheEngine` (which satisfies it, checked by mypy at the
 one place it is built) and every other connector module sees only this interface, so
@@ -13,7 +13,7 @@ the connector any object with these members.
 
 from __future__ import annotations
 
-from typing import Generator, Protocol, Sequence
+from typing import Callable, Generator, Protocol, Sequence
 
 import torch
 
@@ -23,6 +23,7 @@ from lmcache_core.keys import KeyNamespace
 from lmcache_core.memory import MemoryBuffer
 from lmcache_core.metrics import EngineCounters
 from lmcache_core.pins import PinBook
+from lmcache_core.preload import PreloadResult
 
 
 class ConnectorEngine(Protocol):
@@ -60,6 +61,10 @@ class ConnectorEngine(Protocol):
     ) -> bool: ...
 
     def record_load_errors(self, n_chunks: int) -> None: ...
+
+    def preload(
+        self, dtype: torch.dtype, max_chunk_bytes: int, on_done: Callable[[PreloadResult], None] | None = None
+    ) -> PreloadResult | None: ...
 
     # -- saves ----------------------------------------------------------------------
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryBuffer | None: ...

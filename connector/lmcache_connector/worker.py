@@ -15,6 +15,7 @@ recompute, a failed save is skipped.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Mapping, Sequence
@@ -142,11 +143,13 @@ class WorkerSide:
             self.tier_events = TierEventBuffer(self.rank, ranks)
             engine.add_listener(self.tier_events)
         transfers = self._transfers(engine, layout, ChunkSaver(engine, self.totals, value_dtype), list(kv_caches), spare)
+        chunk_shape = tuple(layout.chunk_shape(self.cfg.chunk_size))
+        chunk_dtype = torch.uint8 if isinstance(layout, GroupedLayout) else layout.dtype
         self.hits = HitPlanner(
             engine,
             chunk_size=self.cfg.chunk_size,
-            chunk_shape=tuple(layout.chunk_shape(self.cfg.chunk_size)),
-            chunk_dtype=torch.uint8 if isinstance(layout, GroupedLayout) else layout.dtype,
+            chunk_shape=chunk_shape,
+            chunk_dtype=chunk_dtype,
             load_policy=self.cfg.connector.load_policy,
             load_margin=self.cfg.connector.load_margin,
             prefill=self.prefill,
@@ -154,6 +157,10 @@ class WorkerSide:
             background=self.settings.async_loads == AUTO and transfers.loads is not None,
         )
         self.layout, self.engine, self.transfers = layout, engine, transfers
+        # the config's preload, if any; its summary in vLLM's log
+        engine.preload(
+            chunk_dtype, math.prod(chunk_shape) * chunk_dtype.itemsize, lambda r: log.info("lmcache-core: %s", r.describe())
+        )
         tiers = engine.tier_report()
         log.info(
             "lmcache-core: %s layout, chunk %d tokens, tiers %s, transfer path %s%s",

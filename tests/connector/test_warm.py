@@ -1,6 +1,7 @@
 """``lmcache-core warm`` on real vLLM: a corpus prefilled into a config's disk tier is
 hit at once by a fresh engine with the same config (the greedy tokens those of a run
-without the cache); a rerun computes nothing it had stored; bad corpus lines are
+without the cache), and with ``preload`` a fresh engine's first requests read nothing
+from disk; a rerun computes nothing it had stored; bad corpus lines are
 reported by number and skipped; a config of memory tiers only is refused."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import yaml
 from lmcache_connector.lookup_cmd import lookup
 from lmcache_connector.warm import CorpusError, read_corpus, Summary, warm
 
-from .conftest import greedy, make_llm
+from .conftest import greedy, make_llm, worker
 
 CS = 256
 
@@ -110,6 +111,24 @@ def test_a_warmed_corpus_hits_at_once_on_a_fresh_engine(tmp_path, tiny_model):
         hits = [o.num_cached_tokens for o in outs]
         assert all(h >= w for h, w in zip(hits, warmed)), (hits, warmed)
         got = [list(o.outputs[0].token_ids) for o in outs]
+        first_reads = worker().engine.tiers[1].stats().hits
+    # with the config's preload, a fresh engine reads the warmed chunks into its CPU
+    # tier at start: the first requests hit as much (or more) and read nothing from disk
+    # (the engine above is the control: its first requests read the disk tier)
+    assert first_reads > 0
+    cfg.write_text(yaml.safe_dump({"backends": backends, "preload": "64MiB"}))
+    with make_llm(tiny_model, extra={"config_file": str(cfg)}, max_model_len=2048) as llm:
+        engine = worker().engine
+        assert engine.preloader is not None and engine.preloader.done.wait(60)
+        loaded = engine.preloader.result
+        assert loaded.stopped == "every listed chunk read" and loaded.chunks >= sum(warmed) // CS, loaded
+        disk_tier = engine.tiers[1]
+        reads_before = disk_tier.stats().hits
+        outs = llm.generate(questions, greedy(), use_tqdm=False)
+        again = [o.num_cached_tokens for o in outs]
+        assert all(p >= h for p, h in zip(again, hits)), (again, hits)  # more: a tail is cheap to load from memory
+        assert disk_tier.stats().hits == reads_before, "a first request read the disk tier"
+        preloaded = [list(o.outputs[0].token_ids) for o in outs]
     with make_llm(tiny_model, connector=False, max_model_len=2048) as llm:
         ref = [list(o.outputs[0].token_ids) for o in llm.generate(questions, greedy(), use_tqdm=False)]
-    assert got == ref
+    assert got == ref and preloaded == ref

@@ -52,11 +52,21 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from lmcache_core.backend import BATCHED, PERSISTENT, SHARED, BackendContext, BackendError, BackendStats, EraseMatch, remove_each
+from lmcache_core.backend import (
+    BATCHED,
+    PERSISTENT,
+    SHARED,
+    BackendContext,
+    BackendError,
+    BackendStats,
+    EraseMatch,
+    StoredChunk,
+    remove_each,
+)
 from lmcache_core.config import validate_section
 from lmcache_core.eviction import EvictionPolicy
 from lmcache_core.keys import ChunkKey
@@ -73,6 +83,7 @@ from .records import read_records, write_record
 log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 30.0  # close() waits this long for the background scan to stop
+SCAN_WAIT_S = 60.0  # stored_chunks() waits this long for the start-up scan's index
 
 
 class DiskBackend(ChunkIO):
@@ -245,6 +256,20 @@ class DiskBackend(ChunkIO):
                 return self._get_in(key, out, dfd)
         except (FileNotFoundError, NotADirectoryError, ShardRefused):
             return self._miss(key)
+
+    def stored_chunks(self, namespace: bytes) -> Iterator[StoredChunk]:
+        """``namespace``'s chunks, most recently used first (the index's order, once the
+        start-up scan is over: waited for at most ``SCAN_WAIT_S``), each with the shape
+        and dtype of its frame header (one read per chunk, as the caller takes it)."""
+        self.wait_for_scan(SCAN_WAIT_S)
+        with self._lock:
+            keys = [k for k in self._index.keys_lru_first() if k.namespace == namespace]
+        for key in reversed(keys):
+            if self._closed:
+                return
+            info = self._stored_header(key)
+            if info is not None:
+                yield StoredChunk(key, tuple(info.shape), info.dtype)
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -20,6 +20,7 @@ import torch
 from lmcache_core.keys import ChunkKey
 from lmcache_core.frames import FrameError, FrameHeader, FrameReader, FrameWriter, Verdict
 
+from .access import ShardRefused
 from .fileio import NotRegularFile, open_regular, probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts
 from .frames import read_frame_header
 from .startup import StartupScan
@@ -78,6 +79,21 @@ class ChunkIO(StartupScan):
             self._stats.hits += 1
             self._stats.get_bytes += out.nbytes
         return True
+
+    def _stored_header(self, key: ChunkKey) -> FrameHeader | None:
+        """The header of ``key``'s chunk file (one read, no payload), or None where
+        there is none this tier would read: missing, not a regular file, a link, or a
+        header that does not parse or names another key (left for ``get`` to judge)."""
+        try:
+            with self._shard(key) as dfd:
+                fd, st = open_regular(key.to_str(), dir_fd=dfd)
+                try:
+                    info, _, _ = read_frame_header(fd, st.st_size)
+                finally:
+                    os.close(fd)
+        except (OSError, NotRegularFile, FrameError, ShardRefused):
+            return None
+        return info if info.key == key.to_str() else None
 
     def _read_opened(self, key: ChunkKey, out: torch.Tensor, fd: int, st: os.stat_result, path: Path) -> bool | None:
         """Check the header of the open chunk file ``fd``; a raw payload the tensor

@@ -12,6 +12,11 @@ engines' memory and is not asked.
 Prints, per prompt, its tokens, its whole chunks and, per tier and namespace, how
 many of them from the first are held; then a total. Exit 0; 1 when a tier could not
 be asked (down); 2 on bad arguments, corpus or config.
+
+``--keys``: print the prompts' chunk keys instead, one a line (every namespace, head
+first), asking no tier: what a cache node's admin API takes, e.g. to keep a prompt's
+chunks on a node for an hour, ``lmcache-core admin ... retain $(lmcache-core lookup
+... --keys) --seconds 3600``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def setup_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     p.add_argument("--cache-salt", default=None, help="the requests' cache_salt, if they carry one")
     p.add_argument("--lora", default=None, help="the requests' LoRA adapter name, if any")
     p.add_argument("--limit", type=int, default=1000, help="prompts looked up at most (default 1000)")
+    p.add_argument("--keys", action="store_true", help="print the chunk keys (one a line) instead of asking the tiers")
     return run
 
 
@@ -100,11 +106,24 @@ def lookup(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if not prompts:
             raise CorpusError("no prompt to look up")
         tags = {k: v for k, v in (("vllm:cache_salt", args.cache_salt), ("vllm:lora", args.lora)) if v}
+        if args.keys:
+            return _print_keys(prompts, cfg.chunk_size, chain_seed(tags), spaces, out)
         return _report(prompts, cfg.chunk_size, chain_seed(tags), spaces, opened, out)
     finally:
         for o in opened:
             if o.tier is not None:
                 o.tier.close()
+
+
+def _print_keys(prompts: list[list[int]], cs: int, seed: bytes, spaces: dict[bytes, str], out: TextIO) -> int:
+    """Every whole chunk's key of every prompt, per namespace, head first, one a line."""
+    from lmcache_core.keys import ChunkKey, chunk_hashes
+
+    for p in prompts:
+        hashes = chunk_hashes(p, cs, seed=seed)
+        for ns in spaces:
+            out.writelines(f"{ChunkKey(ns, h)}\n" for h in hashes)
+    return 0
 
 
 def _report(prompts: list[list[int]], cs: int, seed: bytes, spaces: dict[bytes, str], opened: list[Any], out: TextIO) -> int:

@@ -42,7 +42,7 @@ def _args(model: Path, config: Path, jsonl: Path, **kw) -> argparse.Namespace:
 
 def _lookup_args(model: Path, config: Path, **kw) -> argparse.Namespace:
     base = dict(model=str(model), config=config, text=None, jsonl=None, dir=None, prefix="Document: ", chat_template=False)
-    base.update(namespace=None, cache_salt=None, lora=None, limit=1000)
+    base.update(namespace=None, cache_salt=None, lora=None, limit=1000, keys=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -102,6 +102,17 @@ def test_a_warmed_corpus_hits_at_once_on_a_fresh_engine(tmp_path, tiny_model):
         assert whole >= 2 and f"(disk) [rank 0/1] {whole}/{whole}" in line, line
     assert "(disk) [rank 0/1] 0/" in lines[5], lines[5]
     assert "backends[0] (local_cpu): not asked" in out.getvalue()
+    # --keys: the chunk keys of the prompts, one a line: each names a chunk file of the
+    # disk tier (the keys a node's admin API takes); the unwarmed document's name none
+    files = {p.name for p in (tmp_path / "disk").rglob("v1-*")}
+    out = io.StringIO()
+    assert lookup(_lookup_args(tiny_model, cfg, text=docs, keys=True), out, io.StringIO()) == 0
+    keys = out.getvalue().split()
+    assert len(keys) == sum(int(line.split(" whole chunks")[0].rsplit(" ", 1)[1]) for line in lines[:5])
+    assert set(keys) <= files and len(set(keys)) == len(keys)
+    out = io.StringIO()
+    assert lookup(_lookup_args(tiny_model, cfg, text=[_docs(tiny_model, 6)[5]], keys=True), out, io.StringIO()) == 0
+    assert out.getvalue().split() and not set(out.getvalue().split()) & files
     # a fresh engine with the same config: every document's whole chunks hit at once
     questions = [f"Document: {d}\nQuestion: what is it about?" for d in docs]
     with make_llm(tiny_model, extra={"config_file": str(cfg)}, max_model_len=2048) as llm:

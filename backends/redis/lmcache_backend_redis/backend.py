@@ -23,6 +23,11 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   following calls misses without a request until ``down_cooldown_s`` passes. Wrong
   credentials or missing ACL permissions mid-run raise :class:`BackendError` (the
   engine counts it and treats it as a miss).
+* With ``tenant_quota`` every put is a transaction through the tenant's ledger
+  (:mod:`.quota`): the tenant's oldest chunks are deleted to make room (reported as
+  evictions), so its bytes never pass the quota, whatever its other engines do; a
+  chunk larger than the quota is refused (counted); ``remove`` and ``erase`` keep
+  the ledgers true.
 * What the server evicts (``maxmemory``) or expires (``ttl_s``) is reported to the
   engine's listeners (KV events) once the engine subscribes
   (:meth:`subscribe_evictions`, on its first listener): a :class:`~.events.KeyEventWatcher`
@@ -37,10 +42,11 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import redis
 import torch
@@ -54,6 +60,7 @@ from .client import Client, Failure, call_deadline, classify, describe, make_cli
 from .config import RedisConfig
 from .events import KeyEventWatcher
 from lmcache_core.health import HealthGate
+from .quota import FORGET_SCRIPT, PUT_REPLIES, PutOutcome, TenantLedger, ledger_pattern, read_put_reply
 from .wire import pipelined, read_ranges, set_command
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,8 @@ _LOG_EVERY_S = 60.0
 
 #: names per SCAN step and per pipeline of DELs in :meth:`RedisBackend.erase`
 ERASE_BATCH = 500
+#: tenant ledgers (``tenant_quota``) an erase updates at most
+MAX_LEDGERS = 1024
 
 
 def _glob_escape(text: str) -> str:
@@ -109,6 +118,7 @@ class RedisBackend(StorageBackend):
         codecs: Mapping[str, Codec],
         password: str | None = None,
         client: Client | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.codec = codec
@@ -121,6 +131,7 @@ class RedisBackend(StorageBackend):
         self._lock = threading.Lock()
         self._client_lock = threading.Lock()
         self._stats = BackendStats(self.name, extra={"oom": 0, "too_large": 0, "corrupt": 0, "pipelines": 0})
+        self.ledger = self._ledger(tenant)
         self._last_log: dict[str, float] = {}  # _log_due: when each kind of warning was last logged
         self._closed = False
         self.watcher: KeyEventWatcher | None = None
@@ -137,9 +148,21 @@ class RedisBackend(StorageBackend):
                     self._failed("connect", err)
         # A single server's pool takes our zero-copy SETs; a cluster client routes itself.
         self._single_pool = self.client.connection_pool if isinstance(self.client, redis.Redis) else None
+        if self.ledger is not None and self._single_pool is None:
+            raise ValueError("tenant_quota needs a single server's client (redis.Redis), not a cluster's")
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.target!r}, prefix={self.cfg.prefix!r})"
+
+    def _ledger(self, tenant: str | None) -> TenantLedger | None:
+        """The tenant's ledger when ``tenant_quota`` is set (see :mod:`.quota`)."""
+        if self.cfg.tenant_quota is None:
+            return None
+        if tenant is None:
+            raise ValueError("tenant_quota needs the engine's tenant label (the top-level tenant key)")
+        self._stats.bytes_capacity = self.cfg.tenant_quota
+        self._stats.extra.update(quota_tenant=tenant, quota_refused=0, quota_evictions=0)
+        return TenantLedger(self.cfg.prefix, tenant, self.cfg.tenant_quota, self._ttl_ms)
 
     # -- what the server drops -------------------------------------------------------
     def subscribe_evictions(self, callback: Callable[[ChunkKey], None]) -> None:
@@ -161,17 +184,14 @@ class RedisBackend(StorageBackend):
         """One wake-up's names from the key-event channels (at most
         ``max_key_events_per_s`` a second, the watcher's bound): ours (prefix, chunk
         key) and gone from the server are reported as evicted."""
-        prefix = self.cfg.prefix.encode()
         ours: list[tuple[ChunkKey, str]] = []
         foreign = 0
         for name, event in batch:
-            if not name.startswith(prefix):
+            key = self._chunk_of(name)
+            if key is None:  # another application's name, a namespace record, a quota ledger
                 foreign += 1
                 continue
-            try:
-                ours.append((ChunkKey.parse(name[len(prefix) :].decode("ascii")), event))
-            except (UnicodeDecodeError, ValueError):
-                foreign += 1
+            ours.append((key, event))
         if foreign:
             self._add(foreign_key_events=foreign)
         if not ours:
@@ -261,7 +281,8 @@ class RedisBackend(StorageBackend):
         if kind is Failure.DENIED:
             hint = (
                 "; check username / password / password_file (or the url's user:password) and that the ACL user "
-                "may run EXISTS, GET, GETRANGE, STRLEN, SET, DEL on the prefix's keys"
+                "may run EXISTS, GET, GETRANGE, STRLEN, SET, DEL on the prefix's keys (with tenant_quota also MULTI, EXEC, "
+                "EVAL, EVALSHA, TIME and the sorted-set and hash commands of its scripts)"
             )
         raise BackendError(f"redis {op} on {self.target}: {describe(err)}{hint}") from None
 
@@ -459,14 +480,20 @@ class RedisBackend(StorageBackend):
             if len(header) + payload.nbytes > self.cfg.max_value_size:
                 self._too_large(k, len(header) + payload.nbytes)
                 continue
+            if self.ledger is not None and len(header) + payload.nbytes > self.ledger.quota:
+                self._over_quota(k, len(header) + payload.nbytes)
+                continue
             frames.append((i, header, payload))
         replies = self._set_all([(self._name(items[i][0]), h, p) for i, h, p in frames]) if frames else []
         return frames, replies
 
     def _set_all(self, values: list[tuple[str, bytes, memoryview]]) -> list[Any]:
-        """``SET`` every ``(name, header, payload)`` in one pipeline; per value, the
-        reply or the error reply as an exception."""
+        """``SET`` every ``(name, header, payload)`` in one pipeline (with a quota, in
+        the tenant's transactions: :meth:`_set_within_quota`); per value, the reply or
+        the error reply as an exception."""
         self._add(pipelines=1)
+        if self.ledger is not None:
+            return self._set_within_quota(self.ledger, values)
         if self._single_pool is not None:
             cmds = [set_command(name.encode(), h, p, self._ttl_ms) for name, h, p in values]
             return pipelined(self._single_pool, cmds)
@@ -474,6 +501,39 @@ class RedisBackend(StorageBackend):
         for name, h, p in values:
             pipe.set(name, _join(h, p), px=self._ttl_ms)
         return pipe.execute(raise_on_error=False)
+
+    def _set_within_quota(self, ledger: TenantLedger, values: list[tuple[str, bytes, memoryview]]) -> list[Any]:
+        """One quota transaction per value (:meth:`~.quota.TenantLedger.put_commands`),
+        all in one pipeline; per value, a :class:`~.quota.PutOutcome` or the error
+        reply as an exception. The chunks deleted to make room are reported as
+        evictions."""
+        cmds = [ledger.put_commands(name.encode(), h, p) for name, h, p in values]
+        replies = pipelined(self._single_pool, cmds, PUT_REPLIES)
+        outcomes = [read_put_reply(replies[i : i + PUT_REPLIES]) for i in range(0, len(replies), PUT_REPLIES)]
+        return [r if isinstance(r, BaseException) else self._settled(r) for r in outcomes]
+
+    def _settled(self, outcome: PutOutcome) -> PutOutcome:
+        """Record one put's outcome: the tenant's usage, its evicted chunks."""
+        with self._lock:
+            self._stats.bytes_used = outcome.used
+            self._stats.add(quota_evictions=len(outcome.evicted))
+        for name in outcome.evicted:
+            key = self._chunk_of(name)
+            if key is not None:
+                self.evicted(key)
+        return outcome
+
+    def _over_quota(self, key: ChunkKey, nbytes: int) -> None:
+        self._add(skipped=1, quota_refused=1)
+        if self._log_due("quota"):
+            log.warning(
+                "redis tier: chunk %s is a %d-byte frame, over tenant %s's tenant_quota (%d) on its own; not stored "
+                "(logged once a minute, counted in extra['quota_refused']). Raise tenant_quota or use a smaller chunk_size",
+                key.to_str(),
+                nbytes,
+                self.ledger.tenant if self.ledger is not None else "?",
+                self.cfg.tenant_quota,
+            )
 
     def _too_large(self, key: ChunkKey, nbytes: int) -> None:
         self._add(skipped=1, too_large=1)
@@ -505,7 +565,10 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"redis remove {self._name(key)}: {self.target} is unavailable")
         try:
             with self._deadline():
-                n = self._conn().delete(self._name(key))
+                if self.ledger is None:
+                    n = self._conn().delete(self._name(key))
+                else:  # the chunk and its entry in the tenant's ledger
+                    n = self._forget([self._name(key).encode()], [self.ledger.base.encode()])
         except Exception as err:
             self._failed("remove", err)
             raise BackendError(f"redis remove {self._name(key)}: {describe(err)}") from None
@@ -515,36 +578,16 @@ class RedisBackend(StorageBackend):
     def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
         """SCAN (every primary of a cluster) for this tier's names under each of
         ``match``'s prefixes and DEL the chunk keys found, in pipelines of
-        :data:`ERASE_BATCH`; each SCAN step and each pipeline runs under
+        :data:`ERASE_BATCH` (with the entries of every tenant ledger under the prefix
+        that lists them, :mod:`.quota`); each SCAN step and each pipeline runs under
         ``call_timeout_s``. Any failure raises (down, denied, a timeout)."""
         if self._closed:
             raise BackendError(f"redis erase on {self.target}: the tier is closed")
-        head = self.cfg.prefix.encode()
         n = 0
         try:
+            bases = [] if dry_run else self._ledger_bases()
             for prefix in match.name_prefixes():
-                pattern = _glob_escape(self.cfg.prefix + prefix) + "*"
-                with self._deadline():
-                    it = iter(self._conn().scan_iter(match=pattern, count=ERASE_BATCH))
-                batch: list[bytes] = []
-                while True:
-                    with self._deadline():
-                        name = next(it, None)
-                    if name is not None:
-                        raw = name if isinstance(name, bytes) else str(name).encode()
-                        try:
-                            key = ChunkKey.parse(raw[len(head) :].decode("ascii")) if raw.startswith(head) else None
-                        except (ValueError, UnicodeDecodeError):
-                            key = None
-                        if key is not None and match(key):
-                            batch.append(raw)
-                    if batch and (name is None or len(batch) >= ERASE_BATCH):
-                        n += len(batch) if dry_run else self._delete_names(batch)
-                        batch = []
-                        if progress is not None:
-                            progress(n)
-                    if name is None:
-                        break
+                n = self._erase_under(prefix, match, bases, n, progress, dry_run)
         except BackendError:
             raise
         except Exception as err:
@@ -552,6 +595,69 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"redis erase on {self.target}: {describe(err)}") from None
         self.mark_available()
         return n
+
+    def _erase_under(
+        self,
+        prefix: str,
+        match: EraseMatch,
+        bases: list[bytes],
+        n: int,
+        progress: Callable[[int], None] | None,
+        dry_run: bool,
+    ) -> int:
+        """:meth:`erase` for the names under ``{prefix}{prefix of chunk keys}``;
+        returns ``n`` plus how many it deleted (or, ``dry_run``, found)."""
+        batch: list[bytes] = []
+        names = self._scan(_glob_escape(self.cfg.prefix + prefix) + "*")
+        for raw in itertools.chain(names, [None]):
+            if raw is not None:
+                key = self._chunk_of(raw)
+                if key is not None and match(key):
+                    batch.append(raw)
+            if batch and (raw is None or len(batch) >= ERASE_BATCH):
+                n += len(batch) if dry_run else self._delete_names(batch, bases)
+                batch = []
+                if progress is not None:
+                    progress(n)
+        return n
+
+    def _scan(self, pattern: str) -> Iterator[bytes]:
+        """The names matching ``pattern`` (SCAN, on every primary of a cluster), each
+        step under ``call_timeout_s``."""
+        with self._deadline():
+            it = iter(self._conn().scan_iter(match=pattern, count=ERASE_BATCH))
+        while True:
+            with self._deadline():
+                name = next(it, None)
+            if name is None:
+                return
+            yield name if isinstance(name, bytes) else str(name).encode()
+
+    def _chunk_of(self, name: bytes) -> ChunkKey | None:
+        """The chunk key a name under this tier's prefix stands for, or None."""
+        head = self.cfg.prefix.encode()
+        if not name.startswith(head):
+            return None
+        try:
+            return ChunkKey.parse(name[len(head) :].decode("ascii"))
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def _ledger_bases(self) -> list[bytes]:
+        """The base name of every tenant ledger under this prefix (at most
+        :data:`MAX_LEDGERS`), whatever this config's own quota: other engines' quotas
+        count the chunks an erase deletes. A cluster has none (quotas need a single
+        server)."""
+        if self._single_pool is None:
+            return []
+        names = self._scan(ledger_pattern(_glob_escape(self.cfg.prefix)))
+        return [raw[: -len(b"sizes")] for raw in itertools.islice(names, MAX_LEDGERS)]
+
+    def _forget(self, names: list[bytes], bases: list[bytes]) -> int:
+        """DEL ``names`` and drop their entries from the ledgers ``bases`` in one
+        script (:data:`~.quota.FORGET_SCRIPT`; redis-py loads it again after a
+        ``NOSCRIPT``); how many of the names existed."""
+        return int(self._conn().register_script(FORGET_SCRIPT)(keys=names, args=bases))
 
     def record_namespace(self, namespace: bytes, record: bytes) -> None:
         """SET ``<prefix>lmcache-ns-<id>`` (no expiry; a ``maxmemory`` policy that
@@ -572,14 +678,9 @@ class RedisBackend(StorageBackend):
         head = (self.cfg.prefix + RECORD_NAME).encode()
         out: dict[bytes, bytes] = {}
         try:
-            with self._deadline():
-                it = iter(self._conn().scan_iter(match=_glob_escape(self.cfg.prefix + RECORD_NAME) + "*", count=ERASE_BATCH))
-            while len(out) < MAX_RECORDS:
-                with self._deadline():
-                    name = next(it, None)
-                if name is None:
+            for raw in self._scan(_glob_escape(self.cfg.prefix + RECORD_NAME) + "*"):
+                if len(out) >= MAX_RECORDS:
                     break
-                raw = name if isinstance(name, bytes) else str(name).encode()
                 ns = namespace_of(raw[len(head) :].decode("ascii", "replace")) if raw.startswith(head) else None
                 if ns is None:
                     continue
@@ -591,10 +692,14 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"redis records on {self.target}: {describe(err)}") from None
         return out
 
-    def _delete_names(self, names: list[bytes]) -> int:
-        """DEL each name (one key per command: a cluster's keys live in many slots);
-        how many existed."""
+    def _delete_names(self, names: list[bytes], bases: list[bytes]) -> int:
+        """DEL each name (one key per command: a cluster's keys live in many slots),
+        with its entries in the tenant ledgers ``bases`` when there are any; how many
+        existed."""
         with self._deadline():
+            if bases:
+                self._add(pipelines=1)
+                return self._forget(names, bases)
             pipe = self._pipeline()
             for name in names:
                 pipe.delete(name)
@@ -605,6 +710,18 @@ class RedisBackend(StorageBackend):
         """One PING (to every node of a cluster); raises redis-py's error as it comes."""
         with self._deadline():
             self._conn().ping()
+
+    def quota_usage(self) -> int | None:
+        """The tenant's bytes on the server now, as its ledger counts them (all of its
+        engines together), under ``call_timeout_s``; None without ``tenant_quota``.
+        ``stats().bytes_used`` keeps the figure from this engine's last put between calls."""
+        if self.ledger is None:
+            return None
+        with self._deadline():
+            used = int(self._conn().get(self.ledger.base + "bytes") or 0)
+        with self._lock:
+            self._stats.bytes_used = used
+        return used
 
     def stats(self) -> BackendStats:
         with self._lock:

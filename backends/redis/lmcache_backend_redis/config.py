@@ -64,6 +64,12 @@ class RedisConfig(StrictModel):
     max_value_size: ByteSize = Field(
         64 * 2**20, description="frames larger than this are refused (the put is skipped), never split"
     )
+    tenant_quota: ByteSize | None = Field(
+        None,
+        description="hard byte quota of this engine's tenant (the top-level tenant label) on the server: a put past "
+        "it deletes the tenant's own oldest chunks first, one larger than it is refused; single server (url) only; "
+        "null: no quota",
+    )
     connect_timeout_s: Annotated[float, seconds(60)] = Field(1.0, description="TCP (and TLS) connect deadline per attempt")
     socket_timeout_s: Annotated[float, seconds(600)] = Field(5.0, description="deadline for each socket read or write")
     call_timeout_s: Annotated[float, seconds(600)] = Field(
@@ -147,7 +153,20 @@ class RedisConfig(StrictModel):
             )
         if self.tls_key_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_key_file needs tls_cert_file")
+        self._check_quota()
         return self
+
+    def _check_quota(self) -> None:
+        if self.tenant_quota is None:
+            return
+        if self.tenant_quota < 1:
+            raise ValueError("tenant_quota must be a positive size (e.g. 8GiB); leave it out for no quota")
+        if self.cluster is not None:
+            raise ValueError(
+                "tenant_quota needs a single server (url), not cluster: the quota is kept by one Lua script per put "
+                "that evicts the tenant's oldest chunks and stores the new one atomically, and Redis Cluster runs a "
+                "script only on keys of one hash slot, while a tenant's chunks are spread over every slot"
+            )
 
     @property
     def uses_tls(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lmcache_core.backend import BackendContext, BackendError, checked_at_start
-from lmcache_core.config import validate_section
+from lmcache_core.config import ConfigError, validate_section
 
 from .backend import RedisBackend
 from .client import Failure, classify, describe
@@ -23,6 +23,7 @@ def _verify(backend: RedisBackend, ctx: BackendContext) -> None:
     where = f"{backend.target} ({ctx.key_path}, from {ctx.source})"
     try:
         backend.ping()
+        backend.quota_usage()  # the tenant's usage in stats() from the start (None without a quota)
     except Exception as err:
         kind = classify(err)
         if kind is Failure.DENIED:
@@ -48,7 +49,13 @@ def create_redis_backend(section: Mapping[str, Any], ctx: BackendContext) -> Red
     cfg = validate_section(RedisConfig, section, ctx.key_path, ctx.source)
     password = load_password(cfg, ctx.key_path, ctx.source)
     check_tls_files(cfg, ctx.key_path, ctx.source)
-    backend = RedisBackend(cfg, codec=ctx.codec, codecs=ctx.codecs, password=password)
+    if cfg.tenant_quota is not None and ctx.config.tenant is None:
+        raise ConfigError(
+            f"{ctx.key_path}.tenant_quota: a quota is per tenant, and this engine has no tenant label: set the "
+            "top-level tenant: LABEL (the same label on every engine of that tenant) or remove tenant_quota "
+            f"(from {ctx.source})"
+        )
+    backend = RedisBackend(cfg, codec=ctx.codec, codecs=ctx.codecs, password=password, tenant=ctx.config.tenant)
     if cfg.verify_on_start:
         checked_at_start(backend, lambda: _verify(backend, ctx))
     return backend

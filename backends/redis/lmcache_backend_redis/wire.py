@@ -8,7 +8,8 @@ much as sending it (measured: a 64 x 4 MiB batch took twice as long). Here each
 of the tensor's own memory) as separate buffers of one bulk string, all commands in
 one write, then every reply is read: one round trip, as a redis-py pipeline. Used for
 single servers; a cluster goes through redis-py's cluster pipeline, which routes by
-slot and follows ``MOVED`` / ``ASK``.
+slot and follows ``MOVED`` / ``ASK``. With a tenant quota each ``SET`` goes inside its
+transaction (:mod:`.quota`), packed the same way (:func:`commands`).
 
 Reads (:func:`read_ranges`) are the mirror image: one write of ``STRLEN`` +
 ``GETRANGE`` per key, then the replies are parsed here from the connection's socket,
@@ -24,7 +25,7 @@ memory per value (64 x 2 MiB from a loopback server: 233 -> 133 ms).
 from __future__ import annotations
 
 import socket
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 from redis.exceptions import DataError, InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -35,34 +36,52 @@ from redis.exceptions import ResponseError
 Buffer = Union[bytes, memoryview]
 
 
-def set_command(name: bytes, header: bytes, payload: memoryview, px: int | None) -> list[Buffer]:
-    """``SET name (header + payload) [PX px]`` as RESP, the value in two buffers."""
-    n_args = 3 if px is None else 5
-    value_len = len(header) + payload.nbytes
-    out: list[Buffer] = [
-        b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (n_args, len(name), name, value_len),
-        header,
-        payload,
-        b"\r\n",
-    ]
-    if px is not None:
-        ms = b"%d" % px
-        out.append(b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms))
+class Split(NamedTuple):
+    """One bulk string sent as two buffers: a frame's header and its payload (for the
+    raw codec, a view of the tensor's own memory), never joined."""
+
+    header: bytes
+    payload: memoryview
+
+
+def commands(cmds: Sequence[Sequence[bytes | Split]]) -> list[Buffer]:
+    """``cmds`` as RESP commands, one after the other: the small parts joined into as
+    few buffers as possible (redis-py writes each buffer with its own ``sendall``),
+    each :class:`Split` value's header and payload kept as separate buffers."""
+    out: list[Buffer] = []
+    head = bytearray()
+    for args in cmds:
+        head += b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, Split):
+                head += b"$%d\r\n" % (len(arg.header) + arg.payload.nbytes)
+                out += [bytes(head) + arg.header, arg.payload]
+                head = bytearray(b"\r\n")
+            else:
+                head += b"$%d\r\n%s\r\n" % (len(arg), arg)
+    out.append(bytes(head))
     return out
 
 
-def pipelined(pool: Any, commands: Sequence[list[Buffer]]) -> list[Any]:
-    """Send ``commands`` on one pooled connection in one write, then read one reply
-    each. An error reply (``OOM``, ``NOPERM``) is returned in its slot as the
+def set_command(name: bytes, header: bytes, payload: memoryview, px: int | None) -> list[Buffer]:
+    """``SET name (header + payload) [PX px]`` as RESP, the value in two buffers."""
+    expiry = [] if px is None else [b"PX", b"%d" % px]
+    return commands([[b"SET", name, Split(header, payload), *expiry]])
+
+
+def pipelined(pool: Any, packed: Sequence[list[Buffer]], replies_each: int = 1) -> list[Any]:
+    """Send ``packed`` (each entry one command, or ``replies_each`` commands) on one
+    pooled connection in one write, then read ``replies_each`` replies per entry, as
+    one flat list. An error reply (``OOM``, ``NOPERM``) is returned in its slot as the
     exception. A connection that turns out dead (the server restarted since it was
-    pooled) is dropped and the batch sent once more on a fresh one (``SET`` is
-    idempotent); any other failure raises, and the connection is dropped so a
+    pooled) is dropped and the batch sent once more on a fresh one (a ``SET``, and a
+    quota transaction, :mod:`.quota`, is idempotent); any other failure raises, and the connection is dropped so a
     half-read reply never reaches the next user."""
 
     def exchange(conn: Any) -> list[Any]:
-        conn.send_packed_command([buf for cmd in commands for buf in cmd])
+        conn.send_packed_command([buf for cmd in packed for buf in cmd])
         replies: list[Any] = []
-        for _ in commands:
+        for _ in range(len(packed) * replies_each):
             try:
                 replies.append(conn.read_response())
             except ResponseError as err:

@@ -516,7 +516,7 @@ class RedisBackend(StorageBackend):
         """Record one put's outcome: the tenant's usage, its evicted chunks."""
         with self._lock:
             self._stats.bytes_used = outcome.used
-            self._stats.add(quota_evictions=len(outcome.evicted))
+            self._stats.add(evictions=len(outcome.evicted), quota_evictions=len(outcome.evicted))
         for name in outcome.evicted:
             key = self._chunk_of(name)
             if key is not None:

@@ -10,7 +10,8 @@ Bounded and harmless by construction:
   stops at the first one that does not fit) and never takes a pool buffer the pool
   cannot give without eviction;
 - only tiers that list what they hold (:meth:`StorageBackend.stored_chunks`, e.g.
-  ``disk``), newest first, and only chunks of this engine's namespace whose stored
+  ``disk``): the newest that fit are chosen, then read oldest first, so the newest
+  end as the memory tier's most recently used; only chunks of this namespace whose stored
   dtype is the engine's and whose size is at most one whole chunk's; the shape a tier
   reports is only a hint: the read verifies the frame as every read does (a lying
   header is a miss), and the memory tier serves a chunk only to a load of that exact
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -139,37 +141,55 @@ class Preloader:
         return "every listed chunk read"
 
     def _take(self, top: Tier, tier: Tier, listing: Iterable[StoredChunk]) -> str | None:
-        """Read ``tier``'s listed chunks into ``top``; why the preload ends, or None
-        when this tier's listing is done."""
+        """Read the chunks :meth:`_choose` takes from ``tier`` into ``top``, the oldest
+        first, so that the newest end as the memory tier's most recently used (the
+        last its eviction takes); why the preload ends, or None when this tier's
+        listing is done."""
+        chosen, stopped = self._choose(top, tier, listing)
+        for item, nbytes in reversed(chosen):
+            if self._stop.is_set():
+                return "closed"
+            if self._free(top) < nbytes:
+                return "memory tier full"
+            buf = self.stack.pool.allocate(item.shape, self.dtype)  # the pool's own: no eviction
+            if buf is None:
+                return "memory pool full"
+            try:
+                if not self._read_into(top, tier, item, buf):
+                    self.result.skipped += 1
+                    continue
+            finally:
+                buf.release()
+            self.result.chunks += 1
+            self.result.bytes += nbytes
+        return stopped
+
+    def _choose(self, top: Tier, tier: Tier, listing: Iterable[StoredChunk]) -> tuple[list[tuple[StoredChunk, int]], str | None]:
+        """The listed chunks to read (the newest first, as listed) and their bytes,
+        within the budget left and the memory tier's free room now; why the choice
+        ended before the listing did, or None."""
+        chosen: list[tuple[StoredChunk, int]] = []
+        total, picked, free = self.result.bytes, 0, self._free(top)
         try:
             for item in listing:
                 if self._stop.is_set():
-                    return "closed"
+                    return chosen, "closed"
                 nbytes = self._size(item)
                 if nbytes is None:
                     self.result.skipped += 1
-                    continue
-                if top.holds(item.key):
+                elif top.holds(item.key):
                     self.result.present += 1
-                    continue
-                if self.result.bytes + nbytes > self.budget:
-                    return "budget reached"
-                if not self._room(top, nbytes):
-                    return "memory tier full"
-                buf = self.stack.pool.allocate(item.shape, self.dtype)  # the pool's own: no eviction
-                if buf is None:
-                    return "memory pool full"
-                try:
-                    if not self._read_into(top, tier, item, buf):
-                        self.result.skipped += 1
-                        continue
-                finally:
-                    buf.release()
-                self.result.chunks += 1
-                self.result.bytes += nbytes
-        except Exception as err:  # a listing that fails midway: this tier's part ends
+                elif total + nbytes > self.budget:
+                    return chosen, "budget reached"
+                elif picked + nbytes > free:
+                    return chosen, "memory tier full"
+                else:
+                    chosen.append((item, nbytes))
+                    total += nbytes
+                    picked += nbytes
+        except Exception as err:  # a listing that fails midway: what was chosen is read
             tier.error("list", err)
-        return None
+        return chosen, None
 
     def _size(self, item: StoredChunk) -> int | None:
         """The chunk's bytes, or None when it is not one this engine could load."""
@@ -181,10 +201,10 @@ class Preloader:
         return nbytes if nbytes <= self.max_chunk_bytes else None
 
     @staticmethod
-    def _room(top: Tier, nbytes: int) -> bool:
-        """Whether the memory tier has ``nbytes`` free without evicting anything."""
+    def _free(top: Tier) -> int:
+        """Bytes the memory tier has free without evicting anything."""
         stats = top.backend.stats()
-        return stats.bytes_capacity is None or stats.bytes_used + nbytes <= stats.bytes_capacity
+        return sys.maxsize if stats.bytes_capacity is None else stats.bytes_capacity - stats.bytes_used
 
     def _read_into(self, top: Tier, tier: Tier, item: StoredChunk, buf: MemoryBuffer) -> bool:
         """Read the chunk from ``tier`` into ``buf`` and promote it as a load's read

@@ -28,14 +28,15 @@ FULL_BYTES = 2 * 2 * CHUNK * 2 * 8 * 2
 NS = KeyNamespace(model="preload-test")
 
 
-def engine(disk: Path, preload: int | str = 0, cpu: str = "1MiB", ns: KeyNamespace = NS) -> CacheEngine:
+def engine(
+    disk: Path, preload: int | str = 0, cpu: str = "1MiB", ns: KeyNamespace = NS, eviction: str | None = None
+) -> CacheEngine:
+    tier0: dict[str, object] = {"name": "local_cpu", "max_size": cpu}
+    if eviction is not None:
+        tier0["eviction"] = eviction
     cfg = load_config(
         env={},
-        overrides={
-            "chunk_size": CHUNK,
-            "preload": preload,
-            "backends": [{"name": "local_cpu", "max_size": cpu}, {"name": "disk", "path": str(disk)}],
-        },
+        overrides={"chunk_size": CHUNK, "preload": preload, "backends": [tier0, {"name": "disk", "path": str(disk)}]},
     )
     return CacheEngine(cfg, namespace=ns)
 
@@ -114,6 +115,19 @@ def test_budget_takes_the_newest_chunks_first(tmp_path: Path) -> None:
         cpu = e.tiers[0]
         held = [cpu.contains([k]) == 1 for k in e.keys(HASHES[:5])]
         assert held == [False, False, False, True, True]
+
+
+def test_the_newest_chunks_end_most_recently_used(tmp_path: Path) -> None:
+    """Read oldest first, the newest chunk is the CPU tier's most recent: the first
+    eviction after the preload takes the oldest (read newest first, it would take the
+    newest, the one most likely wanted)."""
+    disk = tmp_path / "disk"
+    write(disk, HASHES[:5], [chunk(i) for i in range(5)])
+    with engine(disk, preload="1MiB", cpu=str(5 * FULL_BYTES), eviction="lru") as e:
+        assert run(e).chunks == 5
+        assert e.store_hashes([bytes([99]) * 16], [chunk(99)]) == 1  # one eviction
+        cpu = e.tiers[0]
+        assert [cpu.contains([k]) == 1 for k in e.keys(HASHES[:5])] == [False, True, True, True, True]
 
 
 def test_a_full_cpu_tier_stops_the_preload_and_nothing_is_evicted(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 # The GPU check in one command, from a checkout on a machine with torch+CUDA and nvcc
 # (vLLM not needed): JIT-builds lmcache_cuda for the visible GPU, runs tests/cuda, the
 # adapter/engine checks, the speed table and the layer-by-layer overlap
-# (bench/gpu_check.py). Output: $OUT/gpu_check.log and $OUT/gpu_check.json
+# (bench/tools/gpu_check.py). Output: $OUT/gpu_check.log and $OUT/gpu_check.json
 # (OUT defaults to bench/results). Extra arguments go to gpu_check.py (--quick ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +17,5 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/lmcache-torch-extensions}
-python3 bench/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+python3 bench/tools/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -1,8 +1,9 @@
 """Run every benchmark, ``bench/bench_*.py``, in turn, each in its own interpreter (so
 one benchmark's threads, memory or crash cannot skew or stop the next). Arguments
 (``--quick``) are passed through; every benchmark takes ``--quick``. Tools that need
-arguments of their own (``bench/tools/``, ``gpu_check.py``) and the shared modules
-(``bench/lib/``) are not benchmarks and are never run here (tests/bench/test_bench_layout.py checks both). Exit
+arguments of their own (``bench/tools/``: ``before_after.py``, ``gpu_check.py`` and its
+sections in ``bench/tools/gpu/``) and the shared modules (``bench/lib/``) are not
+benchmarks and are never run here (tests/bench/test_bench_layout.py checks both). Exit
 status 1 if any benchmark failed."""
 
 from __future__ import annotations

@@ -35,11 +35,13 @@ def test_every_benchmark_takes_quick_and_only_benchmarks_run() -> None:
     assert len(picked) >= 20 and all(p.name.startswith("bench_") for p in picked)
     missing = [p.name for p in picked if "--quick" not in _options(p)]
     assert missing == [], f"benchmarks without --quick: {missing}"
-    # tools need arguments of their own: never picked
-    tools = [p.name for p in picked if "--base" in _options(p)]
+    # tools need arguments of their own (before_after's --base, the GPU check's
+    # --skip-pytest): never picked
+    tools = [p.name for p in picked if {"--base", "--skip-pytest"} & _options(p)]
     assert tools == [] and (ROOT / "bench" / "tools" / "before_after.py").exists()
     # control: the check sees an option where one is declared, and not where none is
     assert "--base" in _options(ROOT / "bench" / "tools" / "before_after.py")
+    assert "--skip-pytest" in _options(ROOT / "bench" / "tools" / "gpu_check.py")
     assert "--quick" not in _options(ROOT / "bench" / "run_all.py")
 
 
@@ -74,7 +76,13 @@ def test_runner_picks_the_top_level_benchmarks_and_nothing_from_lib_or_tools() -
     assert picked == sorted(BENCH.glob("bench_*.py"))
     assert all(p.parent == BENCH for p in picked)
     assert not any(p.name.startswith("bench_") for p in (BENCH / "lib").rglob("*.py"))
-    assert not any(p.name.startswith("bench_") for p in (BENCH / "tools").rglob("*.py"))
+    tools = sorted((BENCH / "tools").rglob("*.py"))
+    assert not any(p.name.startswith("bench_") for p in tools)
+    # control: the tools are there (the GPU check and its sections too), none of them picked
+    assert {BENCH / "tools" / "gpu_check.py", BENCH / "tools" / "gpu" / "common.py"} <= set(tools)
+    assert not set(tools) & set(picked)
+    # bench/gpu_check.sh stays the GPU check's one command: it runs the tool where it is
+    assert "python3 bench/tools/gpu_check.py " in (BENCH / "gpu_check.sh").read_text()
 
 
 def test_no_benchmark_or_tool_imports_a_benchmark() -> None:

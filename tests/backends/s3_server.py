@@ -3,17 +3,20 @@
 Fixtures: ``s3_server`` (one server per session, dummy credentials in the
 environment, no AWS config files, no instance-metadata lookups) and ``s3_bucket``
 (a fresh bucket per test). ``MotoS3`` starts extra servers for tests that stop one.
+Conditional PUTs are made atomic on the server, as on S3 (:func:`_atomic_conditional_puts`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from typing import Any, Iterator
 
 import boto3
 import pytest
 from botocore.config import Config
+from moto.s3.responses import S3Response
 from moto.server import ThreadedMotoServer
 
 ACCESS_KEY = "AKIATESTLMCACHE00001"
@@ -30,10 +33,33 @@ AWS_ENV = {
 AWS_ENV_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION")
 
 
+_CONDITIONAL = threading.Lock()
+
+
+def _atomic_conditional_puts() -> None:
+    """Make moto's conditional PutObject atomic, as S3's is: moto checks ``If-Match`` /
+    ``If-None-Match`` and then stores the object in two steps, so two concurrent
+    conditional PUTs of one name could both pass. One lock around the PUTs that carry a
+    condition closes that window (the tier's quota ledger relies on it)."""
+    if getattr(S3Response.put_object, "lmcache_atomic", False):
+        return
+    plain = S3Response.put_object
+
+    def put_object(self: S3Response) -> Any:
+        if self.headers.get("If-Match") or self.headers.get("If-None-Match"):
+            with _CONDITIONAL:
+                return plain(self)
+        return plain(self)
+
+    put_object.lmcache_atomic = True  # type: ignore[attr-defined]
+    S3Response.put_object = put_object  # type: ignore[method-assign]
+
+
 class MotoS3:
     """One moto server on 127.0.0.1 at a free port."""
 
     def __init__(self) -> None:
+        _atomic_conditional_puts()
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
         self.port: int = self.server._server.server_port  # port 0: the OS picked one

@@ -15,6 +15,8 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   trickling bytes never trips botocore's per-read timeout): the network part runs on
   a worker the caller stops waiting for at the deadline (see :mod:`.deadline`), and an
   overrun trips the health gate like any other unavailability.
+* With ``tenant_quota`` a put takes its bytes from the tenant's ledger first and a
+  refusal is a skipped put (see :mod:`.quota`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -48,7 +51,9 @@ from .config import S3Config
 from .deadline import DeadlineExceeded, Watchdog, run_bounded
 from lmcache_core.health import HealthGate
 from .presence import PresenceCache
-from .transfer import ObjectTooLarge, multipart_put, ranged_get
+from .objects import chunk_key, delete_names, get_small, list_page
+from .quota import DEFAULT_TIMING, LeaseTiming, TenantQuota
+from .transfer import ObjectTooLarge, ranged_get, store
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,16 @@ class S3Backend(StorageBackend):
     name = "s3"
     capabilities = frozenset({PERSISTENT, SHARED, BATCHED})
 
-    def __init__(self, cfg: S3Config, *, codec: Codec, codecs: Mapping[str, Codec], client: Any | None = None) -> None:
+    def __init__(
+        self,
+        cfg: S3Config,
+        *,
+        codec: Codec,
+        codecs: Mapping[str, Codec],
+        client: Any | None = None,
+        tenant: str | None = None,
+        quota_timing: LeaseTiming = DEFAULT_TIMING,
+    ) -> None:
         self.cfg = cfg
         self.codec = codec
         self.codecs = dict(codecs)
@@ -82,6 +96,9 @@ class S3Backend(StorageBackend):
         self._closed = False
         self.op_deadline_s = cfg.op_deadline_s
         self.client.meta.events.register("before-send.s3", self._count_request)
+        self.quota: TenantQuota | None = None
+        if cfg.tenant_quota is not None:
+            self.quota = TenantQuota(self.client, cfg, tenant, self._ops, self._quota_evicted, quota_timing)
 
     def __repr__(self) -> str:
         return f"S3Backend(bucket={self.bucket!r}, prefix={self.cfg.prefix!r}, endpoint={self.endpoint!r})"
@@ -207,7 +224,11 @@ class S3Backend(StorageBackend):
             # Encoded here, not on the worker: a worker abandoned at the deadline must
             # never read ``data`` after the caller has reused its memory.
             frame = FrameWriter.encode(key, data, self.codec)
-            run_bounded(self._ops, deadline, "put", self._upload, name, frame, deadline)
+            upload = partial(run_bounded, self._ops, deadline, "put", self._upload, name, frame, deadline)
+            if not (self.quota.write(len(frame), deadline, upload) if self.quota else upload()):  # False: refused
+                self._gate.succeeded()
+                self._add(skipped=1)
+                return False
         except Exception as err:
             if classify(err) is Failure.UNAVAILABLE:
                 self.mark_unavailable("put", err)
@@ -219,19 +240,14 @@ class S3Backend(StorageBackend):
         self._add(puts=1, put_bytes=data.nbytes)
         return True
 
-    def _upload(self, name: str, frame: bytes, deadline: float) -> None:
-        if len(frame) >= self.cfg.multipart_threshold:
-            multipart_put(
-                self.client,
-                self.bucket,
-                name,
-                frame,
-                self._pool,
-                part_size=self.cfg.multipart_chunksize,
-                deadline=deadline,
-            )
-        else:
-            self.client.put_object(Bucket=self.bucket, Key=name, Body=frame)
+    def _upload(self, name: str, frame: bytes, deadline: float) -> bool:
+        only_new = self.quota is not None
+        return store(self.client, self.bucket, name, frame, self._pool, cfg=self.cfg, deadline=deadline, only_new=only_new)
+
+    def _quota_evicted(self, key: ChunkKey) -> None:  # deleted to make room in the tenant's quota
+        self._present.discard(key)
+        self._add(evictions=1)
+        self.evicted(key)
 
     def _remove_remote(self, key: ChunkKey) -> bool:
         if not self._head(key):
@@ -270,7 +286,7 @@ class S3Backend(StorageBackend):
                     page = run_bounded(self._ops, self._deadline(), "erase (list)", self._list_page, prefix, token)
                     keys = []
                     for item in page.get("Contents", []):
-                        key = self._key_of(str(item["Key"]))
+                        key = chunk_key(self.cfg.object_name(""), str(item["Key"]))
                         if key is not None and match(key):
                             keys.append(key)
                     if keys and dry_run:
@@ -302,12 +318,9 @@ class S3Backend(StorageBackend):
             raise BackendError(f"s3 record in bucket {self.bucket!r}: the tier is closed")
         name = self.cfg.object_name(RECORD_NAME + namespace.hex())
         try:
-            run_bounded(self._ops, self._deadline(), "record", self._put_small, name, record)
+            run_bounded(self._ops, self._deadline(), "record", self.client.put_object, Bucket=self.bucket, Key=name, Body=record)
         except Exception as err:
             raise BackendError(f"s3 record {name} in bucket {self.bucket!r} at {self.endpoint}: {describe(err)}") from None
-
-    def _put_small(self, name: str, body: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=name, Body=body)
 
     def namespace_records(self) -> dict[bytes, bytes]:
         """ListObjectsV2 under ``<prefix>/lmcache-ns-``, then one ranged GET of at
@@ -333,30 +346,13 @@ class S3Backend(StorageBackend):
         return out
 
     def _get_small(self, name: str) -> bytes:
-        reply = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes=0-{MAX_RECORD_BYTES}")
-        return bytes(reply["Body"].read(MAX_RECORD_BYTES + 1))
-
-    def _key_of(self, name: str) -> ChunkKey | None:
-        """The chunk key an object name of this tier stands for, or None."""
-        head = self.cfg.object_name("")
-        if not name.startswith(head):
-            return None
-        try:
-            return ChunkKey.parse(name[len(head) :])
-        except ValueError:
-            return None
+        return get_small(self.client, self.bucket, name, MAX_RECORD_BYTES + 1)[0]
 
     def _list_page(self, prefix: str, token: str | None) -> Any:
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.cfg.object_name(prefix), "MaxKeys": 1000}
-        if token is not None:
-            kw["ContinuationToken"] = token
-        return self.client.list_objects_v2(**kw)
+        return list_page(self.client, self.bucket, self.cfg.object_name(prefix), token)
 
     def _delete_batch(self, keys: list[ChunkKey]) -> None:
-        reply = self.client.delete_objects(
-            Bucket=self.bucket, Delete={"Objects": [{"Key": self._object(k)} for k in keys], "Quiet": True}
-        )
-        errors = reply.get("Errors") or []
+        errors = delete_names(self.client, self.bucket, [self._object(k) for k in keys])
         if errors:
             first = errors[0]
             raise BackendError(
@@ -477,6 +473,8 @@ class S3Backend(StorageBackend):
                 prefix=self.cfg.prefix,
                 endpoint=self.endpoint,
             )
+        if self.quota is not None:
+            self.quota.report(s)
         return s
 
     def check_bucket(self) -> None:
@@ -488,6 +486,8 @@ class S3Backend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        if self.quota is not None and not self._gate.down:  # else its leases expire
+            self.quota.close(self._deadline())
         self._batch.shutdown(wait=False, cancel_futures=True)
         self._ops.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)

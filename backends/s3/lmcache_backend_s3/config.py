@@ -51,6 +51,12 @@ class S3Config(StrictModel):
     )
     verify_on_start: Flag = Field(True, description="check the bucket and credentials when the tier is created")
     delete_corrupt: Flag = Field(False, description="delete objects that fail their checksum or key check")
+    tenant_quota: ByteSize | None = Field(
+        None,
+        description="hard byte quota of this engine's tenant (the top-level tenant label) under this prefix, which "
+        "must be the tenant's own: a put past it deletes the tenant's own oldest chunks first, one larger than it is "
+        "refused; null: no quota",
+    )
 
     @field_validator("bucket")
     @classmethod
@@ -84,6 +90,8 @@ class S3Config(StrictModel):
             raise ValueError("multipart_threshold must be at least multipart_chunksize")
         if self.range_chunksize < 64 * 2**10:
             raise ValueError(f"range_chunksize must be at least 64KiB, got {self.range_chunksize}")
+        if self.tenant_quota is not None and self.tenant_quota <= 0:
+            raise ValueError("tenant_quota must be a positive size (or null for no quota)")
         return self
 
     def object_name(self, key_str: str) -> str:

@@ -9,6 +9,7 @@ answers (storage is a cache).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping
 
 from botocore.exceptions import NoCredentialsError, PartialCredentialsError, ProfileNotFound
@@ -30,6 +31,10 @@ def _verify(backend: S3Backend, ctx: BackendContext) -> None:
     where = f"bucket {backend.bucket!r} at {backend.endpoint} ({ctx.key_path}, from {ctx.source})"
     try:
         backend.check_bucket()
+        if backend.quota is not None:  # the tenant's usage in stats() from the start; a foreign ledger fails here
+            backend.quota.usage(backend.op_deadline_s + time.monotonic())
+    except BackendError as err:  # the quota's ledger under the prefix is another tenant's, or not one
+        raise ConfigError(f"{ctx.key_path}.prefix: {err} (from {ctx.source})") from None
     except (NoCredentialsError, PartialCredentialsError) as err:
         raise BackendError(
             f"s3 tier: no usable AWS credentials for {where}: {err}. Set AWS_ACCESS_KEY_ID and "
@@ -56,8 +61,14 @@ def _verify(backend: S3Backend, ctx: BackendContext) -> None:
 def create_s3_backend(section: Mapping[str, Any], ctx: BackendContext) -> S3Backend:
     """Factory for ``{name: s3, bucket: ..., ...}`` (see :class:`S3Config`)."""
     cfg = validate_section(S3Config, section, ctx.key_path, ctx.source)
+    if cfg.tenant_quota is not None and ctx.config.tenant is None:
+        raise ConfigError(
+            f"{ctx.key_path}.tenant_quota: a quota is per tenant, and this engine has no tenant label: set the "
+            "top-level tenant: LABEL (the same label, prefix and quota on every engine of that tenant) or remove "
+            f"tenant_quota (from {ctx.source})"
+        )
     try:
-        backend = S3Backend(cfg, codec=ctx.codec, codecs=ctx.codecs)
+        backend = S3Backend(cfg, codec=ctx.codec, codecs=ctx.codecs, tenant=ctx.config.tenant)
     except ProfileNotFound as err:
         raise ConfigError(f"{ctx.key_path}.profile: {err} (from {ctx.source}); check ~/.aws/config or AWS_CONFIG_FILE") from None
     if cfg.verify_on_start:

@@ -5,8 +5,8 @@ gives the object's size, so a chunk that fits costs one request and a larger one
 fetched as parallel ranges (pinned to the first response's ETag, so a concurrent
 overwrite cannot splice two versions). Frames at or above the multipart threshold are
 uploaded as parallel parts; a failed upload is aborted so no parts are left billed.
-Parts run on the caller-given executor, whose tasks never submit further tasks.
-Everything runs against one absolute deadline (``time.monotonic()``); with a
+Parts run on the caller-given executor, whose tasks never submit further tasks;
+:func:`store` picks one PUT or a multipart upload for a frame. Everything runs against one absolute deadline (``time.monotonic()``); with a
 :class:`~.deadline.Watchdog`, a body still being read at the deadline is cut.
 """
 
@@ -18,8 +18,9 @@ from concurrent.futures import Executor, Future, wait
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
-from .config import MAX_PARTS
+from .config import MAX_PARTS, S3Config
 from .deadline import DeadlineExceeded, Watchdog
+from .objects import put_new
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
@@ -125,3 +126,19 @@ def multipart_put(
         except Exception:  # the original error is the one to report
             pass
         raise
+
+
+def store(
+    client: Any, bucket: str, name: str, frame: bytes, pool: Executor, *, cfg: S3Config, deadline: float, only_new: bool
+) -> bool:
+    """Upload ``frame`` as ``name``: multipart from ``cfg.multipart_threshold`` on, else one
+    PUT. With ``only_new`` (a tenant quota is kept) that PUT carries ``If-None-Match: *``:
+    False means the object was already there and nothing was written (so its bytes are
+    never counted twice); a multipart upload is counted whatever it replaces."""
+    if len(frame) >= cfg.multipart_threshold:
+        multipart_put(client, bucket, name, frame, pool, part_size=cfg.multipart_chunksize, deadline=deadline)
+    elif only_new:
+        return put_new(client, bucket, name, frame)
+    else:
+        client.put_object(Bucket=bucket, Key=name, Body=frame)
+    return True

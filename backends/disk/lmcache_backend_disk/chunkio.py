@@ -22,7 +22,7 @@ from lmcache_core.frames import FrameError, FrameHeader, FrameReader, FrameWrite
 
 from .access import ShardRefused
 from .fileio import NotRegularFile, open_regular, probe_o_direct, read_into_hasher, read_whole, write_atomic, write_parts
-from .frames import read_frame_header
+from .frames import check_frame_file, read_frame_header
 from .startup import StartupScan
 
 log = logging.getLogger("lmcache_backend_disk.backend")
@@ -84,16 +84,12 @@ class ChunkIO(StartupScan):
         """The header of ``key``'s chunk file (one read, no payload), or None where
         there is none this tier would read: missing, not a regular file, a link, or a
         header that does not parse or names another key (left for ``get`` to judge)."""
+        name = key.to_str()
         try:
             with self._shard(key) as dfd:
-                fd, st = open_regular(key.to_str(), dir_fd=dfd)
-                try:
-                    info, _, _ = read_frame_header(fd, st.st_size)
-                finally:
-                    os.close(fd)
+                return check_frame_file(name, None, name, dir_fd=dfd)
         except (OSError, NotRegularFile, FrameError, ShardRefused):
             return None
-        return info if info.key == key.to_str() else None
 
     def _read_opened(self, key: ChunkKey, out: torch.Tensor, fd: int, st: os.stat_result, path: Path) -> bool | None:
         """Check the header of the open chunk file ``fd``; a raw payload the tensor

@@ -41,15 +41,17 @@ def read_frame_header(fd: int, size: int) -> tuple[FrameHeader, dict[str, str], 
     return header, dict(header.meta or {}), header.offset
 
 
-def check_frame_file(name: str, size: int, expect_key: str, *, dir_fd: int | None = None) -> None:
-    """Raise :class:`~lmcache_core.frames.FrameError` unless the file ``name`` in the
-    directory ``dir_fd`` (``size`` bytes; never opened through a link, never a FIFO
-    or other non-regular file: :class:`~.fileio.NotRegularFile`) starts with a valid
-    frame header for ``expect_key`` whose lengths add up to exactly ``size``."""
-    fd, _ = open_regular(name, dir_fd=dir_fd)
+def check_frame_file(name: str, size: int | None, expect_key: str, *, dir_fd: int | None = None) -> FrameHeader:
+    """The header of the file ``name`` in the directory ``dir_fd`` (never opened
+    through a link, never a FIFO or other non-regular file:
+    :class:`~.fileio.NotRegularFile`); raise :class:`~lmcache_core.frames.FrameError`
+    unless it is a valid frame header for ``expect_key`` whose lengths add up to
+    exactly ``size`` bytes (None: the file's size as opened)."""
+    fd, st = open_regular(name, dir_fd=dir_fd)
     try:
-        info, _, _ = read_frame_header(fd, size)
+        info, _, _ = read_frame_header(fd, st.st_size if size is None else size)
     finally:
         os.close(fd)
     if info.key != expect_key:
         raise FrameError(f"file holds key {info.key!r}")
+    return info

@@ -187,7 +187,11 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     docs = corpus(model, a.docs, a.doc_tokens, jsonl)
     config = tmp / "lmcache.yaml"
     tiers = [{"name": "local_cpu", "max_size": CPU_TIER}, {"name": "disk", "path": str(tmp / "kv"), "max_size": "16GiB"}]
-    config.write_text(json.dumps({"chunk_size": CHUNK, "backends": tiers}))
+
+    def write_config(preload: bool) -> None:  # warm's, and the servers' (with or without the preload)
+        config.write_text(json.dumps({"chunk_size": CHUNK, "backends": tiers, **({"preload": CPU_TIER} if preload else {})}))
+
+    write_config(False)
     first = run_warm(model, config, jsonl, a)
     print(f"warm: {first['summary']}", flush=True)
     rerun = run_warm(model, config, jsonl, a)
@@ -196,7 +200,7 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     env = server_env()
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes decides
     if a.preload:  # the server's config: the warm's, with the preload
-        config.write_text(json.dumps({"chunk_size": CHUNK, "backends": tiers, "preload": CPU_TIER}))
+        write_config(True)
     preload = None
     with openai_server("warmed", serve_args(model, a, config), env, tmp / "warmed.log", a.start_timeout) as (base, _):
         if a.preload:
@@ -207,7 +211,7 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         second_visit = visit(base, model, prompts, a)
     unloaded: list[Any] = []
     if a.preload:  # the same server without the preload: its first visit loads from disk
-        config.write_text(json.dumps({"chunk_size": CHUNK, "backends": tiers}))
+        write_config(False)
         with openai_server("warmed-no-preload", serve_args(model, a, config), env, tmp / "no-preload.log", a.start_timeout) as (
             base,
             _,

@@ -15,13 +15,13 @@ not count twice; ``remove`` and ``erase`` (also from a config without the quota)
 ledger entries, and no ledger key is taken for a chunk or a namespace record; a
 flushed script cache (``NOSCRIPT``) is reloaded; ``ttl_s`` prunes expired entries;
 chunks deleted to make room are the tenant's oldest and reach the eviction listener;
-config errors (no tenant label, a cluster, a zero quota) name the key."""
+config errors (no tenant label, also on a cluster; a zero quota) name the key. The
+cluster's quota: ``test_redis_cluster_tenant_quotas.py``."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,6 +31,7 @@ import redis
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import tenant_flood  # noqa: E402
 from redis_server import RedisServer, redis_server  # noqa: E402,F401 - fixtures
 
 from lmcache_backend_redis import RedisBackend, create_redis_backend  # noqa: E402
@@ -103,42 +104,20 @@ def lru_server() -> Iterator[RedisServer]:
         server.stop()
 
 
-class Flood:
-    """Two writers of tenant ``flood`` writing 10x QUOTA between them, and a sampler
-    of flood's bytes running meanwhile (bounded in count and time)."""
-
-    def __init__(self, server: RedisServer, prefix: str, quota: int | None) -> None:
-        self.server, self.prefix, self.quota = server, prefix, quota
-        self.samples: list[tuple[int, int]] = []
-        self.done = threading.Event()
-
-    def _write(self, tier: RedisBackend, first: int, n: int) -> None:
-        for i in range(first, first + n):
-            tier.put(_key("flood", i), _chunk(i))
-
-    def _sample(self) -> None:
-        client = self.server.client()
-        deadline = time.monotonic() + FLOOD_DEADLINE_S
-        while not self.done.is_set() and len(self.samples) < SAMPLES_MAX and time.monotonic() < deadline:
-            self.samples.append(_snapshot(client, self.prefix, "flood"))
-        self.samples.append(_snapshot(client, self.prefix, "flood"))
-
-    def run(self) -> list[RedisBackend]:
-        writers = [_tier(self.server, self.prefix, "flood", self.quota) for _ in range(2)]
-        per_writer = 10 * QUOTA // CHUNK // 2
-        threads = [
-            threading.Thread(target=self._write, args=(w, 1000 + j * per_writer, per_writer)) for j, w in enumerate(writers)
-        ]
-        sampler = threading.Thread(target=self._sample)
-        sampler.start()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=FLOOD_DEADLINE_S)
-        self.done.set()
-        sampler.join(timeout=FLOOD_DEADLINE_S)
-        assert not any(t.is_alive() for t in [*threads, sampler])
-        return writers
+def _flood(server: RedisServer, prefix: str, quota: int | None) -> tuple[list[RedisBackend], list[tuple[int, int]]]:
+    """Two writers of tenant ``flood`` (two tier instances, as two engines) write 10x
+    QUOTA between them while flood's bytes are sampled: the writers and the samples."""
+    writers = [_tier(server, prefix, "flood", quota) for _ in range(2)]
+    client = server.client()
+    samples = tenant_flood.flood(
+        writers,
+        lambda w, i: w.put(_key("flood", i), _chunk(i)),
+        10 * QUOTA // CHUNK,
+        lambda: _snapshot(client, prefix, "flood"),
+        deadline_s=FLOOD_DEADLINE_S,
+        samples_max=SAMPLES_MAX,
+    )
+    return writers, samples
 
 
 def _calm(server: RedisServer, prefix: str) -> RedisBackend:
@@ -155,19 +134,16 @@ def test_a_tenant_writing_10x_its_quota_moves_no_other_tenant(lru_server: RedisS
     try:
         before = _snapshot(client, prefix, "calm")
         assert _hits(calm, "calm", CALM_CHUNKS) == CALM_CHUNKS
-        flood = Flood(lru_server, prefix, QUOTA)
-        writers = flood.run()
-        peak_real = max(real for real, _ in flood.samples)
-        peak_ledger = max(ledger for _, ledger in flood.samples)
-        print(
-            f"\nquota flood: {len(flood.samples)} samples, flood's peak {peak_real} bytes (ledger {peak_ledger}), quota {QUOTA}"
-        )
-        assert len(flood.samples) >= 20, len(flood.samples)
-        assert all(real <= ledger <= QUOTA for real, ledger in flood.samples), flood.samples
-        assert flood.samples[-1][0] > QUOTA // 2  # flood did fill its share
+        writers, samples = _flood(lru_server, prefix, QUOTA)
+        peak_real = max(real for real, _ in samples)
+        peak_ledger = max(ledger for _, ledger in samples)
+        print(f"\nquota flood: {len(samples)} samples, flood's peak {peak_real} bytes (ledger {peak_ledger}), quota {QUOTA}")
+        assert len(samples) >= 20, len(samples)
+        assert all(real <= ledger <= QUOTA for real, ledger in samples), samples
+        assert samples[-1][0] > QUOTA // 2  # flood did fill its share
         evictions = sum(w.stats().extra["quota_evictions"] for w in writers)
         assert evictions > 200 and sum(w.stats().extra["quota_refused"] for w in writers) == 0
-        assert writers[0].quota_usage() == flood.samples[-1][1]
+        assert writers[0].quota_usage() == samples[-1][1]
         for w in writers:
             w.close()
         assert _snapshot(client, prefix, "calm") == before  # calm's bytes: unmoved
@@ -181,7 +157,7 @@ def test_negative_control_without_the_quota_the_flood_evicts_the_other_tenant(lr
     prefix = "q:"
     calm = _calm(lru_server, prefix)
     try:
-        for w in Flood(lru_server, prefix, None).run():
+        for w in _flood(lru_server, prefix, None)[0]:
             w.close()
         hits = _hits(calm, "calm", CALM_CHUNKS)
         evicted = lru_server.client().info("stats")["evicted_keys"]
@@ -323,7 +299,7 @@ def test_a_full_server_refuses_the_whole_put_and_the_ledger_stays_true() -> None
     "section, tenant, fragment",
     [
         ({"url": "redis://127.0.0.1:1/0", "tenant_quota": "1GiB"}, None, "backends[1].tenant_quota: a quota is per tenant"),
-        ({"cluster": ["127.0.0.1:7000"], "tenant_quota": "1GiB"}, "a", "needs a single server (url), not cluster"),
+        ({"cluster": ["127.0.0.1:7000"], "tenant_quota": "1GiB"}, None, "backends[1].tenant_quota: a quota is per tenant"),
         ({"url": "redis://127.0.0.1:1/0", "tenant_quota": 0}, "a", "tenant_quota must be a positive size"),
     ],
 )

@@ -23,11 +23,12 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   following calls misses without a request until ``down_cooldown_s`` passes. Wrong
   credentials or missing ACL permissions mid-run raise :class:`BackendError` (the
   engine counts it and treats it as a miss).
-* With ``tenant_quota`` every put is a transaction through the tenant's ledger
-  (:mod:`.quota`): the tenant's oldest chunks are deleted to make room (reported as
-  evictions), so its bytes never pass the quota, whatever its other engines do; a
-  chunk larger than the quota is refused (counted); ``remove`` and ``erase`` keep
-  the ledgers true.
+* With ``tenant_quota`` every put goes through the tenant's ledger (a single server:
+  one transaction, :mod:`.quota`; a cluster: reserve, delete and store, confirm,
+  :mod:`.cluster_quota`): the tenant's oldest chunks are deleted to make room
+  (reported as evictions), so its bytes never pass the quota, whatever its other
+  engines do; a chunk larger than the quota is refused (counted); ``remove`` and
+  ``erase`` keep the ledgers true.
 * What the server evicts (``maxmemory``) or expires (``ttl_s``) is reported to the
   engine's listeners (KV events) once the engine subscribes
   (:meth:`subscribe_evictions`, on its first listener): a :class:`~.events.KeyEventWatcher`
@@ -60,12 +61,18 @@ from .client import Client, Failure, call_deadline, classify, describe, make_cli
 from .config import RedisConfig
 from .events import KeyEventWatcher
 from lmcache_core.health import HealthGate
+from . import cluster_quota
+from .cluster_quota import ClusterLedger
 from .quota import FORGET_SCRIPT, PUT_REPLIES, PutOutcome, TenantLedger, ledger_pattern, read_put_reply
 from .wire import pipelined, read_ranges, set_command
 
 log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 60.0
+
+QUOTA_SKIPPED = object()
+"""A cluster quota put's reply for a chunk not sent (refused, still waiting for room,
+or being stored by another writer): a skipped put, counted in ``quota_refused``."""
 
 
 #: names per SCAN step and per pipeline of DELs in :meth:`RedisBackend.erase`
@@ -148,20 +155,24 @@ class RedisBackend(StorageBackend):
                     self._failed("connect", err)
         # A single server's pool takes our zero-copy SETs; a cluster client routes itself.
         self._single_pool = self.client.connection_pool if isinstance(self.client, redis.Redis) else None
-        if self.ledger is not None and self._single_pool is None:
-            raise ValueError("tenant_quota needs a single server's client (redis.Redis), not a cluster's")
+        if isinstance(self.ledger, TenantLedger) and self._single_pool is None:
+            raise ValueError("tenant_quota with url needs a single server's client (redis.Redis), not a cluster's")
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.target!r}, prefix={self.cfg.prefix!r})"
 
-    def _ledger(self, tenant: str | None) -> TenantLedger | None:
-        """The tenant's ledger when ``tenant_quota`` is set (see :mod:`.quota`)."""
+    def _ledger(self, tenant: str | None) -> TenantLedger | ClusterLedger | None:
+        """The tenant's ledger when ``tenant_quota`` is set (see :mod:`.quota` and
+        :mod:`.cluster_quota`)."""
         if self.cfg.tenant_quota is None:
             return None
         if tenant is None:
             raise ValueError("tenant_quota needs the engine's tenant label (the top-level tenant key)")
         self._stats.bytes_capacity = self.cfg.tenant_quota
         self._stats.extra.update(quota_tenant=tenant, quota_refused=0, quota_evictions=0)
+        if self.cfg.cluster is not None:
+            lease_ms = max(cluster_quota.LEASE_MS, int(4000 * self.cfg.call_timeout_s))
+            return ClusterLedger(self.cfg.prefix, tenant, self.cfg.tenant_quota, self._ttl_ms, lease_ms)
         return TenantLedger(self.cfg.prefix, tenant, self.cfg.tenant_quota, self._ttl_ms)
 
     # -- what the server drops -------------------------------------------------------
@@ -451,6 +462,9 @@ class RedisBackend(StorageBackend):
             return done
         self.mark_available()
         for (i, _, _), reply in zip(frames, replies):
+            if reply is QUOTA_SKIPPED:
+                self._add(skipped=1, quota_refused=1)
+                continue
             if isinstance(reply, BaseException):
                 self._put_refused(items[i][0], reply)
                 continue
@@ -492,6 +506,8 @@ class RedisBackend(StorageBackend):
         the tenant's transactions: :meth:`_set_within_quota`); per value, the reply or
         the error reply as an exception."""
         self._add(pipelines=1)
+        if isinstance(self.ledger, ClusterLedger):
+            return self._set_within_cluster_quota(self.ledger, values)
         if self.ledger is not None:
             return self._set_within_quota(self.ledger, values)
         if self._single_pool is not None:
@@ -511,6 +527,54 @@ class RedisBackend(StorageBackend):
         replies = pipelined(self._single_pool, cmds, PUT_REPLIES)
         outcomes = [read_put_reply(replies[i : i + PUT_REPLIES]) for i in range(0, len(replies), PUT_REPLIES)]
         return [r if isinstance(r, BaseException) else self._settled(r) for r in outcomes]
+
+    def _set_within_cluster_quota(self, ledger: ClusterLedger, values: list[tuple[str, bytes, memoryview]]) -> list[Any]:
+        """The cluster's rounds (:mod:`.cluster_quota`): reserve; ``DEL`` what the
+        ledger took and ``SET`` what it granted, in one pipeline; report both with the
+        next reservation; at most :data:`~.cluster_quota.ROUNDS` reservations, then a
+        last step confirms. Per value: the ``SET``'s reply, its error, or
+        :data:`QUOTA_SKIPPED` (refused, still waiting, or in flight from another
+        writer). A ``DEL`` that failed is not reported: the chunk stays counted, and
+        its deletion lapses to a later writer."""
+        client = self._conn()
+        names = [name.encode() for name, _, _ in values]
+        out: list[Any] = [QUOTA_SKIPPED] * len(values)
+        batch = cluster_quota.Batch()
+        waiting = list(range(len(values)))
+        for _ in range(cluster_quota.ROUNDS):
+            if not waiting:
+                break
+            step = ledger.step(client, batch, [(names[i], len(values[i][1]) + values[i][2].nbytes) for i in waiting])
+            granted = [i for i, a in zip(waiting, step.answers) if a == cluster_quota.GRANTED]
+            waiting = [i for i, a in zip(waiting, step.answers) if a == cluster_quota.WAIT]
+            self._record_usage(step.used)
+            pipe = client.pipeline(transaction=False)
+            for name, _ in step.victims:
+                pipe.delete(name)
+            for i in granted:
+                pipe.set(names[i], _join(values[i][1], values[i][2]), px=self._ttl_ms)
+            self._add(pipelines=1)
+            replies = pipe.execute(raise_on_error=False)
+            evicted = []
+            for (name, size), reply in zip(step.victims, replies):
+                if not isinstance(reply, BaseException):
+                    batch.forget.append((name, size))
+                    if reply:
+                        evicted.append(name)
+            self._settled(PutOutcome(step.used, tuple(evicted)))
+            for i, reply in zip(granted, replies[len(step.victims) :]):
+                out[i] = reply
+                if not isinstance(reply, BaseException):
+                    batch.confirm.append(names[i])
+                elif isinstance(reply, redis.ResponseError):  # refused: not stored (a timeout may have been)
+                    batch.failed.append(names[i])
+        if batch.forget or batch.confirm or batch.failed:
+            self._record_usage(ledger.step(client, batch, []).used)
+        return out
+
+    def _record_usage(self, used: int) -> None:
+        with self._lock:
+            self._stats.bytes_used = used
 
     def _settled(self, outcome: PutOutcome) -> PutOutcome:
         """Record one put's outcome: the tenant's usage, its evicted chunks."""
@@ -567,6 +631,9 @@ class RedisBackend(StorageBackend):
             with self._deadline():
                 if self.ledger is None:
                     n = self._conn().delete(self._name(key))
+                elif isinstance(self.ledger, ClusterLedger):  # the chunk, then its entry in the tenant's ledger
+                    n = self._conn().delete(self._name(key))
+                    self.ledger.forget_names(self._conn(), [self._name(key).encode()])
                 else:  # the chunk and its entry in the tenant's ledger
                     n = self._forget([self._name(key).encode()], [self.ledger.base.encode()])
         except Exception as err:
@@ -646,10 +713,7 @@ class RedisBackend(StorageBackend):
     def _ledger_bases(self) -> list[bytes]:
         """The base name of every tenant ledger under this prefix (at most
         :data:`MAX_LEDGERS`), whatever this config's own quota: other engines' quotas
-        count the chunks an erase deletes. A cluster has none (quotas need a single
-        server)."""
-        if self._single_pool is None:
-            return []
+        count the chunks an erase deletes (on a cluster, SCAN of every primary)."""
         names = self._scan(ledger_pattern(_glob_escape(self.cfg.prefix)))
         return [raw[: -len(b"sizes")] for raw in itertools.islice(names, MAX_LEDGERS)]
 
@@ -697,13 +761,17 @@ class RedisBackend(StorageBackend):
         with its entries in the tenant ledgers ``bases`` when there are any; how many
         existed."""
         with self._deadline():
-            if bases:
+            if bases and self._single_pool is not None:
                 self._add(pipelines=1)
                 return self._forget(names, bases)
             pipe = self._pipeline()
             for name in names:
                 pipe.delete(name)
-            return sum(int(r) for r in pipe.execute())
+            n = sum(int(r) for r in pipe.execute())
+        for base in bases:  # a cluster's ledgers: each in its own slot, after the DELs
+            with self._deadline():
+                cluster_quota.forget_in(self._conn(), base.decode(), names)
+        return n
 
     # -- housekeeping ---------------------------------------------------------------
     def ping(self) -> None:

@@ -66,8 +66,8 @@ class RedisConfig(StrictModel):
     )
     tenant_quota: ByteSize | None = Field(
         None,
-        description="hard byte quota of this engine's tenant (the top-level tenant label) on the server: a put past "
-        "it deletes the tenant's own oldest chunks first, one larger than it is refused; single server (url) only; "
+        description="hard byte quota of this engine's tenant (the top-level tenant label) on the server or cluster: a "
+        "put past it deletes the tenant's own oldest chunks first, one larger than it is refused; "
         "null: no quota",
     )
     connect_timeout_s: Annotated[float, seconds(60)] = Field(1.0, description="TCP (and TLS) connect deadline per attempt")
@@ -161,12 +161,6 @@ class RedisConfig(StrictModel):
             return
         if self.tenant_quota < 1:
             raise ValueError("tenant_quota must be a positive size (e.g. 8GiB); leave it out for no quota")
-        if self.cluster is not None:
-            raise ValueError(
-                "tenant_quota needs a single server (url), not cluster: the quota is kept by one Lua script per put "
-                "that evicts the tenant's oldest chunks and stores the new one atomically, and Redis Cluster runs a "
-                "script only on keys of one hash slot, while a tenant's chunks are spread over every slot"
-            )
 
     @property
     def uses_tls(self) -> bool:

@@ -15,9 +15,12 @@ with the tokenizer's chat template, so the prompt starts the way the server's ch
 requests about the document will. Documents longer than the model's context are
 cut to fit (counted).
 
-Resumable: a document already cached is looked up and loaded by vLLM (only the part
-after its last whole chunk is computed); the summary counts fully cached documents
-and the tokens computed, so a rerun shows what it skipped. Bounded: the corpus is read in batches of
+Resumable: before a batch is prefilled, each document's whole chunks are looked up
+in the tiers (hashed as the connector hashes a request without a cache salt); a
+document whose every whole chunk is stored is skipped, not prefilled, and so is one
+shorter than a chunk (nothing of it would be stored). A document stored in part is
+prefilled, vLLM loading the stored part. The summary counts the documents skipped
+and the tokens computed, so a rerun shows it did no prefill work. Bounded: the corpus is read in batches of
 ``--batch`` documents. Ctrl-C stops after flushing what was stored; chunk files and
 objects are written whole or not at all, so nothing is left corrupt.
 """
@@ -67,13 +70,16 @@ class Summary:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # loaded from the cache instead of computed
     fully_cached: int = 0  # documents of which only the last token was computed
+    skipped: int = 0  # documents whose every whole chunk was stored already: not prefilled
+    skipped_tokens: int = 0
+    too_short: int = 0  # documents shorter than one chunk: nothing to store, not prefilled
     seconds: float = 0.0
     interrupted: bool = False
     tiers: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def computed_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
+        return self.prompt_tokens - self.cached_tokens - self.skipped_tokens
 
 
 def read_corpus(args: argparse.Namespace, summary: Summary, err: TextIO) -> Iterator[str]:
@@ -150,7 +156,8 @@ class Progress:
         self.last = now
         rate = s.computed_tokens / max(now - self.t0, 1e-9)
         self.out.write(
-            f"\rwarm: {s.documents} documents, {s.prompt_tokens:,} tokens ({s.cached_tokens:,} already cached), "
+            f"\rwarm: {s.documents} documents ({s.skipped} already stored), {s.prompt_tokens:,} tokens "
+            f"({s.cached_tokens:,} loaded), "
             f"{rate:,.0f} tokens/s computed" + ("\n" if final else "")
         )
         self.out.flush()
@@ -215,6 +222,28 @@ def _count(summary: Summary, prompts: list[list[int]], outs: list[Any], chunk_si
         summary.fully_cached += cached > 0 and len(p) - cached <= chunk_size
 
 
+def _to_prefill(engine: Any, prompts: list[list[int]], summary: Summary) -> list[list[int]]:
+    """The prompts that need a prefill: those with a whole chunk no tier holds; the
+    others are counted as skipped (every whole chunk stored) or too short."""
+    from lmcache_core.keys import chain_seed, chunk_hashes
+
+    seed = chain_seed({})
+    todo = []
+    for p in prompts:
+        hashes = chunk_hashes(p, engine.chunk_size, seed=seed)
+        if hashes and engine.lookup_hashes(hashes, record=False) < len(hashes):
+            todo.append(p)
+            continue
+        summary.documents += 1
+        summary.prompt_tokens += len(p)
+        summary.skipped_tokens += len(p)
+        if hashes:
+            summary.skipped += 1
+        else:
+            summary.too_short += 1
+    return todo
+
+
 def warm(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> Summary:
     """Prefill every document of the corpus once; the :class:`Summary`."""
     if args.batch < 1:
@@ -245,7 +274,10 @@ def warm(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.s
     t0 = time.perf_counter()
     try:
         for batch in _batches(first, docs, args):
-            prompts = [prompt_ids(tok, d, args, max_len, summary) for d in batch]
+            prompts = _to_prefill(worker.engine, [prompt_ids(tok, d, args, max_len, summary) for d in batch], summary)
+            if not prompts:
+                progress.update(summary)
+                continue
             outs = llm.generate([tokens_prompt(p) for p in prompts], sp, use_tqdm=False)
             _count(summary, prompts, outs, worker.cfg.chunk_size)
             progress.update(summary)
@@ -265,7 +297,8 @@ def report(s: Summary, out: TextIO) -> None:
     out.write(
         f"warm: {s.documents} documents, {s.prompt_tokens:,} prompt tokens in {s.seconds:.1f} s: "
         f"{s.computed_tokens:,} computed, {s.cached_tokens:,} already cached "
-        f"({s.fully_cached} documents fully cached)"
+        f"({s.fully_cached} documents fully cached); {s.skipped} documents already stored, not prefilled"
+        + (f"; {s.too_short} shorter than a chunk, not prefilled" if s.too_short else "")
         + (f"; {s.truncated} cut to the context length" if s.truncated else "")
         + (f"; {s.bad_lines} bad corpus lines skipped" if s.bad_lines else "")
         + ("; INTERRUPTED (what was stored is kept)" if s.interrupted else "")

@@ -1,7 +1,7 @@
 """``lmcache-core warm`` on real vLLM: a corpus prefilled into a config's disk tier is
 hit at once by a fresh engine with the same config (the greedy tokens those of a run
 without the cache), and with ``preload`` a fresh engine's first requests read nothing
-from disk; a rerun computes nothing it had stored; bad corpus lines are
+from disk; a rerun prefills nothing (every document looked up and skipped); bad corpus lines are
 reported by number and skipped; a config of memory tiers only is refused."""
 
 from __future__ import annotations
@@ -90,7 +90,16 @@ def test_a_warmed_corpus_hits_at_once_on_a_fresh_engine(tmp_path, tiny_model):
     disk = next(t for t in first.tiers if t["name"] == "disk")
     assert disk["chunks"] >= sum(len(d) for d in docs) // 4 // CS  # whole chunks reached the disk tier
     again = warm(_args(tiny_model, cfg, corpus))
-    assert again.fully_cached == 5 and again.computed_tokens <= 5 * CS, again  # a rerun skips what is stored
+    assert first.skipped == 0 and first.too_short == 0, first
+    # a rerun skips what is stored: no prefill at all (each document looked up first)
+    assert again.skipped == 5 and again.computed_tokens == 0 and again.cached_tokens == 0, again
+    assert again.documents == 5 and again.prompt_tokens == first.prompt_tokens, again
+    # the control: a document that starts as a warmed one and goes on is prefilled
+    # (its stored head loaded by vLLM, the rest computed), not skipped
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text(json.dumps({"prompt": docs[0] + docs[1]}) + "\n")
+    more = warm(_args(tiny_model, cfg, grown))
+    assert more.skipped == 0 and more.cached_tokens >= CS and more.computed_tokens > CS, more
     # lmcache-core lookup finds every whole chunk of every warmed document in the disk
     # tier (its offline hashes are the connector's); the control: an unwarmed one, none
     out = io.StringIO()

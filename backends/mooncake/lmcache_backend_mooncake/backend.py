@@ -16,12 +16,18 @@ Contract (see :class:`lmcache_core.backend.StorageBackend`):
   calls are misses without touching the client until the cooldown passes. A
   segment owner that is down fails the transfers of its objects (misses, counted).
   A put the store rejects for space is a skipped put, counted in ``no_space``.
+* With ``tenant_quota`` the client is set up as the engine's tenant label (its
+  Mooncake ``tenant_id``): the master keeps the tenant's objects in their own
+  namespace and bounds their bytes by the tenant's quota in its policy (:mod:`.quota`).
+  Puts it refuses for the quota count in ``quota_refused`` (and ``no_space``); the
+  tenant's usage, as the master counts it, is ``bytes_used`` / ``bytes_capacity``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -39,6 +45,7 @@ from .frames import frame_parts, max_frame_len
 from lmcache_core.health import HealthGate
 
 from .guard import Deadline, Pending, StoreUnavailable
+from .quota import QuotaUnknown, TenantQuota, tenant_quota
 from .staging import Staging
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,9 @@ Region = tuple[int, int]  # (base address, bytes)
 DEADLINE_BYTES_PER_S = 256 << 20  # a call's deadline grows by 1 s per 256 MiB it moves
 ERASE_IDS_PER_CALL = 64  # namespaces in one remove_by_regex pattern
 PIPELINE_BYTES = 32 << 20  # batches move in store calls of about this many bytes, one at a time
+USAGE_REFRESH_S = 5.0  # stats() reads the tenant's usage from the master's metrics at most this often (in the background)
+USAGE_TIMEOUT_S = 2.0  # deadline of one read of the master's metrics
+WARN_EVERY_S = 60.0  # a put refused for an unknown tenant is logged at most this often
 T = TypeVar("T")
 
 
@@ -75,15 +85,21 @@ class MooncakeBackend(StorageBackend):
         codecs: Mapping[str, Codec],
         pool_region: Region | None = None,
         region_owner: object | None = None,
-        client_factory: Callable[[MooncakeConfig], StoreClient] = StoreClient,
+        client_factory: Callable[[MooncakeConfig], StoreClient] | None = None,
+        tenant: str | None = None,
     ) -> None:
+        """``tenant``: the engine's tenant label; with ``tenant_quota`` it is the
+        client's Mooncake tenant (and is then required)."""
+        if cfg.tenant_quota and tenant is None:
+            raise ValueError("tenant_quota needs the engine's tenant label (the top-level tenant key)")
         self.cfg = cfg
+        self.tenant = tenant if cfg.tenant_quota else None
         self.codec = codec
         self.codecs = dict(codecs)
         # Background writers get half the workers, so lookups and loads always find one free.
         self.write_concurrency = max(1, cfg.max_inflight // 2)
         self.timeout_s = cfg.timeout_s
-        self._client_factory = client_factory
+        self._client_factory = client_factory or (lambda c: StoreClient(c, tenant=self.tenant))
         self._gate = HealthGate(cfg.down_cooldown_s)
         self._deadline = Deadline(cfg.max_inflight, self._gate)
         self._staging = Staging(cfg.staging_size, cfg.quarantine_s)
@@ -111,9 +127,16 @@ class MooncakeBackend(StorageBackend):
                 setup_failures=0,
             ),
         )
+        self._usage_read_at = 0.0  # monotonic time of the last read of the tenant's usage (tenant_quota)
+        self._usage_reader: threading.Thread | None = None
+        self._unknown_tenant_warned_at = -WARN_EVERY_S
+        if self.tenant is not None:
+            self._stats.extra.update(quota_tenant=self.tenant, quota_refused=0, tenant_not_registered=0)
 
     def __repr__(self) -> str:
-        return f"MooncakeBackend(master={self.cfg.master!r}, metadata={self.cfg.metadata!r}, protocol={self.cfg.protocol!r})"
+        c = self.cfg
+        tenant = "" if self.tenant is None else f", tenant={self.tenant!r}"
+        return f"MooncakeBackend(master={c.master!r}, metadata={c.metadata!r}, protocol={c.protocol!r}{tenant})"
 
     # -- connection -----------------------------------------------------------------
     def connect(self) -> None:
@@ -451,10 +474,71 @@ class MooncakeBackend(StorageBackend):
                 self._count(puts=1, put_bytes=items[i][1].numel() * items[i][1].element_size())
             elif kind is codes.Outcome.NO_SPACE:
                 self._count(skipped=1, no_space=1)
+                if code == codes.TENANT_QUOTA_EXCEEDED:
+                    self._count(quota_refused=1)
+            elif kind is codes.Outcome.NO_TENANT:
+                self._count(skipped=1, tenant_not_registered=1)
+                self._warn_unknown_tenant()
             else:
                 self._count(skipped=1, errors=1)
                 if kind is codes.Outcome.TRANSFER:
                     self._count(transfer_errors=1)
+
+    def _warn_unknown_tenant(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._unknown_tenant_warned_at < WARN_EVERY_S:
+                return
+            self._unknown_tenant_warned_at = now
+        log.warning(
+            "mooncake tier: master %s refuses puts of tenant %r: its tenant quota policy has no quota for it "
+            "(TENANT_NOT_REGISTERED; logged once a minute, counted in extra['tenant_not_registered']). "
+            "Add the tenant to the policy file, or correct the engine's tenant label",
+            self.cfg.master,
+            self.tenant,
+        )
+
+    # -- the tenant's quota (tenant_quota) ------------------------------------------
+    def quota_usage(self, timeout_s: float = USAGE_TIMEOUT_S) -> TenantQuota | None:
+        """The tenant's quota and usage as the master counts them, read from its metrics
+        server (``master_metrics``) and kept in :meth:`stats`; None without
+        ``tenant_quota``. Raises :class:`QuotaUnknown` when they cannot be read, or
+        when the master keeps no quota for the tenant."""
+        if self.tenant is None:
+            return None
+        try:
+            quota = tenant_quota(self.cfg.metrics_url(), self.tenant, timeout_s)
+        finally:
+            with self._lock:
+                self._usage_read_at = time.monotonic()
+        with self._lock:
+            self._stats.bytes_used = quota.charged
+            self._stats.bytes_capacity = quota.effective
+            self._stats.extra.update(
+                quota_requested=quota.requested, quota_evicted_bytes=quota.evicted, quota_refused_by_master=quota.refused
+            )
+        return quota
+
+    def _refresh_usage(self) -> None:
+        """Start a background read of the tenant's usage when the last one is older
+        than :data:`USAGE_REFRESH_S` (``stats()`` never waits on the network)."""
+        with self._lock:
+            if (
+                self.tenant is None
+                or self._closed.is_set()
+                or time.monotonic() - self._usage_read_at < USAGE_REFRESH_S
+                or (self._usage_reader is not None and self._usage_reader.is_alive())
+            ):
+                return
+
+            def read() -> None:
+                try:
+                    self.quota_usage()
+                except QuotaUnknown as err:
+                    log.debug("mooncake tier: tenant usage: %s", err)
+
+            self._usage_reader = threading.Thread(target=read, name="lmcache-mooncake-usage", daemon=True)
+            self._usage_reader.start()
 
     def remove(self, key: ChunkKey) -> bool:
         client = self._ready()
@@ -473,7 +557,9 @@ class MooncakeBackend(StorageBackend):
     def erase(self, match: EraseMatch, progress: Callable[[int], None] | None = None, *, dry_run: bool = False) -> int:
         """Remove every object of this ``key_prefix`` whose chunk key ``match`` takes, by
         the master's ``remove_by_regex`` (:data:`ERASE_IDS_PER_CALL` namespaces a call).
-        Mooncake's client lists nothing, so a dry run cannot count: EraseUnsupported."""
+        Mooncake's client lists nothing, so a dry run cannot count: EraseUnsupported.
+        With ``tenant_quota`` the master removes the tenant's own objects only (each
+        tenant has its own namespace), so erase with that tenant's config."""
         if dry_run:
             raise EraseUnsupported("Mooncake Store's client cannot list objects, so it cannot count without deleting")
         client = self._ready()
@@ -501,6 +587,7 @@ class MooncakeBackend(StorageBackend):
 
     # -- housekeeping ---------------------------------------------------------------
     def stats(self) -> BackendStats:
+        self._refresh_usage()
         with self._lock:
             s = self._stats.snapshot()
             connected = self._client is not None

@@ -79,9 +79,13 @@ def import_store() -> Any:
 
 
 class StoreClient:
-    def __init__(self, cfg: MooncakeConfig) -> None:
+    def __init__(self, cfg: MooncakeConfig, tenant: str | None = None) -> None:
+        """``tenant``: the client's Mooncake tenant (``tenant_id``): its objects live in
+        that tenant's namespace, under the master's quota for it. None: the client's
+        default tenant, as before tenants existed."""
         store_cls, replicate_cls = import_store()
         self.cfg = cfg
+        self.tenant = tenant
         self.hostname = cfg.local_hostname or route_address(cfg.master)
         self._store = store_cls()
         self._replicate = replicate_cls()
@@ -103,7 +107,17 @@ class StoreClient:
             why = answers_http(f"{c.metadata}?key=lmcache-probe", probe_timeout_s)
         if why is not None:
             raise SetupFailed(why)
-        rc = self._store.setup(self.hostname, c.metadata, c.segment_size, c.buffer_size, c.protocol, c.rdma_devices, c.master)
+        args = (self.hostname, c.metadata, c.segment_size, c.buffer_size, c.protocol, c.rdma_devices, c.master)
+        if self.tenant is None:
+            rc = self._store.setup(*args)
+        else:
+            try:
+                rc = self._store.setup(*args, tenant_id=self.tenant)
+            except TypeError as err:  # a client from before tenants: its setup has no tenant_id
+                raise SetupFailed(
+                    f"this Mooncake client cannot set a tenant ({err}); tenant_quota needs one whose setup takes "
+                    "tenant_id (mooncake-transfer-engine 0.3.13.post1 does)"
+                ) from None
         if rc != 0:
             raise SetupFailed(f"setup returned {rc}")
         self.connected = True

@@ -19,7 +19,8 @@ TRANSFER_FAIL = -800  # the bytes could not be moved (a segment owner is down)
 RPC_FAIL = -900  # the master did not answer
 RPC_TIMEOUT = -901
 UNAVAILABLE_IN_CURRENT_STATUS = -1010
-TENANT_QUOTA_EXCEEDED = -1700
+TENANT_QUOTA_EXCEEDED = -1700  # the tenant is at its quota and none of its objects could be evicted
+TENANT_NOT_REGISTERED = -1701  # the master's tenant quota policy has no quota for the client's tenant
 
 
 class Outcome(Enum):
@@ -29,12 +30,14 @@ class Outcome(Enum):
     MASTER_DOWN = "master_down"  # closes the health gate
     TRANSFER = "transfer"  # one object's bytes could not be moved
     TOO_LARGE = "too_large"  # the object does not fit the buffer: not the chunk we expect
+    NO_TENANT = "no_tenant"  # the master has no quota for this client's tenant: a skipped put (configuration)
     OTHER = "other"
 
 
 _BY_CODE = {
     NO_AVAILABLE_HANDLE: Outcome.NO_SPACE,
     TENANT_QUOTA_EXCEEDED: Outcome.NO_SPACE,
+    TENANT_NOT_REGISTERED: Outcome.NO_TENANT,
     INVALID_PARAMS: Outcome.TOO_LARGE,
     REPLICA_IS_NOT_READY: Outcome.MISSING,
     OBJECT_NOT_FOUND: Outcome.MISSING,
@@ -51,6 +54,7 @@ _SAFE_FOR_MEMORY = frozenset(
     {
         NO_AVAILABLE_HANDLE,
         TENANT_QUOTA_EXCEEDED,
+        TENANT_NOT_REGISTERED,
         INVALID_PARAMS,
         REPLICA_IS_NOT_READY,
         OBJECT_NOT_FOUND,

@@ -17,6 +17,9 @@ from lmcache_core.config import HOUR, ByteSize, Flag, StrictModel, seconds
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+):([0-9]{1,5})$")
 _METADATA = re.compile(r"^(https?://[^/\s]+(/\S*)?|etcd://\S+|redis://\S+|P2PHANDSHAKE)$")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9._/\-]{0,128}$")
+_METRICS = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+):([0-9]{1,5})/?$")
+#: the port of mooncake_master's HTTP metrics server when --metrics_port is not given
+MASTER_METRICS_PORT = 9003
 
 
 def split_host_port(value: str) -> tuple[str, int]:
@@ -61,6 +64,23 @@ class MooncakeConfig(StrictModel):
         30.0, description="staging memory of a failed or overrun transfer is not reused for this long"
     )
     verify_on_start: Flag = Field(True, description="fail at startup when the master cannot be reached")
+    tenant_quota: Flag = Field(
+        False,
+        description="the engine's tenant label is its Mooncake tenant: its objects live in that tenant's namespace "
+        "and the master's tenant quota policy (mooncake_master --enable_multi_tenants) bounds their bytes",
+    )
+    master_metrics: str | None = Field(
+        None,
+        description="http://host:port of mooncake_master's metrics server (--metrics_port), read for the tenant's "
+        "quota and usage (tenant_quota); None = the master's host, port 9003",
+    )
+
+    def metrics_url(self) -> str:
+        """Where the master's Prometheus text is: ``master_metrics`` or the master's host, port 9003."""
+        if self.master_metrics is not None:
+            return self.master_metrics.rstrip("/") + "/metrics"
+        host, _ = split_host_port(self.master)
+        return f"http://{f'[{host}]' if ':' in host else host}:{MASTER_METRICS_PORT}/metrics"
 
     @field_validator("master")
     @classmethod
@@ -77,6 +97,29 @@ class MooncakeConfig(StrictModel):
                 f"redis://host:port or P2PHANDSHAKE, got {v!r}"
             )
         return v.strip()
+
+    @field_validator("tenant_quota", mode="before")
+    @classmethod
+    def _tenant_quota(cls, v: object) -> object:
+        if v is not True and v is not False:
+            raise ValueError(
+                f"must be true or false, got {v!r}: the mooncake tier's quota per tenant is set on the master, in "
+                "its tenant quota policy (mooncake_master --enable_multi_tenants --tenant_quota_connector_uri=FILE), "
+                "not here; tenant_quota: true makes this engine write as its tenant label"
+            )
+        return v
+
+    @field_validator("master_metrics")
+    @classmethod
+    def _master_metrics(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        m = _METRICS.match(v.strip())
+        if not m or not 1 <= int(m.group(2)) <= 65535:
+            raise ValueError(
+                f"expected http://host:port of mooncake_master's metrics server (its --metrics_port, 9003 by default), got {v!r}"
+            )
+        return v.strip().rstrip("/")
 
     @field_validator("key_prefix")
     @classmethod
@@ -95,4 +138,6 @@ class MooncakeConfig(StrictModel):
             raise ValueError(f"segment_size must be 0 or at least 16MiB, got {self.segment_size}")
         if self.rdma_devices and self.protocol != "rdma":
             raise ValueError("rdma_devices is only used with protocol: rdma")
+        if self.master_metrics is not None and not self.tenant_quota:
+            raise ValueError("master_metrics is only used with tenant_quota: true")
         return self

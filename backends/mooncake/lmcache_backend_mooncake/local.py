@@ -3,7 +3,7 @@ development, tests and benchmarks (production runs the master and store services
 under its own supervision).
 
 ``LocalMaster`` runs ``mooncake_master`` with its HTTP metadata server on free ports
-of 127.0.0.1; ``LocalSegmentOwner`` runs ``mooncake_client``, a store service that
+of 127.0.0.1 (``LocalTenantMaster``: in multi-tenant mode, under a tenant quota policy); ``LocalSegmentOwner`` runs ``mooncake_client``, a store service that
 contributes DRAM to the pool. Both can be killed and started again on the same
 ports. Every wait is bounded.
 
@@ -22,7 +22,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .client import answers_http, reachable
 
@@ -80,19 +80,37 @@ def _kill(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait(timeout=10)
 
 
-class LocalMaster:
-    """``mooncake_master`` on 127.0.0.1 with its HTTP metadata server; logs in ``workdir``."""
+def tenant_policy(quotas: Mapping[str, int]) -> str:
+    """The master's tenant quota policy file (``--tenant_quota_connector_type=file``):
+    each tenant's quota in bytes."""
+    lines = ["version: 1", "tenants:" if quotas else "tenants: []"]
+    for tenant, quota in quotas.items():
+        lines += [f'  - name: "{tenant}"', f"    quota: {int(quota)}"]
+    return "\n".join(lines) + "\n"
 
-    def __init__(self, workdir: Path, *, client_ttl_s: int = 3) -> None:
+
+class LocalMaster:
+    """``mooncake_master`` on 127.0.0.1 with its HTTP metadata server; logs in ``workdir``.
+
+    ``lease_ttl_ms`` sets the lease a read or lookup puts on an object
+    (``--default_kv_lease_ttl``, 10 s by default), during which the master evicts it
+    for no one."""
+
+    #: the tenant quota policy file it runs under (:class:`LocalTenantMaster`); None: no tenants
+    policy: Path | None = None
+
+    def __init__(self, workdir: Path, *, client_ttl_s: int = 3, lease_ttl_ms: int | None = None) -> None:
         os.environ.setdefault(LOOPBACK_ENV, "127.0.0.1")  # this process's clients (read when one is set up)
         self.bin = wheel_dir()
         self.workdir = workdir
         self.client_ttl_s = client_ttl_s
+        self.lease_ttl_ms = lease_ttl_ms
         self.proc: subprocess.Popen[bytes] | None = None
         for attempt in range(3):  # a free port can be taken by another process before the master binds it
             self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
             self.master = f"127.0.0.1:{self.rpc_port}"
             self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
+            self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"  # the tier's master_metrics
             try:
                 self.start()
                 return
@@ -128,6 +146,14 @@ class LocalMaster:
             "--rpc_thread_num=2",
             "--enable_metric_reporting=false",
         ]
+        if self.policy is not None:
+            args += [
+                "--enable_multi_tenants=true",
+                "--tenant_quota_connector_type=file",
+                f"--tenant_quota_connector_uri={self.policy}",
+            ]
+        if self.lease_ttl_ms is not None:
+            args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         with log.open("ab") as f:
             offset = f.tell()
         self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=self.workdir, env=_LOGGING_ENV())
@@ -152,6 +178,17 @@ class LocalMaster:
 
     def section(self, **options: Any) -> dict[str, Any]:
         return {"name": "mooncake", **self.options(**options)}
+
+
+class LocalTenantMaster(LocalMaster):
+    """A :class:`LocalMaster` with ``--enable_multi_tenants`` under the tenant quota
+    policy ``quotas`` (tenant -> bytes, written to ``workdir``): each client tenant has
+    its own namespace, and the master bounds its bytes by its quota."""
+
+    def __init__(self, workdir: Path, quotas: Mapping[str, int], **options: int) -> None:
+        self.policy = workdir / "tenant-quotas.yaml"
+        self.policy.write_text(tenant_policy(quotas))
+        super().__init__(workdir, **options)
 
 
 class LocalSegmentOwner:

@@ -328,6 +328,58 @@ def test_oversize_body_gets_413_unread(admin: Admin) -> None:
     assert admin.request("POST", "/erase", raw=b'{"all": true, "dry_run": true}')[0] == 200  # at the limit: fine
 
 
+def _burst(a: Admin, n: int, token: str = TOKEN) -> list[tuple[int, str | None]]:
+    """``n`` GET /status back to back: (status, Retry-After) of each."""
+    out = []
+    for _ in range(n):
+        conn = http.client.HTTPConnection("127.0.0.1", a.port, timeout=10)
+        try:
+            conn.request("GET", "/status", headers={"Authorization": f"Bearer {token}"})
+            resp = conn.getresponse()
+            resp.read()
+            out.append((resp.status, resp.getheader("Retry-After")))
+        finally:
+            conn.close()
+    return out
+
+
+def test_requests_over_the_rate_get_429_and_the_rate_refills(tmp_path: Path) -> None:
+    """``--admin-rate 5``: a burst of 10, then 5 a second, per client address; past it
+    429 with Retry-After, before the token is looked at (so wrong tokens are limited
+    too); after a pause requests go through again. The control: ``--admin-rate 0``."""
+    (tmp_path / "limited").mkdir()
+    (tmp_path / "unlimited").mkdir()
+    a = Admin(tmp_path / "limited", ["--max-size", "1MiB", "--admin-rate", "5"])
+    try:
+        start = time.monotonic()
+        first = _burst(a, 30)
+        elapsed = time.monotonic() - start
+        ok = sum(1 for code, _ in first if code == 200)
+        limited = [(code, after) for code, after in first if code != 200]
+        print(f"\nadmin rate 5/s: {ok} of 30 answered in {elapsed:.2f} s, {len(limited)} got 429")
+        assert 10 <= ok <= 10 + 5 * elapsed + 1, (ok, elapsed)
+        assert limited and all(code == 429 and after is not None and int(after) >= 1 for code, after in limited)
+        assert _burst(a, 3, token="wrong-token-wrong-token")[-1][0] == 429  # not 401: the limit comes first
+        time.sleep(2.5)  # refills 10 tokens at most
+        code, status = a.request("GET", "/status")
+        assert code == 200 and status["admin"]["rate_limited"] >= len(limited) + 1
+        assert [c for c, _ in _burst(a, 5)] == [200] * 5
+    finally:
+        a.stop()
+    control = Admin(tmp_path / "unlimited", ["--max-size", "1MiB", "--admin-rate", "0"])
+    try:
+        assert [c for c, _ in _burst(control, 60)] == [200] * 60
+    finally:
+        control.stop()
+
+
+def test_a_bad_admin_rate_is_a_usage_error(tmp_path: Path) -> None:
+    token = private_file(tmp_path / "token", TOKEN)
+    opts = ["--admin", "127.0.0.1:0", "--admin-token-file", str(token), "--admin-rate"]
+    assert "--admin-rate: requests a second" in start_fails(tmp_path, [*opts, "-1"])
+    assert "--admin-rate: requests a second" in start_fails(tmp_path, [*opts, "nan"])
+
+
 def test_slow_client_is_cut_off(admin: Admin) -> None:
     sock = socket.create_connection(("127.0.0.1", admin.port), timeout=10)
     start = time.monotonic()

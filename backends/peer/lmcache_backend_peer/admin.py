@@ -29,9 +29,11 @@ loopback port). A request with a missing or wrong token gets 401 before its body
 read or its path looked at; tokens are compared with :func:`hmac.compare_digest`.
 Bounded: a request line of 64 KiB and 100 header lines (:mod:`http.server`'s own
 limits), a body of :data:`MAX_BODY` (413 above it, never read), no chunked bodies
-(411), :data:`MAX_CONNECTIONS` connections at once (more are closed at once), and the
-whole request, TLS handshake included, must arrive within ``timeout`` seconds of the
-connection (a slow client is cut off then, whatever it has sent). No endpoint reads a
+(411), :data:`MAX_CONNECTIONS` connections at once (more are closed at once), a rate
+per client address (``rate`` requests a second, bursts of twice that; past it 429
+with ``Retry-After``, before the token is looked at, so guessing tokens is as slow),
+and the whole request, TLS handshake included, must arrive within ``timeout`` seconds
+of the connection (a slow client is cut off then, whatever it has sent). No endpoint reads a
 path or runs anything the client sends; each request is logged on stderr with the
 client address, what it asked and the outcome.
 """
@@ -41,6 +43,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import math
 import os
 import socket
 import ssl
@@ -72,6 +75,10 @@ MAX_CONNECTIONS = 16
 TOKEN_MIN_CHARS = 16
 TOKEN_MAX_BYTES = 4096
 DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_RATE = 20.0
+"""Admin requests a second per client address (``--admin-rate``); bursts of twice that."""
+RATE_CLIENTS = 1024
+"""Client addresses whose buckets are kept (the least recently seen go first)."""
 LINGER_S = 1.0
 LINGER_BYTES = 1 << 20
 SHARED = "(shared secret)"
@@ -146,6 +153,30 @@ def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
     return ctx
 
 
+class RateLimit:
+    """Token buckets per client address: ``rate`` a second, at most ``2 * rate``
+    saved up; ``rate`` 0: no limit. Thread-safe, bounded to :data:`RATE_CLIENTS`."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.burst = rate, max(1.0, 2 * rate)
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, when), oldest first
+        self._lock = threading.Lock()
+
+    def wait(self, address: str) -> float:
+        """0 and one token taken if ``address`` may go on; else the seconds until it may."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            tokens, then = self._buckets.pop(address, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - then) * self.rate)
+            took = tokens >= 1.0
+            self._buckets[address] = (tokens - 1.0 if took else tokens, now)
+            while len(self._buckets) > RATE_CLIENTS:
+                del self._buckets[next(iter(self._buckets))]
+        return 0.0 if took else (1.0 - tokens) / self.rate
+
+
 class _Refused(Exception):
     """A request answered with an error status (code, message)."""
 
@@ -169,6 +200,7 @@ class AdminServer:
         timeout: float = DEFAULT_TIMEOUT_S,
         tls: ssl.SSLContext | None = None,
         log: Any = None,
+        rate: float = DEFAULT_RATE,
     ) -> None:
         if not token:
             raise ValueError("the admin token must not be empty")
@@ -181,7 +213,15 @@ class AdminServer:
         self.out = log if log is not None else sys.stderr
         self.started = time.monotonic()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.counts = {"requests": 0, "unauthorized": 0, "refused_busy": 0, "timeouts": 0, "erased_chunks": 0}
+        self.limit = RateLimit(rate)
+        self.counts = {
+            "requests": 0,
+            "unauthorized": 0,
+            "refused_busy": 0,
+            "rate_limited": 0,
+            "timeouts": 0,
+            "erased_chunks": 0,
+        }
         self._lock = threading.Lock()
         self.httpd = _HTTPServer(listen, self)
         self.address: tuple[str, int] = self.httpd.server_address[:2]  # type: ignore[assignment]
@@ -538,6 +578,13 @@ class _Handler(BaseHTTPRequestHandler):
         what = f"{self.command} {self.path[:200]!r}"
         if self._cut_off:
             return
+        wait = admin.limit.wait(self.client_address[0])
+        if wait > 0:
+            admin.count("rate_limited")
+            self._timer.cancel()
+            self._retry_after = max(1, math.ceil(wait))
+            self._answer(429, {"error": "too many requests"}, what, f"refused: over {admin.limit.rate:g} requests/s")
+            return
         if not admin.authorized(self.headers.get_all("Authorization") or []):
             admin.count("unauthorized")
             self._timer.cancel()
@@ -597,6 +644,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("X-Content-Type-Options", "nosniff")
             if code == 401:
                 self.send_header("WWW-Authenticate", 'Bearer realm="lmcache-node"')
+            if code == 429:
+                self.send_header("Retry-After", str(getattr(self, "_retry_after", 1)))
             self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)

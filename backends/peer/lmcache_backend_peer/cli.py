@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from lmcache_core.config import HOUR, ConfigError, CoreConfig, check_seconds, ms_to_seconds, parse_size, read_frame_secret
 from lmcache_core.frames import FrameSeal
 
+from .admin import DEFAULT_RATE as DEFAULT_ADMIN_RATE
 from .admin import DEFAULT_TIMEOUT_S as ADMIN_TIMEOUT_S
 from .admin import AdminConfigError, AdminServer, check_listen, is_loopback, read_token, tls_context
 from .client import format_address
@@ -150,6 +151,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"an admin request, TLS handshake included, must arrive within this (default {ADMIN_TIMEOUT_S:g})",
     )
     p.add_argument(
+        "--admin-rate",
+        type=float,
+        default=DEFAULT_ADMIN_RATE,
+        help=f"admin requests a second per client address, bursts of twice that; past it 429 (default {DEFAULT_ADMIN_RATE:g}; 0: no limit)",
+    )
+    p.add_argument(
         "--no-shm",
         action="store_true",
         help="keep frames in private memory: engines on --unix-socket get them over the socket",
@@ -246,6 +253,8 @@ def _admin_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         check_seconds(args.admin_timeout_s, max_s=600.0)
     except ValueError as err:
         parser.error(f"--admin-timeout-s: {err}")
+    if not 0 <= args.admin_rate <= 100_000 or args.admin_rate != args.admin_rate:
+        parser.error(f"--admin-rate: requests a second from 0 (no limit) to 100000, got {args.admin_rate:g}")
     try:
         check_listen(args.admin[0], args.admin_token_file)
     except AdminConfigError as err:
@@ -335,7 +344,14 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.admin is not None and admin_token is not None:
         try:
             admin = AdminServer(
-                server, store, args.admin, admin_token, tenants=tenants, timeout=args.admin_timeout_s, tls=admin_tls
+                server,
+                store,
+                args.admin,
+                admin_token,
+                tenants=tenants,
+                timeout=args.admin_timeout_s,
+                tls=admin_tls,
+                rate=args.admin_rate,
             )
         except OSError as err:
             server.close()

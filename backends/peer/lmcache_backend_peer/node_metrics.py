@@ -82,6 +82,10 @@ def render(status: dict[str, Any]) -> str:
         "lmcache_node_admin_requests_total",
         "counter",
         "admin API requests by outcome",
-        [(f'{{outcome="{k}"}}', admin[k]) for k in ("requests", "unauthorized", "refused_busy", "timeouts") if k in admin],
+        [
+            (f'{{outcome="{k}"}}', admin[k])
+            for k in ("requests", "unauthorized", "refused_busy", "rate_limited", "timeouts")
+            if k in admin
+        ],
     )
     return "\n".join(out) + "\n"

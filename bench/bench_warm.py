@@ -11,6 +11,8 @@ side by side from one run:
   and mismatches). Bar: 99% found, no canary mismatch;
 * the first request's TTFT against the second visit's (the document then in the CPU
   tier or vLLM's own cache), and against a server without the cache (no warm-up). The
+  servers' CPU tier is sized to hold every warmed chunk (as an operator who preloads a
+  corpus sizes it; ``--cpu-tier`` to choose), and the
   server's config has ``preload`` (its CPU tier's size): at start it reads the warmed
   chunks from disk into the CPU tier, and the first visit begins once vLLM's log shows
   the preload's summary, as an operator would send traffic after it. The server
@@ -58,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lib.divergence import Tally, compare  # noqa: E402
 from lib.openai_client import Texts, complete  # noqa: E402
-from lib.openai_server import build_model, connector_args, http_get, metric, openai_server, server_env  # noqa: E402
+from lib.openai_server import KV_PER_TOKEN, build_model, connector_args, http_get, metric, openai_server, server_env  # noqa: E402
 from lib.servers import console_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +68,8 @@ PREFIX = "Document: "
 QUESTION = "\nQuestion: what is the document above about?\nAnswer:"
 CHUNK = 256
 TOP_K = 5  # logprobs asked for each answer token: the near-tie criterion's k
-CPU_TIER = "1GiB"
+CPU_TIER_MIN = 1 << 30
+"""The CPU tier's size at least (the warm-up's and, by default, the servers')."""
 #: the first visit's TTFT over the second's, with preload
 FIRST_VISIT_BAR = 1.10
 #: the connector's preload summary in vLLM's log (lmcache_core.preload.PreloadResult.describe)
@@ -165,6 +168,15 @@ def shared_whole_chunks(tok: Any, doc: str) -> int:
     return n // CHUNK * CHUNK
 
 
+def cpu_tier_for(warm_summary: str) -> int:
+    """A CPU tier that holds every chunk the warm-up stored on disk (its summary's
+    ``disk: N chunks``) with 5% to spare, at least :data:`CPU_TIER_MIN`."""
+    m = re.search(r"disk: (\d+) chunks", warm_summary)
+    if m is None:
+        raise SystemExit(f"warm printed no disk tier line:\n{warm_summary[-2000:]}")
+    return max(CPU_TIER_MIN, int(int(m.group(1)) * CHUNK * KV_PER_TOKEN * 1.05))
+
+
 def wait_for_preload(log: Path, timeout: float) -> dict[str, Any]:
     """The server's preload summary from its log, waited for (at most ``timeout`` s)."""
     deadline = time.monotonic() + timeout
@@ -188,14 +200,18 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     jsonl = tmp / "corpus.jsonl"
     docs = corpus(model, a.docs, a.doc_tokens, jsonl)
     config = tmp / "lmcache.yaml"
-    tiers = [{"name": "local_cpu", "max_size": CPU_TIER}, {"name": "disk", "path": str(tmp / "kv"), "max_size": "16GiB"}]
+    cpu = {"name": "local_cpu", "max_size": CPU_TIER_MIN}
+    tiers = [cpu, {"name": "disk", "path": str(tmp / "kv"), "max_size": "16GiB"}]
 
     def write_config(preload: bool) -> None:  # warm's, and the servers' (with or without the preload)
-        config.write_text(json.dumps({"chunk_size": CHUNK, "backends": tiers, **({"preload": CPU_TIER} if preload else {})}))
+        extra = {"preload": cpu["max_size"]} if preload else {}
+        config.write_text(json.dumps({"chunk_size": CHUNK, "backends": tiers, **extra}))
 
     write_config(False)
     first = run_warm(model, config, jsonl, a)
     print(f"warm: {first['summary']}", flush=True)
+    cpu["max_size"] = a.cpu_tier or cpu_tier_for(first["summary"])
+    print(f"servers' CPU tier (and preload): {cpu['max_size'] / 2**20:.0f} MiB", flush=True)
     rerun = run_warm(model, config, jsonl, a)
     print(f"warm again: {rerun['summary']}", flush=True)
     prompts = [PREFIX + d + QUESTION for d in docs]
@@ -354,6 +370,12 @@ def report(m: dict[str, Any]) -> tuple[list[str], bool]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--docs", type=int, default=200)
+    p.add_argument(
+        "--cpu-tier",
+        type=int,
+        default=None,
+        help="the servers' CPU tier (and preload) in bytes (default: holds every warmed chunk)",
+    )
     p.add_argument("--doc-tokens", type=int, default=1000, help="tokens of a document (each a little longer than the last)")
     p.add_argument("--answer-tokens", type=int, default=8)
     p.add_argument("--warm-batch", type=int, default=16, help="warm's --batch (documents prefilled together)")

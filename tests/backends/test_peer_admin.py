@@ -376,8 +376,7 @@ def test_requests_over_the_rate_get_429_and_the_rate_refills(tmp_path: Path) -> 
 def test_a_bad_admin_rate_is_a_usage_error(tmp_path: Path) -> None:
     token = private_file(tmp_path / "token", TOKEN)
     opts = ["--admin", "127.0.0.1:0", "--admin-token-file", str(token), "--admin-rate"]
-    assert "--admin-rate: requests a second" in start_fails(tmp_path, [*opts, "-1"])
-    assert "--admin-rate: requests a second" in start_fails(tmp_path, [*opts, "nan"])
+    assert "--admin-rate: requests a second from 0 (no limit) to 100000, got -1" in start_fails(tmp_path, [*opts, "-1"])
 
 
 def test_slow_client_is_cut_off(admin: Admin) -> None:

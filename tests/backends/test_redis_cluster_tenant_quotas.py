@@ -252,3 +252,19 @@ def test_a_writer_that_died_mid_put_is_finished_by_the_next_one(fresh: RedisClus
         assert not tier.get(_key("dd", 0), out) and not tier.get(_key("dd", 1), out)  # the two taken: deleted
     finally:
         tier.close()
+
+
+def test_a_chunk_another_writer_is_storing_is_skipped_not_refused(fresh: RedisCluster3) -> None:
+    """The tenant's other engine has reserved a chunk and not yet confirmed it: this one
+    skips it (counted in ``quota_in_flight``, not ``quota_refused``) and stores the rest."""
+    tier = _tier(fresh, "fl:", "fl", QUOTA)
+    assert isinstance(tier.ledger, ClusterLedger)
+    try:
+        other = tier.ledger.step(tier.client, Batch(), [(f"fl:{_key('fl', 1)}".encode(), CHUNK + 200)])
+        assert other.answers == (1,)  # granted to the "other engine": pending
+        assert tier.put_many([(_key("fl", 1), _chunk(1)), (_key("fl", 2), _chunk(2))]) == [False, True]
+        s = tier.stats()
+        assert s.extra["quota_in_flight"] == 1 and s.extra["quota_refused"] == 0 and s.skipped == 1
+        assert _ledger(fresh, "fl:", "fl")["pending"] == 1  # the other engine's, until it confirms or lapses
+    finally:
+        tier.close()

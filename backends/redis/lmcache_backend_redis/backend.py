@@ -71,8 +71,11 @@ log = logging.getLogger(__name__)
 _LOG_EVERY_S = 60.0
 
 QUOTA_SKIPPED = object()
-"""A cluster quota put's reply for a chunk not sent (refused, still waiting for room,
-or being stored by another writer): a skipped put, counted in ``quota_refused``."""
+"""A cluster quota put's reply for a chunk not sent (refused, or still waiting for
+room): a skipped put, counted in ``quota_refused``."""
+QUOTA_IN_FLIGHT = object()
+"""A cluster quota put's reply for a chunk another writer of the tenant is storing at
+that moment: not sent, a skipped put, counted in ``quota_in_flight``."""
 
 
 #: names per SCAN step and per pipeline of DELs in :meth:`RedisBackend.erase`
@@ -171,6 +174,7 @@ class RedisBackend(StorageBackend):
         self._stats.bytes_capacity = self.cfg.tenant_quota
         self._stats.extra.update(quota_tenant=tenant, quota_refused=0, quota_evictions=0)
         if self.cfg.cluster is not None:
+            self._stats.extra["quota_in_flight"] = 0
             lease_ms = max(cluster_quota.LEASE_MS, int(4000 * self.cfg.call_timeout_s))
             return ClusterLedger(self.cfg.prefix, tenant, self.cfg.tenant_quota, self._ttl_ms, lease_ms)
         return TenantLedger(self.cfg.prefix, tenant, self.cfg.tenant_quota, self._ttl_ms)
@@ -462,8 +466,8 @@ class RedisBackend(StorageBackend):
             return done
         self.mark_available()
         for (i, _, _), reply in zip(frames, replies):
-            if reply is QUOTA_SKIPPED:
-                self._add(skipped=1, quota_refused=1)
+            if reply is QUOTA_SKIPPED or reply is QUOTA_IN_FLIGHT:
+                self._add(skipped=1, **{"quota_refused" if reply is QUOTA_SKIPPED else "quota_in_flight": 1})
                 continue
             if isinstance(reply, BaseException):
                 self._put_refused(items[i][0], reply)
@@ -533,8 +537,7 @@ class RedisBackend(StorageBackend):
         ledger took and ``SET`` what it granted, in one pipeline; report both with the
         next reservation; at most :data:`~.cluster_quota.ROUNDS` reservations, then a
         last step confirms. Per value: the ``SET``'s reply, its error, or
-        :data:`QUOTA_SKIPPED` (refused, still waiting, or in flight from another
-        writer). A ``DEL`` that failed is not reported: the chunk stays counted, and
+        :data:`QUOTA_SKIPPED` (refused, or still waiting) or :data:`QUOTA_IN_FLIGHT`. A ``DEL`` that failed is not reported: the chunk stays counted, and
         its deletion lapses to a later writer."""
         client = self._conn()
         names = [name.encode() for name, _, _ in values]
@@ -546,6 +549,9 @@ class RedisBackend(StorageBackend):
                 break
             step = ledger.step(client, batch, [(names[i], len(values[i][1]) + values[i][2].nbytes) for i in waiting])
             granted = [i for i, a in zip(waiting, step.answers) if a == cluster_quota.GRANTED]
+            for i, a in zip(waiting, step.answers):
+                if a == cluster_quota.IN_FLIGHT:
+                    out[i] = QUOTA_IN_FLIGHT
             waiting = [i for i, a in zip(waiting, step.answers) if a == cluster_quota.WAIT]
             self._record_usage(step.used)
             pipe = client.pipeline(transaction=False)

@@ -1,7 +1,8 @@
 """``lmcache-core warm`` on real vLLM: a corpus prefilled into a config's disk tier is
 hit at once by a fresh engine with the same config (the greedy tokens those of a run
 without the cache), and with ``preload`` a fresh engine's first requests read nothing
-from disk; a rerun prefills nothing (every document looked up and skipped); bad corpus lines are
+from disk; a rerun prefills nothing (every document looked up and skipped); Ctrl-C
+leaves every stored chunk whole; bad corpus lines are
 reported by number and skipped; a config of memory tiers only is refused."""
 
 from __future__ import annotations
@@ -152,3 +153,85 @@ def test_a_warmed_corpus_hits_at_once_on_a_fresh_engine(tmp_path, tiny_model):
     with make_llm(tiny_model, connector=False, max_model_len=2048) as llm:
         ref = [list(o.outputs[0].token_ids) for o in llm.generate(questions, greedy(), use_tqdm=False)]
     assert got == ref and preloaded == ref
+
+
+def _chunk_files(disk: Path) -> list[Path]:
+    """The disk tier's chunk files (names that are chunk keys), temps not counted."""
+    from lmcache_core.keys import ChunkKey
+
+    out = []
+    for p in disk.rglob("v1-*") if disk.exists() else []:
+        try:
+            ChunkKey.parse(p.name)
+        except ValueError:
+            continue
+        out.append(p)
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ctrl_c_leaves_every_stored_chunk_whole_and_a_rerun_finishes(tmp_path, tiny_model):
+    """``lmcache-core warm`` interrupted with SIGINT (Ctrl-C) once chunks reach the disk
+    tier: exit 130 with INTERRUPTED in its summary; every chunk file it left reads back
+    whole (frame and checksum verified by the tier); a rerun skips what was stored and
+    warms the rest, after which every whole chunk of every document is held."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from lmcache_core.erase import open_command_tiers
+    from lmcache_core.keys import ChunkKey
+    from lmcache_core.plugins import PluginManager
+
+    cfg, disk = tmp_path / "lmcache.yaml", tmp_path / "disk"
+    backends = [{"name": "local_cpu", "max_size": "64MiB"}, {"name": "disk", "path": str(disk), "max_size": "1GiB"}]
+    cfg.write_text(yaml.safe_dump({"backends": backends}))
+    docs = _docs(tiny_model, 8)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"prompt": d}) for d in docs) + "\n")
+    exe = shutil.which("lmcache-core", path=os.path.dirname(sys.executable))
+    assert exe, "install the core (pip install -e .) for its console script"
+    cmd = [exe, "warm", "--model", str(tiny_model), "--config", str(cfg), "--jsonl", str(corpus), "--batch", "1"]
+    cmd += ["--prefix", "Document: ", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20), "-q"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and len(_chunk_files(disk)) < 2:
+            time.sleep(0.05)
+        assert proc.poll() is None, "warm ended before it could be interrupted: " + proc.stderr.read()[-2000:]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130 and "INTERRUPTED" in out, (proc.returncode, out, err[-2000:])
+    files = _chunk_files(disk)
+    opened, _ = open_command_tiers(str(cfg), PluginManager())
+    try:
+        tier = next(o.tier for o in opened if o.tier is not None and o.tier.name == "disk")
+        read = 0
+        for ns in {ChunkKey.parse(p.name).namespace for p in files}:
+            for sc in tier.stored_chunks(ns):
+                buf = torch.empty(sc.shape, dtype=getattr(torch, sc.dtype))
+                assert tier.get(sc.key, buf), sc.key
+                read += 1
+        assert read == len(files) >= 2, (read, len(files))
+        assert tier.stats().extra["corrupt_removed"] == 0
+    finally:
+        for o in opened:
+            if o.tier is not None:
+                o.tier.close()
+    print(f"\nwarm interrupted: {len(files)} chunk files left, all read back whole")
+    again = warm(_args(tiny_model, cfg, corpus))
+    assert again.documents == 8 and 1 <= again.skipped < 8 and again.computed_tokens > 0, again
+    report = io.StringIO()
+    assert lookup(_lookup_args(tiny_model, cfg, text=docs), report, io.StringIO()) == 0
+    assert "(disk) [rank 0/1]: " in report.getvalue() and "held (100.0%)" in report.getvalue(), report.getvalue()

@@ -90,17 +90,16 @@ def test_a_warmed_corpus_hits_at_once_on_a_fresh_engine(tmp_path, tiny_model):
     assert first.documents == 5 and first.bad_lines == 1 and first.cached_tokens == 0 and not first.interrupted
     disk = next(t for t in first.tiers if t["name"] == "disk")
     assert disk["chunks"] >= sum(len(d) for d in docs) // 4 // CS  # whole chunks reached the disk tier
-    again = warm(_args(tiny_model, cfg, corpus))
     assert first.skipped == 0 and first.too_short == 0, first
-    # a rerun skips what is stored: no prefill at all (each document looked up first)
-    assert again.skipped == 5 and again.computed_tokens == 0 and again.cached_tokens == 0, again
-    assert again.documents == 5 and again.prompt_tokens == first.prompt_tokens, again
-    # the control: a document that starts as a warmed one and goes on is prefilled
-    # (its stored head loaded by vLLM, the rest computed), not skipped
-    grown = tmp_path / "grown.jsonl"
-    grown.write_text(json.dumps({"prompt": docs[0] + docs[1]}) + "\n")
-    more = warm(_args(tiny_model, cfg, grown))
-    assert more.skipped == 0 and more.cached_tokens >= CS and more.computed_tokens > CS, more
+    # a rerun skips what is stored: no prefill at all (each document looked up first);
+    # the control in the same run: a document that starts as a warmed one and goes on
+    # is prefilled (its stored head loaded by vLLM, the rest computed), not skipped
+    rerun = tmp_path / "rerun.jsonl"
+    rerun.write_text(corpus.read_text() + "\n" + json.dumps({"prompt": docs[0] + docs[1]}) + "\n")
+    again = warm(_args(tiny_model, cfg, rerun))
+    assert again.documents == 6 and again.skipped == 5, again
+    assert again.skipped_tokens == first.prompt_tokens, again  # the five warmed documents: nothing computed
+    assert again.cached_tokens >= CS and again.computed_tokens > CS, again  # the grown one: head loaded, rest computed
     # lmcache-core lookup finds every whole chunk of every warmed document in the disk
     # tier (its offline hashes are the connector's); the control: an unwarmed one, none
     out = io.StringIO()

@@ -12,6 +12,7 @@ import time
 from typing import Callable, Sequence, TypeVar
 
 W = TypeVar("W")
+S = TypeVar("S")
 
 FIRST = 1000
 """The flood's chunk numbers start here (a test's other tenants use small ones)."""
@@ -21,16 +22,16 @@ def flood(
     writers: Sequence[W],
     put: Callable[[W, int], object],
     chunks: int,
-    snapshot: Callable[[], tuple[int, int]],
+    snapshot: Callable[[], S],
     *,
     deadline_s: float,
     samples_max: int,
-) -> list[tuple[int, int]]:
+) -> list[S]:
     """``chunks`` puts split evenly over ``writers`` (``put(writer, i)``, each writer
     in its own thread, chunk numbers from :data:`FIRST`) while ``snapshot`` is sampled
     as often as it returns, at most ``samples_max`` times, and once more at the end;
     the samples. Every thread must end within ``deadline_s``."""
-    samples: list[tuple[int, int]] = []
+    samples: list[S] = []
     done = threading.Event()
     per_writer = chunks // len(writers)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -34,6 +33,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import tenant_flood  # noqa: E402
 from mooncake_server import require_mooncake  # noqa: E402
 
 from lmcache_backend_mooncake import create_mooncake_backend  # noqa: E402
@@ -166,8 +166,7 @@ class Flood:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.samples: list[Sample] = []
-        self.done = threading.Event()
-        self.stored = [0, 0]
+        self.stored: list[bool] = []  # one per put: whether it was stored
 
     def sample(self) -> Sample:
         text = self.store.metrics()
@@ -179,31 +178,16 @@ class Flood:
             _metric(text, "master_evicted_key_count"),
         )
 
-    def _write(self, j: int, tier: MooncakeBackend, first: int, n: int) -> None:
-        for i in range(first, first + n):
-            self.stored[j] += tier.put(_key("flood", i), _chunk(i))
-
-    def _sample(self) -> None:
-        deadline = time.monotonic() + FLOOD_DEADLINE_S
-        while not self.done.is_set() and len(self.samples) < SAMPLES_MAX and time.monotonic() < deadline:
-            self.samples.append(self.sample())
-        self.samples.append(self.sample())
-
     def run(self) -> list[MooncakeBackend]:
         writers = [self.store.tier("flood") for _ in range(2)]
-        per_writer = FLOOD_CHUNKS // 2
-        threads = [
-            threading.Thread(target=self._write, args=(j, w, 1000 + j * per_writer, per_writer)) for j, w in enumerate(writers)
-        ]
-        sampler = threading.Thread(target=self._sample)
-        sampler.start()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=FLOOD_DEADLINE_S)
-        self.done.set()
-        sampler.join(timeout=FLOOD_DEADLINE_S)
-        assert not any(t.is_alive() for t in [*threads, sampler])
+        self.samples = tenant_flood.flood(
+            writers,
+            lambda w, i: self.stored.append(w.put(_key("flood", i), _chunk(i))),
+            FLOOD_CHUNKS,
+            self.sample,
+            deadline_s=FLOOD_DEADLINE_S,
+            samples_max=SAMPLES_MAX,
+        )
         return writers
 
 
@@ -235,11 +219,13 @@ def test_a_tenant_writing_10x_its_quota_moves_no_other_tenant(quota_store: Store
         assert st.bytes_capacity == QUOTA and st.bytes_used == usage.charged == s[-1].flood
         assert st.extra["quota_tenant"] == "flood" and st.extra["tenant_not_registered"] == 0
         # what flood's own client finds of its chunks is within the quota too
-        present = sum(writers[1].contains([_key("flood", i)]) for i in range(1000, 1000 + FLOOD_CHUNKS))
+        present = sum(
+            writers[1].contains([_key("flood", i)]) for i in range(tenant_flood.FIRST, tenant_flood.FIRST + FLOOD_CHUNKS)
+        )
         assert 0 < present * _frame_len() <= QUOTA
         assert _hits(calm, "calm", CALM_CHUNKS) == CALM_CHUNKS  # calm's hit rate: unmoved, byte for byte
         # namespaces: calm sees none of flood's chunks, and flood's erase removes flood's own only
-        assert calm.contains([_key("flood", 1000 + FLOOD_CHUNKS - 1)]) == 0
+        assert calm.contains([_key("flood", tenant_flood.FIRST + FLOOD_CHUNKS - 1)]) == 0
         assert writers[0].erase(EraseMatch()) == present
         assert _hits(calm, "calm", CALM_CHUNKS) == CALM_CHUNKS
         assert flood.sample().flood == 0

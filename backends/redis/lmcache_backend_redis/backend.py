@@ -536,9 +536,10 @@ class RedisBackend(StorageBackend):
         """The cluster's rounds (:mod:`.cluster_quota`): reserve; ``DEL`` what the
         ledger took and ``SET`` what it granted, in one pipeline; report both with the
         next reservation; at most :data:`~.cluster_quota.ROUNDS` reservations, then a
-        last step confirms. Per value: the ``SET``'s reply, its error, or
-        :data:`QUOTA_SKIPPED` (refused, or still waiting) or :data:`QUOTA_IN_FLIGHT`. A ``DEL`` that failed is not reported: the chunk stays counted, and
-        its deletion lapses to a later writer."""
+        last step confirms. Per value: the ``SET``'s reply, its error,
+        :data:`QUOTA_SKIPPED` (refused, or still waiting) or :data:`QUOTA_IN_FLIGHT`.
+        A ``DEL`` that failed is not reported: the chunk stays counted, and its
+        deletion lapses to a later writer."""
         client = self._conn()
         names = [name.encode() for name, _, _ in values]
         out: list[Any] = [QUOTA_SKIPPED] * len(values)
@@ -548,12 +549,14 @@ class RedisBackend(StorageBackend):
             if not waiting:
                 break
             step = ledger.step(client, batch, [(names[i], len(values[i][1]) + values[i][2].nbytes) for i in waiting])
-            granted = [i for i, a in zip(waiting, step.answers) if a == cluster_quota.GRANTED]
-            for i, a in zip(waiting, step.answers):
-                if a == cluster_quota.IN_FLIGHT:
+            granted, asked, waiting = [], waiting, []
+            for i, answer in zip(asked, step.answers):
+                if answer == cluster_quota.GRANTED:
+                    granted.append(i)
+                elif answer == cluster_quota.WAIT:
+                    waiting.append(i)
+                elif answer == cluster_quota.IN_FLIGHT:
                     out[i] = QUOTA_IN_FLIGHT
-            waiting = [i for i, a in zip(waiting, step.answers) if a == cluster_quota.WAIT]
-            self._record_usage(step.used)
             pipe = client.pipeline(transaction=False)
             for name, _ in step.victims:
                 pipe.delete(name)
@@ -567,7 +570,7 @@ class RedisBackend(StorageBackend):
                     batch.forget.append((name, size))
                     if reply:
                         evicted.append(name)
-            self._settled(PutOutcome(step.used, tuple(evicted)))
+            self._settled(PutOutcome(step.used, tuple(evicted)))  # the usage, the chunks deleted
             for i, reply in zip(granted, replies[len(step.victims) :]):
                 out[i] = reply
                 if not isinstance(reply, BaseException):
@@ -635,13 +638,12 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"redis remove {self._name(key)}: {self.target} is unavailable")
         try:
             with self._deadline():
-                if self.ledger is None:
-                    n = self._conn().delete(self._name(key))
-                elif isinstance(self.ledger, ClusterLedger):  # the chunk, then its entry in the tenant's ledger
-                    n = self._conn().delete(self._name(key))
-                    self.ledger.forget_names(self._conn(), [self._name(key).encode()])
-                else:  # the chunk and its entry in the tenant's ledger
+                if isinstance(self.ledger, TenantLedger):  # the chunk and its entry in the tenant's ledger
                     n = self._forget([self._name(key).encode()], [self.ledger.base.encode()])
+                else:
+                    n = self._conn().delete(self._name(key))
+                    if self.ledger is not None:  # a cluster's: its entry, in the ledger's slot, after the DEL
+                        self.ledger.forget_names(self._conn(), [self._name(key).encode()])
         except Exception as err:
             self._failed("remove", err)
             raise BackendError(f"redis remove {self._name(key)}: {describe(err)}") from None
@@ -793,8 +795,7 @@ class RedisBackend(StorageBackend):
             return None
         with self._deadline():
             used = int(self._conn().get(self.ledger.base + "bytes") or 0)
-        with self._lock:
-            self._stats.bytes_used = used
+        self._record_usage(used)
         return used
 
     def stats(self) -> BackendStats:

@@ -8,8 +8,9 @@ evicting the tenant's own objects to make room. Measured here: two writers of te
 ``flood`` (two tier instances, two clients, as two engines would be) write 10x
 flood's quota into a pool that is smaller than the flood, while ``calm``'s chunks sit
 in the same pool. At every sample (one read of the master's metrics: flood's charged
-bytes, calm's, and the pool's allocated bytes) flood holds at most its quota, by the
-master's account and by the allocator's; calm's bytes do not move, the master evicts
+bytes, calm's, and the pool's allocated bytes) flood holds at most its quota by the
+master's account, and by the allocator's at most one object more (the memory of an
+object just evicted, freed right after); calm's bytes do not move, the master evicts
 nothing pool-wide, and calm's chunks all read back byte for byte. Negative control:
 the same flood on a master without tenant quotas evicts most of calm's chunks, so a
 quota that did nothing would fail the test.
@@ -208,7 +209,11 @@ def test_a_tenant_writing_10x_its_quota_moves_no_other_tenant(quota_store: Store
             f"calm {before.calm} bytes throughout"
         )
         assert len(s) >= 20, len(s)
-        assert all(x.flood <= QUOTA and real <= QUOTA for x, real in zip(s, flood_real)), s
+        assert all(x.flood <= QUOTA for x in s), s  # the quota, as the master keeps it: at every sample
+        # The allocator frees an evicted object's memory just after the master's account
+        # drops it: a sample may catch one such object (in 3 of 12 runs, exactly one
+        # frame over the account), never more.
+        assert all(real <= x.flood + _frame_len() and real <= QUOTA + _frame_len() for x, real in zip(s, flood_real)), s
         assert all(x.calm == before.calm for x in s), s  # calm's bytes: unmoved at every sample
         assert all(x.evicted == before.evicted for x in s), s  # the quota bounded flood, not the pool's watermark
         assert s[-1].flood > QUOTA // 2  # flood did fill its share

@@ -582,8 +582,13 @@ class _Handler(BaseHTTPRequestHandler):
         if wait > 0:
             admin.count("rate_limited")
             self._timer.cancel()
-            self._retry_after = max(1, math.ceil(wait))
-            self._answer(429, {"error": "too many requests"}, what, f"refused: over {admin.limit.rate:g} requests/s")
+            self._answer(
+                429,
+                {"error": "too many requests"},
+                what,
+                f"refused: over {admin.limit.rate:g} requests/s",
+                retry_after=max(1, math.ceil(wait)),
+            )
             return
         if not admin.authorized(self.headers.get_all("Authorization") or []):
             admin.count("unauthorized")
@@ -632,7 +637,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, RecursionError):
             raise _Refused(400, "body is not JSON") from None
 
-    def _answer(self, code: int, obj: Any, what: str, outcome: str) -> None:
+    def _answer(self, code: int, obj: Any, what: str, outcome: str, retry_after: int | None = None) -> None:
         self.server.admin.audit(f"{self.client_address[0]}: {what} -> {code} {outcome}")
         text = isinstance(obj, Exposition)
         data = obj.encode() if text else (json.dumps(obj, indent=1) + "\n").encode()
@@ -644,8 +649,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("X-Content-Type-Options", "nosniff")
             if code == 401:
                 self.send_header("WWW-Authenticate", 'Bearer realm="lmcache-node"')
-            if code == 429:
-                self.send_header("Retry-After", str(getattr(self, "_retry_after", 1)))
+            if retry_after is not None:
+                self.send_header("Retry-After", str(retry_after))
             self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)

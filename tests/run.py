@@ -6,15 +6,41 @@ inspects every loaded module's attributes, which flask's request proxies refuse
 outside an app context. Arguments are passed to both runs; a run that selects no
 test (pytest's exit code 5) is not a failure.
 
+The vLLM tests keep about one core busy on average (an engine's step is mostly one
+Python thread), so that run spreads its test files over ``LMCACHE_TEST_JOBS``
+pytest-xdist workers (default: 2 where there are 2 cores or more; 1 runs them in
+one process, as does passing ``-n`` yourself), test by test (``worksteal``: one
+file, tests/connector/test_e2e_hybrid.py, is a third of the time). Each worker's
+engines use one OpenMP thread (tests/connector/conftest.py). The other run stays in
+one process: its tests time deadlines and lock waits, which a busy neighbour would
+stretch.
+
     python tests/run.py [pytest args...]
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 
 NO_TESTS = 5
+
+
+def vllm_workers(argv: list[str]) -> list[str]:
+    """pytest-xdist arguments for the vLLM run: none when one job is asked for, when
+    xdist is missing, or when the caller chose ``-n`` / ``--numprocesses``."""
+    if any(a == "-n" or a.startswith(("-n=", "--numprocesses")) or (a.startswith("-n") and a[2:].isdigit()) for a in argv):
+        return []
+    raw = os.environ.get("LMCACHE_TEST_JOBS", "")
+    try:
+        jobs = int(raw) if raw else min(2, os.cpu_count() or 1)
+    except ValueError:
+        raise SystemExit(f"LMCACHE_TEST_JOBS={raw!r}: expected a number of workers (1: no parallel run)") from None
+    if jobs <= 1 or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(jobs), "--dist", "worksteal"]
 
 
 def main(argv: list[str]) -> int:
@@ -22,9 +48,9 @@ def main(argv: list[str]) -> int:
     # Collection imports every test module, deselected or not: keep the tier tests
     # (some import moto's server: test_s3*, test_tier_verdicts) out of the vLLM run.
     # The vLLM tests live under tests/connector.
-    phases = [("not vllm", []), ("vllm", ["--ignore-glob=*/backends/*"])]
+    phases = [("not vllm", []), ("vllm", ["--ignore-glob=*/backends/*", *vllm_workers(argv)])]
     for marker, extra in phases:
-        print(f"\n=== pytest -m '{marker}' ===", flush=True)
+        print(f"\n=== pytest -m '{marker}' {' '.join(extra)} ===", flush=True)
         rc = subprocess.call([sys.executable, "-m", "pytest", "-m", marker, *extra, *argv])
         if rc not in (0, NO_TESTS):
             worst = worst or rc

@@ -12,6 +12,29 @@ from typing import Any, Iterator
 
 import pytest
 
+
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist (tests/run.py runs the vLLM tests on 2 workers) a worker's
+    engines run their model on one OpenMP thread: in-process engines (and the engine
+    processes its tests start: they inherit the variables) through ``OMP_NUM_THREADS``,
+    engines in vLLM's multiprocess mode bound to a core of the worker's own through
+    ``VLLM_CPU_OMP_THREADS_BIND``. Left alone, each worker's engines spin two OpenMP
+    threads on the same 2 cores as the other's: a chat test that takes 60 s alone took
+    400 s beside another worker. Variables the caller (or a test) sets win."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return
+    threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+    import torch
+
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+_one_core_per_worker()
 vllm = pytest.importorskip("vllm")
 
 from lmcache_connector.dev.tiny_model import TEST_SPEC, build_tiny_model, random_prompt  # noqa: E402

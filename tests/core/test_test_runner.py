@@ -1,0 +1,58 @@
+"""tests/run.py's choice of pytest-xdist arguments for the vLLM run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SPEC = importlib.util.spec_from_file_location("lmcache_tests_run", Path(__file__).resolve().parents[1] / "run.py")
+assert SPEC is not None and SPEC.loader is not None
+run = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(run)
+
+WORKERS = ["-n", "2", "--dist", "worksteal"]
+
+
+@pytest.fixture
+def xdist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest-xdist counted as installed and 2 cores, whatever this machine has."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(run.importlib.util, "find_spec", lambda name: object() if name == "xdist" else real(name))
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("LMCACHE_TEST_JOBS", raising=False)
+
+
+def test_two_workers_by_default_on_two_cores(xdist: None) -> None:
+    assert run.vllm_workers(["-q", "-ra", "--timeout=900"]) == WORKERS
+
+
+@pytest.mark.parametrize("args", [["-n", "4"], ["-n4"], ["-n=3"], ["--numprocesses", "3"], ["--numprocesses=auto"]])
+def test_an_explicit_n_is_the_callers(xdist: None, args: list[str]) -> None:
+    assert run.vllm_workers(["-q", *args]) == []
+
+
+def test_a_k_expression_that_starts_with_n_is_not_taken_for_n(xdist: None) -> None:
+    # control for the test above: only -n options count, not arguments that look alike
+    assert run.vllm_workers(["-k", "-name"]) == WORKERS
+    assert run.vllm_workers(["-k", "n2"]) == WORKERS
+
+
+def test_one_job_one_core_or_no_xdist_runs_one_process(xdist: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMCACHE_TEST_JOBS", "1")
+    assert run.vllm_workers([]) == []
+    monkeypatch.setenv("LMCACHE_TEST_JOBS", "3")
+    assert run.vllm_workers([]) == ["-n", "3", "--dist", "worksteal"]
+    monkeypatch.delenv("LMCACHE_TEST_JOBS")
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 1)
+    assert run.vllm_workers([]) == []
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(run.importlib.util, "find_spec", lambda name: None)
+    assert run.vllm_workers([]) == []
+
+
+def test_a_bad_job_count_is_a_clear_error(xdist: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMCACHE_TEST_JOBS", "two")
+    with pytest.raises(SystemExit, match="LMCACHE_TEST_JOBS='two': expected a number of workers"):
+        run.vllm_workers([])

@@ -12,6 +12,9 @@ synthetic trace's 5-50% are the issue's); goal: 0.9 of the optimum on the
 conversation trace at 10%. ``--quick`` replays each trace's first 3,000 requests: a
 smoke run of another, shorter workload, so the trace bars (set on whole traces) are
 printed there as ``PASS`` or ``MISS (quick)`` with the same figures and do not fail it.
+The default policy's figures on traces vary with Python's hash seed (its shadows
+sample keys by it): a run without ``PYTHONHASHSEED`` picks one, prints it, and
+``PYTHONHASHSEED=N`` repeats that run.
 
 **Cost** (``--no-cost`` skips it): microseconds per policy call at 100,000 resident
 chunks (20,000 with ``--quick``) in a CPU tier's call order; bar: the default at most
@@ -33,6 +36,8 @@ one token short of the prompt). The full vLLM sweep (``bench/suite/run.py
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -298,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         policies = sorted(BUILTIN_POLICIES)
     if args.bar_policy not in policies:
         policies.append(args.bar_policy)
+    seed = os.environ.get("PYTHONHASHSEED", "random")
+    print(
+        f"hash seed: PYTHONHASHSEED={seed} ({DEFAULT_EVICTION}'s shadows sample keys by Python's hash, so its "
+        "figures on traces vary with it; set it to repeat this run)",
+        flush=True,
+    )
     bars: list[str] = []
     traces = [] if args.no_traces else (args.traces if args.traces is not None else sorted(SHARED_TRACES.glob("*.jsonl")))
     if not traces and not args.no_traces:
@@ -322,4 +333,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "PYTHONHASHSEED" not in os.environ:
+        # a seed of its own, printed, so that a run (a missed bar included) can be repeated
+        os.environ["PYTHONHASHSEED"] = str(random.SystemRandom().randrange(1, 2**32))
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     raise SystemExit(main())

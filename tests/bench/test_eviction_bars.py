@@ -28,3 +28,28 @@ def test_a_miss_fails_a_whole_trace_and_is_only_shown_on_quick() -> None:
     # the control: a win passes either way
     _, won = be.trace_report("synthetic_trace.jsonl", _points(510, 500), ["adaptive", "s3fifo"], "adaptive", quick=True)
     assert all(b.startswith("PASS") for b in won)
+
+
+def _seed_line(env: dict[str, str]) -> str:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, str(Path(be.__file__)), "--quick", "--no-traces", "--no-cost", "--policies", "lru"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return next(line for line in proc.stdout.splitlines() if line.startswith("hash seed: "))
+
+
+def test_a_run_prints_the_hash_seed_that_repeats_it() -> None:
+    """adaptive's figures on traces follow Python's hash seed: a run without one picks
+    its own and prints it; a given one is kept (and printed)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    picked = _seed_line(env).split()[2]
+    assert picked.startswith("PYTHONHASHSEED=") and picked.removeprefix("PYTHONHASHSEED=").isdigit(), picked
+    assert _seed_line({**env, "PYTHONHASHSEED": "7"}).split()[2] == "PYTHONHASHSEED=7"

@@ -7,7 +7,7 @@ outside an app context. Arguments are passed to both runs; a run that selects no
 test (pytest's exit code 5) is not a failure.
 
 The vLLM tests keep about one core busy on average (an engine's step is mostly one
-Python thread), so that run spreads its test files over ``LMCACHE_TEST_JOBS``
+Python thread), so that run spreads its tests over ``LMCACHE_TEST_JOBS``
 pytest-xdist workers (default: 2 where there are 2 cores or more; 1 runs them in
 one process, as does passing ``-n`` yourself), test by test (``worksteal``: one
 file, tests/connector/test_e2e_hybrid.py, is a third of the time). Each worker's

@@ -4,6 +4,8 @@ figures as ``MISS (quick)`` and does not."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,8 +33,6 @@ def test_a_miss_fails_a_whole_trace_and_is_only_shown_on_quick() -> None:
 
 
 def _seed_line(env: dict[str, str]) -> str:
-    import subprocess
-
     proc = subprocess.run(
         [sys.executable, str(Path(be.__file__)), "--quick", "--no-traces", "--no-cost", "--policies", "lru"],
         capture_output=True,
@@ -47,8 +47,6 @@ def _seed_line(env: dict[str, str]) -> str:
 def test_a_run_prints_the_hash_seed_that_repeats_it() -> None:
     """adaptive's figures on traces follow Python's hash seed: a run without one picks
     its own and prints it; a given one is kept (and printed)."""
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     picked = _seed_line(env).split()[2]
     assert picked.startswith("PYTHONHASHSEED=") and picked.removeprefix("PYTHONHASHSEED=").isdigit(), picked

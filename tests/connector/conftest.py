@@ -24,14 +24,14 @@ def _one_core_per_worker() -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if not worker.startswith("gw") or not worker[2:].isdigit():
         return
-    threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = sorted(os.sched_getaffinity(0))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
-    import torch
+    if "OMP_NUM_THREADS" not in os.environ:  # a caller's value torch has read already
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
 
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(1)  # torch may have been imported before the variable was set
 
 
 _one_core_per_worker()

@@ -12,6 +12,7 @@ window, hybrid state-space); what they share is :class:`SchedulerSide`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
 from .log import get_logger
 
 log = get_logger(__name__)
+
+#: the longest a request waits, from its first lookup that found some of its chunks
+#: still in a background save (async_saves), for that save: it asks again every step
+#: meanwhile, and after this its lookup answers what is stored then
+SAVE_WAIT_S = 1.0
 
 
 def mm_extras(mm_features: Sequence[Any] | None, chunk_size: int) -> dict[int, bytes]:
@@ -101,6 +107,7 @@ class _Req:
     tail: tuple[int, bytes, int, int] | None = None
     block_tail: tuple[bytes, int] | None = None  # (hash, tokens)
     block_tail_saved: bool = False
+    saving_since: float | None = None  # when a lookup first found some of its chunks still being saved
 
 
 class SchedulerSide:
@@ -145,6 +152,8 @@ class SchedulerSide:
         self.async_load_requests = 0
         self.subs: SubChunkIndex | None = None
         self.tail_hits = 0  # lookups that hit a stored chunk's first blocks after their chunks
+        self.save_waits = 0  # requests that waited a step or more for a background save of their chunks
+        self.clock = time.monotonic  # for SAVE_WAIT_S (tests set their own)
         # save_decode_cache: prefill (features/settle.py): finished requests' answers
         # prefilled once more by internal requests the state scheduler runs
         self.settler = Settler(when=self.cfg.connector.settle_when, chunk_size=self.cs) if settle else None
@@ -270,6 +279,8 @@ class SchedulerSide:
             alts = {c: offer[0] for c, offer in offers.items()} or None
             pin = st.req_id if self.can_load else None
             answer = self.lookup_client.lookup(hashes, pin, alts) if alts else self.lookup_client.lookup(hashes, pin)
+            if answer.saving and self.can_load and self._wait_for_saving(st):
+                return None, False  # its chunks are still being saved: vLLM asks again next step
             st.looked_up = answer.chunks
             st.slow = answer.slow
             self._looked_up(st, answer, offers)
@@ -290,6 +301,21 @@ class SchedulerSide:
             return 0, False
         st.load_start, st.load_end = num_computed_tokens, hit
         return ext, self._load_async(st)
+
+    def _wait_for_saving(self, st: _Req) -> bool:
+        """The lookup found some of ``st``'s chunks still in a background save (the
+        worker waited :data:`~.transfers.async_saves.LOOKUP_WAIT_S` for it): whether the
+        request waits for it a step longer, at most :data:`SAVE_WAIT_S` from its first
+        such lookup. Meanwhile it holds what the lookup pinned (the next lookup under
+        its id replaces those pins, its end releases them) and vLLM schedules others."""
+        now = self.clock()
+        first = st.saving_since is None
+        if st.saving_since is None:
+            st.saving_since = now
+        waits = now - st.saving_since < SAVE_WAIT_S
+        if waits and first:
+            self.save_waits += 1
+        return waits
 
     def _verify_hit(self, st: _Req, last_hit: bytes, n_full: int) -> bool:
         """Whether this request's hit of ``n_full`` full chunks is recomputed and
@@ -468,19 +494,19 @@ class SchedulerSide:
         return self.lookup_client.lookup(list(plan.prefix), None).chunks if plan.prefix else 0
 
     def take_stats_delta(self) -> dict[str, float]:
-        """The settle counters' increments since the previous call (vLLM's
-        ``/metrics``, through the scheduler's connector stats)."""
+        """The scheduler side's counters' increments since the previous call (vLLM's
+        ``/metrics``, through the scheduler's connector stats): waits for background
+        saves, and the settles'."""
+        now: dict[str, float] = {"save_waits": self.save_waits}
         s = self.settler
-        if s is None:
-            return {}
-        return self._reported.delta(
-            {
-                "settles": s.finished,
-                "settles_superseded": s.superseded,
-                "settles_dropped": s.dropped + s.skipped,
-                "settle_waits": s.waits,
-            }
-        )
+        if s is not None:
+            now.update(
+                settles=s.finished,
+                settles_superseded=s.superseded,
+                settles_dropped=s.dropped + s.skipped,
+                settle_waits=s.waits,
+            )
+        return self._reported.delta(now)
 
     def settle_dropped(self, req_id: str) -> None:
         """The state scheduler could not add settle ``req_id``: nobody waits for it."""

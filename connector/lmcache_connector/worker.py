@@ -229,11 +229,12 @@ class WorkerSide:
 
     def _lookup(self, hashes: Sequence[bytes], pin_id: str | None, alts: Mapping[int, bytes] | None = None) -> LookupAnswer:
         """The scheduler's lookup: chunks still in a background save are waited for
-        (briefly, see async_saves.LOOKUP_WAIT_S) before the answer."""
+        (briefly, see async_saves.LOOKUP_WAIT_S) before the answer, which says
+        ``saving`` when some still were (the scheduler asks again a step later)."""
         assert self.hits is not None
-        if self.saves is not None:
-            self.saves.wait_for_chunks(hashes)
-        return self.hits.lookup(hashes, pin_id, alts)
+        saving = self.saves is not None and not self.saves.wait_for_chunks(hashes)
+        answer = self.hits.lookup(hashes, pin_id, alts)
+        return dataclasses.replace(answer, saving=True) if saving else answer
 
     # -- a step ------------------------------------------------------------------------
     def step_started(self, meta: LMCacheConnectorMetadata | None = None) -> None:

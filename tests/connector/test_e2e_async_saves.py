@@ -110,3 +110,50 @@ def test_requests_whose_saves_are_done_are_freed_at_once(tiny_model, reference):
         free, total = _free_blocks(llm)
         assert free == total - 1
         assert not w.saves._seen and not w.saves._pending and not w.saves._done
+
+
+def test_a_request_right_behind_a_slow_save_waits_steps_for_it_and_hits(tiny_model, reference, monkeypatch):
+    """A background save that outlasts the worker's lookup wait (0.1 s; here held by a
+    gate until the scheduler has deferred the next lookup once, then 0.3 s more): the
+    same prompt sent again at once waits in vLLM's queue, looked up every step, and
+    hits its whole chunks once they are stored. The control: without the step wait
+    (``SAVE_WAIT_S = 0``) the same case recomputes the prompt."""
+    import threading
+
+    from lmcache_connector import scheduler as sched_mod
+
+    a, b = random_prompt(2 * CS + 40, 570), random_prompt(2 * CS + 40, 571)
+    ref = reference([a, b])
+    with make_llm(tiny_model, max_num_batched_tokens=1024, extra={"connector": {"async_saves": True}}) as llm:
+        w = worker()
+        sched = scheduler_side(llm)
+        gate = threading.Event()
+        real_save, real_wait = w.saves._save, sched._wait_for_saving
+
+        timers: list[threading.Timer] = []
+
+        def deferred(st):
+            if not timers:  # the first deferral of this round opens the gate 0.3 s later
+                timers.append(threading.Timer(0.3, gate.set))
+                timers[0].start()
+            return real_wait(st)
+
+        w.saves._save = lambda t, meta: (gate.wait(30), real_save(t, meta))
+        sched._wait_for_saving = deferred
+        try:
+            for prompt, expect, waits in ((a, ref[0], 1), (b, ref[1], 0)):
+                gate.clear()
+                timers.clear()
+                if prompt is b:  # the control
+                    monkeypatch.setattr(sched_mod, "SAVE_WAIT_S", 0.0)
+                before = sched.save_waits
+                assert token_ids(run(llm, [prompt])) == [expect]
+                again = run(llm, [prompt])
+                assert token_ids(again) == [expect]
+                assert timers, "the second lookup found nothing being saved: the test did not exercise the wait"
+                timers[0].join()
+                assert sched.save_waits - before == waits
+                assert again[0].num_cached_tokens == (2 * CS if waits else 0)
+                w.saves.drain()
+        finally:
+            gate.set()

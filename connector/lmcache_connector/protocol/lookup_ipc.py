@@ -7,7 +7,10 @@ miss (0): the scheduler never blocks on a stuck worker. Messages are raw bytes (
 pickle): ``[b"L1", seq, request_id, pin_flag, hashes...]`` and ``[b"L1", seq, count]``,
 the count followed by ``,`` and flags: ``s`` when loading the hit needs a tier slower
 than memory (the scheduler then loads it off the forward path: ``connector.async_loads: auto``),
-``t`` when the stored chunk offered for the chunk after the hit is present and pinned.
+``t`` when the stored chunk offered for the chunk after the hit is present and pinned,
+``w`` when a background save of some of the request's chunks was still running when
+the answer left (the scheduler then asks again a step later, see the scheduler's
+``SAVE_WAIT_S``).
 Those offers (sub-chunk hits, subchunks.py) travel in an optional sixth frame:
 ``(chunk index: 4 bytes little-endian, stored chunk's hash)`` pairs.
 
@@ -49,25 +52,29 @@ class LookupAnswer:
     """A lookup's answer: ``chunks`` hit; ``slow``: loading them needs a tier slower
     than memory (see the worker's ``connector.async_loads: auto``); ``tail``: the stored
     chunk offered for the chunk right after the hit is present and pinned (a sub-chunk
-    hit, subchunks.py). Nothing to load is never slow."""
+    hit, subchunks.py); ``saving``: a background save of some of the looked-up chunks
+    was still running (async_saves), so a lookup a moment later may hit more. Nothing
+    to load is never slow."""
 
     chunks: int = 0
     slow: bool = False
     tail: bool = False
+    saving: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chunks", max(0, int(self.chunks)))
         object.__setattr__(self, "tail", bool(self.tail))
+        object.__setattr__(self, "saving", bool(self.saving))
         object.__setattr__(self, "slow", bool(self.slow) and (self.chunks > 0 or self.tail))
 
     def encode(self) -> bytes:
-        flags = (b"s" if self.slow else b"") + (b"t" if self.tail else b"")
+        flags = (b"s" if self.slow else b"") + (b"t" if self.tail else b"") + (b"w" if self.saving else b"")
         return str(self.chunks).encode() + (b"," + flags if flags else b"")
 
     @classmethod
     def decode(cls, raw: bytes) -> "LookupAnswer":
         count, _, flags = raw.partition(b",")
-        return cls(int(count), b"s" in flags, b"t" in flags)
+        return cls(int(count), b"s" in flags, b"t" in flags, b"w" in flags)
 
 
 MISS = LookupAnswer()
@@ -171,11 +178,13 @@ class LookupServer:
 
 def _combine(answers: Sequence[LookupAnswer]) -> LookupAnswer:
     """Ranks answer for their own shards: the request hits what every rank holds
-    (the offered chunk after it only when every rank holds that too)."""
+    (the offered chunk after it only when every rank holds that too); still saving
+    when any rank is."""
     if not answers:
         return MISS
     n = min(a.chunks for a in answers)
-    return LookupAnswer(n, any(a.slow for a in answers), all(a.tail and a.chunks == n for a in answers))
+    tail = all(a.tail and a.chunks == n for a in answers)
+    return LookupAnswer(n, any(a.slow for a in answers), tail, any(a.saving for a in answers))
 
 
 class LookupClient:

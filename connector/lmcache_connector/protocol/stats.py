@@ -38,6 +38,7 @@ COUNTERS = {
         "Finished answers not settled: past the bound of settles in flight, or their prompt left the cache",
     ),
     "settle_waits": ("settle_waits", "Requests that waited for a running settle storing some of their chunks"),
+    "save_waits": ("save_waits", "Requests whose lookup waited a step or more for a background save of their chunks"),
 }
 # per-tier stats keys are "<kind>/<tier>"
 TIER_COUNTERS = {

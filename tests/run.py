@@ -8,8 +8,8 @@ test (pytest's exit code 5) is not a failure.
 
 The vLLM tests keep about one core busy on average (an engine's step is mostly one
 Python thread), so that run spreads its tests over ``LMCACHE_TEST_JOBS``
-pytest-xdist workers (default 1, one process, until test_e2e_multiprocess's [mp] case
-stops missing hits beside another worker; an explicit ``-n`` is yours), test by test (``worksteal``: one
+pytest-xdist workers (default: 2 where this process may run on 2 cores or more; 1
+runs them in one process, as does passing ``-n`` yourself), test by test (``worksteal``: one
 file, tests/connector/test_e2e_hybrid.py, is a third of the time). Each worker's
 engines use one OpenMP thread (tests/connector/conftest.py). The other run stays in
 one process: its tests time deadlines and lock waits, which a busy neighbour would
@@ -28,6 +28,14 @@ import sys
 NO_TESTS = 5
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as the workers' conftest
+    reads it), not merely the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def vllm_workers(argv: list[str]) -> list[str]:
     """pytest-xdist arguments for the vLLM run: none when one job is asked for, when
     xdist is missing, or when the caller chose ``-n`` / ``--numprocesses``."""
@@ -35,7 +43,7 @@ def vllm_workers(argv: list[str]) -> list[str]:
         return []
     raw = os.environ.get("LMCACHE_TEST_JOBS", "")
     try:
-        jobs = int(raw) if raw else 1  # opt-in: see the module docstring
+        jobs = int(raw) if raw else min(2, usable_cores())
     except ValueError:
         raise SystemExit(f"LMCACHE_TEST_JOBS={raw!r}: expected a number of workers (1: no parallel run)") from None
     if jobs <= 1 or importlib.util.find_spec("xdist") is None:

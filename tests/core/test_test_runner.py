@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +22,11 @@ def xdist(monkeypatch: pytest.MonkeyPatch) -> None:
     """pytest-xdist counted as installed and 2 cores, whatever this machine has."""
     real = importlib.util.find_spec
     monkeypatch.setattr(run.importlib.util, "find_spec", lambda name: object() if name == "xdist" else real(name))
-    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
-    monkeypatch.setenv("LMCACHE_TEST_JOBS", "2")
+    monkeypatch.setattr(run, "usable_cores", lambda: 2)
+    monkeypatch.delenv("LMCACHE_TEST_JOBS", raising=False)
 
 
-def test_two_workers_when_asked(xdist: None) -> None:
+def test_two_workers_by_default_on_two_cores(xdist: None) -> None:
     assert run.vllm_workers(["-q", "-ra", "--timeout=900"]) == WORKERS
 
 
@@ -45,9 +47,9 @@ def test_one_job_one_core_or_no_xdist_runs_one_process(xdist: None, monkeypatch:
     monkeypatch.setenv("LMCACHE_TEST_JOBS", "3")
     assert run.vllm_workers([]) == ["-n", "3", "--dist", "worksteal"]
     monkeypatch.delenv("LMCACHE_TEST_JOBS")
-    assert run.vllm_workers([]) == []  # the default: one process
-    monkeypatch.setenv("LMCACHE_TEST_JOBS", "2")
-    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(run, "usable_cores", lambda: 1)
+    assert run.vllm_workers([]) == []
+    monkeypatch.setattr(run, "usable_cores", lambda: 2)
     monkeypatch.setattr(run.importlib.util, "find_spec", lambda name: None)
     assert run.vllm_workers([]) == []
 
@@ -56,3 +58,23 @@ def test_a_bad_job_count_is_a_clear_error(xdist: None, monkeypatch: pytest.Monke
     monkeypatch.setenv("LMCACHE_TEST_JOBS", "two")
     with pytest.raises(SystemExit, match="LMCACHE_TEST_JOBS='two': expected a number of workers"):
         run.vllm_workers([])
+
+
+def test_usable_cores_follow_this_process_affinity() -> None:
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    assert run.usable_cores() == len(os.sched_getaffinity(0))
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to narrow")
+    # a process limited to one core of several runs the vLLM tests in one process
+    tests = str(Path(__file__).resolve().parents[1])
+    code = (
+        f"import os, sys; sys.path.insert(0, {tests!r}); os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}}); "
+        "import run; print(run.usable_cores(), run.vllm_workers([]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ, "LMCACHE_TEST_JOBS": ""}
+    )
+    assert out.stdout.split(None, 1) == ["1", "[]\n"]

@@ -686,7 +686,8 @@ def test_batched_transfers_copy_what_chunk_by_chunk_copies_do(tmp_path, ops):
 
 def test_a_lookup_waits_for_a_background_save_of_its_chunks(tmp_path):
     """async_saves: a lookup of chunks still in a queued save waits for it (bounded) and
-    hits; without a pending save it answers at once; a stuck save bounds the wait."""
+    hits; without a pending save it answers at once; a stuck save bounds the wait, and
+    the answer then says the save is still running (the scheduler asks again later)."""
     import threading
     import time
 
@@ -703,11 +704,12 @@ def test_a_lookup_waits_for_a_background_save_of_its_chunks(tmp_path):
         w.start_load_kv(step)
         w.wait_for_save(step)
         t0 = time.monotonic()
-        assert w._lookup(hashes, None) == MISS  # the save is stuck: a miss after the bounded wait
+        # the save is stuck: a miss after the bounded wait, flagged as still saving
+        assert w._lookup(hashes, None) == LookupAnswer(0, saving=True)
         waited = time.monotonic() - t0
         assert 0.08 <= waited < 2, waited
         threading.Timer(0.03, gate.set).start()
-        assert w._lookup(hashes, None).chunks == 2  # released while the lookup waits: a hit
+        assert w._lookup(hashes, None) == LookupAnswer(2)  # released while the lookup waits: a hit, saved
         t0 = time.monotonic()
         assert w._lookup([b"\x07" * 16], None) == MISS and time.monotonic() - t0 < 0.05  # nothing pending: at once
     finally:

@@ -311,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     bars: list[str] = []
+    if not args.no_cost:
+        # first, before the trace replays: after them, in the same process, adaptive's
+        # calls measured 15-35% slower (+2.03 to +2.82 us against +1.70 run first,
+        # 2026-11-29), a figure that then depended on what ran before it
+        n = 100_000  # where the bar is set, in --quick too (about 20 s)
+        text, cbars = cost_report(policy_cost(policies if "lru" in policies else ["lru", *policies], n), args.bar_policy, n)
+        print(text, flush=True)
+        bars += cbars
     traces = [] if args.no_traces else (args.traces if args.traces is not None else sorted(SHARED_TRACES.glob("*.jsonl")))
     if not traces and not args.no_traces:
         print(f"no traces found in {SHARED_TRACES} (give --traces FILE ..., or --no-traces)")
@@ -319,11 +327,6 @@ def main(argv: list[str] | None = None) -> int:
         text, tbars = trace_report(name, points, policies, args.bar_policy, args.quick)
         print(text, flush=True)
         bars += tbars
-    if not args.no_cost:
-        n = 100_000  # where the bar is set, in --quick too (about 20 s)
-        text, cbars = cost_report(policy_cost(policies if "lru" in policies else ["lru", *policies], n), args.bar_policy, n)
-        print(text, flush=True)
-        bars += cbars
     points = sweep(args.quick, policies)
     print("\nthe suite's workloads (bench/suite/run.py):")
     print(table(points))

@@ -57,6 +57,13 @@ from typing import Callable, ClassVar, Hashable, Protocol, Sequence
 Key = Hashable
 
 
+def _sample_hash(key: Key) -> int:
+    """The hash the shadows sample a key by: its chunk hash's for a chunk key (a
+    namespace shared by every key adds nothing), the key's own otherwise."""
+    part = getattr(key, "chunk_hash", None)
+    return hash(key if part is None else part)
+
+
 class EvictionPolicy(abc.ABC):
     """The order in which a tier evicts (see the module docstring for the calls).
 
@@ -662,7 +669,7 @@ class _Segments:
             self.detach(key)
             v = v.count
         t = self.threshold
-        sampled = t > 0 and hash(key) * self._MIX & 0xFFFFFFFF < t
+        sampled = t > 0 and _sample_hash(key) * self._MIX & 0xFFFFFFFF < t
         if sampled:
             self.observe(key, size, False)
         if self.mode is RECENCY:
@@ -974,7 +981,7 @@ class AdaptivePolicy(_Segments, EvictionPolicy):
         """One sampled access, fed to the shadows; switch order on a clear lead."""
         if not self._main:  # the first insert: size the shadows, then sample as they say
             self._start(size)
-            if hash(key) * self._MIX & 0xFFFFFFFF >= self.threshold:
+            if _sample_hash(key) * self._MIX & 0xFFFFFFFF >= self.threshold:
                 return
         w = self._weight = self._weight * self._grow
         if self._tally(self._main, key, size, self._lead, self._spread, w) and self.full:

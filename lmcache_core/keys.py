@@ -19,7 +19,7 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -199,22 +199,25 @@ class KeyNamespace:
         return [ChunkKey(ns, h) for h in hashes]
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkKey:
-    """A chunk's identity: namespace id + prefix hash. ``str(key)`` is the one
-    canonical string form (file and object names); :meth:`parse` inverts it."""
-
+class _KeyParts(NamedTuple):
     namespace: bytes
     chunk_hash: bytes
 
-    def __post_init__(self) -> None:
-        if len(self.namespace) != HASH_BYTES or len(self.chunk_hash) != HASH_BYTES:
-            raise ValueError("namespace and chunk_hash must be 16 bytes each")
 
-    def __hash__(self) -> int:
-        # The chunk hash alone (bytes cache their hash): keys are hashed many times per
-        # stored chunk (tier index, eviction policy); equality still checks both parts.
-        return hash(self.chunk_hash)
+class ChunkKey(_KeyParts):
+    """A chunk's identity: namespace id + prefix hash. ``str(key)`` is the one
+    canonical string form (file and object names); :meth:`parse` inverts it.
+
+    A tuple underneath: hashing and comparing it run in C (a key is hashed several
+    times per stored chunk: tier indexes, eviction policy), and two keys are equal when
+    both parts are. Immutable; built only through the validating constructor."""
+
+    __slots__ = ()
+
+    def __new__(cls, namespace: bytes, chunk_hash: bytes) -> "ChunkKey":
+        if len(namespace) != HASH_BYTES or len(chunk_hash) != HASH_BYTES:
+            raise ValueError("namespace and chunk_hash must be 16 bytes each")
+        return super().__new__(cls, bytes(namespace), bytes(chunk_hash))
 
     def to_str(self) -> str:
         return f"v{KEY_FORMAT_VERSION}-{self.namespace.hex()}-{self.chunk_hash.hex()}"

@@ -121,6 +121,30 @@ def test_parse_rejects_malformed(bad: str) -> None:
 def test_chunk_key_rejects_wrong_lengths() -> None:
     with pytest.raises(ValueError):
         ChunkKey(b"\0" * 15, b"\0" * 16)
+    with pytest.raises(ValueError):
+        ChunkKey(b"\0" * 16, b"\0" * 17)
+
+
+def test_chunk_key_is_a_value_hashed_and_compared_in_c() -> None:
+    import copy
+    import pickle
+
+    from lmcache_core.eviction import _sample_hash
+
+    ns, h = b"n" * 16, b"h" * 16
+    key = ChunkKey(ns, h)
+    assert (key.namespace, key.chunk_hash) == (ns, h)
+    assert key == ChunkKey(bytes(ns), bytes(h)) and hash(key) == hash(ChunkKey(ns, h))
+    assert key != ChunkKey(b"m" * 16, h) and key != ChunkKey(ns, b"g" * 16)  # both parts count
+    assert {key: 1}[ChunkKey(ns, h)] == 1
+    for copied in (pickle.loads(pickle.dumps(key)), copy.copy(key), copy.deepcopy(key)):
+        assert type(copied) is ChunkKey and copied == key
+    with pytest.raises(AttributeError):
+        key.chunk_hash = b"x" * 16  # type: ignore[misc]
+    # the hash and equality of the tuple underneath, no Python-level method per lookup
+    assert ChunkKey.__hash__ is tuple.__hash__ and ChunkKey.__eq__ is tuple.__eq__
+    # adaptive's shadows sample a key by its chunk hash alone (as before the tuple)
+    assert _sample_hash(key) == hash(h) and _sample_hash(b"raw") == hash(b"raw")
 
 
 @settings(max_examples=60, deadline=None)

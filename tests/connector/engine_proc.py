@@ -60,6 +60,7 @@ def main() -> int:
                 "cached": [o.num_cached_tokens for o in outs],
                 "flushed": flushed,
                 "loaded_tokens": stats["loaded_tokens"],
+                "chunk_size": worker.cfg.chunk_size,
                 "hma_off": bool(llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager),
                 "tiers": [
                     {"name": t["name"], "hits": t["hits"], "puts": t["puts"], "shm_hits": t["extra"].get("shm_hits", 0)}

@@ -309,13 +309,11 @@ class SchedulerSide:
         such lookup. Meanwhile it holds what the lookup pinned (the next lookup under
         its id replaces those pins, its end releases them) and vLLM schedules others."""
         now = self.clock()
-        first = st.saving_since is None
         if st.saving_since is None:
             st.saving_since = now
-        waits = now - st.saving_since < SAVE_WAIT_S
-        if waits and first:
-            self.save_waits += 1
-        return waits
+            if SAVE_WAIT_S > 0:  # it waits: counted once, at its first such lookup
+                self.save_waits += 1
+        return now - st.saving_since < SAVE_WAIT_S
 
     def _verify_hit(self, st: _Req, last_hit: bytes, n_full: int) -> bool:
         """Whether this request's hit of ``n_full`` full chunks is recomputed and

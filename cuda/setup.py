@@ -33,7 +33,7 @@ if flag == "1":
     ext_modules = [
         CUDAExtension(
             "lmcache_cuda._C",
-            sources=["lmcache_cuda/csrc/ops.cpp", "lmcache_cuda/csrc/paged_copy.cu"],
+            sources=["lmcache_cuda/csrc/ops.cpp", "lmcache_cuda/csrc/paged_copy.cu", "lmcache_cuda/csrc/fp8_paged.cu"],
             extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
         )
     ]

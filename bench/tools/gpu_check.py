@@ -27,6 +27,7 @@ import torch
 from gpu import common
 from gpu.common import RESULTS, ROOT, TABLE, log
 from gpu.engine import engine_round_trip
+from gpu.fp8 import fp8_gpu
 from gpu.environment import build, environment, pytest_cuda
 from gpu.layerwise import layerwise
 from gpu.profiling import profile
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pytest-timeout", type=float, default=300)
     p.add_argument("--skip-pytest", action="store_true")
     p.add_argument(
-        "--only", nargs="+", choices=["pytest", "engine", "speed", "layerwise", "profile"], help="run these sections only"
+        "--only", nargs="+", choices=["pytest", "engine", "speed", "layerwise", "fp8", "profile"], help="run these sections only"
     )
     p.add_argument("--trace", action="store_true", help="write a torch.profiler trace of one pipelined step to --out")
     a = p.parse_args(argv)
@@ -56,13 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         log("gpu_check: no CUDA GPU visible: a dry run of the CPU parts")
     environment()
     build()
-    want = set(a.only or ["pytest", "engine", "speed", "layerwise"])
+    want = set(a.only or ["pytest", "engine", "speed", "layerwise", "fp8"])
     if "pytest" in want and not a.skip_pytest:
         pytest_cuda(a.pytest_timeout)
     if "layerwise" in want:
         layerwise(a.quick)
     if "speed" in want:
         speed(a.quick)
+    if "fp8" in want:
+        fp8_gpu(a.quick)
     if "engine" in want:
         engine_round_trip(a.quick)
     if "profile" in want:

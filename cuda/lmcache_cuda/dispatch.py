@@ -101,7 +101,7 @@ def _jit_build() -> ModuleType:
     return load(
         name=JIT_NAME,
         build_directory=build_directory(),
-        sources=[str(CSRC / "ops.cpp"), str(CSRC / "paged_copy.cu")],
+        sources=[str(CSRC / "ops.cpp"), str(CSRC / "paged_copy.cu"), str(CSRC / "fp8_paged.cu")],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3"],
         extra_include_paths=[str(CSRC)],

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "fp8_paged.cuh"
 #include "paged_copy.cuh"
 
 namespace {
@@ -207,6 +208,86 @@ std::string copy_rows(const std::vector<torch::Tensor>& dsts, const std::vector<
   return "";
 }
 
+// fp8 frames coded on the GPU (fp8_paged.cuh). Geometry as the token/block copies take
+// it; `tokens` picks the chunk buffer's layout. Returns "" or what is wrong (the
+// Python wrapper raises it), never throws.
+std::string fp8_check(const torch::Tensor& layer_ptrs, const torch::Tensor& index,
+                      const torch::Tensor& payload, const torch::Tensor& status,
+                      lmcache_cuda::Fp8Geom& g, bool tokens, int64_t dtype, int64_t g_begin,
+                      int64_t g_end) {
+  for (const torch::Tensor* t : {&layer_ptrs, &index}) {
+    if (!t->is_cuda() || t->scalar_type() != torch::kInt64 || t->dim() != 1 || !t->is_contiguous()) {
+      return "fp8: layer table and index must be contiguous 1-D int64 CUDA tensors";
+    }
+  }
+  if (!payload.is_cuda() || payload.scalar_type() != torch::kUInt8 || !payload.is_contiguous()) {
+    return "fp8: the frame must be a contiguous uint8 CUDA tensor";
+  }
+  if (!status.is_cuda() || status.scalar_type() != torch::kInt32 || status.numel() < 1) {
+    return "fp8: status must be an int32 CUDA tensor";
+  }
+  const int dev = payload.get_device();
+  if (layer_ptrs.get_device() != dev || index.get_device() != dev || status.get_device() != dev) {
+    return "fp8: tensors on several CUDA devices";
+  }
+  if (dtype < 0 || dtype > 2) return "fp8: dtype code must be 0 (float16), 1 (bfloat16) or 2 (float32)";
+  const int64_t layers = layer_ptrs.numel();
+  g.num_index = index.numel();
+  if (g.num_heads < 0 || g.head_size < 0 || g.block_numel < 0 || g.block_size <= 0 || g.num_blocks < 0) {
+    return "fp8: negative geometry";
+  }
+  if (tokens) {
+    if (g.num_heads == 0 || g.head_size == 0) return "fp8: no heads or head size 0";
+    g.n = layers * 2 * g.num_index * g.num_heads * g.head_size;
+  } else {
+    if (g.block_numel == 0) return "fp8: block_numel is 0";
+    g.n = layers * g.num_index * g.block_numel;
+  }
+  g.groups = (g.n + lmcache_cuda::fp8::kGroup - 1) / lmcache_cuda::fp8::kGroup;
+  if (payload.numel() != 2 * g.groups + g.n) {
+    return "fp8: the frame has " + std::to_string(payload.numel()) + " bytes, " +
+           std::to_string(2 * g.groups + g.n) + " expected for " + std::to_string(g.n) + " values";
+  }
+  if (g_begin < 0 || g_begin > g_end || g_end > g.groups) return "fp8: group range outside the frame";
+  return "";
+}
+
+std::string fp8_scatter(torch::Tensor layer_ptrs, torch::Tensor index, torch::Tensor payload,
+                        torch::Tensor status, bool tokens, int64_t num_heads, int64_t head_size,
+                        int64_t block_size, int64_t num_blocks, int64_t stride_block,
+                        int64_t stride_head, int64_t stride_token, int64_t block_numel,
+                        int64_t dtype, double limit, int64_t g_begin, int64_t g_end) {
+  lmcache_cuda::Fp8Geom g{0, 0, 0, num_heads, head_size, block_size, num_blocks, stride_block,
+                          stride_head, stride_token, block_numel};
+  std::string err = fp8_check(layer_ptrs, index, payload, status, g, tokens, dtype, g_begin, g_end);
+  if (!err.empty()) return err;
+  const c10::cuda::CUDAGuard guard(payload.device());
+  const cudaError_t e = lmcache_cuda::launch_fp8_decode(
+      tokens, layer_ptrs.data_ptr<int64_t>(), index.data_ptr<int64_t>(), payload.data_ptr<uint8_t>(), g,
+      static_cast<int>(dtype), static_cast<float>(limit), g_begin, g_end, status.data_ptr<int>(),
+      c10::cuda::getCurrentCUDAStream().stream());
+  return e == cudaSuccess ? "" : std::string("fp8 decode launch failed: ") + cudaGetErrorString(e);
+}
+
+std::string fp8_gather(torch::Tensor layer_ptrs, torch::Tensor index, torch::Tensor payload,
+                       torch::Tensor status, bool tokens, int64_t num_heads, int64_t head_size,
+                       int64_t block_size, int64_t num_blocks, int64_t stride_block,
+                       int64_t stride_head, int64_t stride_token, int64_t block_numel,
+                       int64_t dtype, double inv_max_up, double min_scale, double limit,
+                       int64_t g_begin, int64_t g_end) {
+  lmcache_cuda::Fp8Geom g{0, 0, 0, num_heads, head_size, block_size, num_blocks, stride_block,
+                          stride_head, stride_token, block_numel};
+  std::string err = fp8_check(layer_ptrs, index, payload, status, g, tokens, dtype, g_begin, g_end);
+  if (!err.empty()) return err;
+  const c10::cuda::CUDAGuard guard(payload.device());
+  const cudaError_t e = lmcache_cuda::launch_fp8_encode(
+      tokens, layer_ptrs.data_ptr<int64_t>(), index.data_ptr<int64_t>(), payload.data_ptr<uint8_t>(), g,
+      static_cast<int>(dtype), static_cast<float>(inv_max_up), static_cast<float>(min_scale),
+      static_cast<float>(limit), g_begin, g_end, status.data_ptr<int>(),
+      c10::cuda::getCurrentCUDAStream().stream());
+  return e == cudaSuccess ? "" : std::string("fp8 encode launch failed: ") + cudaGetErrorString(e);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -217,4 +298,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_blocks", &scatter_blocks, "[L, N, block_numel] buffer -> paged KV blocks");
   m.def("copy_segments", &copy_segments, "byte-range copies between tensors, one call, current stream");
   m.def("copy_rows", &copy_rows, "copy_segments with rows of bytes at a pitch (2-D copies), one call");
+  m.def("fp8_scatter", &fp8_scatter, "decode an fp8 frame (device) into paged KV, groups [begin, end)");
+  m.def("fp8_gather", &fp8_gather, "gather paged KV and encode it into an fp8 frame (device), groups [begin, end)");
 }

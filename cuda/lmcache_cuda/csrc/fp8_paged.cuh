@@ -30,31 +30,43 @@ struct Fp8Geom {
 
 // Value j of the chunk buffer: its layer (in *layer) and its element offset in that
 // layer's tensor, or -1 where its slot or block id is outside the cache (padding): a
-// gather reads zero there, a scatter writes nothing.
-template <bool kTokens>
+// gather reads zero there, a scatter writes nothing. I is the type the divisions run
+// in: uint32_t where fp8_small_index() holds (a 32-bit division costs a fraction of a
+// 64-bit one on a GPU), else int64_t; offsets are always computed in 64 bits.
+template <bool kTokens, typename I>
 LMC_HD int64_t fp8_locate(const int64_t* index, int64_t j, const Fp8Geom& g, int64_t* layer) {
   if (kTokens) {
-    const int64_t d = j % g.head_size;
-    int64_t r = j / g.head_size;
-    const int64_t h = r % g.num_heads;
-    r /= g.num_heads;
-    const int64_t t = r % g.num_index;
-    r /= g.num_index;
-    const int64_t kv = r & 1;
-    *layer = r >> 1;
+    const I jj = static_cast<I>(j), hs = static_cast<I>(g.head_size), nh = static_cast<I>(g.num_heads);
+    const I ni = static_cast<I>(g.num_index);
+    const I d = jj % hs;
+    I r = jj / hs;
+    const I h = r % nh;
+    r /= nh;
+    const I t = r % ni;
+    r /= ni;
+    const int64_t kv = static_cast<int64_t>(r & 1);
+    *layer = static_cast<int64_t>(r >> 1);
     const int64_t slot = index[t];
     if (slot < 0 || slot >= g.num_blocks * g.block_size) return -1;
-    const int64_t blk = slot / g.block_size;
-    const int64_t off = slot - blk * g.block_size;
-    return blk * g.stride_block + off * g.stride_token + h * g.stride_head + kv * g.head_size + d;
+    const I bs = static_cast<I>(g.block_size);
+    const I blk = static_cast<I>(slot) / bs;
+    const I off = static_cast<I>(slot) - blk * bs;
+    return static_cast<int64_t>(blk) * g.stride_block + static_cast<int64_t>(off) * g.stride_token +
+           static_cast<int64_t>(h) * g.stride_head + kv * g.head_size + static_cast<int64_t>(d);
   }
-  const int64_t i = j % g.block_numel;
-  const int64_t r = j / g.block_numel;
-  const int64_t nid = r % g.num_index;
-  *layer = r / g.num_index;
+  const I jj = static_cast<I>(j), bn = static_cast<I>(g.block_numel), ni = static_cast<I>(g.num_index);
+  const I i = jj % bn;
+  const I r = jj / bn;
+  const I nid = r % ni;
+  *layer = static_cast<int64_t>(r / ni);
   const int64_t id = index[nid];
   if (id < 0 || id >= g.num_blocks) return -1;
-  return id * g.stride_block + i;
+  return id * g.stride_block + static_cast<int64_t>(i);
+}
+
+// The chunk's value indices and the cache's slots fit 32 bits
+LMC_HD bool fp8_small_index(const Fp8Geom& g) {
+  return g.n < (int64_t{1} << 32) && g.num_blocks * g.block_size < (int64_t{1} << 32);
 }
 
 // Decodes groups [g_begin, g_end) of the frame at d_payload (device memory) into the

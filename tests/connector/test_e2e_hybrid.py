@@ -11,6 +11,7 @@ with a batch size that is a multiple of the chunk size (see docs/connector.md).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -52,8 +53,12 @@ CASES = {
 # path). vLLM-CPU's MLA outputs change with how a prefill is split, and a request that
 # starts from 1280 cached tokens and prefills 220 more takes another path than one that
 # continues after 1280 (measured: greedy tokens diverge after 2-3 tokens even for a bit-exact
-# copy of the cache), so the MLA prompt leaves exactly one token after the hit and the
-# reference's first step ends at the same place.
+# copy of the cache), so the MLA prompt leaves exactly one token after the hit, which vLLM
+# computes with its MLA decode kernel. Its reference must compute that token the same way
+# (``_mla_round_trip``): without AMX, vLLM-CPU's reference MLA backend turns chunked
+# prefill off and prefills the whole prompt in one step, whose last token goes through
+# the prefill kernel instead (logprobs ~0.2 apart, 2 of 3 greedy answers different on an
+# AVX2-only AMD EPYC).
 ROUND_TRIP_ONLY = {
     "mistral_sw": Case("mistral_sw", 1500, 1280),
     "deepseek_v2": Case("deepseek_v2", 1281, 1280, one_by_one=True, llm={"max_num_batched_tokens": 1280}),
@@ -90,6 +95,28 @@ def _prompts(case: Case) -> list[list[int]]:
     return [random_prompt(case.prompt_len, 900 + i) for i in range(N_PROMPTS)]
 
 
+@pytest.fixture(scope="module")
+def mla_round_trip(models):
+    """MLA prompts whose reference computes the token after the hit as a hit does:
+    ``hit`` random tokens (the prefix), prefilled and continued greedily by vLLM without
+    the connector; the prompt is the prefix and its first greedy token, so the prompt's
+    last token goes through the decode kernel in the reference too, and the 8 greedy
+    tokens after it are what a hit of the prefix must give. ``get()``: (prompts,
+    tokens after the hit), computed on first use."""
+    cache: list[tuple[list[list[int]], list[list[int]]]] = []
+
+    def get() -> tuple[list[list[int]], list[list[int]]]:
+        if not cache:
+            case = ROUND_TRIP_ONLY["deepseek_v2"]
+            prefixes = [random_prompt(case.hit, 900 + i) for i in range(N_PROMPTS)]
+            with make_llm(models["deepseek_v2"], connector=False, **case.llm) as llm:
+                cont = [token_ids(run(llm, [p], greedy(9)))[0] for p in prefixes]
+            cache.append(([p + c[:1] for p, c in zip(prefixes, cont)], [c[1:] for c in cont]))
+        return cache[0]
+
+    return get
+
+
 def _generate(llm: Any, case: Case, prompts: list[list[int]]) -> list[Any]:
     if case.one_by_one:
         return [o for p in prompts for o in run(llm, [p], greedy())]
@@ -105,10 +132,12 @@ def _flip_signs(buf: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", [*CASES, *ROUND_TRIP_ONLY])
-def test_hybrid_round_trip_hits_and_matches(models, reference, name):
+def test_hybrid_round_trip_hits_and_matches(models, reference, mla_round_trip, name):
     case = {**CASES, **ROUND_TRIP_ONLY}[name]
-    prompts = _prompts(case)
+    prompts = mla_round_trip()[0] if name == "deepseek_v2" else _prompts(case)
+    assert all(len(p) == case.prompt_len for p in prompts)
     ref = reference(name, prompts)
+    warm_ref = mla_round_trip()[1] if name == "deepseek_v2" else ref
     with make_llm(models[name], **case.llm) as llm:
         assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
         w = worker()
@@ -119,7 +148,7 @@ def test_hybrid_round_trip_hits_and_matches(models, reference, name):
         warm = _generate(llm, case, prompts)
         assert [o.num_cached_tokens for o in warm] == [case.hit] * N_PROMPTS
         assert w.totals.loaded_tokens == case.hit * N_PROMPTS and w.totals.failed_loads == 0
-        assert token_ids(warm) == ref
+        assert token_ids(warm) == warm_ref
         if w.layout.kind != "grouped":
             return
         # Negative control: the same hits with the boundary objects (sliding-window
@@ -292,26 +321,65 @@ def one_step_reference(models):
         if name not in cache:
             with make_llm(models[name], connector=False, **{**CASES[name].llm, **ONE_STEP}) as llm:
                 cache[name] = [token_ids(run(llm, [p], greedy()))[0] for p in _shared_prefix_prompts()]
+                get.chunk[name] = _connector_chunk(llm)  # type: ignore[attr-defined]
         return cache[name]
+
+    get.chunk = {}  # type: ignore[attr-defined]
+    return get
+
+
+def _connector_chunk(llm: Any) -> int:
+    """The chunk the connector would use in this engine (vLLM without it): the default
+    256 tokens, or the smallest multiple of vLLM's block size above it, as
+    ``layouts.groups.effective_chunk_size`` computes it. Read here, before any
+    connector engine: in-process, vLLM keeps the last one's connector for later ones."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    block = math.lcm(*{g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)})
+    return -(-256 // block) * block
+
+
+@pytest.fixture(scope="module")
+def chunk_step_reference(models):
+    """Greedy outputs of the shared-prefix prompts without the connector, prefilled in
+    steps of one chunk (``max_num_batched_tokens`` = the chunk): the step ends the state
+    scheduler gives its prompts. In bf16 a prefill split changes logits in their last
+    bits, and on some CPUs that flips a greedy tie: on an AVX2-only AMD EPYC, Granite's
+    prompt A, token 8, one step against chunk steps, with or without the connector (the
+    tests compare what the connector computes with the reference of the same split;
+    vLLM's own scheduler, the control, with the one-step reference)."""
+    cache: dict[tuple[str, int], list[list[int]]] = {}
+
+    def get(name: str, chunk: int) -> list[list[int]]:
+        if (name, chunk) not in cache:
+            settings = {**CASES[name].llm, "max_num_batched_tokens": chunk}
+            with make_llm(models[name], connector=False, **settings) as llm:
+                cache[(name, chunk)] = [token_ids(run(llm, [p], greedy()))[0] for p in _shared_prefix_prompts()]
+        return cache[(name, chunk)]
 
     return get
 
 
 @pytest.mark.parametrize("name", STATE_FAMILIES)
-def test_state_scheduler_hits_a_prefix_prefilled_in_one_step(models, one_step_reference, name):
+def test_state_scheduler_hits_a_prefix_prefilled_in_one_step(models, one_step_reference, chunk_step_reference, name):
     """With ``StateBoundaryScheduler`` every prefill step ends on a chunk boundary, so
     prompt B (sharing 1,100 tokens with A) hits every whole chunk of the shared part:
     at least the bar of issue #32 (the shared length rounded down to chunks, minus one
-    chunk); greedy tokens equal the engine without the connector. Negative control:
-    vLLM's own scheduler, same settings, prefills A in one step and B finds no state."""
+    chunk); greedy tokens equal the engine without the connector prefilling in the same
+    steps (``chunk_step_reference``). Negative control: vLLM's own scheduler, same
+    settings, prefills A in one step and B finds no state (tokens: the one-step
+    reference)."""
     from lmcache_connector.state_scheduler import QUALNAME
 
     case = CASES[name]
     a, b = _shared_prefix_prompts()
-    ref = one_step_reference(name)
     settings = {**case.llm, **ONE_STEP}
+    one_step = one_step_reference(name)
+    chunk = one_step_reference.chunk[name]
+    ref = chunk_step_reference(name, chunk)
     with make_llm(models[name], scheduler_cls=QUALNAME, **settings) as llm:
-        chunk = worker().cfg.chunk_size
+        assert worker().cfg.chunk_size == chunk
         whole = SHARED // chunk * chunk
         outs = [run(llm, [p], greedy())[0] for p in (a, b)]
         assert whole > 0 and [o.num_cached_tokens for o in outs] == [0, whole]  # above the bar (whole - chunk)
@@ -319,7 +387,7 @@ def test_state_scheduler_hits_a_prefix_prefilled_in_one_step(models, one_step_re
     with make_llm(models[name], **settings) as llm:  # the control
         outs = [run(llm, [p], greedy())[0] for p in (a, b)]
         assert [o.num_cached_tokens for o in outs] == [0, 0]
-        assert token_ids(outs) == ref
+        assert token_ids(outs) == one_step
     # the canary on the same run: B's hit is recomputed and compared, chunk by chunk
     with make_llm(models[name], scheduler_cls=QUALNAME, extra={"verify_fraction": 1.0}, **settings) as llm:
         outs = [run(llm, [p], greedy())[0] for p in (a, b)]
@@ -333,13 +401,15 @@ def test_state_scheduler_hits_a_prefix_prefilled_in_one_step(models, one_step_re
     "name, prefix_caching",
     [("granite_hybrid", False), ("granite_hybrid", True), ("qwen3_next", False), ("qwen3_next", True)],
 )
-def test_state_scheduler_fresh_process_hits_from_disk(models, one_step_reference, name, prefix_caching, tmp_path):
+def test_state_scheduler_fresh_process_hits_from_disk(models, chunk_step_reference, name, prefix_caching, tmp_path):
     """The same from the disk tier across processes: A stores in one process, B hits
-    in a fresh one (empty CPU tier, empty vLLM cache) with identical greedy tokens.
-    Both also with vLLM's prefix caching on ("align" mode: the state scheduler adds its
-    stops to vLLM's). vLLM-CPU 0.32 alone crashes on Granite with prefix caching on when
-    it prefills this prompt in one step (docs/connector.md); with the state scheduler's
-    steps it runs."""
+    in a fresh one (empty CPU tier, empty vLLM cache) with the greedy tokens of vLLM
+    without the connector prefilling in chunk steps. Both also with vLLM's prefix
+    caching on ("align" mode: the state scheduler adds its stops to vLLM's). vLLM-CPU
+    0.32 alone crashes on Granite with prefix caching on when it prefills this prompt in
+    one step (docs/connector.md); with the state scheduler's steps it runs (on an
+    AVX2-only CPU, where Granite's block is smaller than a chunk, only since they end on
+    vLLM's blocks: ``state_scheduler.unexportable_checkpoint_block``)."""
     pytest.importorskip("lmcache_backend_disk")
     from lmcache_connector.state_scheduler import QUALNAME
 
@@ -355,7 +425,7 @@ def test_state_scheduler_fresh_process_hits_from_disk(models, one_step_reference
     assert second["cached"] == [SHARED // chunk * chunk]
     assert second["loaded_tokens"] == SHARED // chunk * chunk  # from the tier, not vLLM's own cache
     assert {t["name"]: t["hits"] for t in second["tiers"]}["disk"] >= 1
-    assert [first["tokens"][0], second["tokens"][0]] == one_step_reference(name)
+    assert [first["tokens"][0], second["tokens"][0]] == chunk_step_reference(name, chunk)
 
 
 ANSWER = 128

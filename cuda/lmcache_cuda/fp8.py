@@ -198,6 +198,34 @@ def _table(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
     return layer_table(kv_caches).ptrs
 
 
+def _start(
+    kv_caches: Sequence[torch.Tensor], items: Sequence[tuple[torch.Tensor, torch.Tensor]], granularity: str, reference_fn: Any
+) -> Any:
+    """What a load or a save starts with: every item checked; then either the
+    reference path run to its end (an :class:`Fp8Status`), or, for the kernels, the
+    layout, the checked items ``(tokens, index, frame)``, the extension, the layer
+    table, the current and the copy stream, a zeroed status word and the geometry."""
+    layout = _layout(kv_caches)
+    checked = [(_check(layout, idx, buf, granularity), idx, buf) for idx, buf in items]
+    if not _use_kernels(layout):
+        found = 0
+        for tokens, idx, buf in checked:
+            found |= reference_fn(kv_caches, layout, idx, buf, tokens)
+        return Fp8Status(found)
+    dev = layout.device
+    status = torch.zeros(1, dtype=torch.int32, device=dev)
+    return (
+        layout,
+        checked,
+        load_kernels(),
+        _table(kv_caches),
+        torch.cuda.current_stream(dev),
+        _copy_stream(dev),
+        status,
+        _args(layout),
+    )
+
+
 def _bounds(groups: int, pieces: int) -> list[int]:
     pieces = max(1, min(pieces, groups))
     return [groups * k // pieces for k in range(pieces + 1)]
@@ -241,20 +269,11 @@ def load_many(
     copied on a side stream, each in ``pieces`` parts (default :func:`auto_pieces`), and
     each part's decode waits (on the GPU) for its own part only. The caller keeps the
     frames alive and unchanged until the current stream has passed this point."""
-    layout = _layout(kv_caches)
-    checked = [(_check(layout, idx, frame, granularity), idx, frame) for idx, frame in items]
-    if not _use_kernels(layout):
-        found = 0
-        for tokens, idx, frame in checked:
-            found |= _reference_load(kv_caches, layout, idx, frame, tokens)
-        return Fp8Status(found)
-    k = load_kernels()
+    step = _start(kv_caches, items, granularity, _reference_load)
+    if isinstance(step, Fp8Status):
+        return step
+    layout, checked, k, ptrs, current, copier, status, args = step
     dev = layout.device
-    ptrs = _table(kv_caches)
-    current = torch.cuda.current_stream(dev)
-    copier = _copy_stream(dev)
-    status = torch.zeros(1, dtype=torch.int32, device=dev)
-    args = _args(layout)
     limit = _codec().scale_limit(layout.dtype)
     # every copy first (one pass on the side stream), then every decode on the current
     # stream, each waiting for its part's event: the GPU overlaps them all the same
@@ -306,20 +325,11 @@ def save_many(
     on the current stream (after the work already queued there, so a save sees freshly
     written KV), then copied out on a side stream while the next is encoded; the current
     stream waits for the copies. Keep ``out`` unread until then."""
-    layout = _layout(kv_caches)
-    checked = [(_check(layout, idx, out, granularity), idx, out) for idx, out in items]
-    if not _use_kernels(layout):
-        found = 0
-        for tokens, idx, out in checked:
-            found |= _reference_save(kv_caches, layout, idx, out, tokens)
-        return Fp8Status(found)
-    k = load_kernels()
+    step = _start(kv_caches, items, granularity, _reference_save)
+    if isinstance(step, Fp8Status):
+        return step
+    layout, checked, k, ptrs, current, copier, status, args = step
     dev = layout.device
-    ptrs = _table(kv_caches)
-    current = torch.cuda.current_stream(dev)
-    copier = _copy_stream(dev)
-    status = torch.zeros(1, dtype=torch.int32, device=dev)
-    args = _args(layout)
     fp8 = _codec()
     consts = (fp8._ROUND_UP / fp8.FP8_MAX, fp8.MIN_SCALE, fp8.scale_limit(layout.dtype))
     for tokens, idx, out in checked:

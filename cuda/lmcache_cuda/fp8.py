@@ -7,7 +7,7 @@ scale per 64 values, then one float8 e4m3fn code per value) of the chunk buffer
 ``[layers, 2, tokens, heads, head_size]`` (``granularity="tokens"``) or ``[layers,
 n_blocks, block_numel]`` (``"blocks"``), bit for bit what the CPU codec writes and
 decodes (csrc/fp8_math.cuh; tests/cuda/test_native_fp8_math.py and
-tests/cuda/test_fp8_gpu.py hold them together).
+tests/cuda/test_fp8_transfers.py hold them together).
 
 - :func:`load` / :func:`load_many`: the frame's bytes go to a device staging buffer on
   a side copy stream, in ``pieces`` parts (the scales with the first), and each part
@@ -27,45 +27,33 @@ through lmcache_core's CPU codec and lmcache_cuda's torch reference, synchronous
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Sequence
 
 import torch
 
+# the frame's definition, constants and messages live with the CPU codec (this module,
+# unlike the rest of lmcache_cuda, needs lmcache_core)
+from lmcache_core import fp8 as codec
+from lmcache_core.fp8 import GROUP, payload_len
 from lmcache_cuda import reference
 from lmcache_cuda.dispatch import available, load_kernels
-from lmcache_cuda.paged_layout import PagedLayout, PreparedLayers, check_index
+from lmcache_cuda.paged_layout import PagedLayout, check_index, layout_of
 
-GROUP = 64
+__all__ = ["GROUP", "payload_len", "load", "load_many", "save", "save_many", "Fp8Status", "auto_pieces", "describe"]
+
+# status bits (csrc/fp8_math.cuh)
 BAD_SCALE = 1
 NAN_CODE = 2
 NOT_FINITE = 4
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-
-
-def payload_len(numel: int) -> int:
-    """Bytes of the fp8 frame of ``numel`` values."""
-    return 2 * -(-numel // GROUP) + numel
-
-
-def _codec() -> Any:
-    # the frame's definition and constants live with the CPU codec
-    try:
-        from lmcache_core import fp8
-    except ImportError as exc:  # pragma: no cover - lmcache_core is how frames are stored
-        raise RuntimeError("the fp8 transfers need lmcache_core (its fp8 codec defines the frame)") from exc
-    return fp8
+_MESSAGES = {BAD_SCALE: codec._BAD_SCALE, NAN_CODE: codec._NAN_CODE, NOT_FINITE: codec._NOT_FINITE}
 
 
 def describe(status: int) -> str:
-    parts = []
-    if status & BAD_SCALE:
-        parts.append("a scale is negative, not finite or too large for the dtype")
-    if status & NAN_CODE:
-        parts.append("a float8 NaN code: not written by this codec")
-    if status & NOT_FINITE:
-        parts.append("the fp8 codec cannot store NaN or infinite KV")
-    return "; ".join(parts) or "fine"
+    """The status bits in the CPU codec's words."""
+    return "; ".join(msg for bit, msg in _MESSAGES.items() if status & bit) or "fine"
 
 
 class Fp8Status:
@@ -94,16 +82,15 @@ class Fp8Status:
             raise ValueError(describe(v))
 
 
-def _layout(kv_caches: Sequence[torch.Tensor]) -> PagedLayout:
-    if isinstance(kv_caches, PreparedLayers):
-        return kv_caches.layout
-    return PagedLayout.from_layers(kv_caches)
+def _chunk_shape(layout: PagedLayout, index: torch.Tensor, tokens: bool) -> tuple[int, ...]:
+    """The chunk buffer the frame encodes."""
+    if tokens:
+        return layout.token_buffer_shape(index.numel())
+    return (layout.num_layers, index.numel(), layout.block_numel)
 
 
 def _numel(layout: PagedLayout, index: torch.Tensor, tokens: bool) -> int:
-    if tokens:
-        return layout.num_layers * 2 * index.numel() * layout.num_kv_heads * layout.head_size
-    return layout.num_layers * index.numel() * layout.block_numel
+    return math.prod(_chunk_shape(layout, index, tokens))
 
 
 def _check(layout: PagedLayout, index: torch.Tensor, frame: torch.Tensor, granularity: str) -> bool:
@@ -133,13 +120,11 @@ def _use_kernels(layout: PagedLayout) -> bool:
 def _reference_load(
     kv_caches: Sequence[torch.Tensor], layout: PagedLayout, index: torch.Tensor, frame: torch.Tensor, tokens: bool
 ) -> int:
-    fp8 = _codec()
-    shape = layout.token_buffer_shape(index.numel()) if tokens else (layout.num_layers, index.numel(), layout.block_numel)
     raw = frame.cpu().numpy().data.cast("B")
     try:
-        values = fp8.Fp8Codec().decode_tensor(raw, layout.dtype, shape, None)
+        values = codec.Fp8Codec().decode_tensor(raw, layout.dtype, _chunk_shape(layout, index, tokens), None)
     except ValueError as err:
-        return NAN_CODE if "NaN code" in str(err) else BAD_SCALE
+        return NAN_CODE if str(err) == codec._NAN_CODE else BAD_SCALE
     src = values.to(layout.device)
     (reference.scatter_tokens if tokens else reference.scatter_blocks)(kv_caches, index, src)
     return 0
@@ -148,12 +133,10 @@ def _reference_load(
 def _reference_save(
     kv_caches: Sequence[torch.Tensor], layout: PagedLayout, index: torch.Tensor, out: torch.Tensor, tokens: bool
 ) -> int:
-    fp8 = _codec()
-    shape = layout.token_buffer_shape(index.numel()) if tokens else (layout.num_layers, index.numel(), layout.block_numel)
-    buf = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+    buf = torch.empty(_chunk_shape(layout, index, tokens), dtype=layout.dtype, device=layout.device)
     (reference.gather_tokens if tokens else reference.gather_blocks)(kv_caches, index, buf)
     try:
-        frame = fp8.Fp8Codec().encode_tensor(buf.cpu())
+        frame = codec.Fp8Codec().encode_tensor(buf.cpu())
     except ValueError:
         return NOT_FINITE
     out.copy_(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
@@ -188,16 +171,6 @@ def _args(layout: PagedLayout) -> tuple:
     )
 
 
-def _table(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    from lmcache_cuda.kernels import layer_table
-
-    if isinstance(kv_caches, PreparedLayers):
-        if kv_caches.table is None:
-            kv_caches.table = layer_table(kv_caches)
-        return kv_caches.table.ptrs
-    return layer_table(kv_caches).ptrs
-
-
 def _start(
     kv_caches: Sequence[torch.Tensor], items: Sequence[tuple[torch.Tensor, torch.Tensor]], granularity: str, reference_fn: Any
 ) -> Any:
@@ -205,20 +178,22 @@ def _start(
     reference path run to its end (an :class:`Fp8Status`), or, for the kernels, the
     layout, the checked items ``(tokens, index, frame)``, the extension, the layer
     table, the current and the copy stream, a zeroed status word and the geometry."""
-    layout = _layout(kv_caches)
+    layout = layout_of(kv_caches)
     checked = [(_check(layout, idx, buf, granularity), idx, buf) for idx, buf in items]
     if not _use_kernels(layout):
         found = 0
         for tokens, idx, buf in checked:
             found |= reference_fn(kv_caches, layout, idx, buf, tokens)
         return Fp8Status(found)
+    from lmcache_cuda.kernels import table_of
+
     dev = layout.device
     status = torch.zeros(1, dtype=torch.int32, device=dev)
     return (
         layout,
         checked,
         load_kernels(),
-        _table(kv_caches),
+        table_of(kv_caches).ptrs,
         torch.cuda.current_stream(dev),
         _copy_stream(dev),
         status,
@@ -274,7 +249,7 @@ def load_many(
         return step
     layout, checked, k, ptrs, current, copier, status, args = step
     dev = layout.device
-    limit = _codec().scale_limit(layout.dtype)
+    limit = codec.scale_limit(layout.dtype)
     # every copy first (one pass on the side stream), then every decode on the current
     # stream, each waiting for its part's event: the GPU overlaps them all the same
     plan: list[tuple[bool, torch.Tensor, torch.Tensor, list[tuple[int, int, Any]]]] = []  # [(g0, g1, event or None)]
@@ -330,8 +305,7 @@ def save_many(
         return step
     layout, checked, k, ptrs, current, copier, status, args = step
     dev = layout.device
-    fp8 = _codec()
-    consts = (fp8._ROUND_UP / fp8.FP8_MAX, fp8.MIN_SCALE, fp8.scale_limit(layout.dtype))
+    consts = (codec._ROUND_UP / codec.FP8_MAX, codec.MIN_SCALE, codec.scale_limit(layout.dtype))
     for tokens, idx, out in checked:
         index = idx.to(dev, torch.int64, non_blocking=True).contiguous()
         n = _numel(layout, idx, tokens)

@@ -89,18 +89,23 @@ def _paged_layout(kv_caches: Sequence[torch.Tensor]) -> PagedLayout:
     return layout
 
 
+def table_of(kv_caches: Sequence[torch.Tensor]) -> LayerTable:
+    """The address table of these layers: kept on prepared layers (built at first use),
+    else looked up in the cache of :func:`layer_table`."""
+    if isinstance(kv_caches, PreparedLayers):
+        if kv_caches.table is None:
+            kv_caches.table = layer_table(kv_caches)
+        return kv_caches.table
+    return layer_table(kv_caches)
+
+
 def _prepare(kv_caches: Sequence[torch.Tensor], index: torch.Tensor, what: str):
     prepared = kv_caches if isinstance(kv_caches, PreparedLayers) else None
     layout = prepared.layout if prepared is not None else _paged_layout(kv_caches)
     if layout.device.type != "cuda":
         raise ValueError(f"the CUDA kernels need CUDA KV tensors, got {layout.device}")
     check_index(index, what)
-    if prepared is not None:
-        if prepared.table is None:
-            prepared.table = layer_table(prepared)
-        table = prepared.table
-    else:
-        table = layer_table(kv_caches)
+    table = table_of(kv_caches)
     stream = torch.cuda.current_stream(layout.device)
     table.ptrs.record_stream(stream)
     idx = index.to(layout.device, torch.int64).contiguous()

@@ -11,7 +11,6 @@ with a batch size that is a multiple of the chunk size (see docs/connector.md).
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -332,14 +331,14 @@ def one_step_reference(models):
 
 def _connector_chunk(llm: Any) -> int:
     """The chunk the connector would use in this engine (vLLM without it): the default
-    256 tokens, or the smallest multiple of vLLM's block size above it, as
-    ``layouts.groups.effective_chunk_size`` computes it. Read here, before any
-    connector engine: in-process, vLLM keeps the last one's connector for later ones."""
-    from vllm.v1.kv_cache_interface import MambaSpec
+    256 tokens as the connector adjusts it to the engine's groups
+    (``layouts.groups.effective_chunk_size``). Read here, before any connector engine:
+    in-process, vLLM keeps the last one's connector for later ones."""
+    from lmcache_connector.layouts.groups import describe_groups, effective_chunk_size
 
-    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
-    block = math.lcm(*{g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)})
-    return -(-256 // block) * block
+    engine = llm.llm_engine
+    kv_cache_config = engine.engine_core.engine_core.scheduler.kv_cache_config
+    return effective_chunk_size(256, describe_groups(kv_cache_config, engine.vllm_config.cache_config.block_size))
 
 
 @pytest.fixture(scope="module")

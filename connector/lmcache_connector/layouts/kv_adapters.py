@@ -191,8 +191,9 @@ class _StepPlan:
     of a layer sits at ``bases[i] + layer * per_layer[i]``: ``rows[i]`` rows of
     ``width[i]`` bytes, ``chunk_pitch[i]`` apart there and ``stage_pitch[i]`` apart in
     the staging buffer, moved by one DMA), and the kernel copies between the staging
-    buffer and the KV, checked once (built at first use: a load's DMAs are enqueued
-    first, so the index upload and the checks run on the host while they move)."""
+    buffer and the KV, checked once (``copies()``: built at the step's start for the
+    layer pipeline; in ``copy_many`` after a load's DMAs are enqueued, so the index
+    upload and the checks run on the host while they move)."""
 
     load: bool
     tensors: list[torch.Tensor]

@@ -57,11 +57,17 @@ from typing import Callable, ClassVar, Hashable, Protocol, Sequence
 Key = Hashable
 
 
-def _sample_hash(key: Key) -> int:
-    """The hash the shadows sample a key by: its chunk hash's for a chunk key (a
-    namespace shared by every key adds nothing), the key's own otherwise."""
+_MIX = 0x9E3779B1  # Fibonacci hashing: the low 32 bits of hash x this are uniform
+
+
+def _sample_point(key: Key) -> int:
+    """Where the shadows place a key in ``[0, 2**32)`` (sampled below a threshold):
+    its chunk hash's hash for a chunk key (a namespace shared by every key adds
+    nothing), the key's own otherwise, mixed by Fibonacci hashing. The low 32 bits of
+    a product depend only on the low 32 bits of its factors, so the hash is cut to
+    them first: the product then stays a machine-size integer."""
     part = getattr(key, "chunk_hash", None)
-    return hash(key if part is None else part)
+    return (hash(key if part is None else part) & 0xFFFFFFFF) * _MIX & 0xFFFFFFFF
 
 
 class EvictionPolicy(abc.ABC):
@@ -559,16 +565,19 @@ class _Segments:
     MAX_COUNT = 15
     #: requests whose chain waits for its last key (beyond: the oldest is applied as is)
     OPEN_CHAINS = 64
-    #: set by :class:`AdaptivePolicy`: a key whose mixed hash is below it when it is
-    #: stored is sampled; its accesses also go to :meth:`observe` (0: none)
+    #: set by :class:`AdaptivePolicy`: a key whose :func:`_sample_point` is below it
+    #: when it is stored is sampled; its accesses also go to :meth:`observe` (0: none)
     threshold = 0
-    _MIX = 0x9E3779B1  # Fibonacci hashing: the low 32 bits of hash x this are uniform
 
     def __init__(self, capacity: int, mode: str, share: float | None = None) -> None:
         self.capacity = max(0, int(capacity))
         self.mode = mode
-        #: protected's share of the bytes (at most)
+        #: protected's share of the bytes (at most), and that share in bytes
         self.share = self._share(mode, share)
+        self.tlimit = self.share * self.capacity
+        #: the window's bytes (frequency mode), and the main area's (the rest)
+        self.wlimit = self.WINDOW * self.capacity
+        self.mlimit = self.capacity - self.wlimit
         self.window: OrderedDict[Key, _Rec] = OrderedDict()
         self.probation: OrderedDict[Key, _Rec] = OrderedDict()
         self.protected: OrderedDict[Key, _Rec] = OrderedDict()
@@ -610,7 +619,7 @@ class _Segments:
     def miss(self, key: Key) -> None:
         v = self.info.get(key, 0)
         if not isinstance(v, _Rec):
-            self.info[key] = min(v + 1, self.MAX_COUNT)
+            self.info[key] = v + 1 if v < self.MAX_COUNT else v
             self.samples += 1
             if self.samples >= self.halve_at:
                 self.halve()
@@ -622,6 +631,7 @@ class _Segments:
 
     def set_mode(self, mode: str, share: float | None = None) -> None:
         self.share = self._share(mode, share)
+        self.tlimit = self.share * self.capacity
         if mode is not self.mode:
             self.mode = mode
             if mode is RECENCY:  # no window in recency mode: its keys join probation
@@ -636,7 +646,7 @@ class _Segments:
 
     def _trim(self) -> None:
         """Protected back within its share: its least recent go to probation."""
-        protected, limit = self.protected, self.share * self.capacity
+        protected, limit = self.protected, self.tlimit
         while self.tbytes > limit and len(protected) > 1:
             old, orec = next(iter(protected.items()))
             self._move(old, orec, self.probation)
@@ -669,7 +679,7 @@ class _Segments:
             self.detach(key)
             v = v.count
         t = self.threshold
-        sampled = t > 0 and _sample_hash(key) * self._MIX & 0xFFFFFFFF < t
+        sampled = t > 0 and _sample_point(key) < t
         if sampled:
             self.observe(key, size, False)
         if self.mode is RECENCY:
@@ -686,13 +696,13 @@ class _Segments:
         if self.samples >= self.halve_at:
             self.halve()
         if seg is self.window and not self.evicting:
-            budget = self.WINDOW * self.capacity
+            budget = self.wlimit
             if self.wbytes > budget and len(seg) > 1:
                 # while the tier fills (no victim asked for yet), window overflow moves on
                 # to probation; after that it is the next victim's duel that admits it (a
                 # tier makes room before it stores, so the main area always has room for
                 # one more just then: moving it here would admit every newcomer)
-                main = self.capacity - budget
+                main = self.mlimit
                 while self.wbytes > budget and len(seg) > 1:
                     old, orec = next(iter(seg.items()))
                     if self.pbytes + self.tbytes + orec.size > main:
@@ -720,7 +730,12 @@ class _Segments:
             # seen again in probation: promoted. Protected is trimmed back to its share
             # when the chain is applied or at the next victim, not here: a prompt is read
             # head first, so trimming now would demote its head first.
-            self._move(key, rec, self.protected)
+            del seg[key]
+            protected = self.protected
+            protected[key] = rec
+            rec.seg = protected
+            self.pbytes -= rec.size
+            self.tbytes += rec.size
         else:
             seg.move_to_end(key)
         if rec.ends:
@@ -730,14 +745,14 @@ class _Segments:
     def pop(self) -> tuple[Key, int] | None:
         """Detach the next victim: ``(key, size)``, or None when nothing is resident."""
         self.evicting = True
-        if self.tbytes > self.share * self.capacity:
+        if self.tbytes > self.tlimit:
             self._trim()
-        window = self.window
-        if self.mode is FREQUENCY and window and self.wbytes > self.WINDOW * self.capacity:
-            cand, crec = next(iter(window.items()))
-            main = self.probation or self.protected
+        window, probation = self.window, self.probation
+        if self.mode is FREQUENCY and window and self.wbytes > self.wlimit:
+            cand, crec = window.popitem(last=False)
+            main = probation or self.protected
             if not main or crec.count <= next(iter(main.values())).count:
-                window.popitem(last=False)  # a tie keeps the resident: the newcomer leaves
+                # a tie keeps the resident: the newcomer leaves
                 self.wbytes -= crec.size
                 self.resident -= 1
                 if crec.count:
@@ -746,8 +761,11 @@ class _Segments:
                     del self.info[cand]
                 return cand, crec.size
             # the newcomer earned its place: it enters probation, the victim leaves
-            self._move(cand, crec, self.probation)
-        seg = self.probation or self.protected or window
+            probation[cand] = crec
+            crec.seg = probation
+            self.wbytes -= crec.size
+            self.pbytes += crec.size
+        seg = probation or self.protected or window
         if not seg:
             return None
         key, rec = seg.popitem(last=False)
@@ -829,7 +847,7 @@ class _Segments:
             recs.append(rec)
         sampled = []
         window, probation = self.window, self.probation
-        main = self.capacity - self.WINDOW * self.capacity
+        main = self.mlimit
         for i in range(len(recs) - 1, -1, -1):
             rec = recs[i]
             if rec.seg is window and not self.evicting and self.pbytes + self.tbytes + rec.size <= main:
@@ -838,7 +856,7 @@ class _Segments:
                 rec.seg.move_to_end(keys[i])
             if rec.sampled:
                 sampled.append(keys[i])
-        if self.tbytes > self.share * self.capacity:
+        if self.tbytes > self.tlimit:
             self._trim()
         if sampled:
             sampled.reverse()
@@ -981,7 +999,7 @@ class AdaptivePolicy(_Segments, EvictionPolicy):
         """One sampled access, fed to the shadows; switch order on a clear lead."""
         if not self._main:  # the first insert: size the shadows, then sample as they say
             self._start(size)
-            if _sample_hash(key) * self._MIX & 0xFFFFFFFF >= self.threshold:
+            if _sample_point(key) >= self.threshold:
                 return
         w = self._weight = self._weight * self._grow
         if self._tally(self._main, key, size, self._lead, self._spread, w) and self.full:
@@ -1039,17 +1057,12 @@ class AdaptivePolicy(_Segments, EvictionPolicy):
         victim = self.pop()
         return None if victim is None else victim[0]
 
-    def keep(self, key: Key, size: int) -> None:
-        _Segments.keep(self, key, size)
-
-    def miss(self, key: Key) -> None:
-        _Segments.miss(self, key)
-
-    def chain(self, keys: Sequence[Key]) -> None:
-        _Segments.chain(self, keys)
-
-    def partial(self, key: Key) -> None:
-        _Segments.partial(self, key)
+    # _Segments' own (first in the MRO already; named here as the contract's, without
+    # a wrapper's extra call on the per-access path)
+    keep = _Segments.keep
+    miss = _Segments.miss
+    chain = _Segments.chain
+    partial = _Segments.partial
 
     def frequency(self, key: Key) -> int:
         return self.count(key)

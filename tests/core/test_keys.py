@@ -129,7 +129,7 @@ def test_chunk_key_is_a_value_hashed_and_compared_in_c() -> None:
     import copy
     import pickle
 
-    from lmcache_core.eviction import _sample_hash
+    from lmcache_core.eviction import _MIX, _sample_point
 
     ns, h = b"n" * 16, b"h" * 16
     key = ChunkKey(ns, h)
@@ -143,8 +143,13 @@ def test_chunk_key_is_a_value_hashed_and_compared_in_c() -> None:
         key.chunk_hash = b"x" * 16  # type: ignore[misc]
     # the hash and equality of the tuple underneath, no Python-level method per lookup
     assert ChunkKey.__hash__ is tuple.__hash__ and ChunkKey.__eq__ is tuple.__eq__
-    # adaptive's shadows sample a key by its chunk hash alone (as before the tuple)
-    assert _sample_hash(key) == hash(h) and _sample_hash(b"raw") == hash(b"raw")
+    # adaptive's shadows sample a key by its chunk hash alone (as before the tuple), at
+    # the low 32 bits of its hash times _MIX; cutting the hash to 32 bits first gives
+    # the same point for every hash, negative ones included
+    m = 0xFFFFFFFF
+    assert _sample_point(key) == hash(h) * _MIX & m and _sample_point(b"raw") == hash(b"raw") * _MIX & m
+    for x in (-(2**63), -(2**32) - 1, -1, 0, 1, 2**32 + 5, 2**63 - 1, hash(h), -hash(h)):
+        assert (x & m) * _MIX & m == x * _MIX & m
 
 
 @settings(max_examples=60, deadline=None)

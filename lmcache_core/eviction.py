@@ -730,12 +730,7 @@ class _Segments:
             # seen again in probation: promoted. Protected is trimmed back to its share
             # when the chain is applied or at the next victim, not here: a prompt is read
             # head first, so trimming now would demote its head first.
-            del seg[key]
-            protected = self.protected
-            protected[key] = rec
-            rec.seg = protected
-            self.pbytes -= rec.size
-            self.tbytes += rec.size
+            self._move(key, rec, self.protected)
         else:
             seg.move_to_end(key)
         if rec.ends:
@@ -747,12 +742,12 @@ class _Segments:
         self.evicting = True
         if self.tbytes > self.tlimit:
             self._trim()
-        window, probation = self.window, self.probation
+        window = self.window
         if self.mode is FREQUENCY and window and self.wbytes > self.wlimit:
-            cand, crec = window.popitem(last=False)
-            main = probation or self.protected
+            cand, crec = next(iter(window.items()))
+            main = self.probation or self.protected
             if not main or crec.count <= next(iter(main.values())).count:
-                # a tie keeps the resident: the newcomer leaves
+                window.popitem(last=False)  # a tie keeps the resident: the newcomer leaves
                 self.wbytes -= crec.size
                 self.resident -= 1
                 if crec.count:
@@ -761,11 +756,8 @@ class _Segments:
                     del self.info[cand]
                 return cand, crec.size
             # the newcomer earned its place: it enters probation, the victim leaves
-            probation[cand] = crec
-            crec.seg = probation
-            self.wbytes -= crec.size
-            self.pbytes += crec.size
-        seg = probation or self.protected or window
+            self._move(cand, crec, self.probation)
+        seg = self.probation or self.protected or window
         if not seg:
             return None
         key, rec = seg.popitem(last=False)

@@ -713,11 +713,8 @@ class _Segments:
 
     def hit(self, key: Key) -> None:
         rec = self.info.get(key)
-        if isinstance(rec, _Rec):
-            self.hit_rec(key, rec)
-
-    def hit_rec(self, key: Key, rec: _Rec) -> None:
-        """:meth:`hit` for a resident key whose record the caller holds."""
+        if not isinstance(rec, _Rec):
+            return
         if rec.sampled:
             self.observe(key, rec.size, True)
         if rec.count < self.MAX_COUNT:
@@ -743,19 +740,14 @@ class _Segments:
         if self.tbytes > self.tlimit:
             self._trim()
         window = self.window
-        if self.mode is FREQUENCY and window and self.wbytes > self.wlimit:
-            cand, crec = next(iter(window.items()))
+        if window and self.wbytes > self.wlimit and self.mode is FREQUENCY:
+            cand, crec = window.popitem(last=False)
             main = self.probation or self.protected
             if not main or crec.count <= next(iter(main.values())).count:
-                window.popitem(last=False)  # a tie keeps the resident: the newcomer leaves
-                self.wbytes -= crec.size
-                self.resident -= 1
-                if crec.count:
-                    self.info[cand] = crec.count
-                else:
-                    del self.info[cand]
-                return cand, crec.size
+                # a tie keeps the resident: the newcomer leaves
+                return cand, self._left(cand, crec, window)
             # the newcomer earned its place: it enters probation, the victim leaves
+            window[cand] = crec  # (back where _move takes it from)
             self._move(cand, crec, self.probation)
         seg = self.probation or self.protected or window
         if not seg:
@@ -839,10 +831,11 @@ class _Segments:
             recs.append(rec)
         sampled = []
         window, probation = self.window, self.probation
+        filling = not self.evicting
         main = self.mlimit
         for i in range(len(recs) - 1, -1, -1):
             rec = recs[i]
-            if rec.seg is window and not self.evicting and self.pbytes + self.tbytes + rec.size <= main:
+            if filling and rec.seg is window and self.pbytes + self.tbytes + rec.size <= main:
                 self._move(keys[i], rec, probation)
             else:
                 rec.seg.move_to_end(keys[i])
@@ -879,9 +872,8 @@ class _Shadow:
     def access(self, key: Key, size: int) -> int:
         """A read of ``key`` that stores it on a miss, as the engine does; 1 on a hit."""
         seg = self.seg
-        rec = seg.info.get(key)
-        if isinstance(rec, _Rec):
-            seg.hit_rec(key, rec)
+        if isinstance(seg.info.get(key), _Rec):
+            seg.hit(key)
             return 1
         if size > self.budget:
             return 0

@@ -54,6 +54,10 @@ lmcache-core loaded, RSS of the server's processes, ratios to ``limit`` and ``fl
 and whether every arm's greedy outputs are identical. Outputs in ``--out``:
 ``results.json``, ``results.md``, ``ttft.png``, and each server's log
 (``server-logs/round<N>-<arm>.log``; LMCache's server: ``round<N>-lmcache.lmcache-server.log``). Never part of the test pass.
+
+Exit status 1 when a request failed or an arm gave no results; ``--quick`` (a 32 MiB small
+cache, below its documents' KV, and no ``floor`` arm) also fails when ``lmc-cpu`` loaded
+nothing on doc QA.
 """
 
 from __future__ import annotations
@@ -460,9 +464,47 @@ ARMS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def quick_defaults(a: argparse.Namespace) -> None:
+    """Fill the settings left unset: the full run's, or with ``--quick`` a run of minutes
+    that still makes lmcache-core work. Its small cache (32 MiB, about 5,400 tokens of this
+    model) is below the documents' KV (6 x 1,040 tokens, 1.2x), so the second round of
+    questions misses in vLLM and ``lmc-cpu`` loads; vLLM starts only if one request of
+    ``--max-model-len`` fits its cache, hence 4,096. The floor arm is left out: with a
+    concurrency of at most 4 it is the limit (the small cache holds 4 requests)."""
+    if a.quick:
+        a.docs, a.doc_tokens, a.unique, a.chat_users, a.chat_turns, a.bench_prompts = 6, 1000, 8, 4, 3, 0
+        a.trace_requests = min(a.trace_requests, 100)
+        a.concurrency = [c for c in a.concurrency if c <= 4] or [4]
+    if a.arms is None:
+        a.arms = ["vllm", "lmc-cpu", "limit"] + ([] if a.quick else ["floor"])
+    if a.small_kv is None:
+        a.small_kv = (32 if a.quick else 120) << 20
+    if a.max_model_len is None:
+        a.max_model_len = 4096 if a.quick else 8192
+
+
+def checks(merged: dict[str, dict[str, dict[str, Any]]], a: argparse.Namespace) -> list[str]:
+    """What every run must show: no request failed, in any arm (the figures of a run with
+    failures are not comparable); with ``--quick``, that ``lmc-cpu`` loaded tokens on
+    doc QA (a quick run that never loads would check nothing of lmcache-core)."""
+    failed = {f"{arm} {key}": s.get("failed") for arm, runs in merged.items() for key, s in runs.items()}
+    bad = {k: v for k, v in failed.items() if v}
+    lines = [f"{'FAIL' if bad else 'PASS'} requests: " + (f"failed in {bad}" if bad else f"none failed ({len(failed)} runs)")]
+    missing = [arm for arm in a.arms if not merged.get(arm)]
+    if missing:
+        lines.append(f"FAIL arms without results: {', '.join(missing)}")
+    if a.quick and "lmc-cpu" in a.arms and "docqa" in a.workloads:
+        loaded = {k: s.get("loaded_tokens", 0) for k, s in merged.get("lmc-cpu", {}).items() if k.startswith("docqa")}
+        ok = bool(loaded) and all(v > 0 for v in loaded.values())
+        lines.append(f"{'PASS' if ok else 'FAIL'} lmc-cpu loaded tokens on doc QA: {loaded or 'no doc QA run'}")
+    return lines
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", nargs="+", default=["vllm", "lmc-cpu", "limit", "floor"], choices=sorted(ARMS))
+    p.add_argument(
+        "--arms", nargs="+", default=None, choices=sorted(ARMS), help="default: vllm lmc-cpu limit floor (--quick: no floor)"
+    )
     p.add_argument("--workloads", nargs="+", default=["docqa", "chat", "unique", "vllm-bench"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--docs", type=int, default=10)
@@ -480,11 +522,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-max-blocks", type=int, default=8, help="blocks of each trace request kept (its first ones)")
     p.add_argument("--cpu-size", default="2GiB", help="the CPU tier of the lmc-cpu arms (and LMCache's L1)")
     p.add_argument("--bench-prompts", type=int, default=0, help="vllm-bench prompts (default: 3 per document)")
-    p.add_argument("--small-kv", type=int, default=120 << 20, help="vLLM's KV cache in the small arms (bytes)")
+    p.add_argument(
+        "--small-kv", type=int, default=None, help="vLLM's KV cache in the small arms (bytes; default 120 MiB, --quick 32 MiB)"
+    )
     p.add_argument("--large-kv", type=int, default=1 << 30, help="vLLM's KV cache in limit/floor (bytes)")
     p.add_argument("--floor-seqs", type=int, default=0, help="floor's --max-num-seqs (default: what the small cache holds)")
     p.add_argument("--chunk-size", type=int, default=256, help="chunk size (tokens) of the lmc arms and of LMCache")
-    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None, help="default 8192 (--quick: 4096)")
     p.add_argument("--max-batched", type=int, default=2048)
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--repeat", type=int, default=1, help="rounds, the arms' order rotating")
@@ -507,10 +551,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="build the lmcache arm's environment (.envs/lmcache) and exit; the arm also builds it on first use",
     )
-    p.add_argument("--quick", action="store_true", help="fewer, shorter requests; concurrency 1 and 4")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer, shorter requests; concurrency 1 and 4; a 32 MiB small cache; no floor arm; checks that lmc-cpu loads",
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"))
     p.add_argument("--json", type=Path, default=None, help="also write TTFT p50/p90 per arm and workload (seconds) here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
+    quick_defaults(a)
     if a.setup_lmcache or LMCACHE_ARMS & set(a.arms):
         try:
             python = lmcache_arm.ensure_env()
@@ -532,10 +586,6 @@ def main(argv: list[str] | None = None) -> int:
     a.variant = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.variant)}
     if "lmc-cpu2" in a.arms and not a.variant:
         p.error("the lmc-cpu2 arm is lmc-cpu with --variant settings: give some")
-    if a.quick:
-        a.docs, a.doc_tokens, a.unique, a.chat_users, a.chat_turns, a.bench_prompts = 6, 1000, 8, 4, 3, 0
-        a.trace_requests = min(a.trace_requests, 100)
-        a.concurrency = [c for c in a.concurrency if c <= 4] or [4]
     working_set = a.docs * (a.doc_tokens + 40) * KV_PER_TOKEN
     if not a.floor_seqs:
         a.floor_seqs = floor_seqs(a.small_kv, a.doc_tokens + 64 + a.output_tokens)
@@ -584,7 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.json is not None:  # for bench/tools/before_after.py
         a.json.write_text(json.dumps({"seconds": json_seconds(merged)}, indent=1))
     log("\n".join(lines))
-    return 0
+    bars = checks(merged, a)
+    log("\n".join(bars))
+    return 1 if any(b.startswith("FAIL") for b in bars) else 0
 
 
 if __name__ == "__main__":

@@ -48,3 +48,41 @@ def test_nothing_pooled_without_gaps() -> None:
     assert "itl_p99_pooled" not in merged["vllm"]["unique@16"]
     text = "\n".join(bs.report(merged, argparse.Namespace(server_env=[], arms=["vllm"]), "test"))
     assert "pooled" not in text
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    """bench_serving's settings for ``argv`` as main() sees them (parsed, defaults filled)."""
+    a = bs.parser().parse_args(list(argv))
+    bs.quick_defaults(a)
+    return a
+
+
+def test_quick_run_has_a_cache_below_its_documents() -> None:
+    """--quick: the documents' KV exceeds the small cache (so lmc-cpu has to load) and
+    one request of max_model_len fits it (or vLLM refuses to start); explicit settings
+    win; the full run keeps its own."""
+    q = _args("--quick")
+    working_set = q.docs * (q.doc_tokens + 40) * bs.KV_PER_TOKEN
+    assert working_set > q.small_kv >= q.max_model_len * bs.KV_PER_TOKEN
+    assert q.arms == ["vllm", "lmc-cpu", "limit"] and q.concurrency == [1, 4]
+    full = _args()
+    assert (full.small_kv, full.max_model_len, full.arms[-1]) == (120 << 20, 8192, "floor")
+    mine = _args("--quick", "--small-kv", str(64 << 20), "--max-model-len", "2048", "--arms", "vllm", "floor")
+    assert (mine.small_kv, mine.max_model_len, mine.arms) == (64 << 20, 2048, ["vllm", "floor"])
+
+
+def test_checks_fail_on_failed_requests_and_a_quick_run_without_loads() -> None:
+    def merged(failed: int, loaded: int) -> dict:
+        return {
+            "vllm": {"docqa@1": {"failed": 0, "loaded_tokens": 0}},
+            "lmc-cpu": {"docqa@1": {"failed": failed, "loaded_tokens": loaded}, "chat@1": {"failed": 0, "loaded_tokens": 0}},
+        }
+
+    quick = argparse.Namespace(quick=True, arms=["vllm", "lmc-cpu"], workloads=["docqa", "chat"])
+    ok = bs.checks(merged(0, 1536), quick)
+    assert ok == ["PASS requests: none failed (3 runs)", "PASS lmc-cpu loaded tokens on doc QA: {'docqa@1': 1536}"]
+    assert bs.checks(merged(2, 1536), quick)[0].startswith("FAIL requests: failed in {'lmc-cpu docqa@1': 2}")
+    assert bs.checks(merged(0, 0), quick)[1].startswith("FAIL lmc-cpu loaded")
+    # the full run does not ask for loads (its figures say what loaded); a missing arm fails
+    full = argparse.Namespace(quick=False, arms=["vllm", "lmc-cpu", "limit"], workloads=["docqa"])
+    assert bs.checks(merged(0, 0), full) == ["PASS requests: none failed (3 runs)", "FAIL arms without results: limit"]

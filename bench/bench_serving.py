@@ -467,7 +467,7 @@ ARMS = {
 def quick_defaults(a: argparse.Namespace) -> None:
     """Fill the settings left unset: the full run's, or with ``--quick`` a run of minutes
     that still makes lmcache-core work. Its small cache (32 MiB, about 5,400 tokens of this
-    model) is below the documents' KV (6 x 1,040 tokens, 1.2x), so the second round of
+    model) is below the documents' KV (6 x 1,040 tokens, 1.1x), so the second round of
     questions misses in vLLM and ``lmc-cpu`` loads; vLLM starts only if one request of
     ``--max-model-len`` fits its cache, hence 4,096. The floor arm is left out: with a
     concurrency of at most 4 it is the limit (the small cache holds 4 requests)."""
@@ -561,10 +561,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def settings(argv: list[str] | None, p: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """``argv`` parsed by ``p`` (default: :func:`parser`'s), the unset defaults filled."""
+    a = (p or parser()).parse_args(argv)
+    quick_defaults(a)
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
-    a = p.parse_args(argv)
-    quick_defaults(a)
+    a = settings(argv, p)
     if a.setup_lmcache or LMCACHE_ARMS & set(a.arms):
         try:
             python = lmcache_arm.ensure_env()

@@ -50,24 +50,17 @@ def test_nothing_pooled_without_gaps() -> None:
     assert "pooled" not in text
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    """bench_serving's settings for ``argv`` as main() sees them (parsed, defaults filled)."""
-    a = bs.parser().parse_args(list(argv))
-    bs.quick_defaults(a)
-    return a
-
-
 def test_quick_run_has_a_cache_below_its_documents() -> None:
     """--quick: the documents' KV exceeds the small cache (so lmc-cpu has to load) and
     one request of max_model_len fits it (or vLLM refuses to start); explicit settings
     win; the full run keeps its own."""
-    q = _args("--quick")
+    q = bs.settings(["--quick"])
     working_set = q.docs * (q.doc_tokens + 40) * bs.KV_PER_TOKEN
     assert working_set > q.small_kv >= q.max_model_len * bs.KV_PER_TOKEN
     assert q.arms == ["vllm", "lmc-cpu", "limit"] and q.concurrency == [1, 4]
-    full = _args()
+    full = bs.settings([])
     assert (full.small_kv, full.max_model_len, full.arms[-1]) == (120 << 20, 8192, "floor")
-    mine = _args("--quick", "--small-kv", str(64 << 20), "--max-model-len", "2048", "--arms", "vllm", "floor")
+    mine = bs.settings(["--quick", "--small-kv", str(64 << 20), "--max-model-len", "2048", "--arms", "vllm", "floor"])
     assert (mine.small_kv, mine.max_model_len, mine.arms) == (64 << 20, 2048, ["vllm", "floor"])
 
 

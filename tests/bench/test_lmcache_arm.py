@@ -178,13 +178,6 @@ def test_the_report_gives_both_systems_ratios_from_the_same_rounds() -> None:
     assert la.compare_lines(rounds[:1], bs.merge(rounds[:1])) == []
 
 
-def _arms_default(*argv: str) -> list[str]:
-    """bench_serving's arms when ``--arms`` is not given (as ``tox -e bench`` runs it)."""
-    a = bs.parser().parse_args(list(argv))
-    bs.quick_defaults(a)
-    return list(a.arms)
-
-
 def test_nothing_in_ci_installs_lmcache() -> None:
     """LMCache is installed only on request, into its own environment: no requirements
     file names it, no CI or tox command asks for the arm, and ``tox -e bench``
@@ -199,7 +192,8 @@ def test_nothing_in_ci_installs_lmcache() -> None:
     for p in ci:
         text = p.read_text()
         assert "setup-lmcache" not in text and not re.search(r"--arms[^\n]*\blmcache\b", text), p
-    for argv in ((), ("--quick",)):
-        assert "lmcache" not in _arms_default(*argv) and "lmc-cpu" in _arms_default(*argv)
+    for argv in ([], ["--quick"]):  # bench_serving's arms when --arms is not given, as tox -e bench runs it
+        arms = bs.settings(argv).arms
+        assert "lmcache" not in arms and "lmc-cpu" in arms
     assert la.ENV_DIR == ROOT / ".envs" / "lmcache"  # inside the repository, git-ignored
     assert ".envs/" in (ROOT / ".gitignore").read_text().splitlines()

@@ -359,10 +359,17 @@ def test_requests_over_the_rate_get_429_and_the_rate_refills(tmp_path: Path) -> 
         print(f"\nadmin rate 5/s: {ok} of 30 answered in {elapsed:.2f} s, {len(limited)} got 429")
         assert 10 <= ok <= 10 + 5 * elapsed + 1, (ok, elapsed)
         assert limited and all(code == 429 and after is not None and int(after) >= 1 for code, after in limited)
-        assert _burst(a, 3, token="wrong-token-wrong-token")[-1][0] == 429  # not 401: the limit comes first
+        # The limit comes first: a wrong token past the rate gets 429, not 401. The bucket
+        # refills while the test runs (a stalled CI worker once let a third request in),
+        # so only what could have refilled may reach the token check.
+        start = time.monotonic()
+        wrong = [code for code, _ in _burst(a, 20, token="wrong-token-wrong-token")]
+        elapsed = time.monotonic() - start
+        assert set(wrong) <= {401, 429} and 429 in wrong, wrong
+        assert wrong.count(401) <= 5 * elapsed + 1, (wrong, elapsed)
         time.sleep(2.5)  # refills 10 tokens at most
         code, status = a.request("GET", "/status")
-        assert code == 200 and status["admin"]["rate_limited"] >= len(limited) + 1
+        assert code == 200 and status["admin"]["rate_limited"] >= len(limited) + wrong.count(429)
         assert [c for c, _ in _burst(a, 5)] == [200] * 5
     finally:
         a.stop()

@@ -37,10 +37,18 @@ def log(*a: Any) -> None:
     print(*a, flush=True)
 
 
-def section(name: str) -> Callable:
+def section(name: str, gpu_only: str | None = None) -> Callable:
+    """Log, time and record a section; one that raises is a FAIL row, not a crash.
+    ``gpu_only``: the section needs CUDA; without it, it is skipped with that note
+    (where the same path is covered on CPU, or "" for no note)."""
+
     def wrap(fn: Callable) -> Callable:
         def run(*args: Any, **kw: Any) -> Any:
             log(f"\n=== {name} ===")
+            if gpu_only is not None and not torch.cuda.is_available():
+                log(f"  no GPU: skipped{f' ({gpu_only})' if gpu_only else ''}")
+                RESULTS["sections"][name] = {"ok": True, "skipped": "no GPU"}
+                return None
             t0 = time.perf_counter()
             try:
                 out = fn(*args, **kw)

@@ -46,11 +46,8 @@ def _exact(layers: list[torch.Tensor], slots: torch.Tensor) -> dict[str, Any]:
     return {"frame_bytes": len(want), "wrong_frame_bytes": wrong_bytes, "wrong_loaded_values": wrong_values, "status": [st, st2]}
 
 
-@section("fp8 on the GPU")
+@section("fp8 on the GPU", gpu_only="tests/cuda/test_fp8_transfers.py runs the reference path on CPU")
 def fp8_gpu(quick: bool) -> None:
-    if not torch.cuda.is_available():
-        log("  no GPU: skipped (tests/cuda/test_fp8_transfers.py runs the reference path on CPU)")
-        return
     iters = 5 if quick else 15
     res: dict[str, Any] = {"rows": []}
     worst_exact = 0

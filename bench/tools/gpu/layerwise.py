@@ -28,14 +28,11 @@ def _matmul_layer(n: int, reps: int) -> Callable[[], None]:
     return layer
 
 
-@section("layerwise")
+@section("layerwise", gpu_only="tests/cuda/test_adapters.py runs the pipeline on CPU")
 def layerwise(quick: bool) -> None:
     """A simulated forward of 32 layers (bf16 matmuls per layer, sized against the
     load time) with the chunks' loads overlapped layer by layer, and the same for saves;
     share of the transfer time hidden = (compute + transfer - pipelined) / transfer."""
-    if not torch.cuda.is_available():
-        log("  no GPU: skipped (tests/cuda/test_adapters.py runs the pipeline on CPU)")
-        return
     tokens = 1024 if quick else 2048  # 128 / 256 MiB of KV in chunks of 256 tokens
     kv = _llama(tokens, "cuda", seed=5)
     src = _llama(tokens, "cuda", seed=6)

@@ -12,13 +12,10 @@ from lmcache_connector.transfers.layerwise import LayerPipeline, LoadItem
 from .common import _Held, _llama, log, section
 
 
-@section("profile")
+@section("profile", gpu_only="")
 def profile() -> None:
     """Where one chunk copy's time goes (2 MiB and 32 MiB, token and block adapters):
     cProfile of the Python path, and torch.profiler's CPU/CUDA op table."""
-    if not torch.cuda.is_available():
-        log("  no GPU: skipped")
-        return
     import cProfile
     import io
     import pstats

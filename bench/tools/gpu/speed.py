@@ -13,11 +13,8 @@ from lmcache_connector.transfers.layerwise import LoadItem, SaveItem
 from .common import BAR, RESULTS, TABLE, _Held, _llama, _time_cuda, _wall, log, section
 
 
-@section("speed")
+@section("speed", gpu_only="")
 def speed(quick: bool) -> None:
-    if not torch.cuda.is_available():
-        log("  no GPU: skipped")
-        return
     iters = 5 if quick else 15
     out: dict[str, Any] = {}
     # The link's limit: a large pinned copy each way.

@@ -1,7 +1,10 @@
 """Warming a cache from a corpus, measured end to end: ``lmcache-core warm`` prefills
 ``--docs`` documents into the disk tier of an ``lmcache.yaml``; a fresh OpenAI server
-with the same model and config is then asked about every document, twice. Printed
-side by side from one run:
+with the same model and config is then asked about every document, twice, a different
+question each time (they differ in their first token, a number, so the prompts have
+the same length; a repeated question would let the second visit load the chunk
+holding its tail, which the first visit stored, and compute less). Printed side by side from
+one run:
 
 * the share of the warmed prompt tokens the first request about each document hit
   (its whole chunks of ``--prefix`` + document), and of those found: hit, or
@@ -16,13 +19,13 @@ side by side from one run:
   server's config has ``preload`` (its CPU tier's size): at start it reads the warmed
   chunks from disk into the CPU tier, and the first visit begins once vLLM's log shows
   the preload's summary, as an operator would send traffic after it. The server
-  without the cache is asked twice too: vLLM-CPU alone answers a prompt faster the second
-  time though nothing is cached. Bar: the first visit at most 1.10x the second, or
+  without the cache is asked the same two questions: vLLM-CPU alone answers faster the
+  second time though nothing is cached. Bar: the first visit at most 1.10x the second, or
   its extra time over the second no more than vLLM's own first-time extra (the
   cache-less server's first TTFT p50 minus its second's). Side by side, the same server
   without the preload, asked once about every document (its first visit loads from
-  disk). ``--no-preload``: only that server (the ratio printed, not judged);
-* greedy tokens of every answer against that server's: identical, or parted at a
+  disk), with a third question. ``--no-preload``: only that server (the ratio printed, not judged);
+* greedy tokens of every answer against that server's to the same question: identical, or parted at a
   near-tie (at the first differing token each side's token is in the other's top-5
   logprobs: ``lib.divergence``, the criterion of vLLM's own tests); a real mismatch
   fails. Identical is not expected throughout: the warmed KV was computed in other
@@ -65,7 +68,14 @@ from lib.servers import console_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "Document: "
-QUESTION = "\nQuestion: what is the document above about?\nAnswer:"
+QUESTIONS = tuple(f" {n}\nQuestion: what is the document above about?\nAnswer:" for n in (1, 2, 3))
+"""One question per visit: the warmed server's first and second, the server without the
+preload's. Past the document a visit's prompt is new to the cache, as a new question is
+in production: a visit that asked the question another did would load the chunks
+holding its tail (stored by the first, where the question crosses a chunk boundary)
+and compute less. They differ in their first token, the visit's number, so no token
+past the document is shared (and their prompts have the same length)."""
+QUESTION = QUESTIONS[0]
 CHUNK = 256
 TOP_K = 5  # logprobs asked for each answer token: the near-tie criterion's k
 CPU_TIER_MIN = 1 << 30
@@ -168,6 +178,20 @@ def shared_whole_chunks(tok: Any, doc: str) -> int:
     return n // CHUNK * CHUNK
 
 
+def shared_past_document(tok: Any, doc: str, questions: tuple[str, ...] = QUESTIONS) -> tuple[int, int]:
+    """What the visits' prompts about ``doc`` share past its warmed tokens: the most
+    tokens any two share after them (0: a question's chunks never serve another visit),
+    and the spread of their lengths in tokens (0: the same length)."""
+    warmed = len(tok(PREFIX + doc)["input_ids"])
+    asked = [tok(PREFIX + doc + q)["input_ids"] for q in questions]
+    shared = 0
+    for i, x in enumerate(asked):
+        for y in asked[i + 1 :]:
+            k = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            shared = max(shared, k - warmed)
+    return shared, max(map(len, asked)) - min(map(len, asked))
+
+
 def cpu_tier_for(warm_summary: str) -> int:
     """A CPU tier that holds every chunk the warm-up stored on disk (its summary's
     ``disk: N chunks``) with 5% to spare, at least :data:`CPU_TIER_MIN`."""
@@ -214,7 +238,7 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     print(f"servers' CPU tier (and preload): {cpu['max_size'] / 2**20:.0f} MiB", flush=True)
     rerun = run_warm(model, config, jsonl, a)
     print(f"warm again: {rerun['summary']}", flush=True)
-    prompts = [PREFIX + d + QUESTION for d in docs]
+    first_q, second_q, no_preload_q = ([PREFIX + d + q for d in docs] for q in QUESTIONS)
     env = server_env()
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes decides
     if a.preload:  # the server's config: the warm's, with the preload
@@ -224,9 +248,9 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if a.preload:
             preload = wait_for_preload(tmp / "warmed.log", a.start_timeout)
             print(f"preload: {preload}", flush=True)
-        first_visit = visit(base, model, prompts, a)
+        first_visit = visit(base, model, first_q, a)
         canary = canary_counts(base)  # the first visit's
-        second_visit = visit(base, model, prompts, a)
+        second_visit = visit(base, model, second_q, a)
     unloaded: list[Any] = []
     if a.preload:  # the same server without the preload: its first visit loads from disk
         write_config(False)
@@ -234,18 +258,19 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             base,
             _,
         ):
-            unloaded = visit(base, model, prompts, a)
+            unloaded = visit(base, model, no_preload_q, a)
     with openai_server("vllm", serve_args(model, a, None), env, tmp / "vllm.log", a.start_timeout) as (base, _):
-        cold = visit(base, model, prompts, a)
-        cold_again = visit(base, model, prompts, a)  # vLLM's own second time (same shapes, nothing cached)
+        cold = visit(base, model, first_q, a)
+        cold_again = visit(base, model, second_q, a)  # vLLM's own second time (same shapes, nothing cached)
     control: list[Any] = []
     if a.control:
         args = serve_args(model, a, None, prefix_caching=True)
         with openai_server("vllm-prefix-cache", args, env, tmp / "control.log", a.start_timeout) as (base, _):
             visit(base, model, [PREFIX + d for d in docs], a)  # vLLM's own warm-up, one document at a time
-            control = visit(base, model, prompts, a)
+            control = visit(base, model, first_q, a)
     tok = AutoTokenizer.from_pretrained(model)
     warmed = [shared_whole_chunks(tok, d) for d in docs]
+    overlap = [shared_past_document(tok, d) for d in docs]
     errors = [r.error for r in first_visit + second_visit + unloaded + cold + cold_again + control if r.error]
     if errors:
         raise SystemExit(f"{len(errors)} requests failed, first: {errors[0]}")
@@ -274,7 +299,12 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "first visit": statistics.mean(r.cached_tokens for r in first_visit),
             "second visit": statistics.mean(r.cached_tokens for r in second_visit),
         },
-        "prompt_mean": statistics.mean(len(tok(p)["input_ids"]) for p in prompts),
+        # the most tokens two visits' prompts share past the document, the largest length spread
+        "questions_overlap": [max(x for x, _ in overlap), max(y for _, y in overlap)],
+        "prompt_mean": {
+            "first visit": statistics.mean(len(tok(p)["input_ids"]) for p in first_q),
+            "second visit": statistics.mean(len(tok(p)["input_ids"]) for p in second_q),
+        },
         "ttft_p50": {
             "first visit (warmed)": statistics.median(r.ttft for r in first_visit),
             "second visit": statistics.median(r.ttft for r in second_visit),
@@ -283,7 +313,7 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "no cache, asked again": statistics.median(r.ttft for r in cold_again),
         },
         # each visit's greedy answers against the cache-less server's (lib.divergence)
-        "answers": {"first": judge(first_visit, cold), "second": judge(second_visit, cold)},
+        "answers": {"first": judge(first_visit, cold), "second": judge(second_visit, cold_again)},
         "control": judge(control, cold) if control else None,
         "control_hit_tokens": sum(min(r.cached_tokens, w) for r, w in zip(control, warmed)),
     }
@@ -345,10 +375,13 @@ def report(m: dict[str, Any]) -> tuple[list[str], bool]:
     ]
     for k, v in t.items():
         lines.append(f"| {k} | {v:.4f} | {t['first visit (warmed)'] / v:.3f} |")
-    c = m["cached_mean"]
+    c, pm = m["cached_mean"], m["prompt_mean"]
     lines.append(
-        f"\nMean prompt {m['prompt_mean']:.0f} tokens; tokens computed per request (prompt - cached): "
-        + ", ".join(f"{k} {m['prompt_mean'] - v:.0f}" for k, v in c.items())
+        f"\nEach visit asks its own question (past the document the prompts share at most {m['questions_overlap'][0]} "
+        f"tokens, lengths differ by at most {m['questions_overlap'][1]}): "
+        + ", ".join(
+            f"{k}: mean prompt {pm[k]:.0f} tokens, {pm[k] - v:.0f} computed per request (prompt - cached)" for k, v in c.items()
+        )
     )
     lines.append("")
     judged = [(f"{name} visit", v) for name, v in m["answers"].items()]

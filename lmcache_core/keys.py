@@ -116,15 +116,44 @@ def chunk_hashes(
         if hi - lo < chunk_size and not include_partial:
             break
         extra = extras.get(i, b"") if extras else b""
-        h = _KEYED.copy()
-        h.update(prev)
-        h.update(_LEN.pack(hi - lo, len(extra)))
-        h.update(buf[lo * 4 : lo * 4 + width] if hi - lo == chunk_size else buf[lo * 4 : hi * 4])
-        if extra:
-            h.update(extra)
-        prev = h.digest()
+        prev = _chunk_key(prev, buf[lo * 4 : lo * 4 + width] if hi - lo == chunk_size else buf[lo * 4 : hi * 4], hi - lo, extra)
         out.append(prev)
         i += 1
+    return out
+
+
+def _chunk_key(prev: bytes, data: memoryview, count: int, extra: bytes) -> bytes:
+    """The key of one chunk of ``count`` tokens (``data``: their bytes) after ``prev``."""
+    h = _KEYED.copy()
+    h.update(prev)
+    h.update(_LEN.pack(count, len(extra)))
+    h.update(data)
+    if extra:
+        h.update(extra)
+    return h.digest()
+
+
+def leading_part_keys(
+    tokens: TokenIds,
+    chunk_size: int,
+    hashes: Sequence[bytes],
+    count: int,
+    *,
+    seed: bytes,
+    extras: Mapping[int, bytes] | None = None,
+) -> list[bytes]:
+    """For each whole chunk ``i`` of ``tokens`` (``hashes``: their keys from
+    :func:`chunk_hashes` with the same ``seed``), the key its first ``count`` tokens
+    have as a trailing partial chunk: ``chunk_hashes(tokens[: i * chunk_size + count],
+    chunk_size, seed=seed, include_partial=True)[-1]``, without hashing the chain again."""
+    if not 0 < count < chunk_size:
+        raise ValueError("count must be between 0 and chunk_size, exclusive")
+    buf = as_token_array(tokens).data.cast("B")
+    out = []
+    for i in range(min(len(hashes), len(buf) // 4 // chunk_size)):
+        lo = i * chunk_size * 4
+        extra = extras.get(i, b"") if extras else b""
+        out.append(_chunk_key(hashes[i - 1] if i else seed, buf[lo : lo + count * 4], count, extra))
     return out
 
 

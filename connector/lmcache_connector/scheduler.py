@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from lmcache_core.canary import sample
-from lmcache_core.keys import as_token_array, chain_seed, chunk_hashes
+from lmcache_core.keys import as_token_array, chain_seed, chunk_hashes, leading_part_keys
 
 from .layouts.groups import GroupPlan, boundary_hash
 from .protocol.kv_events import EventTranslator
@@ -107,6 +107,9 @@ class _Req:
     tail: tuple[int, bytes, int, int] | None = None
     block_tail: tuple[bytes, int] | None = None  # (hash, tokens)
     block_tail_saved: bool = False
+    # the key a block tail of each whole chunk's first blocks but one would have, as
+    # another engine saves it (offered where the index knows nothing): chunk -> (hash, tokens)
+    inner_tails: dict[int, tuple[bytes, int]] = field(default_factory=dict)
     saving_since: float | None = None  # when a lookup first found some of its chunks still being saved
 
 
@@ -556,6 +559,20 @@ class DenseScheduler(SchedulerSide):
             cut = arr[: full * self.cs + whole]
             h = chunk_hashes(cut, self.cs, seed=st.seed, extras=st.extras, include_partial=True, start=start, first_chunk=full)
             st.block_tail = (h[-1], whole)
+        if self.can_load and not st.opts.skip_load:
+            st.inner_tails = self._inner_tails(arr, st, full)
+
+    def _inner_tails(self, arr: "np.ndarray", st: _Req, full: int) -> dict[int, tuple[bytes, int]]:
+        """For each whole chunk of the prompt, the key of a block tail made of its first
+        blocks but one, as a prompt that ended inside that chunk saved it (chained from
+        the chunk before, so it names everything before too). The index learns block
+        tails only from what this scheduler saved or loaded; these find one that another
+        engine saved, or this one before a restart, when the request's hit ends at that
+        chunk. One key a chunk: with two blocks a chunk (CPU) every block tail; with
+        more, the longest only."""
+        tokens = (self.cs // self.block_size - 1) * self.block_size
+        keys = leading_part_keys(arr, self.cs, st.hashes[:full], tokens, seed=st.seed, extras=st.extras)
+        return {c: (h, tokens) for c, h in enumerate(keys)}
 
     def _sub_hashes(self, arr: "np.ndarray", seed: bytes, hashes: list[bytes], extras: dict[int, bytes]) -> list[list[bytes]]:
         """Per prompt chunk (the trailing partial one too), the sub-chunk hashes of its
@@ -586,6 +603,9 @@ class DenseScheduler(SchedulerSide):
             # block tail, as another engine would have saved it for the same prompt start.
             h, whole = st.block_tail
             offers[full] = (h, whole, whole)
+        for c, (h, tokens) in st.inner_tails.items():
+            if c not in offers:  # no index entry: a block tail another engine saved there
+                offers[c] = (h, tokens, tokens)
         return offers
 
     def _looked_up(self, st: _Req, answer: LookupAnswer, offers: dict[int, tuple[bytes, int, int]]) -> None:
@@ -597,6 +617,8 @@ class DenseScheduler(SchedulerSide):
             self.tail_hits += 1
             if st.block_tail is not None and stored == st.block_tail[0]:
                 st.block_tail_saved = True  # its own block tail is what it hit
+            if st.inner_tails.get(n, (None,))[0] == stored:  # found by its key: the index learns it
+                self._remember_tail(st, n, stored, held)
         self._remember_chunks(st, range(min(n, st.prompt_len // self.cs)))
 
     def _remember_tail(self, st: _Req, chunk: int, h: bytes, tokens: int) -> None:

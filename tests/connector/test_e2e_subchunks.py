@@ -69,3 +69,26 @@ def test_prompt_block_tail_is_saved_and_hit(tiny_model, reference):
         assert [o.num_cached_tokens for o in out] == [2 * CS + BS, 2 * CS + BS, CS]
         assert token_ids(out) == ref
         assert worker().stats()["failed_loads"] == 0
+
+
+def test_a_fresh_engine_finds_a_block_tail_inside_a_whole_chunk(tiny_model, reference, tmp_path):
+    """Prompt ``a`` (2 chunks, then one whole block and 72 tokens) saves its block tail.
+    A fresh engine on the same disk tier (its sub-chunk index empty, as after a restart
+    or on another instance), asked a prompt that shares a's 2 chunks and that block and
+    goes on past the third chunk's end, loads the block by the block tail's own key.
+    Negative control: the same with sub-chunk hits off loads the 2 chunks only."""
+    pytest.importorskip("lmcache_backend_disk")
+    a = random_prompt(2 * CS + 200, 421)
+    d = a[: 2 * CS + 150] + random_prompt(300, 422)  # chunk 2 is whole in d; its first block is a's tail
+    control = a[: 2 * CS + 150] + random_prompt(300, 423)
+    ref = reference([a, d, control])
+    tiers = [{"name": "local_cpu", "max_size": "256MiB"}, {"name": "disk", "path": str(tmp_path / "kv")}]
+    with make_llm(tiny_model, extra={"backends": tiers}) as llm:
+        assert token_ids(run(llm, [a])) == ref[:1]
+        assert worker().engine.flush(30)
+    for prompt, on, cached, want in ((d, True, 2 * CS + BS, ref[1]), (control, False, 2 * CS, ref[2])):
+        with make_llm(tiny_model, extra={"backends": tiers, "connector": {"sub_chunk_hits": on}}) as llm:
+            out = run(llm, [prompt])
+            assert out[0].num_cached_tokens == cached, on
+            assert token_ids(out) == [want]
+            assert worker().stats()["failed_loads"] == 0

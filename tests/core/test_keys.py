@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_core.keys import ChunkKey, KeyNamespace, chain_seed, chunk_hashes
+from lmcache_core.keys import ChunkKey, KeyNamespace, chain_seed, chunk_hashes, leading_part_keys
 
 CS = 16
 NS = KeyNamespace(model="org/model-7b", layout="block:cpu:bs16", dtype="bfloat16", world_size=2, rank=1, salt="s")
@@ -182,6 +182,23 @@ def test_resuming_a_chain_gives_the_same_hashes(n_chunks: int, k: int, tail: int
     start = full[k - 1] if k > 0 else None
     resumed = chunk_hashes(toks, CS, start=start, first_chunk=k, include_partial=True)
     assert resumed == full[k:]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 4), st.integers(0, CS - 1), st.integers(1, CS - 1))
+def test_leading_part_keys_are_the_partial_chunk_keys_of_the_cut_prompt(n_chunks: int, tail: int, count: int) -> None:
+    """Each whole chunk's first ``count`` tokens get the key a prompt cut there has for
+    its trailing partial chunk (extras and tags count as in chunk_hashes)."""
+    toks = np.arange(n_chunks * CS + tail, dtype=np.int64) * 7919 % 50_000
+    seed, extras = chain_seed({"user": "a"}), {1: b"img"}
+    hashes = chunk_hashes(toks, CS, seed=seed, extras=extras)
+    got = leading_part_keys(toks, CS, hashes, count, seed=seed, extras=extras)
+    want = [chunk_hashes(toks[: i * CS + count], CS, seed=seed, extras=extras, include_partial=True)[-1] for i in range(n_chunks)]
+    assert got == want and len(set(got) | set(hashes)) == len(got) + len(hashes)
+    if n_chunks > 1:  # negative control: without the extras the chunk that has them changes
+        assert leading_part_keys(toks, CS, hashes, count, seed=seed)[1] != got[1]
+    with pytest.raises(ValueError):
+        leading_part_keys(toks, CS, hashes, CS, seed=seed)
 
 
 def test_partial_chunk_only_when_asked() -> None:

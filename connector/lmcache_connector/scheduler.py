@@ -107,9 +107,9 @@ class _Req:
     tail: tuple[int, bytes, int, int] | None = None
     block_tail: tuple[bytes, int] | None = None  # (hash, tokens)
     block_tail_saved: bool = False
-    # the key a block tail of each whole chunk's first blocks but one would have, as
-    # another engine saves it (offered where the index knows nothing): chunk -> (hash, tokens)
-    inner_tails: dict[int, tuple[bytes, int]] = field(default_factory=dict)
+    # per whole chunk, the key a block tail of its first blocks but one would have, as
+    # another engine saves it (offered where the index knows nothing; DenseScheduler.inner_tokens)
+    inner_tails: list[bytes] = field(default_factory=list)
     saving_since: float | None = None  # when a lookup first found some of its chunks still being saved
 
 
@@ -539,6 +539,8 @@ class DenseScheduler(SchedulerSide):
         self.async_loads = settings.async_loads
         subs = SubChunkIndex(self.cs, self.block_size) if self.cfg.connector.sub_chunk_hits else None
         self.subs = subs if subs is not None and subs.useful else None
+        #: the tokens of the block tails offered by key inside whole chunks (_inner_tails)
+        self.inner_tokens = (self.cs // self.block_size - 1) * self.block_size
 
     def _partial_ok(self) -> bool:
         return self.cfg.connector.save_unfull_chunk
@@ -562,7 +564,7 @@ class DenseScheduler(SchedulerSide):
         if self.can_load and not st.opts.skip_load:
             st.inner_tails = self._inner_tails(arr, st, full)
 
-    def _inner_tails(self, arr: "np.ndarray", st: _Req, full: int) -> dict[int, tuple[bytes, int]]:
+    def _inner_tails(self, arr: "np.ndarray", st: _Req, full: int) -> list[bytes]:
         """For each whole chunk of the prompt, the key of a block tail made of its first
         blocks but one, as a prompt that ended inside that chunk saved it (chained from
         the chunk before, so it names everything before too). The index learns block
@@ -570,9 +572,7 @@ class DenseScheduler(SchedulerSide):
         engine saved, or this one before a restart, when the request's hit ends at that
         chunk. One key a chunk: with two blocks a chunk (CPU) every block tail; with
         more, the longest only."""
-        tokens = (self.cs // self.block_size - 1) * self.block_size
-        keys = leading_part_keys(arr, self.cs, st.hashes[:full], tokens, seed=st.seed, extras=st.extras)
-        return {c: (h, tokens) for c, h in enumerate(keys)}
+        return leading_part_keys(arr, self.cs, st.hashes[:full], self.inner_tokens, seed=st.seed, extras=st.extras)
 
     def _sub_hashes(self, arr: "np.ndarray", seed: bytes, hashes: list[bytes], extras: dict[int, bytes]) -> list[list[bytes]]:
         """Per prompt chunk (the trailing partial one too), the sub-chunk hashes of its
@@ -603,7 +603,8 @@ class DenseScheduler(SchedulerSide):
             # block tail, as another engine would have saved it for the same prompt start.
             h, whole = st.block_tail
             offers[full] = (h, whole, whole)
-        for c, (h, tokens) in st.inner_tails.items():
+        tokens = self.inner_tokens
+        for c, h in enumerate(st.inner_tails):
             if c not in offers:  # no index entry: a block tail another engine saved there
                 offers[c] = (h, tokens, tokens)
         return offers
@@ -617,7 +618,7 @@ class DenseScheduler(SchedulerSide):
             self.tail_hits += 1
             if st.block_tail is not None and stored == st.block_tail[0]:
                 st.block_tail_saved = True  # its own block tail is what it hit
-            if st.inner_tails.get(n, (None,))[0] == stored:  # found by its key: the index learns it
+            if n < len(st.inner_tails) and st.inner_tails[n] == stored:  # found by its key: the index learns it
                 self._remember_tail(st, n, stored, held)
         self._remember_chunks(st, range(min(n, st.prompt_len // self.cs)))
 

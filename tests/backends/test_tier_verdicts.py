@@ -1,12 +1,14 @@
 """The Redis, S3 and disk tiers sort their misses by ``serde``'s verdict: a frame of
 another shape for the key is left in place and not counted as corrupt; a corrupt or
-foreign one is counted (and deleted with ``delete_corrupt``, dropped on disk). These
-pin the cases where the kinds combine, each judged by the verdict alone (never by
-re-parsing the frame): another shape *and* sealed with another deployment's key (the caller cannot
-take it: wrong shape for Redis and S3, which keep it; on disk, where a kept file must
-verify, dropped), and a Redis value longer than any frame for the caller's chunk
-(judged from the prefix the tier read). Each case has the same frame at the caller's
-shape next to it as the control (counted and removed). Real servers on loopback."""
+foreign one is counted. With ``delete_corrupt`` Redis and S3 delete only the corrupt
+ones: a foreign frame (a codec not installed here, sealed with another key) may be
+another reader's, so it stays (the disk tier drops what it cannot verify as its own).
+These pin the cases where the kinds combine, each judged by the verdict alone (never
+by re-parsing the frame): another shape *and* sealed with another deployment's key
+(the caller cannot take it: wrong shape for Redis and S3, which keep it; on disk,
+where a kept file must verify, dropped), and a Redis value longer than any frame for
+the caller's chunk (judged from the prefix the tier read). Each case has a control
+that is counted and removed: the same frame damaged. Real servers on loopback."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from lmcache_backend_disk import create_disk_backend  # noqa: E402
 from lmcache_backend_redis import create_redis_backend  # noqa: E402
 from lmcache_backend_s3 import create_s3_backend  # noqa: E402
 from lmcache_core.backend import StorageBackend  # noqa: E402
-from lmcache_core.serde import encode  # noqa: E402
+from lmcache_core.serde import FrameSeal, SealedCodec, encode  # noqa: E402
 from lmcache_core.testing import make_context, random_chunk, random_key  # noqa: E402
 
 SECRET = "this-deployment-secret-32-bytes!"
@@ -75,9 +77,46 @@ def test_another_deployments_frame_of_another_shape_is_kept_not_corrupt(which: s
     plant(key, theirs(key, data))
     assert tier.get(key, torch.empty(OTHER_SHAPE, dtype=torch.float16)) is False
     assert tier.stats().extra["corrupt"] == 0 and present(key)  # the caller could not take it: left alone
-    # control: at the caller's shape the same frame is foreign: counted and deleted
+    # at the caller's shape the same frame is foreign: counted, and kept
     assert tier.get(key, torch.empty_like(data)) is False
-    assert tier.stats().extra["corrupt"] == 1 and not present(key)
+    assert tier.stats().extra["corrupt"] == 1 and present(key)
+
+
+class _Reversed:
+    """A codec no tier here has installed: the bytes reversed."""
+
+    name = "test-reversed"
+    max_ratio = 1
+
+    def encode(self, raw: memoryview) -> bytes:
+        return bytes(raw)[::-1]
+
+    def decode(self, payload: memoryview, raw_len: int) -> bytes:
+        return bytes(payload)[::-1]
+
+
+@pytest.mark.parametrize("which", ["redis_tier", "s3_tier"])
+def test_delete_corrupt_deletes_damaged_frames_and_keeps_foreign_ones(which: str, request: pytest.FixtureRequest) -> None:
+    """A well-formed frame this reader does not take (written with a codec it lacks, or
+    sealed with another deployment's key) is a miss counted as corrupt and stays for the
+    readers that take it; our own frame with one payload byte flipped is deleted (the
+    control: ``delete_corrupt`` is on)."""
+    tier, plant, present = request.getfixturevalue(which)
+    ours = make_context(frame_secret=SECRET).codec
+    foreign = {
+        "codec not installed here": lambda key, data: encode(key, data, SealedCodec(_Reversed(), FrameSeal(SECRET))),
+        "another deployment's seal": theirs,
+    }
+    for n, (why, frame_of) in enumerate(foreign.items()):
+        key, data = random_key(), random_chunk(SHAPE)
+        plant(key, frame_of(key, data))
+        assert tier.get(key, torch.empty_like(data)) is False, why
+        assert tier.stats().extra["corrupt"] == 2 * n + 1 and present(key), why
+        damaged = bytearray(encode(key, data, ours))
+        damaged[-1] ^= 0xFF
+        plant(key, bytes(damaged))
+        assert tier.get(key, torch.empty_like(data)) is False, why
+        assert tier.stats().extra["corrupt"] == 2 * n + 2 and not present(key), why
 
 
 def test_a_redis_value_longer_than_any_frame_for_the_chunk_is_judged_by_its_header(

@@ -425,7 +425,10 @@ class RedisBackend(StorageBackend):
     def _bad_value(self, key: ChunkKey, verdict: Verdict, reason: str) -> None:
         """A value that did not decode into the caller's chunk: a miss. Of another shape
         or dtype (``WRONG_SHAPE``: the value may be fine) it is left alone; corrupt or
-        not ours, it is counted (``corrupt``) and, with ``delete_corrupt``, deleted."""
+        not ours, it is counted (``corrupt``). With ``delete_corrupt`` a damaged one
+        (``CORRUPT``) is deleted; a well-formed frame this reader does not take
+        (``FOREIGN``: another frame format, a codec or dtype not installed here,
+        another seal, another key's frame) is kept: another reader may take it."""
         self._add(misses=1)
         if verdict is Verdict.WRONG_SHAPE:
             log.debug("redis get %s: %s", self._name(key), reason)
@@ -437,7 +440,7 @@ class RedisBackend(StorageBackend):
             self.target,
             reason,
         )
-        if self.cfg.delete_corrupt:
+        if self.cfg.delete_corrupt and verdict is Verdict.CORRUPT:
             try:
                 with self._deadline():
                     self._conn().delete(self._name(key))

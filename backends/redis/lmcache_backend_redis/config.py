@@ -87,7 +87,10 @@ class RedisConfig(StrictModel):
         5.0, description="after a server failure, calls are misses for this long"
     )
     verify_on_start: Flag = Field(True, description="PING the server(s) when the tier is created")
-    delete_corrupt: Flag = Field(False, description="delete values that fail their checksum or key check")
+    delete_corrupt: Flag = Field(
+        False,
+        description="delete values found damaged when read (checksum or MAC mismatch, truncated, malformed); frames another reader may take are kept",
+    )
     max_key_events_per_s: int = Field(
         1000,
         ge=1,

@@ -436,8 +436,11 @@ class S3Backend(StorageBackend):
     def _bad_frame(self, key: ChunkKey, verdict: Verdict, reason: str) -> None:
         """An object that did not decode into the caller's chunk: a miss. Of another
         shape or dtype (``WRONG_SHAPE``: the object may be fine) it is left alone;
-        corrupt or not ours, it is counted (``corrupt``) and, with ``delete_corrupt``,
-        deleted."""
+        corrupt or not ours, it is counted (``corrupt``). With ``delete_corrupt`` a
+        damaged one (``CORRUPT``) is deleted, within the operation deadline; a
+        well-formed frame this reader does not take (``FOREIGN``: another frame
+        format, a codec or dtype not installed here, another seal, another key's
+        frame) is kept: another reader of the bucket may take it."""
         self._add(misses=1)
         if verdict is Verdict.WRONG_SHAPE:
             log.debug("s3 get %s: %s", self._object(key), reason)
@@ -451,10 +454,19 @@ class S3Backend(StorageBackend):
             self.bucket,
             reason,
         )
-        if self.cfg.delete_corrupt:
+        if self.cfg.delete_corrupt and verdict is Verdict.CORRUPT:
             try:
-                self.client.delete_object(Bucket=self.bucket, Key=self._object(key))
+                run_bounded(
+                    self._ops,
+                    self._deadline(),
+                    "delete corrupt",
+                    self.client.delete_object,
+                    Bucket=self.bucket,
+                    Key=self._object(key),
+                )
             except Exception as err:
+                if classify(err) is Failure.UNAVAILABLE:  # cut at the deadline, or the endpoint is down
+                    self.mark_unavailable("delete corrupt", err)
                 log.warning("s3 tier: could not delete corrupt object %s: %s", self._object(key), describe(err))
 
     # -- housekeeping ---------------------------------------------------------------

@@ -50,7 +50,10 @@ class S3Config(StrictModel):
         5.0, description="after the endpoint fails, calls are misses without a request for this long"
     )
     verify_on_start: Flag = Field(True, description="check the bucket and credentials when the tier is created")
-    delete_corrupt: Flag = Field(False, description="delete objects that fail their checksum or key check")
+    delete_corrupt: Flag = Field(
+        False,
+        description="delete objects found damaged when read (checksum or MAC mismatch, truncated, malformed); frames another reader may take are kept",
+    )
     tenant_quota: ByteSize | None = Field(
         None,
         description="hard byte quota of this engine's tenant (the top-level tenant label) under this prefix, which "

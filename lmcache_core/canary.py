@@ -166,21 +166,24 @@ class Canary:
         judged = self._judge(key, fresh.tensor if isinstance(fresh, MemoryBuffer) else fresh, same)
         if judged:
             metrics.VERIFIED_CHUNKS.inc()
-        charged: set[str] = set()
+        charged: dict[str, str] = {}  # tier charged -> the mismatch's detail
         for v, _ in judged:
             if v.equal or v.blame in charged:
                 continue
-            charged.add(v.blame)
+            charged[v.blame] = v.detail
             self._stack.counters.mismatch(v.blame)
             metrics.VERIFY_MISMATCHES.labels(v.blame).inc()
             via = f" (promoted from tier {v.blame})" if v.blame != v.tier else ""
             log.warning(
                 "canary: chunk %s from tier %s%s differs from its recomputation (%s); replacing it", key, v.tier, via, v.detail
             )
-            self._stack.quarantine.record_mismatch(v.blame, f"chunk {key}: {v.detail}")
+        # Repaired before a quarantine can take the tier out of service (a tier out of
+        # service is not written): a tier released later never serves this copy again.
         for v, tier in judged:
             if not v.equal:
                 tier.replace(key, fresh)
+        for blame, detail in charged.items():
+            self._stack.quarantine.record_mismatch(blame, f"chunk {key}: {detail}")
         if charged:
             with self._lock:
                 self._origin.pop(key, None)

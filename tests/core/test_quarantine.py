@@ -211,6 +211,8 @@ def test_engine_verify_charges_origin_replaces_and_quarantines(tmp_path: Path) -
         # a second mismatch within the window quarantines the liar
         eng.canary.verify(hashes[1], chunks[1], _exact)
         assert eng.stats()["quarantined"] == ["dict_tier"]
+        # the copy whose mismatch took the tier out of service was repaired first
+        assert torch.equal(tier1.data[keys[1]], chunks[1])
         assert m.TIER_QUARANTINED.labels("dict_tier")._value.get() == 1
         # no reads from it: chunk 2 (a lie, only there) is a miss now
         assert eng.lookup_hashes(hashes[2:]) == 0
@@ -227,6 +229,8 @@ def test_engine_verify_charges_origin_replaces_and_quarantines(tmp_path: Path) -
         eng.quarantine._held["dict_tier"].checked -= RECHECK_S
         assert eng.quarantine.quarantined() == []
         assert m.TIER_QUARANTINED.labels("dict_tier")._value.get() == 0
+        # back in service, it serves the repaired copy, never the one the canary caught
+        assert eng.retrieve_hashes(hashes[1:2], [out]) == 1 and torch.equal(out, chunks[1])
     assert list_control_files(tmp_path) == []
 
 

@@ -93,7 +93,9 @@ class LocalCpuBackend(StorageBackend):
             self.policy.remove(key)
             self.retention.forget(key)
             self._bytes -= buf.size
-            self._pins.pop(key, None)
+            # its pins stay: they are holds the pinning requests release later (a
+            # count dropped here would let such a release take another request's pin
+            # on the chunk stored again)
         buf.release()
         return True
 
@@ -120,7 +122,7 @@ class LocalCpuBackend(StorageBackend):
             s = self._stats.snapshot()
             s.chunks = len(self._entries)
             s.bytes_used = self._bytes
-            s.extra["pinned"] = len(self._pins)
+            s.extra["pinned"] = sum(1 for k in self._pins if k in self._entries)
             s.extra.update(self.retention.stats())
         return s
 
@@ -242,11 +244,15 @@ class LocalCpuBackend(StorageBackend):
 
     # -- pinning --------------------------------------------------------------------
     def pin(self, keys: Sequence[ChunkKey]) -> None:
+        """One hold on each of ``keys``, resident or not (a chunk evicted between a
+        lookup's check and its pin, or removed and stored again while held, is
+        counted like any other): every pin is undone by exactly one :meth:`unpin`, so
+        one request's release never takes another's hold. Holds are bounded by the
+        requests in flight (:class:`~lmcache_core.pins.PinBook` releases each once)."""
         with self._lock:
             pins = self._pins
             for k in keys:
-                if k in self._entries:
-                    pins[k] = pins.get(k, 0) + 1
+                pins[k] = pins.get(k, 0) + 1
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:

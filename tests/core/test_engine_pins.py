@@ -6,12 +6,13 @@ replaces the id's pins."""
 
 from __future__ import annotations
 
+from lmcache_core.engine import CacheEngine
 from lmcache_core.keys import chunk_hashes
 from lmcache_core.local_cpu import LocalCpuBackend
 from lmcache_core.testing import MemoryTier
 
 from .helpers import TierPlugin
-from .test_engine import CS, chunks_for, engine, prompt
+from .test_engine import CHUNK_BYTES, CS, chunks_for, engine, prompt
 
 
 def _pinned(tier: LocalCpuBackend) -> int:
@@ -122,3 +123,47 @@ def test_probe_boundary_asks_each_tier_once_and_pins_what_it_finds() -> None:
             if eng.lookup_hashes([h], record=False):
                 break
         assert probed == 6 and tier1.calls["contains"] == 5, tier1.calls
+
+
+def _pressure(eng: CacheEngine, seed: int) -> None:
+    """Store 6 one-chunk prompts into a 4-chunk tier: every unpinned chunk is evicted."""
+    for s in range(seed, seed + 6):
+        p = prompt(s, 1)
+        assert eng.store_hashes(chunk_hashes(p, CS), chunks_for(p)) == 1
+
+
+def test_a_release_never_takes_another_requests_pin_on_a_chunk_stored_again() -> None:
+    """Request A pins a prompt's chunks; they are erased and stored again; request B
+    pins them; A's release must leave B's hold: under eviction pressure B's chunks
+    stay. Controls: without B's pins the same pressure evicts them, and after B's
+    release too."""
+    with engine([{"name": "local_cpu", "max_size": f"{4 * CHUNK_BYTES}B", "eviction": "lru"}]) as eng:
+        tier0 = eng.tiers[0]
+        assert isinstance(tier0, LocalCpuBackend)
+        a = prompt(7, 2)
+        ha = chunk_hashes(a, CS)
+
+        def stored_again() -> None:
+            for k in eng.keys(ha):
+                tier0.remove(k)  # what an erase, or the canary's repair, does
+            assert eng.store_hashes(ha, chunks_for(a)) == 2
+
+        assert eng.store_hashes(ha, chunks_for(a)) == 2
+        assert eng.lookup_hashes(ha, pin_id="A") == 2
+        stored_again()
+        assert eng.lookup_hashes(ha, pin_id="B") == 2
+        eng.pins.release("A")
+        assert _pinned(tier0) == 2
+        _pressure(eng, 100)
+        assert eng.lookup_hashes(ha) == 2, "B's pinned chunks were evicted after A's release"
+        eng.pins.release("B")
+        assert _pinned(tier0) == 0
+        _pressure(eng, 200)
+        assert eng.lookup_hashes(ha) == 0  # control: unpinned, the same pressure evicts them
+        # control: A pins, the chunks are stored again, nobody else pins: A's release frees them
+        assert eng.store_hashes(ha, chunks_for(a)) == 2
+        assert eng.lookup_hashes(ha, pin_id="A") == 2
+        stored_again()
+        eng.pins.release("A")
+        _pressure(eng, 300)
+        assert eng.lookup_hashes(ha) == 0

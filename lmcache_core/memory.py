@@ -115,6 +115,11 @@ def _round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def pool_size(nbytes: int) -> int:
+    """The pool bytes a buffer of ``nbytes`` takes (what a tier holding it charges)."""
+    return _round_up(max(nbytes, 1))
+
+
 _ELEMENT_SIZES: dict[torch.dtype, int] = {}
 
 
@@ -137,7 +142,7 @@ class _Layout:
         self.shape = shape
         self.dtype = dtype
         self.nbytes = math.prod(shape) * element_size(dtype)
-        self.size = _round_up(max(self.nbytes, 1))
+        self.size = pool_size(self.nbytes)
 
 
 class MemoryBuffer:

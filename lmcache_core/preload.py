@@ -7,8 +7,8 @@ Bounded and harmless by construction:
 
 - off unless the config's ``preload`` gives a byte budget; at most that many bytes,
   and never more than the memory tier has free: a preload never evicts a chunk (it
-  stops at the first one that does not fit) and never takes a pool buffer the pool
-  cannot give without eviction;
+  stops at the first one whose pool-aligned size does not fit, checked before each
+  read) and never takes a pool buffer the pool cannot give without eviction;
 - only tiers that list what they hold (:meth:`StorageBackend.stored_chunks`, e.g.
   ``disk``): the newest that fit are chosen, then read oldest first, so the newest
   end as the memory tier's most recently used; only chunks of this namespace whose stored
@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 import torch
 
 from .backend import StoredChunk
-from .memory import MemoryBuffer
+from .memory import MemoryBuffer, pool_size
 from .tiers import Tier, TierStack
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class Preloader:
         for item, nbytes in reversed(chosen):
             if self._stop.is_set():
                 return "closed"
-            if self._free(top) < nbytes:
+            if self._free(top) < pool_size(nbytes):
                 return "memory tier full"
             buf = self.stack.pool.allocate(item.shape, self.dtype)  # the pool's own: no eviction
             if buf is None:
@@ -181,12 +181,12 @@ class Preloader:
                     self.result.present += 1
                 elif total + nbytes > self.budget:
                     return chosen, "budget reached"
-                elif picked + nbytes > free:
+                elif picked + pool_size(nbytes) > free:  # the tier charges the pool's aligned size
                     return chosen, "memory tier full"
                 else:
                     chosen.append((item, nbytes))
                     total += nbytes
-                    picked += nbytes
+                    picked += pool_size(nbytes)
         except Exception as err:  # a listing that fails midway: what was chosen is read
             tier.error("list", err)
         return chosen, None

@@ -143,6 +143,23 @@ def test_a_full_cpu_tier_stops_the_preload_and_nothing_is_evicted(tmp_path: Path
         assert cpu.stats().evictions == 0
 
 
+def test_the_room_a_preload_checks_is_what_the_pool_charges(tmp_path: Path) -> None:
+    """A partial chunk of 640 bytes takes 768 in the pool (256-byte aligned): with
+    1,468 bytes free, one fits and a second would evict. Checking 640 bytes against
+    the room read two and evicted the chunk stored before the preload."""
+    disk = tmp_path / "disk"
+    write(disk, HASHES[:3], [chunk(i, PARTIAL) for i in range(3)])
+    partial_bytes = FULL_BYTES * 5 // CHUNK
+    assert (partial_bytes, partial_bytes % 256) == (640, 128)  # the premise: not a multiple of the alignment
+    with engine(disk, preload="1MiB", cpu=str(FULL_BYTES + 768 + 700), eviction="lru") as e:
+        own = bytes([99]) * 16
+        assert e.store_hashes([own], [chunk(99)]) == 1
+        r = run(e)
+        cpu = e.tiers[0]
+        assert cpu.stats().evictions == 0 and cpu.contains(e.keys([own])) == 1
+        assert (r.chunks, r.stopped) == (1, "memory tier full")
+
+
 def test_other_namespaces_dtypes_and_oversized_chunks_are_not_loaded(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     other = KeyNamespace(model="another-model")

@@ -180,11 +180,12 @@ def erase_tiers(
         notes: dict[str, str] = {}
         if by is not None:
             match, recorded, unreadable, notes = _resolve(opened, by)
-        results = []
-        in_memory = _in_engines(opened, cfg.quarantine_dir, match, dry_run, engines_wait_s)
+        done: dict[str, TierResult] = {}
+        # The slower tiers first, the engines' memory tiers last: erased the other way
+        # round, a live engine's lookup could read a chunk back from a slower tier
+        # into memory between the two, and keep serving it.
         for o in opened:
             if o.result is not None:
-                results.append(in_memory.get(o.where, o.result))
                 continue
             assert o.tier is not None
             r = (
@@ -197,7 +198,9 @@ def erase_tiers(
                 r = TierResult(o.where, FAILED, r.chunks, f"cannot read its namespace records: {unreadable[o.where]}{erased}")
             elif o.where in notes and not r.failed:
                 r = TierResult(r.where, r.outcome, r.chunks, notes[o.where])
-            results.append(r)
+            done[o.where] = r
+        in_memory = _in_engines(opened, cfg.quarantine_dir, match, dry_run, engines_wait_s)
+        results = [done[o.where] if o.result is None else in_memory.get(o.where, o.result) for o in opened]
         return Erased(results, match, by, recorded)
     finally:
         for o in opened:

@@ -550,3 +550,45 @@ def test_disk_records_are_read_without_following_links_or_blocking(tmp_path: Pat
     assert set(found) == {ns.id}, sorted(k.hex() for k in found)
     records, skipped = parse_records(found)
     assert skipped == 0 and records == [NamespaceRecord.of(ns, "acme")]
+
+
+def test_running_engines_erase_their_memory_after_the_slower_tiers(
+    tmp_path: Path, pm: PluginManager, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Erased the other way round, a live engine's lookup between the two erases could
+    read a chunk back from disk into its memory and go on serving it. The command's
+    disk tier records, when it is erased, what the running engine's CPU tier holds:
+    still every chunk (its memory is erased after); then both hold none."""
+    from lmcache_core.config import CoreConfig
+    from lmcache_core.engine import CacheEngine
+
+    backends = [{"name": "local_cpu", "max_size": "16MiB"}, {"name": "disk", "path": str(tmp_path / "disk"), "max_size": "64MiB"}]
+    config = CoreConfig(
+        chunk_size=16,
+        backends=[BackendSection(**b) for b in backends],
+        staging_size="4MiB",
+        quarantine_dir=str(tmp_path / "control"),
+    )
+    engine = CacheEngine(config, namespace=KeyNamespace(model="model-a", layout="test", dtype="float16"), plugins=pm)
+    try:
+        assert engine.store_hashes(HASHES, [random_chunk(SHAPE, seed=i) for i in range(N)]) == N
+        assert engine.flush(30)
+        cpu, disk = engine.tiers
+        seen: list[int] = []
+        erase_disk = type(disk).erase
+
+        def recording(self: Any, match: Any, progress: Any = None, *, dry_run: bool = False) -> int:
+            seen.append(cpu.stats().chunks)
+            return erase_disk(self, match, progress, dry_run=dry_run)
+
+        monkeypatch.setattr(type(disk), "erase", recording)
+        cfg = write_config(tmp_path, backends)
+        rc = cli.main(["erase", "--config", str(cfg), "--namespace", engine.namespace.id.hex()], plugin_manager=pm)
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        assert seen == [N], out
+        rows = counts(out)
+        assert rows["backends[0] (local_cpu)"] == f"erased {N}" and rows["backends[1] (disk)"] == f"erased {N}", out
+        assert cpu.stats().chunks == 0 and engine.lookup_hashes(HASHES) == 0
+    finally:
+        engine.close()

@@ -6,14 +6,16 @@ longer than that request's interest in it:
 
 - :meth:`Prefetcher.cancel` (the engine calls it when the request's pins are released:
   finished, aborted, preempted, load failed) drops its queued prefetches and stops a
-  running one at its next chunk;
+  running one once the window it is reading is read (a prefetch reads its run as a
+  load does, :func:`~lmcache_core.fetch.fetch_run`: a window of at most
+  ``WINDOW_BYTES``, 64 MiB, in one batched read per tier, so a stop cannot cut one);
 - a load of the same run (:meth:`Prefetcher.await_run`) waits only for a prefetch that
   is already reading; one still queued (behind other requests' prefetches) is
   cancelled and the load reads the chunks itself, so a load never waits behind
   another request's prefetch;
 - at most ``budget`` bytes are in flight (the engine bounds it by its pool);
-- :meth:`Prefetcher.close` cancels everything queued, stops what runs at its next
-  chunk and waits for it at most a deadline.
+- :meth:`Prefetcher.close` cancels everything queued, stops what runs after its
+  current window and waits for it at most a deadline.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class Prefetcher:
 
     def _drop(self, job: _Job) -> None:
         """Stop ``job``: dequeued if it has not started (forgotten here, as its run
-        never will), else it stops at its next chunk."""
+        never will), else it stops after the window it is reading."""
         job.stop.set()
         if job.future is not None and job.future.cancel():
             self._forget(job)
@@ -123,7 +125,7 @@ class Prefetcher:
             pass
 
     def close(self, deadline_s: float) -> bool:
-        """Cancel queued prefetches, stop running ones at their next chunk and wait
+        """Cancel queued prefetches, stop running ones after their window and wait
         for them at most ``deadline_s``; True when none is left running."""
         t0 = time.monotonic()
         with self._lock:

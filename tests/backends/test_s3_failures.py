@@ -9,7 +9,6 @@ import socket
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from loopback_http import LoopbackHttp, QuietHandler  # noqa: E402
 from s3_server import MotoS3, set_aws_env  # noqa: E402
 
 from lmcache_backend_s3 import S3Backend, create_s3_backend  # noqa: E402
@@ -129,7 +129,7 @@ def test_silent_endpoint_get_times_out_as_a_miss(aws_env: None, silent_port: int
         b.close()
 
 
-class FlakyS3:
+class FlakyS3(LoopbackHttp):
     """A tiny HTTP server on loopback that answers 500 to the first ``fail_first``
     requests (all of them if None) and then 200, counting every request."""
 
@@ -139,7 +139,7 @@ class FlakyS3:
         self._lock = threading.Lock()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def _answer(self, with_body: bool) -> None:
                 with outer._lock:
                     outer.requests.append(f"{self.command} {self.path}")
@@ -170,19 +170,7 @@ class FlakyS3:
             def do_PUT(self) -> None:
                 self._answer(True)
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
+        super().__init__(Handler)
 
 
 @pytest.fixture

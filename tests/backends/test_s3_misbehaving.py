@@ -13,10 +13,8 @@ server on loopback; moto answers correctly, so it cannot play these):
 from __future__ import annotations
 
 import sys
-import threading
 import time
 import tracemalloc
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from loopback_http import LoopbackHttp, QuietHandler  # noqa: E402
 from s3_server import set_aws_env  # noqa: E402
 
 from lmcache_backend_s3 import S3Backend, create_s3_backend  # noqa: E402
@@ -33,7 +32,7 @@ from lmcache_core.testing import make_context, random_chunk, random_key  # noqa:
 MiB = 1 << 20
 
 
-class OddS3:
+class OddS3(LoopbackHttp):
     """Answers every GET with ``body`` (chunked, in 1 MiB pieces, ``repeat`` times)
     under a Content-Range that claims ``claimed`` bytes, and every DELETE after
     ``delete_delay_s``. Records the request methods."""
@@ -43,7 +42,7 @@ class OddS3:
         self.sent = 0
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
@@ -70,19 +69,7 @@ class OddS3:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
+        super().__init__(Handler)
 
 
 @pytest.fixture

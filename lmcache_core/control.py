@@ -57,6 +57,8 @@ DONE = ".done"
 POLL_S = 0.5
 #: how long the command waits for the engines' answers by default
 WAIT_S = 5.0
+#: the longest a request waits for engines (and lives in the directory): later ones are refused
+MAX_WAIT_S = 600.0
 #: namespace ids one request names at most (a request stays far below the size limit)
 MAX_IDS = 1024
 
@@ -95,10 +97,13 @@ def memory_erase(
 
 
 def parse_request(data: dict[str, object], now: float) -> tuple[EraseMatch, bool] | None:
-    """The match and dry-run flag of a request, or None when it is malformed or past
-    its deadline."""
+    """The match and dry-run flag of a request, or None when it is malformed, past its
+    deadline or with a deadline no command sets (more than :data:`MAX_WAIT_S` ahead,
+    not finite: a request that would never expire)."""
     until, dry, ids = data.get("until"), data.get("dry_run"), data.get("namespaces")
-    if isinstance(until, bool) or not isinstance(until, (int, float)) or not now < until or not isinstance(dry, bool):
+    if isinstance(until, bool) or not isinstance(until, (int, float)) or not isinstance(dry, bool):
+        return None
+    if not now < until <= now + MAX_WAIT_S:  # NaN fails too
         return None
     if ids is None:
         return EraseMatch(None), dry
@@ -203,7 +208,10 @@ def ask_engines(
     control_dir: str | os.PathLike[str] | None, match: EraseMatch, *, dry_run: bool, wait_s: float = WAIT_S
 ) -> EngineAnswers:
     """Ask every running engine that uses ``control_dir`` to erase ``match`` from its
-    memory tiers, and collect the answers (see the module doc)."""
+    memory tiers, and collect the answers (see the module doc). ``wait_s``: more than
+    0, at most :data:`MAX_WAIT_S` (else ValueError)."""
+    if not 0 < wait_s <= MAX_WAIT_S:  # NaN fails too
+        raise ValueError(f"wait_s must be more than 0 and at most {MAX_WAIT_S:g} seconds, got {wait_s!r}")
     path = Path(control_dir) if control_dir is not None else default_dir()
     try:
         fd = open_private_dir(path, create=False)

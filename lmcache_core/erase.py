@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from .backend import EraseMatch, EraseUnsupported, StorageBackend
-from .config import ConfigError, CoreConfig, load_config, read_frame_secret
-from .control import WAIT_S, ask_engines
+from .config import ConfigError, CoreConfig, check_seconds, load_config, read_frame_secret
+from .control import MAX_WAIT_S, WAIT_S, ask_engines
 from .keys import HASH_BYTES
 from .memory import MemoryPool
 from .namespaces import NamespaceRecord, namespace_of, parse_records
@@ -83,10 +83,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="count what would be erased; delete nothing")
     p.add_argument(
         "--engines-wait-s",
-        type=float,
+        type=_wait_seconds,
         default=WAIT_S,
-        help=f"how long running engines get to erase their CPU tier (default {WAIT_S:g})",
+        help=f"how long running engines get to erase their CPU tier, 0.1 to {MAX_WAIT_S:g} (default {WAIT_S:g})",
     )
+
+
+def _wait_seconds(text: str) -> float:
+    """``--engines-wait-s``: a finite number of seconds within bounds (a request lives
+    that long in the control directory; NaN or infinity would never expire)."""
+    try:
+        return check_seconds(float(text), min_s=0.1, max_s=MAX_WAIT_S)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -362,6 +371,6 @@ def cmd_erase(args: argparse.Namespace, pm: PluginManager | None = None) -> int:
             engines_wait_s=args.engines_wait_s,
         )
     except ConfigError as e:
-        sys.stderr.write(f"error: {_one_line(e) if not str(e) else str(e).splitlines()[0]}\n")
+        sys.stderr.write(f"error: {e.one_line()}\n")
         return 2
     return report(done, sys.stdout)

@@ -11,6 +11,7 @@ past its deadline, malformed or hostile files are ignored."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import yaml
 
 from lmcache_core import CacheEngine, KeyNamespace, cli
 from lmcache_core.config import load_config
-from lmcache_core.control import DONE, ENGINE, REQUEST, EngineControl, ask_engines, parse_request
+from lmcache_core.control import DONE, ENGINE, MAX_WAIT_S, REQUEST, EngineControl, ask_engines, parse_request
 from lmcache_core.backend import EraseMatch
 from lmcache_core.plugins import PluginManager
 from lmcache_core.testing.tokens import store_tokens
@@ -114,11 +115,16 @@ def test_requests_past_their_deadline_or_malformed_are_ignored(tmp_path: Path) -
         assert parse_request({"namespaces": ["zz"], "dry_run": False, "until": now + 5}, now) is None
         assert parse_request({"namespaces": [], "dry_run": False, "until": now + 5}, now) is None
         assert parse_request({"namespaces": None, "dry_run": "no", "until": now + 5}, now) is None
+        # a deadline no command sets: a request that would never (or not for long) expire
+        for until in (float("inf"), float("nan"), now + MAX_WAIT_S + 1):
+            assert parse_request({"namespaces": None, "dry_run": False, "until": until}, now) is None, until
+        assert parse_request({"namespaces": None, "dry_run": False, "until": now + MAX_WAIT_S}, now) is not None
         assert parse_request({"namespaces": ["ab" * 16], "dry_run": True, "until": now + 5}, now) == (
             EraseMatch(frozenset([bytes.fromhex("ab" * 16)])),
             True,
         )
         (control / f"old{REQUEST}").write_text(json.dumps({"namespaces": None, "dry_run": False, "until": now - 1}))
+        (control / f"never{REQUEST}").write_text('{"namespaces": null, "dry_run": false, "until": Infinity}')
         (control / f"junk{REQUEST}").write_text("{not json")
         (control / f"big{REQUEST}").write_bytes(b" " * (1 << 20))
         os.mkfifo(control / f"fifo{REQUEST}")
@@ -142,3 +148,21 @@ def test_a_control_directory_others_can_write_is_refused(tmp_path: Path) -> None
     c.close()
     answers = ask_engines(control, EraseMatch(None), dry_run=False, wait_s=0.5)
     assert answers.error is not None and "writable by group or others" in answers.error, answers
+
+
+@pytest.mark.parametrize("wait", ["nan", "inf", "-1", "0", "601", "soon"])
+def test_engines_wait_must_be_a_finite_bounded_number(tmp_path: Path, capsys: pytest.CaptureFixture[str], wait: str) -> None:
+    """NaN or infinity waited forever for a silent engine and left a request that never
+    expired; the flag is refused before anything is asked (exit 2, one line)."""
+    cfg = _config(tmp_path, tmp_path / "control")
+    with pytest.raises(SystemExit) as e:
+        cli.main(
+            ["erase", "--config", str(cfg), "--all", "--engines-wait-s", wait],
+            plugin_manager=PluginManager(load_entry_points=False),
+        )
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--engines-wait-s" in err and "Traceback" not in err, err
+    assert not (tmp_path / "control").exists() or not list((tmp_path / "control").iterdir())
+    with pytest.raises(ValueError):
+        ask_engines(tmp_path / "control", EraseMatch(None), dry_run=True, wait_s=float(wait) if wait != "soon" else math.nan)

@@ -60,6 +60,15 @@ backends:
 class ConfigError(ValueError):
     """A configuration value is wrong. The message names the key path and its source."""
 
+    def one_line(self) -> str:
+        """The whole message on one line (a command's ``error: ...``): its first line,
+        then each further line (one per wrong key) after it, joined by ``; ``."""
+        lines = [line.strip() for line in str(self).splitlines() if line.strip()]
+        if not lines:
+            return type(self).__name__
+        head, rest = lines[0], "; ".join(lines[1:])
+        return f"{head} {rest}" if head.endswith(":") and rest else "; ".join(lines)
+
 
 _UNITS = {
     "": 1,

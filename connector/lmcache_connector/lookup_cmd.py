@@ -99,7 +99,7 @@ def lookup(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         opened, cfg = open_command_tiers(str(args.config), PluginManager())
     except ConfigError as e:
-        raise CorpusError(str(e).splitlines()[0]) from None
+        raise CorpusError(e.one_line()) from None
     try:
         spaces = _namespaces(args, [o for o in opened if o.tier is not None])
         prompts = _prompts(args, err)

@@ -411,6 +411,12 @@ def test_erase_bad_config(tmp_path: Path, pm: PluginManager, capsys: pytest.Capt
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+    assert "nosuchtier" in err, err  # the line names what is wrong, not only that something is
+    cfg.write_text("chunk_sise: 5\nbackends: [{name: local_cpu, bogus: 1}]\n")
+    rc = cli.main(["erase", "--config", str(cfg), "--all"], plugin_manager=pm)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "chunk_sise" in err and str(cfg) in err, err
 
 
 # --- by name: the namespace records engines leave in the tiers they write -------------

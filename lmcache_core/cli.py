@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 import yaml
 
@@ -156,7 +156,8 @@ def _quarantine_action(args: argparse.Namespace, dir_fd: int, d: Path) -> int:
         return 2
     chosen = [f for f in files if args.all or f.tier == args.tier]
     if not chosen:
-        sys.stderr.write(f"error: no quarantine of tier {printable(repr(args.tier))} in {printable(str(d))}\n")
+        which = "no quarantined tier" if args.all else f"no quarantine of tier {printable(repr(args.tier))}"
+        sys.stderr.write(f"error: {which} in {printable(str(d))}\n")
         return 1
     rc = 0
     for f in chosen:
@@ -184,16 +185,23 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     p.add_argument("--show", action="store_true", help="print the effective config (the default action)")
     p.set_defaults(func=lambda args: cmd_config(args, pm))
     p = sub.add_parser("quarantine", help="list or release tiers the correctness canary quarantined")
-    p.add_argument("action", nargs="?", choices=["list", "release"], default="list")
-    p.add_argument("tier", nargs="?", help="release: the tier's name (as in backends:)")
-    p.add_argument("--all", action="store_true", help="release: every quarantined tier")
-    p.add_argument(
-        "--dir",
-        help="control-file directory (default: quarantine_dir of the config, else "
-        "$XDG_RUNTIME_DIR/lmcache-core-quarantine, else <tmpdir>/lmcache-core-quarantine-<uid>)",
-    )
-    p.add_argument("--file", "-f", help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
-    p.set_defaults(func=lambda args: cmd_quarantine(args, pm))
+    where = argparse.ArgumentParser(add_help=False)  # before or after the action, in any order
+    for default in (None, argparse.SUPPRESS):  # (the action's copy sets them only when given)
+        (p if default is None else where).add_argument(
+            "--dir",
+            default=default,
+            help="control-file directory (default: quarantine_dir of the config, else "
+            "$XDG_RUNTIME_DIR/lmcache-core-quarantine, else <tmpdir>/lmcache-core-quarantine-<uid>)",
+        )
+        (p if default is None else where).add_argument(
+            "--file", "-f", default=default, help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)"
+        )
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.add_parser("list", parents=[where], help="the quarantined tiers (the default action)")
+    r = actions.add_parser("release", parents=[where], help="release a quarantined tier, or --all")
+    r.add_argument("tier", nargs="?", help="the tier's name (as in backends:)")
+    r.add_argument("--all", action="store_true", help="every quarantined tier")
+    p.set_defaults(func=lambda args: cmd_quarantine(args, pm), action="list", tier=None, all=False)
     p = sub.add_parser(
         "replay",
         help="replay a request trace through each eviction policy and size, next to the offline optimum",
@@ -238,14 +246,31 @@ def main(argv: Sequence[str] | None = None, *, plugin_manager: PluginManager | N
                 f"failed to load: {type(err).__name__}: {err}\n"
             )
             return 2
-        return int(command(cmd_parser.parse_args(rest)))
+        parsed = cmd_parser.parse_args(rest)
+        return _run(lambda: int(command(parsed)))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     func: Command | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
-    return int(func(args))
+    return _run(lambda: int(func(args)))
+
+
+def _run(command: Callable[[], int]) -> int:
+    """A command's exit status; a reader that went away (``| head``) ends it quietly
+    (141, as SIGPIPE would), Ctrl-C with 130 and one line, never a traceback."""
+    try:
+        return command()
+    except BrokenPipeError:
+        # stdout is gone: point it at /dev/null so the interpreter's last flush is quiet
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

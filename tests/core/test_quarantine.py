@@ -110,8 +110,15 @@ def test_cli_lists_and_releases(tmp_path: Path, capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "liar" in out and "yes" in out
     assert cli_main(["quarantine", "release", "other", "--dir", str(tmp_path)]) == 1
-    assert cli_main(["quarantine", "release", "liar", "--dir", str(tmp_path)]) == 0
+    # the options before the tier's name, or before the action, as docs/canary.md writes them
+    assert cli_main(["quarantine", "release", "--dir", str(tmp_path), "liar"]) == 0
     assert list_control_files(tmp_path) == []
+    q.record_mismatch("liar2", "chunk k")
+    assert len(list_control_files(tmp_path)) == 1
+    assert cli_main(["quarantine", "--dir", str(tmp_path), "release", "--all"]) == 0
+    assert list_control_files(tmp_path) == []
+    assert cli_main(["quarantine", "release", "--all", "--dir", str(tmp_path)]) == 1
+    assert "no quarantined tier in" in capsys.readouterr().err
     q.close()
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from lmcache_core.canary import sample
 from lmcache_core.keys import as_token_array, chain_seed, chunk_hashes, leading_part_keys
@@ -44,6 +44,16 @@ log = get_logger(__name__)
 #: still in a background save (async_saves), for that save: it asks again every step
 #: meanwhile, and after this its lookup answers what is stored then
 SAVE_WAIT_S = 1.0
+
+
+_said: set[str] = set()
+
+
+def _say_once(say: Callable[[str], object], msg: str) -> None:
+    """``say(msg)`` the first time this process has ``msg`` to say."""
+    if msg not in _said:
+        _said.add(msg)
+        say(msg)
 
 
 def mm_extras(mm_features: Sequence[Any] | None, chunk_size: int) -> dict[int, bytes]:
@@ -222,7 +232,13 @@ class SchedulerSide:
         lora_name: str | None,
         mm_features: Sequence[Any] | None,
         request: Any = None,
+        prompt_embeds: bool = False,
     ) -> _Req:
+        if prompt_embeds:
+            # Keys name token ids; an embedded position carries one placeholder id
+            # whatever its embedding, so two such prompts would share keys, and KV.
+            _say_once(log.info, "requests with prompt embeddings are served without the KV cache (keys name tokens)")
+            opts = RequestOptions(skip_save=True, skip_load=True, problem="prompt embeddings")
         save = self.can_save and not opts.skip_save
         partial_ok = self._partial_ok()
         if self.cfg.connector.priority_limit is not None and priority > self.cfg.connector.priority_limit:
@@ -256,6 +272,7 @@ class SchedulerSide:
                 lora_name=request.lora_request.lora_name if request.lora_request else None,
                 mm_features=request.mm_features,
                 request=request,
+                prompt_embeds=getattr(request, "prompt_embeds", None) is not None,
             )
         return st
 

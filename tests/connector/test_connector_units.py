@@ -311,6 +311,33 @@ def test_multimodal_items_change_keys_from_their_chunk_on():
     assert a[1] != plain[1]
 
 
+def test_requests_with_prompt_embeddings_neither_load_nor_save():
+    """Keys name token ids, and every embedded position carries the same placeholder
+    id whatever its embedding: two such prompts would share keys, so one would load
+    the other's KV. They skip the cache; the same token ids without embeddings use it
+    (the control)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    tokens = [151655] * 512 + [1, 2, 3, 4]
+    mask = [False] * 512 + [True] * 4
+    s = _sched()
+    for rid, seed in (("a", 1), ("b", 2)):
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            prompt_embeds=torch.randn(len(tokens), 8, generator=torch.Generator().manual_seed(seed)),
+            prompt_is_token_ids=list(mask),
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+        )
+        st = s._state_for(req)
+        assert st.opts.skip_load and st.opts.skip_save and not st.save, rid
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    plain = s._state_for(_request(list(tokens), rid="p"))
+    assert plain.save and not plain.opts.skip_load and len(plain.hashes) == 2
+
+
 def test_tags_and_salt_change_keys():
     s = _sched()
     t = [5] * 512

@@ -172,7 +172,12 @@ class WorkerSide:
         )
         if self.lookup_address:
             # Memory-only tiers: a scheduler in this process may call the lookup directly.
-            self.server = LookupServer(self.lookup_address, self._lookup, inline=all(t.zero_copy for t in tiers))
+            self.server = LookupServer(
+                self.lookup_address,
+                self._lookup,
+                inline=all(t.zero_copy for t in tiers),
+                release=lambda rid: self.transfers.complete_load(rid),
+            )
 
     def _layout(self, kv_caches: dict[str, Any]) -> tuple[BlockLayout | TokenLayout | GroupedLayout, str, torch.dtype | None]:
         """The layout over vLLM's KV caches, the dtype that names the namespace, and

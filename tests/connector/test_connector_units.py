@@ -379,6 +379,74 @@ def test_lookup_server_and_timeout(tmp_path):
         ctx.term()
 
 
+def test_a_malformed_lookup_message_is_a_miss_and_the_server_goes_on(tmp_path):
+    """A request id that is not UTF-8, a pin deadline that is not a number, a ragged
+    hash blob: each gets a miss, and the next lookup is answered (the thread lived)."""
+    from lmcache_connector.protocol.lookup_ipc import PROTO
+
+    addr = f"ipc://{tmp_path}/lk.ipc"
+    server = LookupServer(addr, lambda hashes, pin: LookupAnswer(len(hashes)))
+    client = LookupClient([addr], timeout_s=2.0)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(addr)
+    try:
+        assert client.lookup([b"a" * 16], "r1").chunks == 1
+        for bad in ([b"\xff\xfe", b"1"], [b"r", b"1:soon"], [b"r", b"1:"]):
+            raw.send_multipart([PROTO, b"7", *bad, b"b" * 16])
+            assert raw.poll(2000), bad
+            assert raw.recv_multipart() == [PROTO, b"7", b"0"], bad
+        raw.send_multipart([PROTO, b"8", b"r", b"0", b"b" * 15])
+        assert raw.poll(2000) and raw.recv_multipart() == [PROTO, b"8", b"0"]
+        assert server._thread.is_alive()
+        assert client.lookup([b"a" * 16] * 2, "r2").chunks == 2
+    finally:
+        raw.close(0)
+        ctx.term()
+        client.close()
+        server.close()
+
+
+def test_a_lookup_its_client_gave_up_on_holds_no_pins(tmp_path):
+    """The client counts a lookup unanswered within its timeout as a miss, and the
+    request may finish (its one unpin sent) before the worker gets to it: pins taken
+    then would never be released. One that ends late is released; one that arrives
+    late is not even looked up. Control: in time, the pins stay (the unpin's)."""
+    addr = f"ipc://{tmp_path}/lk.ipc"
+    pinned: set[str] = set()
+    calls: list[str] = []
+    delay = {"s": 0.0}
+
+    def lookup(hashes, pin):
+        calls.append(pin)
+        time.sleep(delay["s"])
+        pinned.add(pin)
+        return LookupAnswer(len(hashes))
+
+    def settled(n):
+        deadline = time.monotonic() + 5
+        while server.late < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return server.late
+
+    server = LookupServer(addr, lookup, release=pinned.discard)
+    client = LookupClient([addr], timeout_s=0.3)
+    try:
+        assert client.lookup([b"a" * 16], "in-time").chunks == 1 and pinned == {"in-time"}
+        delay["s"] = 0.6  # ends after the client's deadline
+        assert client.lookup([b"a" * 16], "ends-late") == MISS
+        assert settled(1) == 1 and pinned == {"in-time"}
+        delay["s"] = 1.2  # holds the server thread past the next one's deadline
+        assert client.lookup([b"a" * 16], "slow") == MISS
+        assert client.lookup([b"a" * 16], "arrives-late") == MISS
+        assert settled(3) == 3 and pinned == {"in-time"}
+        assert calls == ["in-time", "ends-late", "slow"]  # never looked up: "arrives-late"
+    finally:
+        client.close()
+        server.close()
+
+
 def test_lookup_in_the_same_process_skips_the_socket(tmp_path):
     """A memory-only worker in this process is called directly; once it closes,
     the client goes back to the socket (nobody answers: a miss within the timeout)."""

@@ -4,7 +4,7 @@ The cache lives in the worker process(es); vLLM's scheduler may run in another
 process. The scheduler side sends a request's chunk hashes to every worker rank and
 takes the smallest hit count. A reply that does not arrive within the timeout is a
 miss (0): the scheduler never blocks on a stuck worker. Messages are raw bytes (no
-pickle): ``[b"L1", seq, request_id, pin_flag, hashes...]`` and ``[b"L1", seq, count]``,
+pickle): ``[b"L1", seq, request_id, pin, hashes...]`` and ``[b"L1", seq, count]``,
 the count followed by ``,`` and flags: ``s`` when loading the hit needs a tier slower
 than memory (the scheduler then loads it off the forward path: ``connector.async_loads: auto``),
 ``t`` when the stored chunk offered for the chunk after the hit is present and pinned,
@@ -12,7 +12,12 @@ than memory (the scheduler then loads it off the forward path: ``connector.async
 the answer left (the scheduler then asks again a step later, see the scheduler's
 ``SAVE_WAIT_S``).
 Those offers (sub-chunk hits, subchunks.py) travel in an optional sixth frame:
-``(chunk index: 4 bytes little-endian, stored chunk's hash)`` pairs.
+``(chunk index: 4 bytes little-endian, stored chunk's hash)`` pairs. ``pin`` is ``0``,
+or ``1:<deadline>`` (wall-clock seconds) when the hit is to be pinned for the request:
+the client counts a lookup unanswered by then as a miss, so the server skips one that
+arrives late and releases the pins of one that ends late (the request, already
+treated as a miss, may have finished and sent its one unpin meanwhile). A malformed
+message gets a miss; the server thread never dies of one.
 
 When the worker answering an address lives in the scheduler's own process (vLLM's
 single-process executor: one worker, in the engine core process) and declared its
@@ -24,6 +29,7 @@ per lookup in ``bench/bench_burst.py``.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import tempfile
@@ -105,11 +111,16 @@ _inline_lock = threading.Lock()
 class LookupServer:
     """Answers lookups in the worker with ``lookup(hashes, pin_id) -> chunks``."""
 
-    def __init__(self, address: str, lookup: LookupFn, *, inline: bool = False) -> None:
+    def __init__(
+        self, address: str, lookup: LookupFn, *, inline: bool = False, release: Callable[[str], object] | None = None
+    ) -> None:
         """``inline``: ``lookup`` only reads memory, so a client in this process may
-        call it directly (see the module's docstring)."""
+        call it directly (see the module's docstring). ``release(pin_id)``: drops what
+        a lookup pinned for a client that gave up waiting (see the module's docstring)."""
         self.address = address
         self._lookup = lookup
+        self._release = release
+        self.late = 0  # lookups skipped or released because their client had given up
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -138,7 +149,11 @@ class LookupServer:
                 continue
             except zmq.ZMQError:
                 return
-            reply = self._answer(frames[1:])
+            try:
+                reply = self._answer(frames[1:])
+            except Exception as err:  # a malformed message is a miss, never the end of this thread
+                log.warning("malformed lookup message, answered as a miss: %s", err)
+                reply = [PROTO, b"", b"0"]
             try:
                 self._sock.send_multipart([frames[0], *reply])
             except zmq.ZMQError as err:
@@ -150,9 +165,23 @@ class LookupServer:
         seq, req_id, pin, blob = frames[1:5]
         if len(blob) % HASH_BYTES:
             return [PROTO, seq, b"0"]
+        pin_id, deadline = None, math.inf
+        if pin[:1] == b"1":
+            try:
+                pin_id = req_id.decode()
+                deadline = float(pin[2:]) if pin[1:2] == b":" else math.inf
+            except (UnicodeDecodeError, ValueError):
+                return [PROTO, seq, b"0"]
+            if time.time() > deadline:  # (NaN is never late: then pinned, and released by its unpin)
+                self.late += 1
+                return [PROTO, seq, b"0"]
         hashes = [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
         alts = decode_alts(frames[5]) if len(frames) == 6 else None
-        hit = self.answer(hashes, req_id.decode() if pin == b"1" else None, alts)
+        hit = self.answer(hashes, pin_id, alts)
+        if pin_id is not None and time.time() > deadline and self._release is not None:
+            self.late += 1
+            self._release(pin_id)  # the client has counted it a miss: nothing will load these
+            return [PROTO, seq, b"0"]
         return [PROTO, seq, hit.encode()]
 
     def answer(self, hashes: Sequence[bytes], pin_id: str | None, alts: Alts | None = None) -> LookupAnswer:
@@ -222,12 +251,13 @@ class LookupClient:
             self._seq += 1
             seq = str(self._seq).encode()
             blob = b"".join(hashes)
-            msg = [PROTO, seq, (pin_id or "").encode(), b"1" if pin_id else b"0", blob]
+            deadline = time.monotonic() + self.timeout_s
+            pin = b"1:%.6f" % (time.time() + self.timeout_s) if pin_id else b"0"
+            msg = [PROTO, seq, (pin_id or "").encode(), pin, blob]
             if alts:
                 msg.append(encode_alts(alts))
             for s in self._socks:
                 s.send_multipart(msg)
-            deadline = time.monotonic() + self.timeout_s
             answers: list[LookupAnswer] = []
             for i, s in enumerate(self._socks):
                 got = self._recv(s, seq, deadline)

@@ -281,7 +281,9 @@ class WorkerSide:
             self.transfers.save_layer(layer_name, meta)
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata) -> None:
-        if self.suspended:
+        if self.suspended:  # no block is read while vLLM sleeps: the step's saves are dropped
+            if self.saves is not None:
+                self.saves.settled(meta.saves)  # (the scheduler waits for each it planned)
             return
         if self._fwd_start is not None and meta.step_tokens > 0:
             self.prefill.record(meta.step_tokens, meta.step_pairs, time.perf_counter() - self._fwd_start - self._step_load_s)

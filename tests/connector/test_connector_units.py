@@ -839,6 +839,35 @@ def test_save_progress_and_forgotten_requests():
     assert threading.active_count() >= 1
 
 
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_layerwise_saves_with_background_saves_count_as_done(tmp_path, layerwise):
+    """With layerwise on, the layer pipeline stores a step's saves itself; the save
+    queue must count them done, or a finished request is never reported in
+    finished_sending and vLLM holds its blocks for ever. The same step without the
+    pipeline (the control) goes through the queue."""
+    from lmcache_connector.protocol.metadata import ChunkTransfer, LMCacheConnectorMetadata
+
+    w = _worker(tmp_path, connector={"async_saves": True, "layerwise": layerwise})
+    try:
+        assert (w.transfers.pipeline is not None) is layerwise
+        hashes = [b"a" * 16, b"b" * 16]
+        step = LMCacheConnectorMetadata(chunk_size=16, saves=[ChunkTransfer("R", hashes, 0, [16, 32], [3, 4])], step_tokens=32)
+        w.step_started(step)
+        w.start_load_kv(step)
+        for name in ("l0", "l1"):
+            w.wait_for_layer_load(name)
+            w.save_kv_layer(name, step)
+        w.wait_for_save(step)
+        w.saves.drain()
+        assert w.engine.lookup_hashes(hashes) == 2  # both chunks stored, either way
+        assert w.saves.progress() == {"R": 1}  # the scheduler may free its blocks at once
+        w.step_started(LMCacheConnectorMetadata(chunk_size=16))
+        assert w.take_finished_saves({"R"}) == {"R"}  # or, held, reported once
+        assert w.take_finished_saves(set()) == set()
+    finally:
+        w.close()
+
+
 def test_scheduler_frees_a_finished_request_at_once_when_its_saves_are_done():
     from lmcache_connector.scheduler import _Req
     from lmcache_connector.options import RequestOptions

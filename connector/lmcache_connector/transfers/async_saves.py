@@ -91,6 +91,16 @@ class SaveQueue(TransferQueue):
                         del self._chunks[h]
                 self._saved.notify_all()
 
+    def settled(self, transfers: Sequence[ChunkTransfer]) -> None:
+        """Saves that ended in the step, outside this queue (stored by the layer
+        pipeline, or dropped while vLLM sleeps): counted done, so their requests are
+        freed or reported in ``finished_sending`` as if they had been queued (the
+        scheduler holds a finished request's blocks until all its planned saves are)."""
+        with self._lock:
+            for t in transfers:
+                self._seen.add(t.req_id)
+                self._done[t.req_id] += 1
+
     def wait_for_chunks(self, hashes: Sequence[bytes], timeout: float = LOOKUP_WAIT_S) -> bool:
         """Wait until no queued or running save holds any of ``hashes`` (a lookup of a
         prefix being saved), at most ``timeout`` seconds: True when none is left."""

@@ -529,6 +529,8 @@ class DenseTransfers(Transfers):
                     self._store_pipelined(self.pipeline)
                 except Exception as err:  # a failed save is a future miss
                     log.warning("layerwise saves failed, skipped: %s: %s", type(err).__name__, err)
+                if self.saves is not None:  # stored here: done for the scheduler's count
+                    self.saves.settled(transfers)
                 transfers = []
         if self.saves is not None:
             self.saves.submit(meta, transfers)

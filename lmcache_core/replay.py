@@ -611,6 +611,23 @@ def cmd_replay(args: argparse.Namespace, pm: PluginManager | None = None, out: T
     return 0
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Before a replay that may take hours: each file it will write can be written
+    (its folder exists and is writable, it is not a folder); ``--plot`` needs ``--sweep``."""
+    if args.plot and not args.sweep:
+        raise ReplayError("--plot draws the --sweep's curve: give --sweep too")
+    outputs = [("--json", args.json)] if args.json else []
+    if args.sweep:
+        outputs.append(("--plot", args.plot or Path(args.trace).name + ".replay.png"))
+    for flag, name in outputs:
+        path = Path(name)
+        folder = path.parent if str(path.parent) else Path(".")
+        if path.is_dir():
+            raise ReplayError(f"{flag} {name}: is a folder, not a file")
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise ReplayError(f"{flag} {name}: cannot write in {folder} (no such folder, or no permission)")
+
+
 def _block_bytes(args: argparse.Namespace) -> int | None:
     geometry = (args.layers, args.kv_heads, args.head_dim)
     if args.block_bytes is not None and any(v is not None for v in geometry):
@@ -664,7 +681,10 @@ def run(args: argparse.Namespace, pm: PluginManager, progress: Progress | None =
         raise ReplayError(
             "--config: the config's sizes are bytes; give the size of one block (--block-bytes or the model's geometry)"
         )
+    _check_outputs(args)
     trace = load_trace(args.trace, limit=args.limit, skip_bad=args.skip_bad, block_tokens=args.block_tokens)
+    if trace.blocks == 0:
+        raise ReplayError(f"{args.trace}: no request has a prompt block (every hash_ids is empty): nothing to replay")
     if trace.skipped_count:
         first = "; ".join(str(e) for e in trace.skipped)
         sys.stderr.write(f"warning: skipped {trace.skipped_count:,} bad line{'s' if trace.skipped_count > 1 else ''} ({first})\n")
@@ -717,7 +737,10 @@ def _run_config(
                 "write_queue_size": max(256, trace.max_path() + 1),
             }
             loaded = load_config(
-                args.config, overrides=overrides, overrides_source="lmcache-core replay", model=pm.config_model()
+                args.config,
+                overrides=overrides,
+                overrides_source=f"{args.config}, as lmcache-core replay rewrites it",
+                model=pm.config_model(),
             )
             name = policy or str(sections[0].get("eviction", "tinylfu" if sections[0]["name"] == "local_cpu" else "config"))
             if not report.rows:

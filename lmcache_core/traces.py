@@ -35,6 +35,8 @@ from typing import BinaryIO, Iterator
 
 #: longest line read (bytes, newline excluded): a line of 65,536 ten-digit ids fits
 MAX_LINE_BYTES = 1 << 20
+#: an over-long line read past (skipping bad lines) up to this many bytes; more ends the read
+MAX_SKIPPED_LINE_BYTES = 64 << 20
 #: most block ids one request may have (33.5M tokens at 512 tokens a block)
 MAX_BLOCKS_PER_REQUEST = 1 << 16
 #: largest ``input_length`` / ``output_length`` taken (tokens)
@@ -176,9 +178,17 @@ def _lines(f: BinaryIO) -> Iterator[tuple[int, bytes | None]]:
             return
         n += 1
         if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            yield n, None  # refused at once, or (skipping bad lines) read past, boundedly:
+            skipped = len(line)
             while line and not line.endswith(b"\n"):
+                if skipped > MAX_SKIPPED_LINE_BYTES:  # /dev/zero, a binary file: no line ends
+                    raise TraceError(
+                        str(getattr(f, "name", "trace")),
+                        n,
+                        f"a line of more than {MAX_SKIPPED_LINE_BYTES >> 20} MiB: not a trace",
+                    )
                 line = f.readline(MAX_LINE_BYTES)
-            yield n, None
+                skipped += len(line)
             continue
         yield n, line.rstrip(b"\r\n")
 

@@ -155,12 +155,27 @@ def test_cli_reports_a_bad_trace_without_a_traceback(tmp_path: Path, capsys: pyt
         (["--layers", "2"], "needs --kv-heads, --head-dim too"),
         (["--limit", "0"], "--limit must be at least 1"),
         (["--config", "x.yaml"], "give the size of one block"),
+        (["--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: cannot write in /nonexistent-dir"),
+        (["--sweep", "--plot", "/"], "--plot /: is a folder"),
+        (["--plot", "x.png"], "--plot draws the --sweep's curve: give --sweep too"),
     ],
 )
 def test_cli_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
     p = write(tmp_path, [req([0]), req([0, 1])])
     rc, _, err = run_cli(capsys, str(p), *args)
     assert rc == 2 and err.startswith("error: ") and expected in err, err
+
+
+def test_a_trace_with_no_prompt_block_or_no_line_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests whose hash_ids are all empty: nothing to replay (was a division by zero
+    after the replay). A file with no line end (/dev/zero): refused at the first line,
+    and read past only so far with --skip-bad (was an endless read)."""
+    p = write(tmp_path, ['{"timestamp": 0, "input_length": 0, "output_length": 5, "hash_ids": []}'] * 3)
+    rc, out, err = run_cli(capsys, str(p), "--policies", "lru")
+    assert rc == 2 and "no request has a prompt block" in err and "Traceback" not in err, err
+    for extra in ([], ["--skip-bad"]):
+        rc, _, err = run_cli(capsys, "/dev/zero", "--policies", "lru", *extra)
+        assert rc == 2 and err.startswith("error: /dev/zero:1: "), err
 
 
 def test_sizes() -> None:

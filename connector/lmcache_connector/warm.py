@@ -131,11 +131,14 @@ def read_corpus(args: argparse.Namespace, summary: Summary, err: TextIO) -> Iter
 def _tiers_outlive_us(config: Path) -> None:
     """A config whose tiers all live in this process's memory is refused: warming it
     would store nothing that outlives the command."""
-    from lmcache_core.config import load_config
+    from lmcache_core.config import ConfigError, load_config
 
     from .settings import ConnectorConfig
 
-    names = [sec.name for sec in load_config(config, model=ConnectorConfig).config.backends]
+    try:
+        names = [sec.name for sec in load_config(config, model=ConnectorConfig).config.backends]
+    except ConfigError as err:
+        raise CorpusError(err.one_line()) from None
     if all(n == "local_cpu" for n in names):
         raise CorpusError(
             f"{config}: every tier ({', '.join(names)}) lives in this process's memory: warming it stores nothing "

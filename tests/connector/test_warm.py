@@ -73,6 +73,10 @@ def test_a_memory_only_config_is_refused(tmp_path, tiny_model):
     corpus.write_text('{"prompt": "hello"}\n')
     with pytest.raises(CorpusError, match="stores nothing that outlives"):
         warm(_args(tiny_model, cfg, corpus))
+    # a config that does not load: the error that says which key, not a traceback
+    cfg.write_text("chunk_sise: 5\n")
+    with pytest.raises(CorpusError, match=r"invalid configuration: chunk_sise: unknown key \(from .*lmcache.yaml\)"):
+        warm(_args(tiny_model, cfg, corpus))
 
 
 @pytest.mark.vllm

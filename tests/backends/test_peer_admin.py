@@ -20,6 +20,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -533,3 +534,43 @@ def test_the_openapi_description_is_served_in_the_docs_and_covers_every_route(ad
         assert code == 200, (method, path, code)
     assert admin.request("GET", "/openapi.yaml")[0] == 404  # the control: an unknown path
     assert admin.request("POST", "/openapi.json", {})[0] == 405
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"garbage\r\n\r\n",  # no status line
+        b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"erased"',  # cut short
+        b"HTTP/1.1 200 OK\r\nContent-Length: 20000\r\n\r\n" + b"[" * 10000 + b"]" * 10000,  # deeper than Python recurses
+    ],
+    ids=["not-http", "cut-short", "deep-json"],
+)
+def test_a_node_answering_garbage_is_a_backend_error_naming_it(tmp_path: Path, reply: bytes) -> None:
+    """What lmcache-core erase meets through a peer tier's admin_urls: an answer that is
+    not HTTP, is cut short or nests deeper than Python recurses is a BackendError naming
+    the node (erase then reports that tier failed), never another exception."""
+    from lmcache_backend_peer.admin_cli import NodeAdmins
+    from lmcache_core.backend import BackendError, EraseMatch
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(reply)
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    token.chmod(0o600)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(BackendError, match=f"node admin API {url}"):
+            NodeAdmins([url], token, None, timeout=5).erase(EraseMatch(None), dry_run=False)
+    finally:
+        t.join(timeout=5)
+        listener.close()

@@ -101,7 +101,9 @@ class NodeAdmins:
 
 
 def request(url: str, token: bytes, method: str, path: str, body: Any, timeout: float, ca: Path | None) -> tuple[int, Any]:
-    """One request to the admin API: (HTTP status, decoded JSON answer)."""
+    """One request to the admin API: (HTTP status, decoded JSON answer). A node that
+    does not answer, or answers something that is not HTTP, raises OSError; an answer
+    that is not JSON is returned as ``{"error": <its first bytes>}``."""
     u = urllib.parse.urlsplit(url)
     if u.scheme not in ("http", "https") or not u.hostname or u.port is None:
         raise ValueError(f"--url: expected http[s]://HOST:PORT, got {url!r}")
@@ -119,11 +121,13 @@ def request(url: str, token: bytes, method: str, path: str, body: Any, timeout: 
         conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
         payload = resp.read(16 << 20)
+    except http.client.HTTPException as err:  # not OSError: a status line, header or body that is not HTTP
+        raise OSError(f"not an HTTP answer ({type(err).__name__}: {str(err)[:200]})") from None
     finally:
         conn.close()
     try:
         return resp.status, json.loads(payload) if payload else None
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: JSON nested deeper than Python recurses)
         return resp.status, {"error": payload[:200].decode(errors="replace")}
 
 

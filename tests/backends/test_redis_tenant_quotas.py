@@ -262,6 +262,37 @@ def test_the_oldest_chunks_make_room_and_are_reported_as_evicted(redis_server: R
         tier.close()
 
 
+@pytest.mark.parametrize("lost", [("bytes",), ("order",), ("sizes",), ("bytes", "order"), ("bytes", "sizes")])
+def test_a_ledger_part_the_server_evicted_is_rebuilt_from_the_others(redis_server: RedisServer, lost: tuple[str, ...]) -> None:
+    """Under an allkeys-* policy the server may evict the ledger's own keys (the tenant
+    still reads its chunks, but writes nothing for a while). With a part gone, the
+    quota was exceeded (the sum or the order lost: old chunks uncounted) or every
+    chunk deleted for one put (the sizes lost: nothing ever subtracted). Here each
+    part, and each pair that leaves one, is deleted as the server would, then the
+    tenant writes on: its bytes stay within the quota, the ledger counts them
+    exactly, and only as many old chunks go as the new ones need."""
+    prefix = f"tq:rebuild-{'-'.join(lost)}:"  # (no glob characters: _snapshot matches by pattern)
+    client = redis_server.client()
+    tier = _tier(redis_server, prefix, "ev", QUOTA)
+    try:
+        assert tier.put(_key("ev", 0), _chunk(0))
+        size, n = _frame_len(tier, _key("ev", 0)), QUOTA // _frame_len(tier, _key("ev", 0))  # what fits: 31
+        assert tier.put_many([(_key("ev", i), _chunk(i)) for i in range(1, n)]) == [True] * (n - 1)
+        old = n
+        assert tier.stats().extra["quota_evictions"] == 0 and _snapshot(client, prefix, "ev") == (n * size, n * size)
+        base = f"{prefix}lmcache-quota-ev:"
+        client.delete(*(base + part for part in lost))
+        new = 10
+        assert tier.put_many([(_key("ev", 1000 + i), _chunk(1000 + i)) for i in range(new)]) == [True] * new
+        real, counted = _snapshot(client, prefix, "ev")
+        assert real <= QUOTA and counted == real, (real, counted)
+        survivors = sum(tier.contains([_key("ev", i)]) for i in range(old))
+        assert survivors == old - new and real == (survivors + new) * size
+        assert _ledger(client, prefix, "ev")[:2] == (survivors + new, survivors + new)
+    finally:
+        tier.close()
+
+
 def test_ttl_prunes_expired_entries_and_expires_the_ledger(redis_server: RedisServer, prefix: str) -> None:
     client = redis_server.client()
     tier = _tier(redis_server, prefix, "ttl", QUOTA, ttl_s=0.3)

@@ -17,7 +17,10 @@ would copy it twice more: measured, that halved the put throughput).
 
 What the ledger cannot see makes it overstate, never understate: a chunk the server
 evicted (``maxmemory``) or expired is still counted until its entry is popped (the
-oldest go first) or pruned. ``remove`` and ``erase`` drop the entries of what they
+oldest go first) or pruned. The ledger's own keys can be evicted too (a server whose
+``maxmemory`` is reached under an ``allkeys-*`` policy): a part evicted while another
+remains is rebuilt from it at the next put (:data:`RESERVE_SCRIPT`); only with both the
+order and the sizes gone are the tenant's earlier chunks no longer counted. ``remove`` and ``erase`` drop the entries of what they
 delete (:data:`FORGET_SCRIPT`). With ``ttl_s`` the ledger's keys expire a TTL after
 the tenant's last write, when every chunk they list has expired too.
 
@@ -46,7 +49,29 @@ RESERVE_SCRIPT = """
 local size = tonumber(ARGV[1])
 local quota = tonumber(ARGV[2])
 local ttl = tonumber(ARGV[3])
-local used = tonumber(redis.call('GET', KEYS[4]) or '0')
+local used = redis.call('GET', KEYS[4])
+-- A part of the ledger the server evicted on its own (maxmemory under allkeys-*) while
+-- the others stayed is rebuilt from them: the order from the sizes (oldest unknown:
+-- all first), the sizes from the order (each chunk's STRLEN; one gone is dropped),
+-- the sum from the sizes.
+local nsizes = redis.call('HLEN', KEYS[3])
+local norder = redis.call('ZCARD', KEYS[2])
+if norder == 0 and nsizes > 0 then
+  for _, name in ipairs(redis.call('HKEYS', KEYS[3])) do redis.call('ZADD', KEYS[2], 0, name) end
+  used = false
+elseif nsizes == 0 and norder > 0 then
+  for _, name in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+    local n = redis.call('STRLEN', name)
+    if n > 0 then redis.call('HSET', KEYS[3], name, n) else redis.call('ZREM', KEYS[2], name) end
+  end
+  used = false
+end
+if not used then
+  used = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[3])) do used = used + tonumber(v) end
+else
+  used = tonumber(used)
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function drop(name)

@@ -36,6 +36,7 @@ from typing import Callable, Sequence, TextIO
 import yaml
 
 from .config import ConfigError, load_config
+from .opening import check_config
 from .erase import add_arguments as add_erase_arguments
 from .erase import cmd_erase
 from .hookspecs import Command
@@ -79,12 +80,17 @@ def cmd_plugins(args: argparse.Namespace, pm: PluginManager | None = None) -> in
 
 def cmd_config(args: argparse.Namespace, pm: PluginManager | None = None) -> int:
     """Print the effective configuration as YAML, each key commented with its source
-    (the sections of installed plugins included)."""
+    (the sections of installed plugins included); first, what an engine would refuse
+    in it at start (:func:`~lmcache_core.opening.check_config`): exit 2."""
     pm = pm or PluginManager()
     try:
         loaded = load_config(args.file, model=pm.config_model())
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")
+        return 2
+    problems = check_config(loaded, pm)  # what the installed plugins decide: an engine would refuse these
+    if problems:
+        sys.stderr.write("error: an engine would refuse this configuration:\n" + "".join(f"  {p}\n" for p in problems))
         return 2
     data = loaded.config.model_dump(mode="json")
     for key, value in data.items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .backend import SHARED, ZERO_COPY, BackendContext, StorageBackend
 from .config import ConfigError, CoreConfig, LoadedConfig, load_config
@@ -39,6 +39,57 @@ def pool_claims(loaded: LoadedConfig, plugins: PluginManager) -> list[tuple[int,
     source = loaded.source_of("backends")
     claims = [(i, plugins.pool_bytes(b, key_path=f"backends[{i}]", source=source)) for i, b in enumerate(loaded.config.backends)]
     return [(i, n) for i, n in claims if n > 0]
+
+
+def check_config(loaded: LoadedConfig, plugins: PluginManager) -> list[str]:
+    """What an engine would refuse in ``loaded`` at start that loading it does not
+    check, because the installed plugins decide it (``lmcache-core config`` runs this
+    before saying a config is good): the codecs (``serde``, each tier's), each tier's
+    backend installed and the pool memory it declares, a ``local_cpu`` tier's whole
+    section (its keys, ``retention_share``, ``eviction``), and the pool against the
+    machine's memory. A plugin tier's own keys are checked when it opens. Each problem
+    as the engine would word it; none: an empty list."""
+    from .local_cpu import LocalCpuConfig
+    from .config import validate_section
+
+    problems: list[str] = []
+
+    def check(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except ConfigError as err:
+            problems.append(err.one_line())
+
+    check(lambda: Codecs(loaded, plugins, None))
+    source = loaded.source_of("backends")
+    installed = plugins.backends()
+    for i, sec in enumerate(loaded.config.backends):
+        where = f"backends[{i}]"
+        if sec.name not in installed:
+            known = ", ".join(sorted(installed))
+            problems.append(f"{where}.name: unknown backend {sec.name!r} (from {source}); installed backends: {known}")
+            continue
+        serde = sec.serde
+        if serde is not None:
+            check(lambda: plugins.get_codec(serde, key_path=f"{where}.serde", source=source))  # noqa: B023
+        if sec.name == "local_cpu":
+            try:
+                cpu = validate_section(LocalCpuConfig, sec.options(), where, source)
+            except ConfigError as err:
+                problems.append(err.one_line())
+            else:
+                check(lambda: plugins.create_eviction_policy(cpu.eviction, 1, key_path=f"{where}.eviction", source=source))  # noqa: B023
+    if not problems:
+        check(lambda: pool_claims(loaded, plugins))
+        if not problems:
+            size = sum(n for _, n in pool_claims(loaded, plugins)) + loaded.config.staging_size
+            avail = available_memory()
+            if avail is not None and size > avail:
+                problems.append(
+                    f"backends + staging_size: the CPU memory pool would be {size / 2**30:.1f} GiB but only "
+                    f"{avail / 2**30:.1f} GiB of memory is available on this machine (from {source})"
+                )
+    return problems
 
 
 def make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:

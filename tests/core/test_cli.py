@@ -96,6 +96,35 @@ def test_config_show_reports_errors_with_source(
     assert "chunk_size" in err and str(cfg) in err
 
 
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("backends: [{name: nope}]", "backends[0].name: unknown backend 'nope'"),
+        ("serde: zstd", "serde: unknown codec 'zstd'"),
+        ("backends: [{name: local_cpu, serde: zstd}]", "backends[0].serde: unknown codec 'zstd'"),
+        ("backends: [{name: local_cpu, bogus: 1}]", "backends[0].bogus: unknown key"),
+        ("backends: [{name: local_cpu, retention_share: 0.95}]", "backends[0].retention_share"),
+        ("backends: [{name: local_cpu, eviction: bogus}]", "backends[0].eviction: unknown eviction policy 'bogus'"),
+        ("backends: [{name: local_cpu, max_size: 100000GiB}]", "the CPU memory pool would be"),
+    ],
+)
+def test_config_says_what_an_engine_would_refuse(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], text: str, fragment: str
+) -> None:
+    """Keys the installed plugins decide (backends, codecs, policies, the CPU tier's
+    section, the pool against the machine): exit 2 with the engine's own words and the
+    file, where ``config`` used to print the config and exit 0. Control: the same
+    file with the value fixed is shown (exit 0)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text + "\n")
+    assert cli.main(["config", "-f", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and str(cfg) in err, err
+    cfg.write_text("backends: [{name: local_cpu, max_size: 64MiB, eviction: lru, serde: lz4}]\nserde: raw\n")
+    assert cli.main(["config", "-f", str(cfg)]) == 0
+    assert "max_size: 64MiB" in capsys.readouterr().out
+
+
 def test_no_subcommand_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     out = capsys.readouterr().out

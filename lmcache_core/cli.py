@@ -35,7 +35,7 @@ from typing import Callable, Sequence, TextIO
 
 import yaml
 
-from .config import ConfigError, load_config
+from .config import ENV_BLOCK_PLUGINS, ConfigError, load_config
 from .opening import check_config
 from .erase import add_arguments as add_erase_arguments
 from .erase import cmd_erase
@@ -237,9 +237,12 @@ def main(argv: Sequence[str] | None = None, *, plugin_manager: PluginManager | N
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = pm.commands()
     parser = build_parser(pm)
-    if argv and not argv[0].startswith("-") and argv[0] not in commands and argv[0] not in BUILTIN_COMMANDS and pm.load_errors:
+    if argv and not argv[0].startswith("-") and argv[0] not in commands and argv[0] not in BUILTIN_COMMANDS:
         # Say why a command may be missing before argparse's "invalid choice".
-        sys.stderr.write("plugins that failed to load:\n" + "".join(f"  {msg}\n" for msg in pm.load_errors))
+        if pm.load_errors:
+            sys.stderr.write("plugins that failed to load:\n" + "".join(f"  {msg}\n" for msg in pm.load_errors))
+        if pm.blocked:
+            sys.stderr.write(f"plugins blocked by {ENV_BLOCK_PLUGINS}: {', '.join(sorted(pm.blocked))}\n")
     args, rest = parser.parse_known_args(argv)
     info = commands.get(args.command) if args.command not in BUILTIN_COMMANDS else None
     if info is not None:

@@ -849,8 +849,10 @@ def _layer(
     sections = _sections(model)
     for key in data:
         if key in KNOWN_SECTIONS and key not in sections:
+            blocked = os.environ.get(ENV_BLOCK_PLUGINS, "").strip()
+            why = f" or blocked ({ENV_BLOCK_PLUGINS}={blocked})" if blocked else ""
             raise ConfigError(
-                f"{key}: this section configures a plugin that is not installed here (from {source_of(key)}); "
+                f"{key}: this section configures a plugin that is not installed here{why} (from {source_of(key)}); "
                 f"install it (pip install '{KNOWN_SECTIONS[key]}') or remove the section"
             )
     moved = {new: old for old, new in model.moved_keys.items() if old in data}

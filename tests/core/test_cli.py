@@ -60,6 +60,19 @@ def test_plugins_reports_a_broken_distribution(tmp_path: Path) -> None:
     assert blocked.returncode == 0 and "blocked by LMCACHE_CORE_BLOCK_PLUGINS: cli-broken-plugin" in blocked.stdout
 
 
+def test_a_blocked_plugin_is_named_where_its_command_or_section_is_missing(tmp_path: Path) -> None:
+    """A blocked plugin is installed: a command it adds, or a config section it reads,
+    says it is blocked (not only 'invalid choice' or 'not installed')."""
+    env = {"LMCACHE_CORE_BLOCK_PLUGINS": "lmcache-connector-vllm"}
+    res = run("warm", env=env)
+    assert res.returncode == 2 and "plugins blocked by LMCACHE_CORE_BLOCK_PLUGINS: lmcache-connector-vllm" in res.stderr
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("connector:\n  layout: block\n")
+    res = run("config", "-f", str(cfg), env=env)
+    assert res.returncode == 2 and "not installed here or blocked (LMCACHE_CORE_BLOCK_PLUGINS=" in res.stderr, res.stderr
+    assert run("config", "-f", str(cfg)).returncode == 0  # control: unblocked, the section is the connector's
+
+
 # The config subcommand and help run in-process (same code path as the script,
 # without paying for another interpreter start).
 

@@ -30,6 +30,7 @@ from lmcache_backend_peer import PeerClient, create_peer_backend  # noqa: E402
 from lmcache_backend_peer import protocol as p  # noqa: E402
 from lmcache_backend_peer.backend import PeerBackend  # noqa: E402
 from lmcache_backend_peer.connection import Connection  # noqa: E402
+from lmcache_backend_peer.shm import SHM_SUPPORTED  # noqa: E402
 from lmcache_core.keys import ChunkKey  # noqa: E402
 from lmcache_core.testing import make_context, random_chunk, random_key  # noqa: E402
 
@@ -90,6 +91,55 @@ def test_stalled_puts_cannot_push_the_node_past_its_inflight_budget(inflight_nod
     finally:
         for s in socks:
             s.close()
+
+
+@pytest.mark.skipif(not SHM_SUPPORTED, reason="shared-memory arenas need Linux memfd")
+def test_stalled_get_replies_from_shared_memory_stay_within_the_inflight_budget() -> None:
+    """A node with shared-memory arenas copies each frame out of the mapping for a
+    socket GET and holds the copies until the reply is sent: six clients asking for
+    32 MiB each and never reading held 192 MiB past the budget. The reply bytes are
+    reserved in flight now. Control: a client that reads gets every frame right."""
+    import tracemalloc
+
+    from lmcache_backend_peer import PeerServer
+    from lmcache_backend_peer.shm import ArenaStore
+    from lmcache_core.serde import RawCodec, encode
+
+    budget, frame_bytes, n_keys, clients = 8 * MiB, 4 * MiB, 8, 6
+    keys = [random_key() for _ in range(n_keys)]
+    chunks = [random_chunk(shape=(frame_bytes // 2,), seed=i) for i in range(n_keys)]
+    store = ArenaStore(64 * MiB, [None])
+    arena = store.arena_for(None)
+    for k, c in zip(keys, chunks):
+        assert arena.put_frame(k, encode(k, c, RawCodec()))
+    srv = PeerServer(store, ("127.0.0.1", 0), SECRET.encode(), timeout=3.0, max_inflight_bytes=budget)
+    stalled: list[Connection] = []
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(clients):
+            c = authenticated(srv.address, "stalled-get")
+            c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.send(p.GET, 1, [p.encode_keys(keys)], time.monotonic() + 2)
+            stalled.append(c)
+        time.sleep(1.0)
+        held = tracemalloc.get_traced_memory()[0] - base
+        print(f"stalled GETs: the node holds {held / MiB:.1f} MiB (budget {budget // MiB} MiB)")
+        assert held <= budget + 2 * MiB, f"{held / MiB:.0f} MiB held for {clients} stalled GETs"
+        for c in stalled:
+            c.close()
+        stalled = []
+        deadline = time.monotonic() + 15  # their handlers end (at the latest at the 3 s send deadline)
+        while srv._conns and time.monotonic() < deadline:  # noqa: SLF001
+            time.sleep(0.1)
+        frames = PeerClient(srv.address, SECRET.encode(), timeout=5.0, pool_size=0).get(keys)
+        assert all(f is not None and bytes(f) == encode(k, c, RawCodec()) for f, k, c in zip(frames, keys, chunks))
+    finally:
+        tracemalloc.stop()
+        for c in stalled:
+            c.close()
+        srv.close()
+        store.close()
 
 
 def test_read_only_tier_server_steps_over_a_put_body_without_holding_it() -> None:

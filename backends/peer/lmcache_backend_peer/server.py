@@ -387,9 +387,20 @@ class PeerServer:
                 self._count_hits("lookup", len(msg.keys), held)
                 conn.send(LOOKUP_OK, rid, [u32(held)], deadline)
             elif mtype == GET and isinstance(msg, KeysRequest):
-                frames = self._frames_for(msg, source)
-                self._count_hits("get", len(msg.keys), sum(f is not None for f in frames))
-                conn.send(GET_OK, rid, encode_get_reply_parts(frames), deadline)
+                held = self._reserve_reply(msg, source, len(body)) if isinstance(source, Arena) else 0
+                if held is None:
+                    conn.send(
+                        ERROR, rid, [b"busy: the reply does not fit the node's in-flight budget now; retry later"], deadline
+                    )
+                    return
+                try:
+                    frames = self._frames_for(msg, source, held or None)
+                    self._count_hits("get", len(msg.keys), sum(f is not None for f in frames))
+                    conn.send(GET_OK, rid, encode_get_reply_parts(frames), deadline)
+                    del frames
+                finally:
+                    if held:
+                        self.inflight.release(held)
             elif mtype == PUT and isinstance(msg, PutRequest):
                 if not self.writable:
                     conn.send(ERROR, rid, [b"this peer is read-only"], deadline)
@@ -428,10 +439,30 @@ class PeerServer:
             log.warning("peer server %s: source failed: %s: %s", self.address, type(err).__name__, err)
             conn.send(ERROR, rid, [f"server error: {type(err).__name__}".encode()], deadline)
 
-    def _frames_for(self, req: KeysRequest, source: Any) -> list[bytes | memoryview | None]:
-        """Frames in request order until the reply would pass ``max_frame_size``; a
-        frame that alone is too large is answered as a miss."""
-        budget = self.max_frame_size - 4
+    def _reserve_reply(self, req: KeysRequest, arena: Arena, body_len: int) -> int | None:
+        """An arena's frames are copied out of its mapping for the socket, and held
+        until the reply is sent: their bytes (what the frames take now, at most
+        ``max_frame_size`` and the budget) are reserved in flight as a request body is, so a node's
+        memory stays within ``max_inflight`` however many clients stall reading their
+        replies. The bytes reserved (0: nothing held), or None when they do not fit
+        within half the request's deadline (the other half is for the answer). The
+        request's own body (``body_len``) is still reserved meanwhile."""
+        cap = min(self.max_frame_size, self.inflight.total - body_len)  # a longer reply is cut: the client asks on
+        n = 4
+        for loc in arena.locate(req.keys):
+            n += 8 + (loc.length if loc is not None else 0)
+            if n >= cap:
+                n = cap
+                break
+        if n <= 4 + 8 * len(req.keys):
+            return 0  # nothing held: a reply of misses
+        return n if self.inflight.acquire(n, time.monotonic() + self.timeout / 2) else None
+
+    def _frames_for(self, req: KeysRequest, source: Any, limit: int | None = None) -> list[bytes | memoryview | None]:
+        """Frames in request order until the reply would pass ``max_frame_size`` (or
+        ``limit``: the bytes reserved for it); a frame that alone is too large is
+        answered as a miss."""
+        budget = (self.max_frame_size if limit is None else limit) - 4
         frames: list[bytes | memoryview | None] = []
         for k in req.keys:
             f = source.get_frame(k)

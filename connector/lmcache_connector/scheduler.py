@@ -710,24 +710,30 @@ class DenseScheduler(SchedulerSide):
         transfers: list[tuple[int, bytes, int]] = []  # (chunk, hash, end)
         for c in range(st.saved_full, n_full):
             transfers.append((c, st.hashes[c], (c + 1) * self.cs))
-        self._remember_chunks(st, range(st.saved_full, n_full))
         # The prompt's partial chunk (or its block tail), once the whole prompt is computed.
+        tail: tuple[bytes, int] | None = None  # (hash, tokens past the last whole chunk)
+        partial = False  # the tail is the partial chunk (else the block tail)
         if limit >= st.prompt_len and n_full == st.prompt_len // self.cs:
             if st.partial and not st.partial_saved:
-                transfers.append((n_full, st.partial, st.prompt_len))
-                st.partial_saved = True
-                self._remember_tail(st, n_full, st.partial, st.prompt_len % self.cs)
+                tail, partial = (st.partial, st.prompt_len % self.cs), True
             elif st.block_tail and not st.block_tail_saved:
-                h, whole = st.block_tail
-                transfers.append((n_full, h, n_full * self.cs + whole))
-                st.block_tail_saved = True
-                self._remember_tail(st, n_full, h, whole)
+                tail = st.block_tail
+        if tail is not None:
+            transfers.append((n_full, tail[0], n_full * self.cs + tail[1]))
         if not transfers:
             return
         need_blocks = -(-transfers[-1][2] // self.block_size)
         if need_blocks > len(st.block_ids):
+            # nothing is marked saved or indexed: a later step may still save them
             log.warning("request %s: %d blocks known, %d needed to save; skipping", st.req_id, len(st.block_ids), need_blocks)
             return
+        self._remember_chunks(st, range(st.saved_full, n_full))
+        if tail is not None:
+            if partial:
+                st.partial_saved = True
+            else:
+                st.block_tail_saved = True
+            self._remember_tail(st, n_full, tail[0], tail[1])
         first = transfers[0][0]
         if self.events is not None and st.request is not None:
             for c, h, end in transfers:

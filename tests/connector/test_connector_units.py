@@ -338,6 +338,26 @@ def test_requests_with_prompt_embeddings_neither_load_nor_save():
     assert plain.save and not plain.opts.skip_load and len(plain.hashes) == 2
 
 
+def test_a_save_skipped_for_want_of_blocks_is_not_marked_saved():
+    """A save the scheduler skips (fewer blocks known than it needs) marks nothing
+    saved and indexes nothing: the next step with the blocks saves it. Before, the
+    prompt's tail was marked saved (never retried) and offered by the sub-chunk index."""
+    from lmcache_connector.protocol.metadata import LMCacheConnectorMetadata
+
+    s = _sched()  # 256-token chunks, 128-token blocks
+    st = s._state_for(_request(list(range(400)), rid="r"))  # a whole chunk, then a block and 16 tokens
+    assert st.save and st.block_tail is not None
+    st.block_ids = [7]  # 1 of the 3 blocks the chunk and its block tail need
+    meta = LMCacheConnectorMetadata(chunk_size=256)
+    s._plan_save(st, 400, meta)
+    assert meta.saves == [] and st.saved_full == 0 and not st.block_tail_saved
+    assert s.subs is not None and len(s.subs) == 0  # nothing indexed
+    st.block_ids = [7, 8, 9]
+    s._plan_save(st, 400, meta)
+    assert [t.chunk_ends for t in meta.saves] == [[256, 384]] and st.block_tail_saved and st.saved_full == 1
+    assert len(s.subs) > 0
+
+
 def test_tags_and_salt_change_keys():
     s = _sched()
     t = [5] * 512

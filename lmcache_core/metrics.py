@@ -35,7 +35,7 @@ MEANINGS = {
     "stored_tokens": "Tokens stored into the cache",
     "verified_chunks": "Cached chunks recomputed and compared with the cache (correctness canary)",
     "verify_mismatches": "Stored chunks that differed from their recomputation, per tier charged (correctness canary)",
-    "tier_quarantined": "1 while a tier is quarantined (no reads, no writes) after verification mismatches",
+    "tier_quarantined": "1 while a tier is quarantined (no reads, no writes) after verification mismatches; summed over tensor-parallel ranks",
 }
 
 LOOKUPS = Counter(PREFIX + "lookups", MEANINGS["lookups"], registry=REGISTRY)

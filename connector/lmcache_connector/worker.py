@@ -331,8 +331,12 @@ class WorkerSide:
                 lookups=e["lookups"], lookup_tokens=e["lookup_tokens"], hit_tokens=e["hit_tokens"], load_errors=e["load_errors"]
             )
             for tier in self.engine.tier_report():
+                # the engine's own counts of the tier, whatever its stats do
+                out[f"tier_errors/{tier.name}"] = e["backend_errors"].get(tier.name, 0)
+                out[f"verify_mismatches/{tier.name}"] = e["verify_mismatches"].get(tier.name, 0)
+                out[f"tier_quarantined/{tier.name}"] = int(tier.quarantined)
                 st = tier.stats
-                if st is None:  # a broken tier reports nothing this step
+                if st is None:  # a broken tier's stats: none this step (their totals are kept, see DeltaReporter)
                     continue
                 out[f"tier_put_bytes/{tier.name}"] = st.put_bytes
                 out[f"tier_get_bytes/{tier.name}"] = st.get_bytes
@@ -342,9 +346,6 @@ class WorkerSide:
                 if "retained_bytes" in st.extra:  # a tier that takes retention hints
                     out[f"tier_retained_bytes/{tier.name}"] = st.extra["retained_bytes"]
                     out[f"tier_retention_kept/{tier.name}"] = st.extra["retention_kept"]
-                out[f"tier_errors/{tier.name}"] = e["backend_errors"].get(tier.name, 0)
-                out[f"verify_mismatches/{tier.name}"] = e["verify_mismatches"].get(tier.name, 0)
-                out[f"tier_quarantined/{tier.name}"] = int(tier.quarantined)
         return out
 
     def take_stats_delta(self) -> dict[str, float]:

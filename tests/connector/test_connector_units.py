@@ -994,3 +994,27 @@ def test_every_end_of_a_request_releases_its_pins_once(tmp_path):
         assert released == Counter("ABCD"), released
     finally:
         w.close()
+
+
+def test_stats_deltas_survive_a_missing_report_and_start_tier_series_at_zero():
+    """A tier whose stats failed for a step is left out of that report: its next one
+    must be an increment, not its whole total again (errors 5, gap, 5 counted 10; a
+    released quarantine stuck at 1). A tier's first report, all zeros, still creates
+    its series (reported at 0). Scheduler-side counters at 0 stay out (the control)."""
+    from lmcache_connector.protocol.stats import DeltaReporter, LMCacheConnectorStats
+
+    r = DeltaReporter()
+    assert r.delta({"tier_errors/s3": 0, "tier_quarantined/s3": 0, "lookups": 0}) == {
+        "tier_errors/s3": 0,
+        "tier_quarantined/s3": 0,
+    }
+    assert r.delta({"tier_errors/s3": 5, "tier_quarantined/s3": 1, "lookups": 2}) == {
+        "tier_errors/s3": 5,
+        "tier_quarantined/s3": 1,
+        "lookups": 2,
+    }
+    assert r.delta({"lookups": 2}) == {}  # the tier's stats failed this step
+    assert r.delta({"tier_errors/s3": 5, "tier_quarantined/s3": 1, "lookups": 3}) == {"lookups": 1}
+    assert r.delta({"tier_errors/s3": 5, "tier_quarantined/s3": 0, "lookups": 3}) == {"tier_quarantined/s3": -1}
+    assert not LMCacheConnectorStats(data={"tier_errors/s3": 0}).is_empty()  # a first report reaches observe
+    assert LMCacheConnectorStats(data={}).is_empty()

@@ -67,9 +67,15 @@ class DeltaReporter:
         self.last: dict[str, float] = {}  # the totals as last reported
 
     def delta(self, now: dict[str, float]) -> dict[str, float]:
-        out = {k: v - self.last.get(k, 0) for k, v in now.items()}
-        self.last = now
-        return {k: v for k, v in out.items() if v}
+        """The increments of ``now`` over the last totals of each key (a key missing
+        from ``now``, e.g. a tier whose stats failed this step, keeps its last total:
+        its next report is an increment, not its whole total again). A per-tier key
+        (``kind/tier``) seen for the first time is reported even at 0, so its series
+        exists from the tier's first report."""
+        last = self.last
+        out = {k: v - last.get(k, 0) for k, v in now.items()}
+        self.last = {**last, **now}
+        return {k: v for k, v in out.items() if v or ("/" in k and k not in last)}
 
 
 class LMCacheConnectorStats(KVConnectorStats):
@@ -87,7 +93,7 @@ class LMCacheConnectorStats(KVConnectorStats):
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items()) if v}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not self.data  # (a 0 is a tier's first report: its series start there)
 
 
 class LMCachePromMetrics(KVConnectorPromMetrics):

@@ -270,7 +270,9 @@ def _run(command: Callable[[], int]) -> int:
     """A command's exit status; a reader that went away (``| head``) ends it quietly
     (141, as SIGPIPE would), Ctrl-C with 130 and one line, never a traceback."""
     try:
-        return command()
+        rc = command()
+        sys.stdout.flush()  # what is still buffered is written here, where a broken pipe is caught
+        return rc
     except BrokenPipeError:
         # stdout is gone: point it at /dev/null so the interpreter's last flush is quiet
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -60,10 +60,13 @@ def test_without_delay_a_ping_is_fast_and_stop_ends_open_connections(in_process)
     srv, addr = _echo_server()
     proxy = LatencyProxy(addr, rtt_ms=0, in_process=in_process).start()
     with srv, socket.create_connection(proxy.address, timeout=10) as s:
-        t = time.perf_counter()
-        s.sendall(b"y")
-        assert s.recv(1) == b"y"
-        assert time.perf_counter() - t < 0.040  # negative control for the delay above
+        pings = []
+        for _ in range(5):  # the fastest of five: one stall of a loaded machine is not the proxy's delay
+            t = time.perf_counter()
+            s.sendall(b"y")
+            assert s.recv(1) == b"y"
+            pings.append(time.perf_counter() - t)
+        assert min(pings) < 0.040, pings  # negative control for the delay above
         t = time.perf_counter()
         proxy.stop()  # the connection is still open
         assert time.perf_counter() - t < 10

@@ -55,7 +55,7 @@ VERIFY_MISMATCHES = Counter(PREFIX + "verify_mismatches", MEANINGS["verify_misma
 TIER_QUARANTINED = Gauge(PREFIX + "tier_quarantined", MEANINGS["tier_quarantined"], ["tier"], registry=REGISTRY)
 TIER_LATENCY = Histogram(
     PREFIX + "tier_latency_seconds",
-    "Latency of one backend call",
+    "Latency of one backend call; tier 'connector', op 'load_request': one request's whole load",
     ["tier", "op"],
     buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
     registry=REGISTRY,

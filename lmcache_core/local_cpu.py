@@ -13,7 +13,7 @@ from pydantic import Field
 
 from .backend import PINNING, ZERO_COPY, BackendContext, BackendStats, EraseMatch, StorageBackend, prefix_count, remove_each
 from .config import ByteSize, StrictModel, parse_size, validate_section
-from .eviction import EvictionPolicy, LruPolicy
+from .eviction import EvictionPolicy, LruPolicy, PolicyRegistry
 from .keys import ChunkKey
 from .memory import MemoryBuffer, MemoryPool
 from .retention import Retention
@@ -276,11 +276,20 @@ def pool_bytes(section: Mapping[str, Any]) -> int:
         raise ValueError(f"max_size: {err}") from None
 
 
+def checked_section(
+    section: Mapping[str, Any], key_path: str, source: str, plugins: PolicyRegistry, capacity: int
+) -> tuple[LocalCpuConfig, EvictionPolicy]:
+    """A ``local_cpu`` section validated, and its eviction policy for at most
+    ``capacity`` bytes: a :class:`~lmcache_core.config.ConfigError` naming the key
+    otherwise (what the tier checks before it opens, and ``lmcache-core config`` too)."""
+    cfg = validate_section(LocalCpuConfig, section, key_path, source)
+    size = min(cfg.max_size, capacity)
+    return cfg, plugins.create_eviction_policy(cfg.eviction, size, key_path=f"{key_path}.eviction", source=source)
+
+
 def create_local_cpu(section: Mapping[str, Any], ctx: BackendContext) -> LocalCpuBackend:
-    cfg = validate_section(LocalCpuConfig, section, ctx.key_path, ctx.source)
     from .plugins import get_plugin_manager
 
     plugins = ctx.plugins or get_plugin_manager()
-    max_size = min(cfg.max_size, ctx.pool.capacity)
-    policy = plugins.create_eviction_policy(cfg.eviction, max_size, key_path=f"{ctx.key_path}.eviction", source=ctx.source)
+    cfg, policy = checked_section(section, ctx.key_path, ctx.source, plugins, ctx.pool.capacity)
     return LocalCpuBackend(ctx.pool, cfg.max_size, policy, cfg.retention_share)

@@ -47,10 +47,10 @@ def check_config(loaded: LoadedConfig, plugins: PluginManager) -> list[str]:
     before saying a config is good): the codecs (``serde``, each tier's), each tier's
     backend installed and the pool memory it declares, a ``local_cpu`` tier's whole
     section (its keys, ``retention_share``, ``eviction``), and the pool against the
-    machine's memory. A plugin tier's own keys are checked when it opens. Each problem
-    as the engine would word it; none: an empty list."""
-    from .local_cpu import LocalCpuConfig
-    from .config import validate_section
+    machine's memory, each through the engine's own check. A plugin tier's own keys
+    are checked when it opens. Each problem as the engine words it; none: an empty
+    list."""
+    from .local_cpu import checked_section
 
     problems: list[str] = []
 
@@ -62,34 +62,42 @@ def check_config(loaded: LoadedConfig, plugins: PluginManager) -> list[str]:
 
     check(lambda: Codecs(loaded, plugins, None))
     source = loaded.source_of("backends")
-    installed = plugins.backends()
     for i, sec in enumerate(loaded.config.backends):
         where = f"backends[{i}]"
-        if sec.name not in installed:
-            known = ", ".join(sorted(installed))
-            problems.append(f"{where}.name: unknown backend {sec.name!r} (from {source}); installed backends: {known}")
+        try:
+            plugins.backend_info(sec.name, key_path=where, source=source)
+        except ConfigError as err:
+            problems.append(err.one_line())
             continue
         serde = sec.serde
-        if serde is not None:
+        if serde is not None:  # (what Codecs.for_tier asks the plugins)
             check(lambda: plugins.get_codec(serde, key_path=f"{where}.serde", source=source))  # noqa: B023
-        if sec.name == "local_cpu":
-            try:
-                cpu = validate_section(LocalCpuConfig, sec.options(), where, source)
-            except ConfigError as err:
-                problems.append(err.one_line())
-            else:
-                check(lambda: plugins.create_eviction_policy(cpu.eviction, 1, key_path=f"{where}.eviction", source=source))  # noqa: B023
+        if sec.name == "local_cpu":  # (capacity 1: the policy's name is what is checked)
+            check(lambda: checked_section(sec.options(), where, source, plugins, 1))  # noqa: B023
     if not problems:
-        check(lambda: pool_claims(loaded, plugins))
-        if not problems:
-            size = sum(n for _, n in pool_claims(loaded, plugins)) + loaded.config.staging_size
-            avail = available_memory()
-            if avail is not None and size > avail:
-                problems.append(
-                    f"backends + staging_size: the CPU memory pool would be {size / 2**30:.1f} GiB but only "
-                    f"{avail / 2**30:.1f} GiB of memory is available on this machine (from {source})"
-                )
+        check(lambda: _pool_size(loaded, plugins))
     return problems
+
+
+def _pool_size(loaded: LoadedConfig, plugins: PluginManager) -> tuple[int, list[tuple[int, int]]]:
+    """The pool's bytes (what the tiers declare plus ``staging_size``) and the claims
+    that make them; a :class:`ConfigError` naming those sections when the machine
+    cannot hold it."""
+    claims = pool_claims(loaded, plugins)
+    size = max(sum(n for _, n in claims) + loaded.config.staging_size, 1 << 20)
+    avail = available_memory()
+    if avail is not None and size > avail:
+        raise _pool_error(loaded, claims, size, f"only {avail / 2**30:.1f} GiB of memory is available on this machine")
+    return size, claims
+
+
+def _pool_error(loaded: LoadedConfig, claims: list[tuple[int, int]], size: int, reason: str) -> ConfigError:
+    cfg = loaded.config
+    keys = [f"backends[{i}] ({cfg.backends[i].name}: {n / 2**30:.1f} GiB)" for i, n in claims]
+    return ConfigError(
+        f"{' + '.join(keys + ['staging_size'])}: the CPU memory pool would be {size / 2**30:.1f} GiB but {reason}; "
+        f"lower them (backends from {loaded.source_of('backends')}, staging_size from {loaded.source_of('staging_size')})"
+    )
 
 
 def make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:
@@ -99,22 +107,11 @@ def make_pool(loaded: LoadedConfig, plugins: PluginManager) -> MemoryPool:
     tiers. When the machine cannot hold it: a :class:`ConfigError` naming the
     sections that size it (rather than an allocator error naming no key, or the OOM
     killer later)."""
-    cfg = loaded.config
-    claims = pool_claims(loaded, plugins)
-    size = max(sum(n for _, n in claims) + cfg.staging_size, 1 << 20)
-    avail = available_memory()
-    if avail is None or size <= avail:
-        try:
-            return MemoryPool(size, populate=cfg.populate_pool)
-        except (RuntimeError, MemoryError) as err:
-            reason = f"allocating it failed: {err}"
-    else:
-        reason = f"only {avail / 2**30:.1f} GiB of memory is available on this machine"
-    keys = [f"backends[{i}] ({cfg.backends[i].name}: {n / 2**30:.1f} GiB)" for i, n in claims]
-    raise ConfigError(
-        f"{' + '.join(keys + ['staging_size'])}: the CPU memory pool would be {size / 2**30:.1f} GiB but {reason}; "
-        f"lower them (backends from {loaded.source_of('backends')}, staging_size from {loaded.source_of('staging_size')})"
-    )
+    size, claims = _pool_size(loaded, plugins)
+    try:
+        return MemoryPool(size, populate=loaded.config.populate_pool)
+    except (RuntimeError, MemoryError) as err:
+        raise _pool_error(loaded, claims, size, f"allocating it failed: {err}") from None
 
 
 def engine_namespace(namespace: KeyNamespace, cfg: CoreConfig) -> KeyNamespace:

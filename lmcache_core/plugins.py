@@ -452,19 +452,25 @@ class PluginManager:
         except (ValueError, TypeError) as err:
             raise ConfigError(f"{_under(key_path, str(err))} (backend {section.name!r}, from {source})") from None
 
-    def create_backend(self, section: BackendSection, ctx: BackendContext) -> StorageBackend:
+    def backend_info(self, name: str, *, key_path: str, source: str) -> BackendInfo:
+        """The installed backend ``name``; an unknown one is a :class:`ConfigError`
+        naming ``key_path``, the installed backends and how to get it."""
         backends = self.backends()
-        info = backends.get(section.name)
+        info = backends.get(name)
         if info is None:
             hint = ""
-            if section.name in KNOWN_BACKENDS:
-                hint = f"; install it with: pip install '{KNOWN_BACKENDS[section.name]}'"
+            if name in KNOWN_BACKENDS:
+                hint = f"; install it with: pip install '{KNOWN_BACKENDS[name]}'"
             elif self.load_errors:
                 hint = "; plugins that failed to load: " + "; ".join(self.load_errors)
             raise ConfigError(
-                f"{ctx.key_path}.name: unknown backend {section.name!r} (from {ctx.source}); "
+                f"{key_path}.name: unknown backend {name!r} (from {source}); "
                 f"installed backends: {', '.join(sorted(backends))}{hint}"
             )
+        return info
+
+    def create_backend(self, section: BackendSection, ctx: BackendContext) -> StorageBackend:
+        info = self.backend_info(section.name, key_path=ctx.key_path, source=ctx.source)
         try:
             factory = info.load_factory()
         except (ImportError, AttributeError) as err:

@@ -179,6 +179,16 @@ def _quarantine_action(args: argparse.Namespace, dir_fd: int, d: Path) -> int:
     return rc
 
 
+def _add_quarantine_options(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument(
+        "--dir",
+        default=default,
+        help="control-file directory (default: quarantine_dir of the config, else "
+        "$XDG_RUNTIME_DIR/lmcache-core-quarantine, else <tmpdir>/lmcache-core-quarantine-<uid>)",
+    )
+    p.add_argument("--file", "-f", default=default, help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)")
+
+
 def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     """The top-level parser: built-in commands with their arguments, plugin commands
     by name and help only (their arguments pass through to :func:`main`)."""
@@ -191,17 +201,11 @@ def build_parser(pm: PluginManager) -> argparse.ArgumentParser:
     p.add_argument("--show", action="store_true", help="print the effective config (the default action)")
     p.set_defaults(func=lambda args: cmd_config(args, pm))
     p = sub.add_parser("quarantine", help="list or release tiers the correctness canary quarantined")
-    where = argparse.ArgumentParser(add_help=False)  # before or after the action, in any order
-    for default in (None, argparse.SUPPRESS):  # (the action's copy sets them only when given)
-        (p if default is None else where).add_argument(
-            "--dir",
-            default=default,
-            help="control-file directory (default: quarantine_dir of the config, else "
-            "$XDG_RUNTIME_DIR/lmcache-core-quarantine, else <tmpdir>/lmcache-core-quarantine-<uid>)",
-        )
-        (p if default is None else where).add_argument(
-            "--file", "-f", default=default, help="config file (default: $LMCACHE_CORE_CONFIG, else the embedded default)"
-        )
+    # --dir and --file before the action or after it: on both parsers, the action's
+    # copy setting them only when given (so it never overwrites the other's)
+    where = argparse.ArgumentParser(add_help=False)
+    _add_quarantine_options(p, None)
+    _add_quarantine_options(where, argparse.SUPPRESS)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     actions.add_parser("list", parents=[where], help="the quarantined tiers (the default action)")
     r = actions.add_parser("release", parents=[where], help="release a quarantined tier, or --all")

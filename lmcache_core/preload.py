@@ -181,12 +181,12 @@ class Preloader:
                     self.result.present += 1
                 elif total + nbytes > self.budget:
                     return chosen, "budget reached"
-                elif picked + pool_size(nbytes) > free:  # the tier charges the pool's aligned size
+                elif picked + (room := pool_size(nbytes)) > free:  # the tier charges the pool's aligned size
                     return chosen, "memory tier full"
                 else:
                     chosen.append((item, nbytes))
                     total += nbytes
-                    picked += pool_size(nbytes)
+                    picked += room
         except Exception as err:  # a listing that fails midway: what was chosen is read
             tier.error("list", err)
         return chosen, None
